@@ -1,0 +1,200 @@
+"""Flax NNX layers of RetNet: projections, RMSNorm, embedding, multi-scale retention, GLU feed-forward, block.
+
+Parameters are float32 and carry logical axis names (`vocab`, `embed`, `heads`, `mlp`) that
+`retnet_jax.sharding` maps to mesh axes; compute runs in the configured dtype with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from retnet_jax import decay, retention, rotation
+
+MODES = ("parallel", "chunkwise", "recurrent")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "swish": jax.nn.swish,
+    "relu": jax.nn.relu,
+}
+SCORE_CLAMP_MAX = 5e4  # upper clamp of the score normaliser, as in the official code
+
+
+def xavier_uniform(gain: float) -> nnx.Initializer:
+  return nnx.initializers.variance_scaling(gain**2, "fan_avg", "uniform")
+
+
+def _param(rngs: nnx.Rngs, init: nnx.Initializer, shape: tuple[int, ...], axes: tuple[str | None, ...]):
+  """A float32 parameter annotated with logical axes; sharded at creation only when a mesh is active."""
+  return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes,
+                   eager_sharding=not jax.sharding.get_abstract_mesh().empty)
+
+
+def compute_dtype(name: str):
+  if name not in DTYPES:
+    raise ValueError(f"unknown dtype {name!r}; choose one of {tuple(DTYPES)}.")
+  return DTYPES[name]
+
+
+class Dense(nnx.Module):
+  """Bias-free projection; flattens to 2-D first so XLA sees plain matmuls in both directions."""
+
+  def __init__(self, in_features: int, out_features: int, axes, *, init, dtype, rngs: nnx.Rngs, out_dtype=None):
+    self.kernel = _param(rngs, init, (in_features, out_features), axes)
+    self.dtype = dtype
+    self.out_dtype = dtype if out_dtype is None else out_dtype
+
+  def __call__(self, x_NxI: jax.Array) -> jax.Array:
+    x_2d = x_NxI.reshape(-1, x_NxI.shape[-1]).astype(self.dtype)
+    y = jnp.dot(x_2d, self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    return y.astype(self.out_dtype).reshape(x_NxI.shape[:-1] + (-1,))
+
+
+def rms_norm(x: jax.Array, eps: float) -> jax.Array:
+  """x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with a learned per-feature scale."""
+
+  def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return (rms_norm(x, self.eps) * self.scale[...]).astype(self.dtype)
+
+
+class Embed(nnx.Module):
+  """Token embedding; `attend` gives tied output logits."""
+
+  def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: nnx.Rngs):
+    self.embedding = _param(rngs, nnx.initializers.normal(dim**-0.5), (vocab_size, dim), ("vocab", "embed"))
+    self.dtype = dtype
+
+  def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding[...], tokens_BxL, axis=0).astype(self.dtype)
+
+  def attend(self, x_BxLxD: jax.Array) -> jax.Array:
+    x_2d = x_BxLxD.reshape(-1, x_BxLxD.shape[-1]).astype(self.dtype)
+    logits = jax.lax.dot_general(x_2d, self.embedding[...].astype(self.dtype), (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    return logits.reshape(x_BxLxD.shape[:-1] + (-1,))
+
+
+def init_layer_state(cfg: ml_collections.ConfigDict, batch_size: int) -> dict[str, jax.Array]:
+  """Zero retention state of one layer: `kv [B, H, d_k, d_v]`, plus `key_sum [B, H, d_k]` if normalised."""
+  heads = cfg.num_heads
+  d_k, d_v = cfg.d_model // heads, cfg.value_dim // heads
+  state = {"kv": jnp.zeros((batch_size, heads, d_k, d_v), jnp.float32)}
+  if cfg.stability_norm:
+    state["key_sum"] = jnp.zeros((batch_size, heads, d_k), jnp.float32)
+  return state
+
+
+class MultiScaleRetention(nnx.Module):
+  """Multi-scale retention: rotated q/k, per-head decay, per-head RMSNorm, swish gate, output projection.
+
+  With `stability_norm`, each head's raw output o_n is divided by sqrt(sigma_n) * c_n, where
+  sigma_n = sum_{t<=n} gamma^t and c_n = clamp(|q_n . z_n| / sqrt(sigma_n), 1, 5e4) with z_n the decayed
+  key sum (kept in the state). Every form computes the same scalar, so the forms agree exactly before and
+  after the per-head norm, whatever its epsilon.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    d, heads = cfg.d_model, cfg.num_heads
+    self.num_heads = heads
+    self.key_dim = d // heads
+    self.value_dim = cfg.value_dim // heads
+    self.dtype = compute_dtype(cfg.dtype)
+    self.rotation_base = cfg.rotation_base
+    self.head_norm_eps = cfg.head_norm_eps
+    self.stability_norm = cfg.stability_norm
+    self.chunk_size = cfg.chunk_size
+    self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, heads, cfg.decay_gammas))
+    qkvg_init = xavier_uniform(2**-2.5)
+    dense = lambda i, o, axes, init: Dense(i, o, axes, init=init, dtype=self.dtype, rngs=rngs)
+    self.q_proj = dense(d, d, ("embed", "heads"), qkvg_init)
+    self.k_proj = dense(d, d, ("embed", "heads"), qkvg_init)
+    self.v_proj = dense(d, cfg.value_dim, ("embed", "heads"), qkvg_init)
+    self.g_proj = dense(d, cfg.value_dim, ("embed", "heads"), qkvg_init)
+    self.out_proj = dense(cfg.value_dim, d, ("heads", "embed"), xavier_uniform(2**-1))
+
+  def _retention(self, mode: str, q, k, v, log_decay_H, state):
+    if mode == "parallel":
+      return retention.parallel_retention(q, k, v, log_decay_H, state)
+    if mode == "chunkwise":
+      return retention.chunkwise_retention(q, k, v, log_decay_H, self.chunk_size, state)
+    return retention.recurrent_retention(q, k, v, log_decay_H, state)
+
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, state: dict[str, jax.Array], mode: str
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    batch, length, _ = x_BxLxD.shape
+    heads = self.num_heads
+    split = lambda y: y.reshape(batch, length, heads, -1)
+    q = split(self.q_proj(x_BxLxD))
+    k = split(self.k_proj(x_BxLxD)) * jnp.asarray(self.key_dim**-0.5, self.dtype)
+    v = split(self.v_proj(x_BxLxD))
+    angles = rotation.rotation_angles(positions_BxL, self.key_dim, self.rotation_base)
+    q, k = rotation.rotate(q, angles), rotation.rotate(k, angles)
+    log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
+
+    kv = state["kv"]
+    if self.stability_norm:  # a column of ones in v makes the last output column q_n . z_n
+      v = jnp.concatenate([v, jnp.ones((batch, length, heads, 1), v.dtype)], axis=-1)
+      kv = jnp.concatenate([kv, state["key_sum"][..., None]], axis=-1)
+    out, kv = self._retention(mode, q, k, v, log_decay_H, kv)
+    new_state = {"kv": kv[..., :self.value_dim]}
+    out_BxLxHxV = out[..., :self.value_dim].astype(jnp.float32)
+    if self.stability_norm:
+      new_state["key_sum"] = kv[..., self.value_dim]
+      n_BxLx1 = positions_BxL.astype(jnp.float32)[..., None]
+      sqrt_sigma = jnp.sqrt(jnp.expm1((n_BxLx1 + 1) * log_decay_H) / jnp.expm1(log_decay_H))
+      c = jnp.clip(jnp.abs(out[..., self.value_dim].astype(jnp.float32)) / sqrt_sigma, 1.0, SCORE_CLAMP_MAX)
+      out_BxLxHxV = out_BxLxHxV / (sqrt_sigma * jax.lax.stop_gradient(c))[..., None]
+
+    y = rms_norm(out_BxLxHxV, self.head_norm_eps).reshape(batch, length, -1)
+    gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))
+    return self.out_proj((gate * y).astype(self.dtype)), new_state
+
+
+class GLUFeedForward(nnx.Module):
+  """GLU feed-forward: (act(x W_1) * (x W_gate)) W_2."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    if cfg.ffn_activation not in ACTIVATIONS:
+      raise ValueError(f"unknown ffn_activation {cfg.ffn_activation!r}; choose one of {tuple(ACTIVATIONS)}.")
+    self.activation = cfg.ffn_activation
+    dtype = compute_dtype(cfg.dtype)
+    init = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
+    self.fc1 = Dense(cfg.d_model, cfg.ffn_dim, ("embed", "mlp"), init=init, dtype=dtype, rngs=rngs)
+    self.gate = Dense(cfg.d_model, cfg.ffn_dim, ("embed", "mlp"), init=init, dtype=dtype, rngs=rngs)
+    self.fc2 = Dense(cfg.ffn_dim, cfg.d_model, ("mlp", "embed"), init=init, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)) * self.gate(x))
+
+
+class RetNetBlock(nnx.Module):
+  """Pre-norm block: Y = MSR(LN(X)) + X, then X' = FFN(LN(Y)) + Y."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    dtype = compute_dtype(cfg.dtype)
+    self.retention_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
+    self.retention = MultiScaleRetention(cfg, rngs=rngs)
+    self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
+    self.ffn = GLUFeedForward(cfg, rngs=rngs)
+
+  def __call__(self, x_BxLxD, positions_BxL, state: dict[str, Any], mode: str):
+    y, state = self.retention(self.retention_norm(x_BxLxD), positions_BxL, state, mode)
+    x_BxLxD = x_BxLxD + y
+    return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), state

@@ -1,0 +1,99 @@
+"""The RetNet decoder language model.
+
+    model = RetNet(config.model, rngs=nnx.Rngs(seed))
+    logits_BxLxV, state = model(tokens_BxL, mode="parallel" | "chunkwise" | "recurrent", state=None)
+
+`state` holds the position reached and every layer's retention state; every mode takes and returns it, so a
+prompt prefilled in one mode continues in any other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from retnet_jax import decay, layers, rotation
+
+State = dict[str, Any]
+
+
+def check_model_config(cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the bad value and the fix for a model config that cannot be built."""
+  for name in ("d_model", "num_layers", "num_heads", "value_dim", "ffn_dim", "vocab_size"):
+    if int(cfg[name]) < 1:
+      raise ValueError(f"model.{name} must be a positive integer; got {cfg[name]}.")
+  if cfg.d_model % cfg.num_heads:
+    raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}; "
+                     "choose num_heads dividing d_model.")
+  if cfg.value_dim % cfg.num_heads:
+    raise ValueError(f"model.value_dim={cfg.value_dim} is not divisible by model.num_heads={cfg.num_heads}; "
+                     "choose value_dim as a multiple of num_heads.")
+  rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
+  if not isinstance(cfg.chunk_size, int) or cfg.chunk_size < 1:
+    raise ValueError(f"model.chunk_size must be a positive integer; got {cfg.chunk_size!r}.")
+  layers.compute_dtype(cfg.dtype)
+  decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
+  if cfg.ffn_activation not in layers.ACTIVATIONS:
+    raise ValueError(f"unknown model.ffn_activation {cfg.ffn_activation!r}; "
+                     f"choose one of {tuple(layers.ACTIVATIONS)}.")
+
+
+def check_tokens(tokens: Any, vocab_size: int) -> None:
+  """Checks rank, dtype and (for concrete arrays, outside jit) the id range of a token batch."""
+  if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be an integer array [batch, seq]; got shape {getattr(tokens, 'shape', None)} "
+                     f"dtype {getattr(tokens, 'dtype', None)}.")
+  if tokens.shape[1] < 1:
+    raise ValueError("tokens must hold at least one position; got an empty sequence.")
+  try:
+    host = np.asarray(tokens)
+  except jax.errors.TracerArrayConversionError:
+    return  # traced: ids cannot be checked before the computation runs
+  low, high = int(host.min()), int(host.max())
+  if low < 0 or high >= vocab_size:
+    raise ValueError(f"token ids must lie in [0, {vocab_size}); got ids from {low} to {high}. "
+                     "Check the tokenizer against model.vocab_size.")
+
+
+class RetNet(nnx.Module):
+  """Decoder-only RetNet LM: embedding, `num_layers` pre-norm blocks, final RMSNorm, tied or untied head."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    check_model_config(cfg)
+    self.config = ml_collections.FrozenConfigDict(cfg)
+    dtype = layers.compute_dtype(cfg.dtype)
+    self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([layers.RetNetBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
+    self.head = None if cfg.tie_embeddings else layers.Dense(
+        cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
+        dtype=dtype, out_dtype=jnp.float32, rngs=rngs)
+
+  def init_state(self, batch_size: int) -> State:
+    """The empty state: position 0 and zero retention state in every layer."""
+    return {"position": jnp.zeros((batch_size,), jnp.int32),
+            "layers": [layers.init_layer_state(self.config, batch_size) for _ in range(self.config.num_layers)]}
+
+  def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None
+               ) -> tuple[jax.Array, State]:
+    """Logits `[batch, seq, vocab]` (float32) for `tokens [batch, seq]`, and the state after the last token."""
+    if mode not in layers.MODES:
+      raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")
+    check_tokens(tokens_BxL, self.config.vocab_size)
+    batch, length = tokens_BxL.shape
+    if state is None:
+      state = self.init_state(batch)
+    positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
+    x = self.embed(tokens_BxL)
+    layer_states = []
+    for block, layer_state in zip(self.blocks, state["layers"]):
+      x, layer_state = block(x, positions_BxL, layer_state, mode)
+      layer_states.append(layer_state)
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.head is None else self.head(x)
+    return logits, {"position": state["position"] + length, "layers": layer_states}

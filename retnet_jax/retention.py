@@ -1,0 +1,147 @@
+"""Retention as pure functions: the parallel, recurrent and chunkwise recurrent forms.
+
+All three compute the raw retention of one layer (no normalisation, q and k already rotated and scaled)
+
+    o_n = sum_{m <= n} gamma^(n - m) (q_n . k_m) v_m  +  gamma^(n + 1) q_n S_in
+    S_out = gamma^L S_in + sum_m gamma^(L - 1 - m) k_m^T v_m
+
+per head, and return `(out, final_state)`. Layout: q, k `[batch, seq, heads, d_k]`, v
+`[batch, seq, heads, d_v]`, state `[batch, heads, d_k, d_v]`, `log_decay` = log(gamma) of shape `[heads]`.
+Products accumulate in float32 (float64 for float64 inputs) and the state is kept in that precision, so a
+prompt prefilled in one form can be continued in any other.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _acc_dtype(x: jax.Array) -> jnp.dtype:
+  """Accumulation dtype: float32 for float32/bfloat16 inputs, float64 for float64 inputs."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _check_inputs(q, k, v, log_decay, state):
+  """Validates shapes before tracing so a mistake names the bad array instead of an einsum error."""
+  if q.ndim != 4 or k.shape != q.shape:
+    raise ValueError(f"q and k must both be [batch, seq, heads, d_k]; got q {q.shape}, k {k.shape}.")
+  if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+    raise ValueError(f"v must be [batch, seq, heads, d_v] matching q {q.shape} in the first three dims; "
+                     f"got {v.shape}.")
+  if log_decay.shape != (q.shape[2],):
+    raise ValueError(f"log_decay must have shape [heads] = ({q.shape[2]},); got {log_decay.shape}.")
+  if state is not None:
+    expected = (q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    if state.shape != expected:
+      raise ValueError(f"state must be [batch, heads, d_k, d_v] = {expected}; got {state.shape}.")
+
+
+def _powers(log_decay_H: jax.Array, exponent: jax.Array) -> jax.Array:
+  """gamma^exponent per head: `[heads, *exponent.shape]`, from log(gamma) to stay exact near gamma = 1."""
+  return jnp.exp(log_decay_H.reshape((-1,) + (1,) * exponent.ndim) * exponent)
+
+
+def _decay_mask(log_decay_H: jax.Array, length: int, dtype) -> jax.Array:
+  """D[h, n, m] = gamma_h^(n - m) for n >= m, else 0. Shape `[heads, length, length]`."""
+  pos = jnp.arange(length, dtype=dtype)
+  diff_LxL = pos[:, None] - pos[None, :]
+  causal = diff_LxL >= 0
+  return jnp.where(causal, _powers(log_decay_H, jnp.where(causal, diff_LxL, 0)), 0)
+
+
+def _zeros_state(q, v, acc):
+  return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), acc)
+
+
+def parallel_retention(q, k, v, log_decay, state=None):
+  """Parallel form: `((Q K^T) * D) V` with one `[L, L]` decay mask per head. Returns (out, final_state)."""
+  _check_inputs(q, k, v, log_decay, state)
+  acc = _acc_dtype(q)
+  length = q.shape[1]
+  log_decay_H = log_decay.astype(acc)
+  pos_L = jnp.arange(length, dtype=acc)
+
+  scores_BxHxLxL = jnp.einsum("bnhk,bmhk->bhnm", q, k, preferred_element_type=acc)
+  scores_BxHxLxL = scores_BxHxLxL * _decay_mask(log_decay_H, length, acc)
+  out_BxLxHxV = jnp.einsum("bhnm,bmhv->bnhv", scores_BxHxLxL.astype(v.dtype), v, preferred_element_type=acc)
+
+  zeta_LxH = _powers(log_decay_H, length - 1 - pos_L).T  # gamma^(L-1-m): decay from m to the end
+  k_decayed = (k * zeta_LxH[None, :, :, None]).astype(k.dtype)
+  state_out = jnp.einsum("bmhk,bmhv->bhkv", k_decayed, v, preferred_element_type=acc)
+  if state is not None:
+    state = state.astype(acc)
+    xi_LxH = _powers(log_decay_H, pos_L + 1).T  # gamma^(n+1): decay from the carried state to n
+    cross = jnp.einsum("bnhk,bhkv->bnhv", q, state.astype(q.dtype), preferred_element_type=acc)
+    out_BxLxHxV = out_BxLxHxV + cross * xi_LxH[None, :, :, None]
+    state_out = state_out + _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None] * state
+  return out_BxLxHxV.astype(v.dtype), state_out
+
+
+def recurrent_retention(q, k, v, log_decay, state=None):
+  """Recurrent form: `S_n = gamma S_(n-1) + k_n^T v_n`, `o_n = q_n S_n`, one `lax.scan` step per token."""
+  _check_inputs(q, k, v, log_decay, state)
+  acc = _acc_dtype(q)
+  gamma_H = jnp.exp(log_decay.astype(acc))
+  state = _zeros_state(q, v, acc) if state is None else state.astype(acc)
+
+  def step(s_BxHxKxV, inputs):
+    q_BxHxK, k_BxHxK, v_BxHxV = (x.astype(acc) for x in inputs)
+    s_BxHxKxV = gamma_H[None, :, None, None] * s_BxHxKxV + k_BxHxK[..., :, None] * v_BxHxV[..., None, :]
+    return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q_BxHxK, s_BxHxKxV)
+
+  time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+  state_out, out_LxBxHxV = jax.lax.scan(step, state, time_major)
+  return jnp.swapaxes(out_LxBxHxV, 0, 1).astype(v.dtype), state_out
+
+
+def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
+  """Chunkwise recurrent form: parallel inside chunks of `chunk_size`, a `lax.scan` carries the state across.
+
+  The sequence is zero-padded to whole chunks; the last chunk decays the state only by its true length, so
+  the final state equals the recurrent form's for any sequence length. Memory is linear in the length.
+  """
+  _check_inputs(q, k, v, log_decay, state)
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}.")
+  acc = _acc_dtype(q)
+  batch, length, heads, _ = q.shape
+  size = min(chunk_size, length)
+  num_chunks = -(-length // size)
+  pad = num_chunks * size - length
+  log_decay_H = log_decay.astype(acc)
+
+  def to_chunks(x):
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return x.reshape(batch, num_chunks, size, heads, x.shape[-1])
+
+  q_c, k_c, v_c = to_chunks(q), to_chunks(k), to_chunks(v)  # [B, C, S, H, *]
+
+  # Inside each chunk: the parallel form.
+  scores = jnp.einsum("bcnhk,bcmhk->bchnm", q_c, k_c, preferred_element_type=acc)
+  scores = scores * _decay_mask(log_decay_H, size, acc)
+  inner = jnp.einsum("bchnm,bcmhv->bcnhv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
+
+  # Each chunk's contribution to the state at its own last real position, and its true length.
+  pos_CxS = jnp.arange(num_chunks * size, dtype=acc).reshape(num_chunks, size)
+  chunk_len_C = jnp.minimum(length - size * jnp.arange(num_chunks), size).astype(acc)
+  chunk_end_C = size * jnp.arange(num_chunks, dtype=acc) + chunk_len_C
+  valid = pos_CxS < length
+  zeta_HxCxS = jnp.where(valid, _powers(log_decay_H, jnp.where(valid, chunk_end_C[:, None] - 1 - pos_CxS, 0)), 0)
+  k_decayed = (k_c * jnp.moveaxis(zeta_HxCxS, 0, -1)[None, ..., None]).astype(k.dtype)
+  kv_CxBxHxKxV = jnp.einsum("bcmhk,bcmhv->cbhkv", k_decayed, v_c, preferred_element_type=acc)
+  chunk_decay_CxH = _powers(log_decay_H, chunk_len_C).T
+
+  def step(state_BxHxKxV, inputs):
+    kv, decay_H = inputs
+    return decay_H[None, :, None, None] * state_BxHxKxV + kv, state_BxHxKxV
+
+  state = _zeros_state(q, v, acc) if state is None else state.astype(acc)
+  state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (kv_CxBxHxKxV, chunk_decay_CxH))
+
+  # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position.
+  xi_SxH = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc)).T
+  cross = jnp.einsum("bcnhk,cbhkv->bcnhv", q_c, before_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
+  out = inner + cross * xi_SxH[None, None, :, :, None]
+  out = out.reshape(batch, num_chunks * size, heads, -1)[:, :length]
+  return out.astype(v.dtype), state_out
