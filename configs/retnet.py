@@ -6,6 +6,15 @@ locked, so a misspelt field is an error rather than a silent no-op.
 
 from ml_collections import config_dict
 
+# Training settings per preset: (steps, batch_size, seq_len, learning_rate, warmup_steps).
+TRAIN = {
+    "tiny": (200, 8, 64, 3e-3, 20),
+    "small": (3000, 16, 256, 2e-3, 100),
+    "1.3b": (25000, 2048, 2048, 6e-4, 375),
+    "2.7b": (25000, 2048, 2048, 3e-4, 375),
+    "6.7b": (25000, 2048, 2048, 3e-4, 375),
+}
+
 # name: (d_model, num_layers, num_heads, value_dim, ffn_dim, vocab_size, tie_embeddings, chunk_size, dtype)
 # Paper sizes: value width 2 x d_model, key head dim 256, value head dim 512. The GLU FFN (three matrices) is
 # 4/3 x d_model wide so that it holds as many parameters as the paper's 2 x d_model plain FFN.
@@ -50,5 +59,52 @@ def get_config(arg: str | None = None) -> config_dict.ConfigDict:
   config.preset = name
   config.seed = 0
   config.model = model_config(name)
+  steps, batch_size, seq_len, lr, warmup = TRAIN[name]
+
+  config.data = config_dict.ConfigDict(dict(
+      files=(),  # local .txt / .jsonl / .json / .parquet files; empty: the shipped corpus data/tinyshakespeare.txt
+      hub_dataset=config_dict.placeholder(str),  # a datasets hub name (needs network), instead of files
+      hub_config=config_dict.placeholder(str),
+      text_field="text",  # the column holding text in JSON lines / parquet / hub datasets
+      tokenizer="byte",  # byte | path to a tokenizers tokenizer.json
+      validation_files=(),  # explicit validation files; empty: hold out the last validation_fraction
+      validation_fraction=0.1,
+  ))
+
+  config.train = config_dict.ConfigDict(dict(
+      steps=steps,
+      batch_size=batch_size,  # global batch, in sequences
+      seq_len=seq_len,
+      grad_accum_steps=1,  # micro-batches per step (batch_size must divide evenly)
+      mode="chunkwise" if seq_len > 512 else "parallel",  # retention form used for training
+      learning_rate=lr,
+      lr_schedule="cosine",  # cosine | linear decay after warm-up
+      warmup_steps=warmup,
+      end_lr_fraction=0.1,  # final learning rate as a fraction of the peak
+      b1=0.9,
+      b2=0.98,
+      weight_decay=0.05,  # not applied to norm scales
+      grad_clip_norm=1.0,
+      remat="none",  # none | full | dots_saveable: jax.checkpoint policy per block
+      log_every_steps=50,
+      eval_every_steps=500,
+      eval_batches=8,
+      profile_steps=config_dict.placeholder(tuple),  # (first, last) step of a profiler trace
+  ))
+
+  config.checkpoint = config_dict.ConfigDict(dict(
+      every_steps=500,
+      keep=3,  # the last K checkpoints are kept
+      keep_best=True,  # also keep the one with the best validation loss
+      async_save=True,
+  ))
+
+  config.mesh = config_dict.ConfigDict(dict(
+      shape=(-1, 1, 1),  # sizes of the (data, fsdp, tensor) axes; -1 takes the remaining devices
+      axis_names=("data", "fsdp", "tensor"),
+      # logical axis -> mesh axis (or None); swap these to change the parallelism without code changes
+      rules=(("batch", ("data", "fsdp")), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
+             ("mlp", "tensor")),
+  ))
   config.lock()
   return config
