@@ -108,6 +108,9 @@ class MultiScaleRetention(nnx.Module):
   sigma_n = sum_{t<=n} gamma^t and c_n = clamp(|q_n . z_n| / sqrt(sigma_n), 1, 5e4) with z_n the decayed
   key sum (kept in the state). Every form computes the same scalar, so the forms agree exactly before and
   after the per-head norm, whatever its epsilon.
+
+  Positions below 0 are left padding: their keys are zeroed, so they add nothing to the state, and since
+  retention depends on relative positions only, a left-padded prompt gives the same outputs as alone.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
@@ -146,6 +149,7 @@ class MultiScaleRetention(nnx.Module):
     v = split(self.v_proj(x_BxLxD))
     angles = rotation.rotation_angles(positions_BxL, self.key_dim, self.rotation_base)
     q, k = rotation.rotate(q, angles), rotation.rotate(k, angles)
+    k = jnp.where((positions_BxL >= 0)[..., None, None], k, 0)  # negative positions are left padding
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
     kv = state["kv"]
@@ -157,7 +161,7 @@ class MultiScaleRetention(nnx.Module):
     out_BxLxHxV = out[..., :self.value_dim].astype(jnp.float32)
     if self.stability_norm:
       new_state["key_sum"] = kv[..., self.value_dim]
-      n_BxLx1 = positions_BxL.astype(jnp.float32)[..., None]
+      n_BxLx1 = jnp.maximum(positions_BxL, 0).astype(jnp.float32)[..., None]
       sqrt_sigma = jnp.sqrt(jnp.expm1((n_BxLx1 + 1) * log_decay_H) / jnp.expm1(log_decay_H))
       c = jnp.clip(jnp.abs(out[..., self.value_dim].astype(jnp.float32)) / sqrt_sigma, 1.0, SCORE_CLAMP_MAX)
       out_BxLxHxV = out_BxLxHxV / (sqrt_sigma * jax.lax.stop_gradient(c))[..., None]

@@ -4,7 +4,8 @@
     logits_BxLxV, state = model(tokens_BxL, mode="parallel" | "chunkwise" | "recurrent", state=None)
 
 `state` holds the position reached and every layer's retention state; every mode takes and returns it, so a
-prompt prefilled in one mode continues in any other.
+prompt prefilled in one mode continues in any other. A state whose position starts at -p treats the first p
+tokens as left padding (they do not enter the state): prompts of different lengths share one batch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,169 @@
+"""Training checkpoints and parameter exports on Orbax; the only module of the package that imports orbax.
+
+    with Checkpointer(workdir / "checkpoints", keep=3, keep_best=True) as ckpt:
+      ckpt.save(step, state, {"data_position": ..., "config": config.to_dict()}, eval_loss=loss)
+      state, meta = ckpt.restore(abstract_state)  # shardings come from abstract_state
+
+Checkpoints are orbax step folders `<directory>/<step>` holding the array pytree (`state`) and a JSON dict
+(`meta`). Arrays restore straight into the shardings of the abstract state, so a checkpoint written on one mesh
+loads on any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+_ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
+_METRIC = "eval_loss"
+
+
+class _OrbaxWarningsOnly(logging.Filter):
+  """Drops orbax's info and debug records, which otherwise flood training logs at every save."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or not record.pathname.startswith(_ORBAX_DIR)
+
+
+logging.getLogger("absl").addFilter(_OrbaxWarningsOnly())  # orbax logs through absl.logging
+
+
+def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) -> None:
+  """Raises ValueError at the first array whose key or shape differs from the checkpoint's stored metadata.
+
+  Checked before restoring, because orbax's own error for a mismatch does not say which model config is at fault.
+  """
+  stored = {key: getattr(meta, "shape", None)
+            for key, meta in ocp.tree.to_flat_dict(stored_metadata, sep="/").items()}
+  expected = {key: tuple(leaf.shape) for key, leaf in ocp.tree.to_flat_dict(abstract_state, sep="/").items()}
+  for key, shape in expected.items():
+    if key not in stored:
+      problem = f"key {key!r} with shape {shape} is missing from the checkpoint"
+    elif stored[key] is not None and tuple(stored[key]) != shape:
+      problem = f"key {key!r} has shape {tuple(stored[key])} in the checkpoint but {shape} in the model"
+    else:
+      continue
+    break
+  else:
+    extra = [key for key in stored if key not in expected]
+    if not extra:
+      return
+    problem = f"the checkpoint has key {extra[0]!r} that the model lacks"
+  raise ValueError(f"The checkpoint at {location} was written by an incompatible model config: {problem}. "
+                   "Restore with the config it was trained with (its meta holds it), or start a fresh directory.")
+
+
+class Checkpointer:
+  """Keeps the last `keep` training checkpoints (plus the lowest `eval_loss` one with `keep_best`).
+
+  Saves run in the background when `async_save`; a step still being written is never reported by `latest_step`
+  or `all_steps`, and `restore` waits for it. Leftover temporary folders of a crashed save are ignored and removed.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 3, keep_best: bool = False,
+               async_save: bool = True):
+    if keep < 1:
+      raise ValueError(f"keep must be at least 1 (the latest checkpoint is needed to resume); got {keep}.")
+    self.directory = os.path.abspath(directory)
+    best_fn = (lambda metrics: metrics[_METRIC]) if keep_best else None
+    policies = [ocp.checkpoint_managers.LatestN(n=keep)]
+    if keep_best:  # reverse: rank by descending loss, so the one kept (the last) has the lowest
+      policies.append(ocp.checkpoint_managers.BestN(
+          get_metric_fn=best_fn, reverse=True, n=1, keep_checkpoints_without_metrics=False))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        # best_fn makes orbax write the metrics into each step folder, so the best step survives a restart.
+        best_fn=best_fn, best_mode="min",
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True)
+    registry = ocp.handlers.create_default_handler_registry(
+        state=ocp.handlers.StandardCheckpointHandler(), meta=ocp.handlers.JsonCheckpointHandler())
+    self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+    self._pending_step = None
+
+  def save(self, step: int, state: Any, meta: dict, *, eval_loss: float | None = None,
+           force: bool = False) -> bool:
+    """Starts saving `state` (a pytree of arrays) and the JSON-able `meta` at `step`; returns whether it started.
+
+    Without `force`, a step not above the latest saved one is skipped (orbax's rule); with `force`, an existing
+    step raises ValueError rather than being overwritten.
+    """
+    metrics = None if eval_loss is None else {_METRIC: float(eval_loss)}
+    started = self._manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        metrics=metrics, force=force)
+    if started:
+      self._pending_step = step
+    return started
+
+  def all_steps(self) -> list[int]:
+    """Committed steps, ascending."""
+    pending = self._pending_step if self._manager.is_saving_in_progress() else None
+    return sorted(step for step in self._manager.all_steps() if step != pending)
+
+  def latest_step(self) -> int | None:
+    """The newest committed step, or None when there is none."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def _resolve(self, step: int | None) -> int:
+    """Waits for pending saves, then checks `step` (None: the latest) against the committed steps."""
+    self.wait()
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise ValueError(f"No checkpoint for step {step} in {self.directory}; available steps: {steps}.")
+    return step
+
+  def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+    """(state, meta) of `step` (None: the latest), every array placed with the sharding in `abstract_state`.
+
+    `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set, shaped like the saved state.
+    """
+    step = self._resolve(step)
+    _check_compatible(abstract_state, self._manager.metadata(step).item_metadata["state"],
+                      os.path.join(self.directory, str(step)))
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    return restored["state"], restored["meta"]
+
+  def restore_meta(self, step: int | None = None) -> dict:
+    """Only the JSON meta of `step` (None: the latest); reads no arrays."""
+    step = self._resolve(step)
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def wait(self) -> None:
+    """Blocks until background saves are committed (and old steps deleted)."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases orbax's threads."""
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def export_params(directory: str | os.PathLike, params: Any) -> None:
+  """Writes a params-only pytree to `directory` (which must not exist) for evaluation and generation."""
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.abspath(directory), params)  # closing waits for the write to commit
+
+
+def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
+  """Reads params written by `export_params`, placed with the shardings in `abstract_params`."""
+  directory = os.path.abspath(directory)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No exported params at {directory}.")
+  with ocp.StandardCheckpointer() as checkpointer:
+    _check_compatible(abstract_params, checkpointer.metadata(directory).item_metadata, directory)
+    return checkpointer.restore(directory, abstract_params)

@@ -1,0 +1,330 @@
+"""Text files -> token stream -> packed sequences -> sharded global batches.
+
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    train_N, valid_N = load_splits(config.data, tokenizer)  # int32 token streams
+    batches = BatchIterator(pack(train_N, seq_len), batch_size, seed, sharding)
+    tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
+
+Files are read and tokenized with HF `datasets`; batches are a deterministic function of (seed, epoch, index),
+so a run resumed from `get_state()` sees exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pyarrow.compute as pc
+import tokenizers
+from huggingface_hub.errors import HfHubHTTPError
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
+# File suffix -> `datasets` builder that reads it.
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Special tokens recognised as a tokenizer's end-of-document separator, in order of preference.
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens: vocab 256, no training, no unknown tokens, and no separator (`eos_id` None)."""
+
+  vocab_size = 256
+  eos_id = None
+
+  def encode(self, text: str) -> np.ndarray:
+    """int32 `[num_bytes]` of the UTF-8 encoding."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [self.encode(text) for text in texts]
+
+  def decode(self, ids: Any) -> str:
+    """Text of a byte sequence; a multi-byte character cut by a sequence boundary becomes U+FFFD."""
+    return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """A `tokenizers.Tokenizer` from a local tokenizer.json, with ByteTokenizer's interface.
+
+  Special tokens are not added when encoding: documents are separated by `eos_id` (the first of EOS_TOKENS in
+  the vocabulary, or None) when the stream is built.
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer):
+    self.tokenizer = tokenizer
+    self.vocab_size = tokenizer.get_vocab_size()
+    self.eos_id = next((tokenizer.token_to_id(token) for token in EOS_TOKENS
+                        if tokenizer.token_to_id(token) is not None), None)
+
+  def encode(self, text: str) -> np.ndarray:
+    """int32 `[num_tokens]`."""
+    return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """As `encode` per text, tokenized in parallel by the Rust library."""
+    return [np.asarray(encoding.ids, dtype=np.int32)
+            for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Any) -> str:
+    return self.tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """`"byte"` -> ByteTokenizer; the path of a tokenizer.json -> HFTokenizer."""
+  if spec == "byte":
+    return ByteTokenizer()
+  if spec and Path(spec).is_file():
+    try:
+      return HFTokenizer(tokenizers.Tokenizer.from_file(str(spec)))
+    except Exception as e:  # the Rust library raises a bare Exception for a malformed file
+      raise ValueError(f"data.tokenizer={spec!r} could not be read as a tokenizers tokenizer.json ({e}); "
+                       "use 'byte' or the path of a tokenizer.json.") from e
+  raise ValueError(f"data.tokenizer={spec!r} is neither 'byte' nor an existing file; "
+                   "use 'byte' or the path of a tokenizer.json.")
+
+
+def load_splits(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+  """(train, valid) int32 token streams `[num_tokens]` from `config.data`.
+
+  Sources: `files`, else `hub_dataset`, else the shipped corpus. Validation: the `validation_files`, else
+  the last `validation_fraction` of the stream (a fixed split, so it never overlaps training data).
+  """
+  files, hub_dataset = _as_tuple(data_cfg.files), data_cfg.hub_dataset
+  validation_files, fraction = _as_tuple(data_cfg.validation_files), data_cfg.validation_fraction
+  if not validation_files and not 0 < fraction < 1:
+    raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {fraction}. "
+                     "Set it to e.g. 0.1, or give data.validation_files.")
+  if files:
+    tokens = _load_files(files, "data.files", data_cfg.text_field, tokenizer)
+  elif hub_dataset:
+    tokens = _load_hub(hub_dataset, data_cfg.hub_config, data_cfg.text_field, tokenizer)
+  else:
+    if not DEFAULT_CORPUS.is_file():
+      raise FileNotFoundError(f"the shipped corpus {DEFAULT_CORPUS} is missing (data/ is not installed with "
+                              "the package); set data.files to your own text files or run from the repository.")
+    tokens = _load_files((str(DEFAULT_CORPUS),), "the shipped corpus", data_cfg.text_field, tokenizer)
+
+  if validation_files:
+    return tokens, _load_files(validation_files, "data.validation_files", data_cfg.text_field, tokenizer)
+  num_valid = int(len(tokens) * fraction)
+  if num_valid == 0 or num_valid == len(tokens):
+    raise ValueError(f"data.validation_fraction={fraction} of {len(tokens)} tokens leaves an empty split; "
+                     "use more data, another fraction, or data.validation_files.")
+  return tokens[:-num_valid], tokens[-num_valid:]
+
+
+def _as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
+  """A single path given on the command line as a string counts as one file."""
+  if not files:
+    return ()
+  return (files,) if isinstance(files, str) else tuple(files)
+
+
+def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> np.ndarray:
+  """Token stream of local files in order; the cache lives in a temporary directory, not in ~/.cache."""
+  for file in files:
+    path = Path(file)
+    if not path.is_file():
+      raise FileNotFoundError(f"{source}: {file!r} does not exist; check the path.")
+    if path.suffix.lower() not in BUILDERS:
+      raise ValueError(f"{source}: {file!r} has unsupported type {path.suffix!r}; "
+                       f"use one of {tuple(BUILDERS)}.")
+    if path.stat().st_size == 0:
+      raise ValueError(f"{source}: {file!r} is empty; remove it or add text.")
+  streams = []
+  with tempfile.TemporaryDirectory(prefix="retnet_jax_data_") as cache_dir:
+    for file in files:
+      builder = BUILDERS[Path(file).suffix.lower()]
+      options = dict(sample_by="document") if builder == "text" else {}  # a .txt file is one document
+      try:
+        dataset = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache_dir,
+                                        keep_in_memory=True, **options)
+      except datasets.exceptions.DatasetGenerationError as e:
+        raise ValueError(f"{source}: {file!r} could not be read as {builder} ({e.__cause__ or e}); "
+                         "check the file format.") from e
+      field = "text" if builder == "text" else text_field
+      stream = _tokenize(dataset, field, tokenizer, f"{source}: {file!r}")
+      if not len(stream):
+        raise ValueError(f"{source}: {file!r} holds no text in field {field!r}; remove it or add text.")
+      streams.append(stream)
+  return _join(streams, tokenizer.eos_id)
+
+
+def _load_hub(name: str, config_name: str | None, text_field: str, tokenizer: Tokenizer) -> np.ndarray:
+  """Token stream of a hub dataset's train split (downloaded into the usual HF cache)."""
+  try:
+    dataset = datasets.load_dataset(name, config_name, split="train")
+  except (ConnectionError, TimeoutError, HfHubHTTPError) as e:
+    raise ConnectionError(f"data.hub_dataset={name!r}: the Hugging Face hub could not be reached ({e}); "
+                          "use local files with data.files instead.") from e
+  except datasets.exceptions.DatasetNotFoundError as e:
+    raise FileNotFoundError(f"data.hub_dataset={name!r} was not found on the hub ({e}); check the name and "
+                            "data.hub_config, or use local files with data.files.") from e
+  stream = _tokenize(dataset, text_field, tokenizer, f"data.hub_dataset={name!r}")
+  if not len(stream):
+    raise ValueError(f"data.hub_dataset={name!r} holds no text in field {text_field!r}; check data.text_field.")
+  return stream
+
+
+def _tokenize(dataset: datasets.Dataset, field: str, tokenizer: Tokenizer, source: str) -> np.ndarray:
+  """int32 `[num_tokens]`: the dataset's non-empty documents in order, joined by the tokenizer's eos_id."""
+  if field not in dataset.column_names:
+    raise ValueError(f"{source} has no field {field!r} (fields: {dataset.column_names}); "
+                     "set data.text_field to the field holding the text.")
+  if dataset.features[field] not in (datasets.Value("string"), datasets.Value("large_string")):
+    raise ValueError(f"{source}: field {field!r} holds {dataset.features[field]}, not text; "
+                     "set data.text_field to the field holding the text.")
+
+  eos = np.asarray([] if tokenizer.eos_id is None else [tokenizer.eos_id], dtype=np.int32)
+
+  def encode(batch: dict[str, list[Any]]) -> dict[str, list[np.ndarray]]:
+    documents = tokenizer.encode_batch([text or "" for text in batch[field]])  # None: a missing field
+    return {"ids": [np.concatenate([ids, eos]) if len(ids) else ids for ids in documents]}  # empty: skipped
+
+  ids = dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
+                    desc="Tokenizing")
+  stream = pc.list_flatten(ids.with_format("arrow")["ids"]).to_numpy().astype(np.int32)
+  return stream[:-1] if len(eos) and len(stream) else stream  # separators between documents, not after the last
+
+
+def _join(streams: Sequence[np.ndarray], eos_id: int | None) -> np.ndarray:
+  """Concatenation of token streams, with `eos_id` between consecutive ones when the tokenizer has it."""
+  if eos_id is not None:
+    separator = np.asarray([eos_id], dtype=np.int32)
+    streams = [part for stream in streams for part in (separator, stream)][1:]
+  return np.concatenate(streams)
+
+
+def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+  """`[num_sequences, seq_len + 1]`: consecutive non-overlapping windows; the trailing remainder is dropped.
+
+  Each row holds inputs `[:-1]` and next-token targets `[1:]`; every token appears exactly once, in order.
+  """
+  if seq_len < 1:
+    raise ValueError(f"train.seq_len must be a positive integer; got {seq_len}.")
+  tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+  num_sequences = len(tokens) // (seq_len + 1)
+  if num_sequences == 0:
+    raise ValueError(f"the data holds {len(tokens)} tokens, too few for one sequence of train.seq_len + 1 = "
+                     f"{seq_len + 1} tokens; use a smaller train.seq_len or more data.")
+  return tokens[:num_sequences * (seq_len + 1)].reshape(num_sequences, seq_len + 1)
+
+
+def process_rows(global_batch: int, process_index: int, process_count: int) -> slice:
+  """The contiguous block of a global batch's rows that process `process_index` of `process_count` loads."""
+  if global_batch % process_count:
+    raise ValueError(f"train.batch_size={global_batch} is not divisible by the {process_count} processes; "
+                     "choose a batch size that is a multiple of the process count.")
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} is outside [0, {process_count}).")
+  rows = global_batch // process_count
+  return slice(process_index * rows, (process_index + 1) * rows)
+
+
+def _global_array(sequences: np.ndarray, rows: np.ndarray,
+                  sharding: jax.sharding.NamedSharding | None) -> jax.Array:
+  """`[len(rows), seq_len + 1]` int32 batch of `sequences[rows]`; each process reads only its own block."""
+  if sharding is None:
+    return jnp.asarray(sequences[rows])
+  local = process_rows(len(rows), jax.process_index(), jax.process_count())
+  global_shape = (len(rows), sequences.shape[1])
+  return jax.make_array_from_process_local_data(sharding, sequences[rows[local]], global_shape)
+
+
+def _check_batch(sequences: np.ndarray, global_batch_size: int, split: str) -> None:
+  if sequences.ndim != 2:
+    raise ValueError(f"{split} sequences must be packed as [num_sequences, seq_len + 1]; "
+                     f"got shape {sequences.shape}. Use pack().")
+  if global_batch_size < 1:
+    raise ValueError(f"train.batch_size must be a positive integer; got {global_batch_size}.")
+  if len(sequences) < global_batch_size:
+    raise ValueError(f"the {split} data holds {len(sequences)} sequences, fewer than one batch of "
+                     f"train.batch_size={global_batch_size}; use a smaller train.batch_size or train.seq_len, "
+                     "or more data.")
+
+
+class BatchIterator:
+  """Endless global batches `[global_batch_size, seq_len + 1]` int32 of packed sequences.
+
+  Epoch e visits the sequences in the order `default_rng([seed, e]).permutation(N)` (identity without
+  shuffling), in consecutive batches; the last incomplete batch of an epoch is dropped. The position is
+  (epoch, index of the next batch in the epoch), saved by `get_state` and restored by `set_state`.
+  With `sharding`, each process reads only its own rows and the result is one global jax.Array; without,
+  it is the whole batch as a plain single-host array.
+  """
+
+  def __init__(self, sequences: np.ndarray, global_batch_size: int, seed: int,
+               sharding: jax.sharding.NamedSharding | None = None, shuffle: bool = True):
+    self.sequences = np.asarray(sequences, dtype=np.int32)
+    _check_batch(self.sequences, global_batch_size, "training")
+    process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fail early, not at next()
+    self.global_batch_size = global_batch_size
+    self.seed = seed
+    self.sharding = sharding
+    self.shuffle = shuffle
+    self.num_batches_per_epoch = len(self.sequences) // global_batch_size
+    self.epoch, self.index = 0, 0
+    self._order_epoch, self._order = None, None
+
+  def _epoch_order(self) -> np.ndarray:
+    """Sequence indices `[N]` of the current epoch, computed once per epoch."""
+    if self._order_epoch != self.epoch:
+      num = len(self.sequences)
+      self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(num) if self.shuffle
+                     else np.arange(num))
+      self._order_epoch = self.epoch
+    return self._order
+
+  def __iter__(self) -> Iterator[jax.Array]:
+    return self
+
+  def __next__(self) -> jax.Array:
+    start = self.index * self.global_batch_size
+    rows = self._epoch_order()[start:start + self.global_batch_size]
+    self.index += 1
+    if self.index == self.num_batches_per_epoch:
+      self.epoch, self.index = self.epoch + 1, 0
+    return _global_array(self.sequences, rows, self.sharding)
+
+  def get_state(self) -> dict[str, int]:
+    """Position of the next batch, for checkpoints."""
+    return dict(epoch=self.epoch, index=self.index)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from a `get_state()` position (values may be numpy or jax scalars from a checkpoint)."""
+    epoch, index = int(state["epoch"]), int(state["index"])
+    if epoch < 0 or not 0 <= index < self.num_batches_per_epoch:
+      raise ValueError(f"data iterator state {dict(epoch=epoch, index=index)} is out of range (epoch >= 0, "
+                       f"0 <= index < {self.num_batches_per_epoch}); was it saved with another batch size, "
+                       "seq_len or data set?")
+    self.epoch, self.index = epoch, index
+
+
+def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int | None,
+                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[jax.Array]:
+  """The first `max_batches` (all when None) batches `[global_batch_size, seq_len + 1]`, in order.
+
+  Checks run on the call, not on the first `next()`.
+  """
+  sequences = np.asarray(sequences, dtype=np.int32)
+  _check_batch(sequences, global_batch_size, "validation")
+  num_batches = len(sequences) // global_batch_size
+  if max_batches is not None:
+    num_batches = min(num_batches, max_batches)
+
+  def batches() -> Iterator[jax.Array]:
+    for b in range(num_batches):
+      rows = np.arange(b * global_batch_size, (b + 1) * global_batch_size)
+      yield _global_array(sequences, rows, sharding)
+
+  return batches()

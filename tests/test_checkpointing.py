@@ -1,0 +1,185 @@
+"""Checkpointer and params export: round trips, retention, resharding on restore, and the error messages."""
+
+import logging
+import os
+
+import absl.logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from configs.retnet import get_config
+from retnet_jax.checkpointing import Checkpointer, export_params, load_params
+from retnet_jax.model import RetNet
+
+META = {"data_position": [3, 1024], "config": {"preset": "tiny", "lr": 3e-3, "files": []}, "note": None}
+
+
+def make_mesh(shape):
+  return jax.make_mesh(shape, ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="module")
+def state():
+  """Params, an AdamW state after one update (so its moments are non-zero), a step counter and rng key data."""
+  params = nnx.state(RetNet(get_config("tiny").model, rngs=nnx.Rngs(0)), nnx.Param)
+  tx = optax.adamw(1e-3)
+  grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
+  updates, opt_state = tx.update(grads, tx.init(params), params)
+  params = optax.apply_updates(params, updates)
+  return {"params": params, "opt": opt_state, "step": jnp.int32(1),
+          "rng": jax.random.key_data(jax.random.key(7))}
+
+
+def abstract(tree, sharding_of=lambda leaf: leaf.sharding):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_of(x)), tree)
+
+
+def assert_bitwise_equal(restored, expected):
+  assert jax.tree.structure(restored) == jax.tree.structure(expected)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def step_dirs(directory):
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+def test_round_trip_is_bitwise_equal(tmp_path, state):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    assert ckpt.save(5, state, META, eval_loss=2.5)
+    assert not ckpt.save(5, state, META)  # orbax's rule: a step not above the latest is skipped
+    with pytest.raises(ValueError, match="already exists"):
+      ckpt.save(5, state, META, force=True)
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.latest_step() == 5 and ckpt.all_steps() == [5]
+    restored, meta = ckpt.restore(abstract(state))
+    assert ckpt.restore_meta() == META
+  assert meta == META
+  assert_bitwise_equal(restored, state)
+
+
+def test_keep_only_last_steps(tmp_path, state):
+  with Checkpointer(tmp_path, keep=2, async_save=False) as ckpt:
+    for step in range(1, 5):
+      assert ckpt.save(step, state, {"step": step})
+    assert ckpt.all_steps() == [3, 4]
+  assert step_dirs(tmp_path) == [3, 4]
+
+
+def test_keep_best_also_keeps_lowest_eval_loss_across_restarts(tmp_path, state):
+  losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 2.0}
+  with Checkpointer(tmp_path, keep=2, keep_best=True, async_save=False) as ckpt:
+    for step, loss in losses.items():
+      ckpt.save(step, state, {"step": step}, eval_loss=loss)
+    assert ckpt.all_steps() == [2, 4, 5]
+  with Checkpointer(tmp_path, keep=2, keep_best=True, async_save=False) as ckpt:
+    ckpt.save(6, state, {"step": 6}, eval_loss=9.0)
+    assert ckpt.all_steps() == [2, 5, 6]
+    assert ckpt.restore_meta(2) == {"step": 2}
+  assert step_dirs(tmp_path) == [2, 5, 6]
+
+
+def test_async_save_then_wait_then_restore(tmp_path, state):
+  with Checkpointer(tmp_path, keep=3, async_save=True) as ckpt:
+    assert ckpt.save(1, state, {"step": 1})
+    assert ckpt.latest_step() in (None, 1)  # a step still being written is not reported
+    assert ckpt.save(2, state, {"step": 2})
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    restored, meta = ckpt.restore(abstract(state))
+  assert meta == {"step": 2}
+  assert_bitwise_equal(restored, state)
+
+
+@pytest.mark.parametrize("target", ["mesh_2x4", "single_device"])
+def test_restore_onto_another_mesh(tmp_path, state, target):
+  source = make_mesh((4, 2))
+  sharded = jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(source, P("data", None) if x.ndim == 2 else P())), state)
+  assert sharded["params"]["embed"]["embedding"][...].sharding.spec == P("data", None)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, sharded, META)
+
+  if target == "mesh_2x4":
+    dest = make_mesh((2, 4))
+    sharding_of = lambda x: NamedSharding(dest, P(None, "tensor") if x.ndim == 2 else P())
+  else:
+    sharding_of = lambda x: SingleDeviceSharding(jax.devices()[3])
+  wanted = abstract(state, sharding_of)
+  with Checkpointer(tmp_path) as ckpt:
+    restored, _ = ckpt.restore(wanted)
+  assert_bitwise_equal(restored, state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(wanted)):
+    assert got.sharding == want.sharding
+
+
+def test_incompatible_model_config_is_a_clear_error(tmp_path, state):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(3, state, META)
+  cfg = get_config("tiny").model
+  cfg.d_model = 64
+  wider = nnx.state(nnx.eval_shape(lambda: RetNet(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  target = abstract(state)
+  target["params"] = abstract(wider, lambda x: SingleDeviceSharding(jax.devices()[0]))
+  expected = (rf"checkpoint at {tmp_path}/3 was written by an incompatible model config: "
+              r"key 'params/blocks/0/ffn/fc1/kernel/value' has shape \(32, 64\) in the checkpoint but \(64, 64\)")
+  with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError, match=expected):
+    ckpt.restore(target)
+
+
+def test_missing_step_and_empty_directory(tmp_path, state):
+  empty = tmp_path / "empty"
+  with Checkpointer(empty) as ckpt:
+    assert ckpt.latest_step() is None and ckpt.all_steps() == []
+    with pytest.raises(FileNotFoundError, match=str(empty)):
+      ckpt.restore(abstract(state))
+    with pytest.raises(FileNotFoundError, match=str(empty)):
+      ckpt.restore_meta(4)
+  with Checkpointer(tmp_path / "full", async_save=False) as ckpt:
+    ckpt.save(2, state, META)
+    ckpt.save(4, state, META)
+    with pytest.raises(ValueError, match=r"step 3 .*available steps: \[2, 4\]"):
+      ckpt.restore(abstract(state), step=3)
+
+
+def test_uncommitted_temporary_directory_is_not_latest(tmp_path, state):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(2, state, {"step": 2})
+  crashed = tmp_path / "9.orbax-checkpoint-tmp-1700000000000000"  # how orbax names a step folder mid-write
+  (crashed / "state").mkdir(parents=True)
+  (crashed / "state" / "partial").write_bytes(b"\0" * 16)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    assert ckpt.latest_step() == 2 and ckpt.all_steps() == [2]
+    assert ckpt.restore_meta() == {"step": 2}
+    ckpt.save(3, state, {"step": 3})
+    assert ckpt.latest_step() == 3
+  assert not crashed.exists()  # cleaned up before the next save
+
+
+def test_export_and_load_params(tmp_path, state):
+  mesh = make_mesh((2, 4))
+  wanted = abstract(state["params"], lambda x: NamedSharding(mesh, P("data", "tensor") if x.ndim == 2 else P()))
+  export_params(tmp_path / "export", state["params"])
+  params = load_params(tmp_path / "export", wanted)
+  assert_bitwise_equal(params, state["params"])
+  assert all(got.sharding == want.sharding for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(wanted)))
+  with pytest.raises(FileNotFoundError, match="No exported params"):
+    load_params(tmp_path / "nothing", wanted)
+
+
+def test_orbax_logs_only_warnings(tmp_path, state, caplog):
+  verbosity = absl.logging.get_verbosity()
+  absl.logging.set_verbosity(absl.logging.DEBUG)
+  try:
+    with caplog.at_level(logging.DEBUG, logger="absl"), Checkpointer(tmp_path, async_save=False) as ckpt:
+      ckpt.save(1, state, META)
+      ckpt.restore(abstract(state))
+  finally:
+    absl.logging.set_verbosity(verbosity)
+  assert not [r for r in caplog.records if f"{os.sep}orbax{os.sep}" in r.pathname and r.levelno < logging.WARNING]

@@ -1,0 +1,297 @@
+"""Tokenizers, loading, packing and batching of retnet_jax.data."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import datasets
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from retnet_jax import data
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def data_config(**overrides):
+  """The real `config.data` section (so field names stay in step with configs/retnet.py), overridden."""
+  spec = importlib.util.spec_from_file_location("retnet_config", REPO / "configs" / "retnet.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config("tiny").data
+  for name, value in overrides.items():
+    cfg[name] = value
+  return cfg
+
+
+def byte_tokens(text):
+  return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def bpe_path(tmp_path_factory):
+  """A tiny byte-level BPE tokenizer.json with an end-of-text token, trained on the fly."""
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<|endoftext|>"],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(["the quick brown fox", "jumps over the lazy dog", "the dog sleeps"] * 10, trainer)
+  path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+  tok.save(str(path))
+  return path
+
+
+def write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+  return path
+
+
+# Tokenizers.
+
+def test_byte_tokenizer_round_trip():
+  tok = data.load_tokenizer("byte")
+  text = "Hello, wörld — 日本語 🙂\n"
+  ids = tok.encode(text)
+  assert tok.vocab_size == 256 and tok.eos_id is None
+  assert ids.dtype == np.int32 and ids.min() >= 0 and ids.max() < 256
+  np.testing.assert_array_equal(ids, byte_tokens(text))
+  assert tok.decode(ids) == text
+  assert tok.decode(byte_tokens("日")[:2]) == "\ufffd"  # a character cut in two decodes, replaced
+
+
+def test_hf_tokenizer_round_trip(bpe_path):
+  tok = data.load_tokenizer(str(bpe_path))
+  reference = tokenizers.Tokenizer.from_file(str(bpe_path))
+  text = "the lazy fox sleeps, ünïcode too"
+  ids = tok.encode(text)
+  assert isinstance(tok, data.HFTokenizer)
+  assert tok.vocab_size == reference.get_vocab_size()
+  assert tok.eos_id == reference.token_to_id("<|endoftext|>")
+  assert ids.dtype == np.int32 and len(ids) < len(text.encode())  # merges apply
+  assert tok.decode(ids) == text
+  np.testing.assert_array_equal(np.concatenate(tok.encode_batch([text, "dog"])),
+                                np.concatenate([ids, tok.encode("dog")]))
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "no/such/tokenizer.json", ""])
+def test_unknown_tokenizer_errors(spec):
+  with pytest.raises(ValueError, match="use 'byte' or the path of a tokenizer.json"):
+    data.load_tokenizer(spec)
+
+
+def test_malformed_tokenizer_file_errors(tmp_path):
+  path = tmp_path / "tokenizer.json"
+  path.write_text("{not json")
+  with pytest.raises(ValueError, match="could not be read"):
+    data.load_tokenizer(str(path))
+
+
+# Packing.
+
+def test_pack_keeps_every_token_once_in_order():
+  tokens = np.arange(1000, 1103, dtype=np.int32)
+  packed = data.pack(tokens, seq_len=9)
+  assert packed.shape == (10, 10) and packed.dtype == np.int32
+  np.testing.assert_array_equal(packed.reshape(-1), tokens[:100])
+
+
+def test_pack_too_short_errors():
+  with pytest.raises(ValueError, match=r"5 tokens.*seq_len \+ 1 = 9.*smaller train.seq_len or more data"):
+    data.pack(np.arange(5), seq_len=8)
+
+
+# Loading.
+
+def test_default_corpus_split():
+  corpus = (REPO / "data" / "tinyshakespeare.txt").read_bytes()
+  train, valid = data.load_splits(data_config(), data.ByteTokenizer())
+  assert train.dtype == valid.dtype == np.int32
+  assert len(train) + len(valid) == len(corpus)
+  assert len(valid) == int(len(corpus) * 0.1)
+  np.testing.assert_array_equal(valid, np.frombuffer(corpus[-len(valid):], dtype=np.uint8))
+  np.testing.assert_array_equal(train[:1000], np.frombuffer(corpus[:1000], dtype=np.uint8))
+
+
+def test_local_txt_files_in_order(tmp_path):
+  first, second, valid = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "v.txt"
+  first.write_text("Première ligne.\nSecond line.\n", encoding="utf-8")
+  second.write_text("Another document.\n", encoding="utf-8")
+  valid.write_text("held out\n", encoding="utf-8")
+  cfg = data_config(files=(str(first), str(second)), validation_files=(str(valid),))
+  train, held_out = data.load_splits(cfg, data.ByteTokenizer())
+  np.testing.assert_array_equal(train, byte_tokens("Première ligne.\nSecond line.\nAnother document.\n"))
+  np.testing.assert_array_equal(held_out, byte_tokens("held out\n"))
+
+
+def test_local_jsonl_field_and_validation_fraction(tmp_path):
+  path = write_jsonl(tmp_path / "docs.jsonl", [{"id": i, "body": f"doc {i};"} for i in range(10)])
+  cfg = data_config(files=(str(path),), text_field="body", validation_fraction=0.25)
+  train, valid = data.load_splits(cfg, data.ByteTokenizer())
+  stream = byte_tokens("".join(f"doc {i};" for i in range(10)))
+  num_valid = int(len(stream) * 0.25)
+  np.testing.assert_array_equal(train, stream[:-num_valid])
+  np.testing.assert_array_equal(valid, stream[-num_valid:])
+
+
+def test_local_parquet(tmp_path):
+  path = tmp_path / "docs.parquet"
+  datasets.Dataset.from_dict({"text": ["alpha ", "", "beta ", "gamma"], "n": [1, 2, 3, 4]}).to_parquet(path)
+  cfg = data_config(files=(str(path),), validation_files=(str(path),))
+  train, valid = data.load_splits(cfg, data.ByteTokenizer())
+  np.testing.assert_array_equal(train, byte_tokens("alpha beta gamma"))
+  np.testing.assert_array_equal(valid, train)
+
+
+def test_hf_tokenizer_separates_documents_with_eos(tmp_path, bpe_path):
+  tok = data.load_tokenizer(str(bpe_path))
+  docs = ["the quick fox", "the lazy dog", "over"]
+  rows = [{"text": docs[0]}, {"text": ""}, {"other": "no text"}, {"text": docs[1]}]  # empty ones: no token
+  path = write_jsonl(tmp_path / "docs.jsonl", rows)
+  other = write_jsonl(tmp_path / "other.jsonl", [{"text": docs[2]}])
+  train, _ = data.load_splits(data_config(files=(str(path), str(other)), validation_files=(str(other),)), tok)
+  eos = np.asarray([tok.eos_id], dtype=np.int32)
+  expected = np.concatenate([tok.encode(docs[0]), eos, tok.encode(docs[1]), eos, tok.encode(docs[2])])
+  np.testing.assert_array_equal(train, expected)
+
+
+def test_missing_file_errors(tmp_path):
+  missing = str(tmp_path / "nope.txt")
+  with pytest.raises(FileNotFoundError, match=r"data\.files.*nope\.txt.*does not exist"):
+    data.load_splits(data_config(files=(missing,)), data.ByteTokenizer())
+  real = tmp_path / "real.txt"
+  real.write_text("some text")
+  with pytest.raises(FileNotFoundError, match=r"data\.validation_files.*nope\.txt"):
+    data.load_splits(data_config(files=(str(real),), validation_files=(missing,)), data.ByteTokenizer())
+
+
+def test_empty_file_errors(tmp_path):
+  path = tmp_path / "empty.txt"
+  path.write_text("")
+  with pytest.raises(ValueError, match=r"empty\.txt.*is empty"):
+    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+
+
+def test_no_text_errors(tmp_path):
+  path = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}])
+  with pytest.raises(ValueError, match=r"blank\.jsonl.*holds no text in field 'text'"):
+    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+
+
+def test_bad_extension_errors(tmp_path):
+  path = tmp_path / "table.csv"
+  path.write_text("text\nhello\n")
+  with pytest.raises(ValueError, match=r"table\.csv.*unsupported type '\.csv'.*\.txt.*\.jsonl.*\.parquet"):
+    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+
+
+def test_missing_text_field_errors(tmp_path):
+  jsonl = write_jsonl(tmp_path / "docs.jsonl", [{"content": "hello"}])
+  with pytest.raises(ValueError, match=r"no field 'text'.*content.*set data\.text_field"):
+    data.load_splits(data_config(files=(str(jsonl),)), data.ByteTokenizer())
+  parquet = tmp_path / "docs.parquet"
+  datasets.Dataset.from_dict({"body": ["hello"]}).to_parquet(parquet)
+  with pytest.raises(ValueError, match=r"docs\.parquet' has no field 'text'.*set data\.text_field"):
+    data.load_splits(data_config(files=(str(parquet),)), data.ByteTokenizer())
+
+
+def test_unreachable_hub_errors(monkeypatch):
+  def offline(*args, **kwargs):
+    raise ConnectionError("Couldn't reach 'some/dataset' on the Hub")
+  monkeypatch.setattr(datasets, "load_dataset", offline)
+  with pytest.raises(ConnectionError, match=r"'some/dataset'.*hub could not be reached.*data\.files"):
+    data.load_splits(data_config(hub_dataset="some/dataset"), data.ByteTokenizer())
+
+
+# Batches.
+
+def sequences(num=10, width=5):
+  return np.arange(num * width, dtype=np.int32).reshape(num, width)
+
+
+def take(iterator, count):
+  return [np.asarray(next(iterator)) for _ in range(count)]
+
+
+def test_batch_iterator_epochs_and_determinism():
+  seqs = sequences()
+  batches = take(data.BatchIterator(seqs, 3, seed=0), 6)
+  assert all(b.shape == (3, 5) and b.dtype == np.int32 for b in batches)
+  for epoch in (batches[:3], batches[3:]):  # 3 batches per epoch, each sequence at most once
+    rows = np.concatenate(epoch)[:, 0] // 5
+    assert len(set(rows)) == 9
+  np.testing.assert_array_equal(np.concatenate(batches[:3]),
+                                seqs[np.random.default_rng([0, 0]).permutation(10)[:9]])
+  np.testing.assert_array_equal(np.stack(batches), np.stack(take(data.BatchIterator(seqs, 3, seed=0), 6)))
+  assert not np.array_equal(np.stack(batches), np.stack(take(data.BatchIterator(seqs, 3, seed=1), 6)))
+  in_order = take(data.BatchIterator(seqs, 3, seed=0, shuffle=False), 4)
+  np.testing.assert_array_equal(np.concatenate(in_order), seqs[[0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
+
+
+@pytest.mark.parametrize("stop", [2, 3, 4])  # mid-epoch, at the epoch boundary, just after it
+def test_batch_iterator_resume_matches_uninterrupted_run(stop):
+  seqs = sequences()
+  uninterrupted = take(data.BatchIterator(seqs, 3, seed=7), 8)
+  first = data.BatchIterator(seqs, 3, seed=7)
+  take(first, stop)
+  state = first.get_state()
+  assert state == dict(epoch=stop // 3, index=stop % 3)
+  resumed = data.BatchIterator(seqs, 3, seed=7)
+  resumed.set_state({k: np.int64(v) for k, v in state.items()})  # as restored from a checkpoint
+  np.testing.assert_array_equal(np.stack(take(resumed, 8 - stop)), np.stack(uninterrupted[stop:]))
+
+
+def test_batch_iterator_errors():
+  with pytest.raises(ValueError, match=r"4 sequences, fewer than one batch of train.batch_size=8.*smaller"):
+    data.BatchIterator(sequences(4), 8, seed=0)
+  iterator = data.BatchIterator(sequences(), 3, seed=0)
+  assert iterator.num_batches_per_epoch == 3
+  with pytest.raises(ValueError, match="out of range"):
+    iterator.set_state(dict(epoch=0, index=3))
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_process_rows_split_global_batch(process_count):
+  blocks = [data.process_rows(8, index, process_count) for index in range(process_count)]
+  rows = np.concatenate([np.arange(8)[block] for block in blocks])
+  np.testing.assert_array_equal(rows, np.arange(8))  # disjoint, contiguous, in order, covering all rows
+  assert all(block.stop - block.start == 8 // process_count for block in blocks)
+
+
+def test_process_rows_indivisible_errors():
+  with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 processes"):
+    data.process_rows(6, 0, 4)
+
+
+@pytest.fixture(scope="module")
+def data_sharding():
+  assert jax.device_count() == 8, "tests/conftest.py should give 8 CPU devices"
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  return NamedSharding(mesh, P("data"))
+
+
+def test_sharded_batch(data_sharding):
+  seqs = sequences(40, 9)
+  batch = next(data.BatchIterator(seqs, 16, seed=3, sharding=data_sharding))
+  assert isinstance(batch, jax.Array) and batch.shape == (16, 9) and batch.dtype == np.int32
+  assert batch.sharding == data_sharding
+  assert {shard.data.shape for shard in batch.addressable_shards} == {(2, 9)}
+  np.testing.assert_array_equal(np.asarray(batch), seqs[np.random.default_rng([3, 0]).permutation(40)[:16]])
+
+
+def test_eval_batches(data_sharding):
+  seqs = sequences(40, 9)
+  batches = list(data.eval_batches(seqs, 16, max_batches=8, sharding=data_sharding))
+  assert len(batches) == 2  # 40 sequences hold two full batches
+  assert all(b.sharding == data_sharding for b in batches)
+  np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in batches]), seqs[:32])
+  first = list(data.eval_batches(seqs, 16, max_batches=1, sharding=None))
+  assert len(first) == 1
+  np.testing.assert_array_equal(np.asarray(first[0]), seqs[:16])
+  with pytest.raises(ValueError, match=r"validation data holds 8 sequences, fewer than one batch"):
+    data.eval_batches(seqs[:8], 16, max_batches=8, sharding=data_sharding)
