@@ -18,9 +18,19 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import decay, layers, rotation
+from retnet_jax import decay, layers, rotation, sharding
 
 State = dict[str, Any]
+# jax.checkpoint policies for `remat`: what each block keeps for the backward pass instead of recomputing it.
+REMAT_POLICIES = {
+    "full": None,  # keep only the block input
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _apply_block(block, x, positions, layer_state, mode):
+  return block(x, positions, layer_state, mode)
 
 
 def check_model_config(cfg: ml_collections.ConfigDict) -> None:
@@ -80,20 +90,28 @@ class RetNet(nnx.Module):
     return {"position": jnp.zeros((batch_size,), jnp.int32),
             "layers": [layers.init_layer_state(self.config, batch_size) for _ in range(self.config.num_layers)]}
 
-  def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None
-               ) -> tuple[jax.Array, State]:
-    """Logits `[batch, seq, vocab]` (float32) for `tokens [batch, seq]`, and the state after the last token."""
+  def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
+               remat: str = "none") -> tuple[jax.Array, State]:
+    """Logits `[batch, seq, vocab]` (float32) for `tokens [batch, seq]`, and the state after the last token.
+
+    `remat` (`none` or a key of REMAT_POLICIES) recomputes each block in the backward pass to save memory.
+    """
     if mode not in layers.MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")
+    if remat != "none" and remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
+    apply_block = _apply_block if remat == "none" else nnx.remat(
+        _apply_block, policy=REMAT_POLICIES[remat], static_argnums=(4,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     if state is None:
       state = self.init_state(batch)
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
-    x = self.embed(tokens_BxL)
+    x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
     layer_states = []
     for block, layer_state in zip(self.blocks, state["layers"]):
-      x, layer_state = block(x, positions_BxL, layer_state, mode)
+      x, layer_state = apply_block(block, x, positions_BxL, layer_state, mode)
+      x = sharding.constrain(x, ("batch", None, None))
       layer_states.append(layer_state)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)

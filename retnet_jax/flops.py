@@ -1,0 +1,55 @@
+"""Model FLOPs per token, counted analytically, and the machine's measured matmul rate (for MFU)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+
+def matmul_params(cfg: ml_collections.ConfigDict) -> int:
+  """Parameters used in matmuls per token: every projection and the output head (not the embedding lookup)."""
+  d, v, f = cfg.d_model, cfg.value_dim, cfg.ffn_dim
+  per_layer = 2 * d * d + 2 * d * v + v * d + 3 * d * f
+  return cfg.num_layers * per_layer + d * cfg.vocab_size
+
+
+def retention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward FLOPs per token of the retention products themselves (all layers), as the form computes them.
+
+  parallel: the full [L, L] score matrix and its product with V, 2 L (d + d_v) per token;
+  chunkwise: the same inside a chunk of C, plus the cross-chunk read q S and the state update k^T v,
+  2 C (d + d_v) + 4 d d_v / H; recurrent: the state update and read, 4 d d_v / H.
+  """
+  d, v, h = cfg.d_model, cfg.value_dim, cfg.num_heads
+  state_rw = 4 * d * v // h
+  if mode == "parallel":
+    per_layer = 2 * seq_len * (d + v)
+  elif mode == "chunkwise":
+    per_layer = 2 * min(cfg.chunk_size, seq_len) * (d + v) + state_rw
+  elif mode == "recurrent":
+    per_layer = state_rw
+  else:
+    raise ValueError(f"unknown mode {mode!r}; choose parallel, chunkwise or recurrent.")
+  return cfg.num_layers * per_layer
+
+
+def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward + backward: 3 x (2 x matmul params + retention products)."""
+  return 3 * (2 * matmul_params(cfg) + retention_flops_per_token(cfg, seq_len, mode))
+
+
+def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5) -> float:
+  """Median FLOP/s of a `size`^2 matmul (accumulating in float32), after a warm-up call."""
+  a = jnp.ones((size, size), dtype)
+  matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+  matmul(a, a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * size**3 / float(np.median(times))

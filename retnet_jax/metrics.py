@@ -1,0 +1,71 @@
+"""Training metrics: JSON lines, TensorBoard event files (tensorboardX, no TensorFlow) and a progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+from absl import logging
+from tensorboardX import SummaryWriter
+
+
+class MetricsWriter:
+  """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard; only process 0 writes."""
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.enabled = jax.process_index() == 0
+    if self.enabled:
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+      self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    values = {k: float(v) for k, v in metrics.items()}
+    self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+    self._jsonl.flush()
+    for name, value in values.items():
+      self._tensorboard.add_scalar(name, value, step)
+    self._tensorboard.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._jsonl.close()
+      self._tensorboard.close()
+
+
+def format_duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  hours, rest = divmod(seconds, 3600)
+  return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float) -> str:
+  """`step 100/3000 (3%) | loss 2.3456 | ... | ETA 12m05s` for the console."""
+  parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"loss {metrics['loss']:.4f}"]
+  if "learning_rate" in metrics:
+    parts.append(f"lr {metrics['learning_rate']:.2e}")
+  if "grad_norm" in metrics:
+    parts.append(f"grad {metrics['grad_norm']:.3f}")
+  if "tokens_per_sec" in metrics:
+    parts.append(f"{metrics['tokens_per_sec']:,.0f} tok/s")
+  if "mfu" in metrics:
+    parts.append(f"MFU {100 * metrics['mfu']:.0f}%")
+  if math.isfinite(seconds_per_step):
+    parts.append(f"{seconds_per_step:.3f} s/step")
+    parts.append(f"ETA {format_duration((total - step) * seconds_per_step)}")
+  return " | ".join(parts)
+
+
+def log(message: str) -> None:
+  """Console output of process 0 (other processes stay quiet)."""
+  if jax.process_index() == 0:
+    logging.info(message)
+
+
+def eval_metrics(loss: float) -> dict[str, float]:
+  """Validation loss in nats per token, its perplexity and bits per token."""
+  return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_bits_per_token": loss / math.log(2)}

@@ -1,0 +1,35 @@
+"""AdamW with warm-up and linear or cosine decay, global-norm clipping, no weight decay on norm scales."""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import optax
+
+SCHEDULES = ("cosine", "linear")
+
+
+def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warm-up from 0 to `learning_rate`, then linear or cosine decay to `end_lr_fraction` of it."""
+  peak, warmup, steps = train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps
+  end = peak * train_cfg.end_lr_fraction
+  if train_cfg.lr_schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), end)
+  if train_cfg.lr_schedule == "linear":
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                 optax.linear_schedule(peak, end, max(steps - warmup, 1))], [warmup])
+  raise ValueError(f"unknown train.lr_schedule {train_cfg.lr_schedule!r}; choose one of {SCHEDULES}.")
+
+
+def decay_mask(params):
+  """Weight decay on matrices only: norm scales (and any bias or vector) are left alone."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """The paper's recipe: AdamW (0.9, 0.98), weight decay 0.05, warm-up then decay; clipped gradients."""
+  return optax.chain(
+      optax.clip_by_global_norm(train_cfg.grad_clip_norm),
+      optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
+                  weight_decay=train_cfg.weight_decay, mask=decay_mask),
+  )

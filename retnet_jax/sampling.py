@@ -1,0 +1,292 @@
+"""Text generation with memory constant in the context length: prefill in parallel form, decode recurrently.
+
+    tokens_BxP, lengths_B = pad_prompts(prompts)
+    out = generate(model, tokens_BxP, lengths_B, max_new_tokens=64, key=jax.random.key(0), top_p=0.9)
+    out.tokens  # int32 [B, 64]: new tokens only
+    out.lengths  # int32 [B]: tokens generated per row, a final stop token included
+
+Prompts are left-padded and each row's state starts at position -pad, so every row decodes exactly as if it
+were alone. The prompt but its last token is prefilled in the chunkwise (or parallel) form; then one compiled
+`lax.while_loop` feeds one token at a time through the recurrent form, carrying only the recurrent state, the
+current token and the output buffer, and stops early once every row has emitted a stop token. Prefill and
+loop compile once per (model structure, batch, prompt length, max_new_tokens, prefill_mode, stop tokens,
+greedy or not, top_k, whether top_p is set, whether streaming); prompts, keys, temperature and top_p are
+arguments, so new values do not recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from retnet_jax.model import RetNet, check_tokens
+
+PREFILL_MODES = ("chunkwise", "parallel")
+PAD_ID = 0
+
+Stream = Callable[[np.ndarray, int], None]
+
+
+class Generation(NamedTuple):
+  """New tokens `[B, max_new_tokens]` and the number generated per row `[B]`, a final stop token included.
+
+  After a row emits a stop token, the rest of its row repeats that stop token.
+  """
+  tokens: np.ndarray
+  lengths: np.ndarray
+
+
+class _Settings(NamedTuple):
+  """Everything that fixes the compiled program besides the model structure and the input shapes."""
+  max_new_tokens: int
+  greedy: bool
+  top_k: int | None
+  use_top_p: bool
+  stop_tokens: tuple[int, ...]
+  prefill_mode: str
+  streaming: bool
+
+
+# Stream callbacks of the generate calls in flight, by call id: the compiled loop receives the id as an
+# argument, so a new callback does not recompile.
+_STREAMS: dict[int, Stream] = {}
+_CALL_IDS = itertools.count()
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token prompts with id 0 to the longest: (int32 tokens `[B, P]`, int32 lengths `[B]`)."""
+  if not len(prompts):
+    raise ValueError("prompts is empty; give at least one prompt.")
+  arrays = [np.asarray(prompt, dtype=np.int32).reshape(-1) for prompt in prompts]
+  for i, prompt in enumerate(arrays):
+    if not len(prompt):
+      raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS or newline).")
+    if max_prompt_len is not None and len(prompt) > max_prompt_len:
+      raise ValueError(f"prompt {i} holds {len(prompt)} tokens, more than max_prompt_len={max_prompt_len}; "
+                       "shorten it or raise max_prompt_len.")
+  lengths_B = np.asarray([len(prompt) for prompt in arrays], dtype=np.int32)
+  tokens_BxP = np.full((len(arrays), int(lengths_B.max())), PAD_ID, dtype=np.int32)
+  for row, prompt in zip(tokens_BxP, arrays):
+    row[len(row) - len(prompt):] = prompt
+  return tokens_BxP, lengths_B
+
+
+def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int, key: jax.Array,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             stop_tokens: Sequence[int] = (), prefill_mode: str = "chunkwise",
+             stream: Stream | None = None) -> Generation:
+  """Samples `max_new_tokens` tokens after each left-padded prompt of `prompts_BxP` (true lengths `lengths_B`).
+
+  temperature 0 decodes greedily (argmax); otherwise logits / temperature are filtered to the `top_k` most
+  likely tokens, then to the smallest set whose probability reaches `top_p`, and sampled. `key` is one PRNG
+  key (row r uses fold_in(key, r)) or one key per row `[B]`; step s uses fold_in(row key, s), so a row with
+  its own key samples the same tokens whatever the rest of the batch. `stream(step_tokens_B, step)` is called
+  from inside the compiled loop, in order, with every step's tokens.
+  """
+  batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
+  settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                             prefill_mode, stream is not None)
+  keys = _check_key(key, batch)
+  graphdef, params = nnx.split(model)
+  call_id = next(_CALL_IDS)
+  if stream is not None:
+    _STREAMS[call_id] = stream
+  try:
+    tokens_BxN, generated_B = _generate_compiled(
+        params, jnp.asarray(prompts_BxP, jnp.int32), jnp.asarray(lengths_B, jnp.int32), keys,
+        jnp.float32(temperature or 1.0), jnp.float32(top_p or 1.0), jnp.int32(call_id),
+        graphdef=graphdef, settings=settings)
+    result = Generation(np.asarray(tokens_BxN), np.asarray(generated_B))
+    if stream is not None:
+      jax.effects_barrier()  # every step's callback has run before the call returns
+  finally:
+    _STREAMS.pop(call_id, None)
+  return result
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+def _generate_compiled(params, prompts_BxP, lengths_B, keys, temperature, top_p, call_id, *, graphdef,
+                       settings: _Settings):
+  """Prefill and decode loop: (tokens int32 `[B, N]`, generated per row int32 `[B]`)."""
+  model = nnx.merge(graphdef, params)
+  batch, prompt_len = prompts_BxP.shape
+  num_new = settings.max_new_tokens
+  if keys.ndim == 0:
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(keys, jnp.arange(batch))
+
+  state = model.init_state(batch)
+  state["position"] = lengths_B - prompt_len  # -pad: the padding stays out of the state
+  if prompt_len > 1:  # the last prompt token is the decode loop's first input
+    _, state = model(prompts_BxP[:, :-1], mode=settings.prefill_mode, state=state)
+
+  def sample(logits_BxV, step):
+    if settings.greedy:
+      return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+    return _sample(step_keys, logits_BxV / temperature, settings.top_k, top_p if settings.use_top_p else None)
+
+  stop_S = jnp.asarray(settings.stop_tokens, jnp.int32)
+
+  def body(carry):
+    step, token_B, state, done_B, out_BxN, generated_B = carry
+    logits, state = model(token_B[:, None], mode="recurrent", state=state)
+    next_B = jnp.where(done_B, token_B, sample(logits[:, 0].astype(jnp.float32), step))  # done: repeat stop
+    out_BxN = jax.lax.dynamic_update_index_in_dim(out_BxN, next_B, step, axis=1)
+    generated_B = generated_B + (~done_B).astype(jnp.int32)
+    done_B = done_B | jnp.isin(next_B, stop_S)
+    if settings.streaming:
+      jax.debug.callback(_emit, call_id, next_B, step, ordered=True)
+    return step + 1, next_B, state, done_B, out_BxN, generated_B
+
+  def cond(carry):
+    step, _, _, done_B, _, _ = carry
+    return (step < num_new) & ~jnp.all(done_B)
+
+  init = (jnp.int32(0), prompts_BxP[:, -1], state, jnp.zeros((batch,), bool),
+          jnp.zeros((batch, num_new), jnp.int32), jnp.zeros((batch,), jnp.int32))
+  steps, last_B, _, _, out_BxN, generated_B = jax.lax.while_loop(cond, body, init)
+  # An early exit leaves columns unwritten; every row has stopped then, so fill them with its stop token.
+  out_BxN = jnp.where(jnp.arange(num_new) < steps, out_BxN, last_B[:, None])
+  return out_BxN, generated_B
+
+
+def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> jax.Array:
+  """One token per row `[B]` int32 from the scaled logits, after optional top-k and nucleus (top-p) filtering.
+
+  With a filter, only the sorted top k (all tokens for top-p alone) candidates are sampled from, then mapped
+  back to token ids; the most likely token always survives the nucleus filter.
+  """
+  categorical = jax.vmap(jax.random.categorical)
+  if top_k is None and top_p is None:
+    return categorical(keys_B, logits_BxV).astype(jnp.int32)
+  values_BxK, ids_BxK = jax.lax.top_k(logits_BxV, top_k or logits_BxV.shape[-1])
+  if top_p is not None:
+    probs_BxK = jax.nn.softmax(values_BxK, axis=-1)
+    mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK
+    values_BxK = jnp.where(mass_before_BxK < top_p, values_BxK, -jnp.inf)
+  choice_B = categorical(keys_B, values_BxK)
+  return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _emit(call_id, tokens_B, step) -> None:
+  """Host side of the stream: hands one step's tokens to the callback registered for the call."""
+  _STREAMS[int(call_id)](np.asarray(tokens_B), int(step))
+
+
+def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
+  """The batch size, after checking the padded prompts and their lengths."""
+  check_tokens(prompts_BxP, vocab_size)
+  batch, prompt_len = prompts_BxP.shape
+  lengths = np.asarray(lengths_B)
+  if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(f"lengths_B must be integers of shape [batch] = ({batch},); got {lengths.dtype} "
+                     f"{lengths.shape}. Use pad_prompts to build tokens and lengths.")
+  if lengths.min() < 1 or lengths.max() > prompt_len:
+    raise ValueError(f"prompt lengths must lie in [1, {prompt_len}] (the padded length); got {lengths.tolist()}. "
+                     "Use pad_prompts to build tokens and lengths.")
+  return batch
+
+
+def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
+                    top_p: float | None, stop_tokens: Sequence[int], prefill_mode: str, streaming: bool
+                    ) -> _Settings:
+  if prefill_mode not in PREFILL_MODES:
+    raise ValueError(f"unknown prefill_mode {prefill_mode!r}; choose one of {PREFILL_MODES}.")
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
+  if not temperature >= 0:
+    raise ValueError(f"temperature must be >= 0 (0 decodes greedily); got {temperature}.")
+  if top_k is not None and not 1 <= top_k <= vocab_size:
+    raise ValueError(f"top_k must lie in [1, vocab_size={vocab_size}], or be None to keep every token; "
+                     f"got {top_k}.")
+  if top_p is not None and not 0 < top_p <= 1:
+    raise ValueError(f"top_p must lie in (0, 1], or be None to keep every token; got {top_p}.")
+  stop = tuple(int(t) for t in stop_tokens)
+  bad = [t for t in stop if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"stop tokens {bad} lie outside [0, vocab_size={vocab_size}); check the tokenizer's ids.")
+  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop, prefill_mode, streaming)
+
+
+def _check_key(key: jax.Array, batch: int) -> jax.Array:
+  """A typed PRNG key of shape `[]` or `[batch]`; raw uint32 keys (jax.random.PRNGKey) are wrapped."""
+  key = jnp.asarray(key)
+  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)
+  if key.shape not in ((), (batch,)):
+    raise ValueError(f"key must be one PRNG key or one per row [{batch}]; got keys of shape {key.shape}. "
+                     "Use jax.random.key(seed) or jax.random.split(key, batch).")
+  return key
+
+
+class TextPrinter:
+  """A `stream` callback that prints the decoded text of one batch row as it is produced, up to a stop token.
+
+  Text ending in an incomplete character (U+FFFD) waits for the next token; `finish` prints what is left.
+  """
+
+  def __init__(self, tokenizer: Any, row: int = 0, stop_tokens: Sequence[int] = (), file: TextIO | None = None):
+    self.tokenizer = tokenizer
+    self.row = row
+    self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+    self.file = file
+    self.ids: list[int] = []
+    self.printed = ""
+    self.stopped = False
+
+  def __call__(self, step_tokens_B: np.ndarray, step: int) -> None:
+    token = int(step_tokens_B[self.row])
+    if self.stopped or token in self.stop_tokens:
+      self.stopped = True
+      return
+    self.ids.append(token)
+    text = self.tokenizer.decode(self.ids)
+    if not text.endswith("\ufffd"):
+      self._print(text)
+
+  def finish(self) -> None:
+    self._print(self.tokenizer.decode(self.ids))
+    print(file=self.file or sys.stdout, flush=True)
+
+  def _print(self, text: str) -> None:
+    print(text[len(self.printed):], end="", file=self.file or sys.stdout, flush=True)
+    self.printed = text
+
+
+def generate_text(model: RetNet, tokenizer: Any, prompts: Sequence[str], *, print_row: int | None = None,
+                  **kwargs) -> list[str]:
+  """Encodes `prompts`, generates (keyword arguments as `generate`) and decodes each row up to its stop token.
+
+  Stop tokens default to the tokenizer's `eos_id` when it has one. With `print_row`, that row's text is printed
+  as it is produced.
+  """
+  if print_row is not None and kwargs.get("stream") is not None:
+    raise ValueError("give either print_row or stream, not both.")
+  if print_row is not None and not 0 <= print_row < len(prompts):
+    raise ValueError(f"print_row={print_row} is not a row of the {len(prompts)} prompts.")
+  if "stop_tokens" not in kwargs:
+    kwargs["stop_tokens"] = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+  stop = set(int(t) for t in kwargs["stop_tokens"])
+  printer = None if print_row is None else TextPrinter(tokenizer, print_row, stop)
+  if printer is not None:
+    kwargs["stream"] = printer
+  tokens_BxP, lengths_B = pad_prompts(tokenizer.encode_batch(prompts))
+  out = generate(model, tokens_BxP, lengths_B, **kwargs)
+  if printer is not None:
+    printer.finish()
+  texts = []
+  for row, length in zip(out.tokens, out.lengths):
+    ids = row[:length]
+    if length and int(ids[-1]) in stop:
+      ids = ids[:-1]
+    texts.append(tokenizer.decode(ids))
+  return texts

@@ -1,0 +1,174 @@
+"""Generation: recurrent decoding matches the parallel model, sampling filters, padding, stop tokens, one compile,
+streaming and input errors."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import retnet as retnet_config
+from retnet_jax import sampling
+from retnet_jax.data import ByteTokenizer
+from retnet_jax.model import RetNet
+
+PROMPTS = [[5, 17, 200, 3, 9], [42], [7, 1, 99, 250, 13, 8, 64, 31, 2, 77, 11], [120, 6, 6, 30, 255, 0, 81, 4]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return RetNet(retnet_config.get_config("tiny").model, rngs=nnx.Rngs(0))
+
+
+def run(model, prompts, key=0, **kwargs):
+  kwargs.setdefault("max_new_tokens", 10)
+  tokens, lengths = sampling.pad_prompts(prompts)
+  key = jax.random.key(key) if isinstance(key, int) else key
+  return sampling.generate(model, tokens, lengths, key=key, **kwargs)
+
+
+@nnx.jit
+def parallel_logits(model, tokens):
+  return model(tokens, mode="parallel")[0]
+
+
+@pytest.mark.parametrize("prefill_mode", sampling.PREFILL_MODES)
+def test_greedy_matches_argmax_of_parallel_logits(model, prefill_mode):
+  """Every greedy token is the argmax of the parallel model's logits over prompt + the tokens before it."""
+  prompt = PROMPTS[2]
+  out = run(model, [prompt], temperature=0.0, max_new_tokens=12, prefill_mode=prefill_mode)
+  assert out.tokens.shape == (1, 12) and out.tokens.dtype == np.int32 and out.lengths.tolist() == [12]
+  sequence = jnp.asarray([prompt + out.tokens[0, :-1].tolist()], jnp.int32)
+  expected = np.argmax(np.asarray(parallel_logits(model, sequence))[0, len(prompt) - 1:], axis=-1)
+  np.testing.assert_array_equal(out.tokens[0], expected)
+
+
+def test_sampling_is_deterministic_per_key(model):
+  a = run(model, PROMPTS, key=1, max_new_tokens=16)
+  b = run(model, PROMPTS, key=1, max_new_tokens=16)
+  c = run(model, PROMPTS, key=2, max_new_tokens=16)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert not np.array_equal(a.tokens, c.tokens)
+  assert not np.array_equal(a.tokens, run(model, PROMPTS, temperature=0.0, max_new_tokens=16).tokens)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(model):
+  greedy = run(model, PROMPTS, temperature=0.0).tokens
+  np.testing.assert_array_equal(run(model, PROMPTS, key=3, top_k=1, temperature=2.0).tokens, greedy)
+  np.testing.assert_array_equal(run(model, PROMPTS, key=3, top_p=1e-6).tokens, greedy)
+  np.testing.assert_array_equal(run(model, PROMPTS, key=3, top_k=5, top_p=1e-6).tokens, greedy)
+
+
+def test_top_k_keeps_sampled_tokens_among_the_k_most_likely(model):
+  """With top_k=3 the first new token is always one of the 3 largest logits after the prompt."""
+  prompt = PROMPTS[0]
+  logits = np.asarray(parallel_logits(model, jnp.asarray([prompt], jnp.int32)))[0, -1]
+  allowed = set(np.argsort(logits)[-3:].tolist())
+  first = {int(run(model, [prompt], key=seed, top_k=3, temperature=5.0, max_new_tokens=1).tokens[0, 0])
+           for seed in range(12)}
+  assert first <= allowed and len(first) > 1
+
+
+def test_padded_batch_matches_each_prompt_alone(model):
+  """Left padding with negative start positions: each row decodes as if alone (greedy, and sampling with one
+  key per row), including a prompt of length 1."""
+  greedy = run(model, PROMPTS, temperature=0.0)
+  keys = jax.random.split(jax.random.key(4), len(PROMPTS))
+  sampled = run(model, PROMPTS, key=keys, top_k=50)
+  for i, prompt in enumerate(PROMPTS):
+    np.testing.assert_array_equal(run(model, [prompt], temperature=0.0).tokens[0], greedy.tokens[i])
+    np.testing.assert_array_equal(run(model, [prompt], key=keys[i:i + 1], top_k=50).tokens[0], sampled.tokens[i])
+
+
+def test_stop_tokens_end_rows(model):
+  free = run(model, PROMPTS, temperature=0.0).tokens
+  row0 = free[0].tolist()
+  index = next(i for i in range(2, len(row0)) if row0[i] not in row0[:i])  # a token first emitted at step >= 2
+  stop = row0[index]
+  out = run(model, PROMPTS, temperature=0.0, stop_tokens=(stop,))
+  for i, row in enumerate(free.tolist()):
+    length = row.index(stop) + 1 if stop in row else len(row)
+    assert out.lengths[i] == length, i
+    assert out.tokens[i, :length].tolist() == row[:length], i
+    assert (out.tokens[i, length:] == stop).all(), i  # the rest of a stopped row repeats its stop token
+
+  # One row alone stops early: the loop exits and the unwritten columns are filled.
+  alone = run(model, [PROMPTS[0]], temperature=0.0, stop_tokens=(999 % 256, stop))
+  assert alone.lengths.tolist() == [index + 1]
+  assert alone.tokens[0].tolist() == row0[:index + 1] + [stop] * (len(row0) - index - 1)
+
+
+def test_compiles_once_per_shape_and_settings(model):
+  cache = sampling._generate_compiled._cache_size
+  run(model, [[1, 2, 3], [4]], key=5, top_p=0.9, temperature=0.7, stream=lambda tokens, step: None)
+  before = cache()
+  out = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
+  assert cache() == before and out.tokens.shape == (2, 10)  # new prompts, key, temperature, top_p, callback
+  run(model, [[9, 8, 7, 6], [6, 5]], key=6, top_p=0.5, temperature=1.3)
+  assert cache() == before + 1  # a new prompt length (and no streaming) compiles again
+
+
+def test_stream_receives_every_step_in_order(model):
+  received = []
+  out = run(model, PROMPTS, key=7, max_new_tokens=8, stream=lambda tokens, step: received.append((step, tokens)))
+  assert [step for step, _ in received] == list(range(8))
+  np.testing.assert_array_equal(np.stack([tokens for _, tokens in received], axis=1), out.tokens)
+
+
+def test_generate_text_prints_row_as_produced(model, capsys):
+  tokenizer = ByteTokenizer()
+  texts = sampling.generate_text(model, tokenizer, ["Hello", "A"], key=jax.random.key(0), temperature=0.0,
+                                 max_new_tokens=6, print_row=1)
+  ids = run(model, [list(b"Hello"), list(b"A")], temperature=0.0, max_new_tokens=6).tokens
+  assert texts == [tokenizer.decode(row) for row in ids]
+  assert capsys.readouterr().out == texts[1] + "\n"
+
+
+def test_text_printer_waits_for_whole_characters():
+  file = io.StringIO()
+  printer = sampling.TextPrinter(ByteTokenizer(), row=0, stop_tokens=(10,), file=file)
+  for step, byte in enumerate("é!".encode() + b"\nzz"):
+    printer(np.asarray([byte]), step)
+    assert "\ufffd" not in file.getvalue()
+  printer.finish()
+  assert file.getvalue() == "é!\n"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prefill_mode="recurrent"), "unknown prefill_mode 'recurrent'"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer; got 0"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_k=0), r"top_k must lie in \[1, vocab_size=256\].*got 0"),
+    (dict(top_k=257), "got 257"),
+    (dict(top_p=0.0), r"top_p must lie in \(0, 1\].*got 0.0"),
+    (dict(top_p=1.5), "got 1.5"),
+    (dict(stop_tokens=(300,)), r"stop tokens \[300\]"),
+    (dict(key=jax.random.split(jax.random.key(0), 3)), r"one per row \[2\]"),
+])
+def test_generate_errors(model, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    run(model, [[1, 2], [3]], **kwargs)
+
+
+def test_generate_input_errors(model):
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match=r"lengths must lie in \[1, 2\]"):
+    sampling.generate(model, np.ones((2, 2), np.int32), np.asarray([3, 1]), max_new_tokens=2, key=key)
+  with pytest.raises(ValueError, match=r"shape \[batch\] = \(2,\)"):
+    sampling.generate(model, np.ones((2, 2), np.int32), np.asarray([2]), max_new_tokens=2, key=key)
+  with pytest.raises(ValueError, match="ids from 1 to 300"):
+    sampling.generate(model, np.asarray([[1, 300]]), np.asarray([2]), max_new_tokens=2, key=key)
+
+
+def test_pad_prompts():
+  tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4], np.asarray([5, 6])])
+  np.testing.assert_array_equal(tokens, [[1, 2, 3], [0, 0, 4], [0, 5, 6]])
+  assert tokens.dtype == np.int32 and lengths.dtype == np.int32 and lengths.tolist() == [3, 1, 2]
+  with pytest.raises(ValueError, match="prompts is empty"):
+    sampling.pad_prompts([])
+  with pytest.raises(ValueError, match="prompt 1 is empty"):
+    sampling.pad_prompts([[1], []])
+  with pytest.raises(ValueError, match="prompt 2 holds 4 tokens, more than max_prompt_len=3"):
+    sampling.pad_prompts([[1], [2, 3], [4, 5, 6, 7]], max_prompt_len=3)
