@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from retnet_jax import decay, retention, rotation
+from retnet_jax import decay, retention, rotation, sharding
 
 MODES = ("parallel", "chunkwise", "recurrent")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -82,7 +82,10 @@ class Embed(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-    return jnp.take(self.embedding[...], tokens_BxL, axis=0).astype(self.dtype)
+    # A gather from a sharded table into batch-sharded rows makes XLA rematerialise it through a slow
+    # path; gathering the (small) table first keeps the lookup local to each batch shard.
+    table = sharding.constrain(self.embedding[...], (None, None))
+    return jnp.take(table, tokens_BxL, axis=0).astype(self.dtype)
 
   def attend(self, x_BxLxD: jax.Array) -> jax.Array:
     x_2d = x_BxLxD.reshape(-1, x_BxLxD.shape[-1]).astype(self.dtype)

@@ -8,6 +8,7 @@ the checkpoint, so a resumed run sees exactly the batches an uninterrupted run w
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -108,13 +109,25 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
       loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-    return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": schedule(state["step"])}
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
 
   return train_step
 
 
+_SETUPS: dict[tuple[str, jax.sharding.Mesh], Setup] = {}
+
+
 def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Setup:
-  """Builds the abstract state with shardings and compiles init, train and eval steps for `mesh`."""
+  """The Setup for (config, mesh), built once per process, so a resumed or repeated run reuses its compilations."""
+  key = (json.dumps({k: config[k].to_dict() for k in ("model", "train", "mesh")} | {"seed": config.seed},
+                    sort_keys=True), mesh)
+  if key not in _SETUPS:
+    _SETUPS[key] = _build_setup(copy.deepcopy(config), mesh)
+  return _SETUPS[key]
+
+
+def _build_setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+  """Builds the abstract state with shardings and the jitted init, train and eval steps for `mesh`."""
   rules = sharding.logical_rules(config.mesh)
   tx = optimizer.make_optimizer(config.train)
 
