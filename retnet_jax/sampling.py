@@ -1,4 +1,4 @@
-"""Text generation with memory constant in the context length: prefill in parallel form, decode recurrently.
+"""Text generation with memory constant in the context length: prefill in parallel form, then decode recurrently.
 
     tokens_BxP, lengths_B = pad_prompts(prompts)
     out = generate(model, tokens_BxP, lengths_B, max_new_tokens=64, key=jax.random.key(0), top_p=0.9)
@@ -6,12 +6,12 @@
     out.lengths  # int32 [B]: tokens generated per row, a final stop token included
 
 Prompts are left-padded and each row's state starts at position -pad, so every row decodes exactly as if it
-were alone. The prompt but its last token is prefilled in the chunkwise (or parallel) form; then one compiled
+were alone. All prompt tokens but the last are prefilled in the chunkwise (or parallel) form; then one compiled
 `lax.while_loop` feeds one token at a time through the recurrent form, carrying only the recurrent state, the
 current token and the output buffer, and stops early once every row has emitted a stop token. Prefill and
 loop compile once per (model structure, batch, prompt length, max_new_tokens, prefill_mode, stop tokens,
 greedy or not, top_k, whether top_p is set, whether streaming); prompts, keys, temperature and top_p are
-arguments, so new values do not recompile.
+arguments, so new values do not recompile (one key and one key per row are different input shapes).
 """
 
 from __future__ import annotations

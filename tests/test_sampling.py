@@ -53,16 +53,14 @@ def test_top_k_one_and_tiny_top_p_are_greedy(model):
 
 def test_filters_keep_the_most_likely_tokens():
   """top_k keeps the k largest logits; top_p keeps the most likely tokens until their mass reaches p."""
-  logits_V = jnp.log(jnp.asarray([0.05, 0.3, 0.0, 0.5, 0.15]))
-  keys = jax.random.split(jax.random.key(0), 2000)
-  draw = lambda **kwargs: set(np.asarray(
-      sampling._sample(keys, jnp.broadcast_to(logits_V, (len(keys), 5)), **kwargs)).tolist())
-  assert draw(top_k=None, top_p=None) == {0, 1, 3, 4}
-  assert draw(top_k=3, top_p=None) == {1, 3, 4}
-  assert draw(top_k=None, top_p=jnp.float32(0.7)) == {1, 3}  # 0.5 < 0.7, then 0.5 + 0.3 reaches it
-  assert draw(top_k=None, top_p=jnp.float32(0.8)) == {1, 3}
-  assert draw(top_k=None, top_p=jnp.float32(0.81)) == {1, 3, 4}
-  assert draw(top_k=2, top_p=jnp.float32(0.99)) == {1, 3}
+  keys = jax.random.split(jax.random.key(0), 1000)
+  logits = jnp.broadcast_to(jnp.log(jnp.asarray([0.05, 0.3, 0.0, 0.5, 0.15])), (len(keys), 5))
+  settings = [(None, None), (3, None), (None, 0.7), (None, 0.79), (None, 0.81), (2, 0.99)]
+  draws = jax.jit(lambda: [sampling._sample(keys, logits, k, p if p is None else jnp.float32(p))
+                           for k, p in settings])()
+  kept = [set(np.asarray(draw).tolist()) for draw in draws]
+  # top_p 0.7 and 0.79: 0.5 falls short, 0.5 + 0.3 reaches it; 0.81 needs the third token too
+  assert kept == [{0, 1, 3, 4}, {1, 3, 4}, {1, 3}, {1, 3}, {1, 3, 4}, {1, 3}]
 
 
 def test_padded_batch_matches_each_prompt_alone_and_sampling_is_deterministic(model):
@@ -98,7 +96,11 @@ def test_compiles_once_per_shape_and_settings(model):
   run(model, [[1, 2, 3], [4]], key=5, top_p=0.9, temperature=0.7, stream=lambda tokens, step: None)
   before = cache()
   out = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
+  again = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
+  other = run(model, [[9, 8, 7], [6, 5]], key=7, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
   assert cache() == before and out.tokens.shape == (2, 10)  # new prompts, key, temperature, top_p, callback
+  np.testing.assert_array_equal(again.tokens, out.tokens)  # one key: deterministic
+  assert not np.array_equal(other.tokens, out.tokens)
   run(model, [[9], [6]], key=6, top_p=0.5, temperature=1.3)
   assert cache() == before + 1  # a new prompt length (and no streaming) compiles again
 
@@ -113,7 +115,7 @@ def test_stream_receives_every_step_in_order(model):
 def test_generate_text_prints_row_as_produced(model, capsys):
   tokenizer = ByteTokenizer()
   texts = sampling.generate_text(model, tokenizer, ["abc", "d"], key=jax.random.key(8), top_p=0.9,
-                                 print_row=1)
+                                 max_new_tokens=10, print_row=1)
   ids = run(model, [list(b"abc"), list(b"d")], key=8, top_p=0.9, stream=lambda tokens, step: None).tokens
   assert texts == [tokenizer.decode(row) for row in ids]
   assert capsys.readouterr().out == texts[1] + "\n"
