@@ -31,6 +31,10 @@ class _OrbaxWarningsOnly(logging.Filter):
 logging.getLogger("absl").addFilter(_OrbaxWarningsOnly())  # orbax logs through absl.logging
 
 
+class IncompatibleCheckpointError(ValueError):
+  """The checkpoint's arrays do not fit the model config's (it was written with another config)."""
+
+
 def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) -> None:
   """Raises ValueError at the first array whose key or shape differs from the checkpoint's stored metadata.
 
@@ -52,8 +56,9 @@ def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) 
     if not extra:
       return
     problem = f"the checkpoint has key {extra[0]!r} that the model lacks"
-  raise ValueError(f"The checkpoint at {location} was written by an incompatible model config: {problem}. "
-                   "Restore with the config it was trained with (its meta holds it), or start a fresh directory.")
+  raise IncompatibleCheckpointError(
+      f"The checkpoint at {location} was written by an incompatible model config: {problem}. "
+      "Restore with the config it was trained with (its meta holds it), or start a fresh directory.")
 
 
 class Checkpointer:
@@ -132,6 +137,15 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     return restored["state"], restored["meta"]
+
+  def set_aside(self, step: int) -> str:
+    """Renames an unreadable step folder to `<step>.corrupt` (kept for inspection, no longer a checkpoint)."""
+    self.wait()
+    source = os.path.join(self.directory, str(step))
+    target = f"{source}.corrupt"
+    os.replace(source, target)
+    self._manager.reload()
+    return target
 
   def restore_meta(self, step: int | None = None) -> dict:
     """Only the JSON meta of `step` (None: the latest); reads no arrays."""

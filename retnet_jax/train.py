@@ -2,8 +2,9 @@
 
     train_and_evaluate(config, workdir)
 
-The train state is the pytree `{"params", "opt_state", "step"}`; the data position is saved beside it in
-the checkpoint, so a resumed run sees exactly the batches an uninterrupted run would.
+The train state is the pytree `{"params", "opt_state", "step", "nonfinite_steps", "first_nonfinite_step"}`;
+the data position is saved beside it in the checkpoint, so a resumed run sees exactly the batches an
+uninterrupted run would. SIGTERM / SIGINT finish the current step, write a checkpoint and return.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from retnet_jax import checkpointing, data, flops, layers, metrics, model as model_lib, optimizer, sharding
+from retnet_jax import (checkpointing, data, flops, layers, metrics, model as model_lib, optimizer,
+                        preemption, sharding)
 
 TrainState = dict[str, Any]
 # Model fields that may change between a checkpoint and its resumption: they do not change the parameters.
 RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size")
+# What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -45,6 +49,8 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if train.mode not in ("parallel", "chunkwise"):
     raise ValueError(f"train.mode={train.mode!r}; train with 'parallel' or 'chunkwise' (the recurrent form is "
                      "for decoding).")
+  if train.nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"unknown train.nonfinite {train.nonfinite!r}; choose one of {NONFINITE_POLICIES}.")
   if train.remat != "none" and train.remat not in model_lib.REMAT_POLICIES:
     raise ValueError(f"unknown train.remat {train.remat!r}; choose none or one of "
                      f"{tuple(model_lib.REMAT_POLICIES)}.")
@@ -107,9 +113,23 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
       zeros = jax.tree.map(jnp.zeros_like, params)
       (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_MxBxL1)
       loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+    step = state["step"] + 1
+    if train_cfg.inject_nonfinite_steps:  # a test hook for the guard below
+      loss = jnp.where(jnp.isin(step, jnp.asarray(train_cfg.inject_nonfinite_steps)), jnp.nan, loss)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
+    # A non-finite loss or gradient leaves parameters and optimizer state as they were; the step is counted.
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {
+        "params": keep(optax.apply_updates(params, updates), params),
+        "opt_state": keep(opt_state, state["opt_state"]),
+        "step": step,
+        "nonfinite_steps": state["nonfinite_steps"] + (~finite).astype(jnp.int32),
+        "first_nonfinite_step": jnp.where((state["first_nonfinite_step"] < 0) & ~finite, step,
+                                          state["first_nonfinite_step"]),
+    }
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
 
   return train_step
 
@@ -133,7 +153,8 @@ def _build_setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> 
 
   def init() -> TrainState:
     params = nnx.state(model_lib.RetNet(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param)
-    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+            "nonfinite_steps": jnp.zeros((), jnp.int32), "first_nonfinite_step": jnp.full((), -1, jnp.int32)}
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_lib.RetNet(config.model, rngs=nnx.Rngs(0))))
@@ -158,15 +179,15 @@ def evaluate(run: Setup, params, batches: Iterable[jax.Array]) -> float:
   return float(np.mean(jax.device_get(losses)))
 
 
-def check_resumable(saved: dict, config: ml_collections.ConfigDict, workdir: Path) -> None:
-  """Refuses a workdir whose checkpoint came from another model config (before anything is overwritten)."""
+def check_compatible(saved: dict, config: ml_collections.ConfigDict, workdir: Path) -> None:
+  """Refuses a checkpoint written with another model config, naming the fields (before anything is overwritten)."""
   current = config.model.to_dict()
   differs = sorted(k for k in set(saved) | set(current)
                    if k not in RESUMABLE_MODEL_CHANGES and json.dumps(saved.get(k)) != json.dumps(current.get(k)))
   if differs:
     details = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs config {current.get(k)!r}" for k in differs)
-    raise ValueError(f"{workdir} holds a checkpoint of an incompatible model config ({details}); use the same "
-                     "model config to resume, or another --workdir for a new run.")
+    raise ValueError(f"{workdir} holds a checkpoint of an incompatible model config ({details}); use the model "
+                     f"config it was trained with ({workdir / 'config.json'}), or another --workdir for a new run.")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
@@ -181,7 +202,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   if ckpt_dir.is_dir():
     with checkpointing.Checkpointer(ckpt_dir) as existing:
       if existing.latest_step() is not None:
-        check_resumable(existing.restore_meta()["config"]["model"], config, workdir)
+        check_compatible(existing.restore_meta()["config"]["model"], config, workdir)
   train_cfg = config.train
   train_tokens, valid_tokens = data.load_splits(config.data, tokenizer)
   train_sequences = data.pack(train_tokens, train_cfg.seq_len)
@@ -206,71 +227,112 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     writer.close()
 
 
+def _restore_or_init(run: Setup, checkpointer: checkpointing.Checkpointer, batches: data.BatchIterator):
+  """The latest readable checkpoint's state (an unreadable one is set aside with a warning), else a fresh one."""
+  for step in reversed(checkpointer.all_steps()):
+    try:
+      state, meta = checkpointer.restore(run.abstract_state, step)
+    except checkpointing.IncompatibleCheckpointError:
+      raise  # another model config: nothing older will fit either
+    except Exception as e:  # a damaged checkpoint: orbax raises many kinds
+      target = checkpointer.set_aside(step)
+      metrics.log(f"WARNING: checkpoint {step} is unreadable ({type(e).__name__}: {e}); moved to {target}, "
+                  "trying the previous one")
+      continue
+    batches.set_state(meta["data"])
+    metrics.log(f"resumed from {checkpointer.directory}/{step} (data position {meta['data']})")
+    return state
+  with jax.set_mesh(run.mesh), nnx.logical_axis_rules(run.rules):
+    state = run.init()
+  metrics.log(f"initialised {_count_params(state['params']):,} parameters on mesh {dict(run.mesh.shape)}; "
+              "training from step 0")
+  return state
+
+
+def _check_finite(state: TrainState, policy: str, checkpointer: checkpointing.Checkpointer) -> None:
+  """With policy `stop`, raises at the first non-finite step (its update was not applied)."""
+  first = int(state["first_nonfinite_step"])
+  if policy == "stop" and first >= 0:
+    raise FloatingPointError(
+        f"non-finite loss or gradient at step {first}; its update was not applied and the last good checkpoint "
+        f"(step {checkpointer.latest_step()}) is intact. Lower train.learning_rate, check the data, or set "
+        "train.nonfinite=skip to skip such steps.")
+
+
 def _train_loop(config, run: Setup, batches: data.BatchIterator, valid_sequences: np.ndarray,
                 checkpointer: checkpointing.Checkpointer, writer: metrics.MetricsWriter,
                 workdir: Path) -> dict[str, float]:
   train_cfg = config.train
   eval_batch = train_cfg.batch_size // train_cfg.grad_accum_steps
-  if checkpointer.latest_step() is None:
-    with jax.set_mesh(run.mesh), nnx.logical_axis_rules(run.rules):
-      state = run.init()
-    metrics.log(f"initialised {_count_params(state['params']):,} parameters on mesh "
-                f"{dict(run.mesh.shape)}; training from step 0")
-  else:
-    state, meta = checkpointer.restore(run.abstract_state)
-    batches.set_state(meta["data"])
-    metrics.log(f"resumed from {checkpointer.directory}/{int(state['step'])} (data position {meta['data']})")
-
+  state = _restore_or_init(run, checkpointer, batches)
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
   flops_per_token = flops.train_flops_per_token(config.model, train_cfg.seq_len, train_cfg.mode)
   peak = flops.measure_matmul_flops(layers.compute_dtype(config.model.dtype))
   peak *= jax.process_count() if jax.devices()[0].platform == "cpu" else jax.device_count()
   profile = tuple(train_cfg.profile_steps or ())
+  saved_step = int(state["step"])
+
+  def save(eval_loss=None):
+    nonlocal saved_step
+    checkpointer.save(step, state, {"data": batches.get_state(), "config": config.to_dict()}, eval_loss=eval_loss)
+    saved_step = step
 
   step = int(state["step"])
   last: dict[str, float] = {}
   pending: list[dict[str, jax.Array]] = []
   compiled, interval_start, interval_steps = False, time.perf_counter(), 0
-  while step < train_cfg.steps:
-    if profile and step == profile[0]:
-      jax.profiler.start_trace(str(workdir / "profile"))
-    with jax.set_mesh(run.mesh), nnx.logical_axis_rules(run.rules):
-      state, step_metrics = run.train_step(state, next(batches))
-    step += 1
-    pending.append(step_metrics)
-    if profile and step == profile[1] + 1:
-      jax.block_until_ready(state)
-      jax.profiler.stop_trace()
-    if compiled:
-      interval_steps += 1
-    else:  # the first step compiles: keep it out of the throughput
-      jax.block_until_ready(state)
-      metrics.log(f"first step (compile + run) took {time.perf_counter() - interval_start:.1f} s")
-      compiled, interval_start = True, time.perf_counter()
+  with preemption.StopRequest() as stop:
+    while step < train_cfg.steps:
+      if profile and step == profile[0]:
+        jax.profiler.start_trace(str(workdir / "profile"))
+      with jax.set_mesh(run.mesh), nnx.logical_axis_rules(run.rules):
+        state, step_metrics = run.train_step(state, next(batches))
+      step += 1
+      pending.append(step_metrics)
+      if profile and step == profile[1] + 1:
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+      if compiled:
+        interval_steps += 1
+      else:  # the first step compiles: keep it out of the throughput
+        jax.block_until_ready(state)
+        metrics.log(f"first step (compile + run) took {time.perf_counter() - interval_start:.1f} s")
+        compiled, interval_start = True, time.perf_counter()
 
-    if step % train_cfg.log_every_steps == 0 or step == train_cfg.steps:
-      values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
-      values["perplexity"] = math.exp(min(values["loss"], 50.0))
-      seconds = (time.perf_counter() - interval_start) / interval_steps if interval_steps else float("nan")
-      if interval_steps:
-        values.update(step_time=seconds, tokens_per_sec=tokens_per_step / seconds,
-                      mfu=tokens_per_step * flops_per_token / seconds / peak)
-      writer.write(step, values)
-      metrics.log(metrics.progress_line(step, train_cfg.steps, values, seconds))
-      last.update(values)
-      pending, interval_start, interval_steps = [], time.perf_counter(), 0
+      if step % train_cfg.log_every_steps == 0 or step == train_cfg.steps:
+        _check_finite(state, train_cfg.nonfinite, checkpointer)
+        values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
+        values["perplexity"] = math.exp(min(values["loss"], 50.0))
+        values["nonfinite_steps"] = int(state["nonfinite_steps"])
+        seconds = (time.perf_counter() - interval_start) / interval_steps if interval_steps else float("nan")
+        if interval_steps:
+          values.update(step_time=seconds, tokens_per_sec=tokens_per_step / seconds,
+                        mfu=tokens_per_step * flops_per_token / seconds / peak)
+        writer.write(step, values)
+        metrics.log(metrics.progress_line(step, train_cfg.steps, values, seconds))
+        last.update(values)
+        pending, interval_start, interval_steps = [], time.perf_counter(), 0
 
-    eval_loss = None
-    if step % train_cfg.eval_every_steps == 0 or step == train_cfg.steps:
-      eval_loss = evaluate(run, state["params"], data.eval_batches(valid_sequences, eval_batch,
-                                                                   train_cfg.eval_batches, run.batch_sharding))
-      values = metrics.eval_metrics(eval_loss)
-      writer.write(step, values)
-      metrics.log(f"step {step}: eval loss {eval_loss:.4f} | perplexity {values['eval_perplexity']:.2f}")
-      last.update(values)
-      interval_start = time.perf_counter()  # evaluation time is not training time
-    if step % config.checkpoint.every_steps == 0 or step == train_cfg.steps:
-      checkpointer.save(step, state, {"data": batches.get_state(), "config": config.to_dict()}, eval_loss=eval_loss)
+      eval_loss = None
+      if step % train_cfg.eval_every_steps == 0 or step == train_cfg.steps:
+        eval_loss = evaluate(run, state["params"], data.eval_batches(valid_sequences, eval_batch,
+                                                                     train_cfg.eval_batches, run.batch_sharding))
+        values = metrics.eval_metrics(eval_loss)
+        writer.write(step, values)
+        metrics.log(f"step {step}: eval loss {eval_loss:.4f} | perplexity {values['eval_perplexity']:.2f}")
+        last.update(values)
+        interval_start = time.perf_counter()  # evaluation time is not training time
+      if step % config.checkpoint.every_steps == 0 or step == train_cfg.steps:
+        _check_finite(state, train_cfg.nonfinite, checkpointer)
+        save(eval_loss)
+      if stop.requested():
+        _check_finite(state, train_cfg.nonfinite, checkpointer)
+        if saved_step != step:
+          save()
+        checkpointer.wait()
+        metrics.log(f"{stop.signal_name or 'stop'} received: checkpoint of step {step} committed in "
+                    f"{checkpointer.directory}; run the same command again to resume")
+        return last
 
   checkpointer.wait()
   export_dir = workdir / "params" / str(step)

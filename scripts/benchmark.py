@@ -1,0 +1,719 @@
+"""Benchmarks RetNet on this machine against its ceilings, a same-size Transformer and (when installed) torchscale.
+
+    python scripts/benchmark.py --suite=full --out=runs/benchmark
+
+Measures, in one run: the matmul ceilings (float32, bfloat16) and memory read bandwidth; training throughput
+and MFU of the real train step (`train.setup`) in the parallel and chunkwise forms, float32 and bfloat16;
+forward and training time and peak memory vs sequence length; greedy decoding with `sampling.generate`
+(tokens/s at batch 1 and a large batch, per-token latency vs context); the same for a Transformer of the same
+size; and torchscale's RetNet at the identical configuration when torch and torchscale import. Writes
+OUT/results.json, OUT/results.md (also printed) and PNG plots.
+
+Cases that are compared are measured interleaved: each is warmed up once (its peak memory is taken then),
+then timed once per round, round after round, because this machine's speed drifts by 10-20% between runs.
+Compilation is timed on its own (ahead of time) and never inside a timed run. Decoding is timed per token
+from the stream callback's timestamps, so the prompt's prefill is not part of a token's latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+from flax import nnx
+
+from retnet_jax import flops, optimizer, sampling, sharding, train
+from retnet_jax.baselines import transformer
+from retnet_jax.model import RetNet
+
+SIZE_FIELDS = ("d_model", "num_layers", "num_heads", "value_dim", "ffn_dim", "vocab_size", "chunk_size")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+TORCHSCALE_DECODE_REFERENCE = 28.0  # tok/s, batch 1: torchscale on this machine (shared cpu-performance-notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """What a suite measures: the model size, the training shape, the sweeps and the repetitions."""
+  size: dict[str, int]  # model fields set on configs/retnet.py:small
+  seq_len: int
+  batch_size: int
+  rounds: int  # timed rounds after the warm-up
+  lengths: tuple[int, ...]  # sequence lengths of the forward sweep (batch 1)
+  train_lengths: tuple[int, ...]  # sequence lengths of the training-step sweep (batch 1)
+  quadratic_max_len: int  # the forward sweep of the quadratic forms (parallel, attention) stops here
+  quadratic_train_max_len: int  # and their training sweep here
+  prompt_len: int  # prompt before decoding at batch 1 and at `decode_batch`
+  decode_batch: int
+  new_tokens: int
+  contexts: tuple[int, ...]  # prompt lengths of the latency-vs-context sweep (batch 1)
+  matmul_size: int
+
+
+SUITES = {
+    "quick": Suite(size=dict(d_model=64, num_layers=2, num_heads=2, value_dim=128, ffn_dim=128, vocab_size=256,
+                             chunk_size=16),
+                   seq_len=64, batch_size=4, rounds=2, lengths=(32, 64, 128), train_lengths=(32, 128),
+                   quadratic_max_len=128, quadratic_train_max_len=128, prompt_len=32, decode_batch=32,
+                   new_tokens=8, contexts=(16, 64), matmul_size=256),
+    "full": Suite(size=dict(d_model=512, num_layers=6, num_heads=4, value_dim=1024, ffn_dim=1024, vocab_size=256,
+                            chunk_size=128),
+                  seq_len=512, batch_size=8, rounds=3, lengths=(512, 1024, 2048, 4096, 8192, 16384),
+                  train_lengths=(512, 1024, 2048, 4096, 8192), quadratic_max_len=8192, quadratic_train_max_len=4096,
+                  prompt_len=2048, decode_batch=32, new_tokens=64,
+                  contexts=(128, 256, 512, 1024, 2048, 4096, 8192), matmul_size=2048),
+}
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Base config; the suite sets its "
+                                          "model size and training shape.", lock_config=True)
+_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES), "quick: tiny sizes (< 90 s); full: the preset below.")
+_OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
+_SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Training batch size (default: the suite's).")
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+
+@dataclasses.dataclass
+class Case:
+  """One thing to time: `run()` does it once and returns the seconds of each unit (a step, a token)."""
+  run: Callable[[], list[float]]
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def timed(fn: Callable[[], Any], repeats: int = 1) -> Callable[[], list[float]]:
+  """A Case.run that calls `fn` (which must block until done) `repeats` times and times each call."""
+  def run():
+    seconds = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      fn()
+      seconds.append(time.perf_counter() - start)
+    return seconds
+  return run
+
+
+def spread(values) -> dict[str, float]:
+  values = np.asarray(values, dtype=np.float64)
+  return {"median": float(np.median(values)), "min": float(values.min()), "max": float(values.max()),
+          "runs": int(values.size)}
+
+
+def _proc_status_bytes(field: str) -> int:
+  for line in Path("/proc/self/status").read_text().splitlines():
+    if line.startswith(field + ":"):
+      return int(line.split()[1]) * 1024
+  raise KeyError(field)
+
+
+def memory_source() -> str:
+  """How peak memory is read: the device's own statistics, else the process RSS high-water mark."""
+  stats = jax.devices()[0].memory_stats()
+  if stats and "peak_bytes_in_use" in stats:
+    return "device memory_stats peak_bytes_in_use (cumulative over the process)"
+  try:
+    Path("/proc/self/clear_refs").write_text("5")
+    _proc_status_bytes("VmHWM")
+    return "process RSS high-water mark (VmHWM, reset before each measured call via /proc/self/clear_refs)"
+  except (OSError, KeyError):
+    return "process RSS high-water mark (resource.getrusage ru_maxrss: cumulative, never reset)"
+
+
+def peak_memory(fn: Callable[[], Any], source: str) -> dict[str, int]:
+  """Runs `fn`; its peak memory and the peak above the memory in use when it started (bytes)."""
+  if source.startswith("device"):
+    before = jax.devices()[0].memory_stats()["bytes_in_use"]
+    fn()
+    peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+  elif "VmHWM" in source:
+    before = _proc_status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    fn()
+    peak = _proc_status_bytes("VmHWM")
+  else:
+    before = _proc_status_bytes("VmRSS")
+    fn()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return {"peak_bytes": peak, "above_start_bytes": peak - before}
+
+
+def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Case]:
+  """Warms up every case (recording its first run's time and peak memory), then times rounds of one run each.
+
+  Fills each case's info with `first_run_s`, `memory` and `seconds` (median/min/max over all timed units).
+  """
+  for name, case in cases.items():
+    start = time.perf_counter()
+    case.info["memory"] = peak_memory(case.run, source)
+    case.info["first_run_s"] = time.perf_counter() - start
+    print(f"  warmed up {name} ({case.info['first_run_s']:.1f} s)", flush=True)
+  seconds = {name: [] for name in cases}
+  for _ in range(rounds):
+    for name, case in cases.items():
+      seconds[name].extend(case.run())
+  for name, case in cases.items():
+    case.info["seconds"] = spread(seconds[name])
+  return cases
+
+
+def compile_timed(fn, *args):
+  """Compiles jitted `fn` for `args` ahead of time: (executable, seconds, XLA's buffer bytes or None)."""
+  start = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  seconds = time.perf_counter() - start
+  stats = compiled.memory_analysis()
+  buffers = None if stats is None else int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                                           + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+  return compiled, seconds, buffers
+
+
+def random_tokens(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
+
+
+def rate(units: float, seconds: dict[str, float]) -> dict[str, float]:
+  """`units` per second from a time spread (the fastest run gives the max)."""
+  return {"median": units / seconds["median"], "min": units / seconds["max"], "max": units / seconds["min"],
+          "runs": seconds["runs"]}
+
+
+# ----------------------------------------------------------------------------------------------- the cases
+
+def make_config(base, suite: Suite, dtype: str, mode: str, seq_len: int, batch_size: int):
+  config = base.copy_and_resolve_references()
+  config.model.update(suite.size)
+  config.model.dtype = dtype
+  config.train.update(dict(mode=mode, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=1))
+  return config
+
+
+def _train_case(step, state, batch, compile_s: float, buffers: int | None) -> Case:
+  holder = {"state": state}
+
+  def one_step():
+    holder["state"], _ = step(holder["state"], batch)
+    jax.block_until_ready(holder["state"])
+
+  return Case(timed(one_step), {"compile_s": compile_s, "compiled_bytes": buffers})
+
+
+def retnet_train_case(config, mesh) -> Case:
+  """The training loop's own jitted train step (`train.setup`), compiled ahead of time."""
+  run = train.setup(config, mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+    state = run.init()
+    batch = jax.device_put(random_tokens(config.train.batch_size, config.train.seq_len + 1,
+                                         config.model.vocab_size), run.batch_sharding)
+    step, compile_s, buffers = compile_timed(run.train_step, state, batch)
+  return _train_case(step, state, batch, compile_s, buffers)
+
+
+def transformer_train_case(config, mesh) -> Case:
+  """The same train step (`train.make_train_step`) around the Transformer of the same size."""
+  model = transformer.Transformer(transformer.transformer_config(config.model, config.train.seq_len),
+                                  rngs=nnx.Rngs(config.seed))
+  graphdef, params = nnx.split(model)
+  tx = optimizer.make_optimizer(config.train)
+  train_config = config.copy_and_resolve_references()
+  train_config.train.mode = "parallel"
+  # Besides params and opt_state the train state holds step counters; their values do not change the timing.
+  counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in train.setup(config, mesh).abstract_state.items()
+              if k not in ("params", "opt_state")}
+  state = {"params": params, "opt_state": tx.init(params), **counters}
+  batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
+  step_fn = jax.jit(train.make_train_step(graphdef, tx, train_config.train), donate_argnums=0)
+  step, compile_s, buffers = compile_timed(step_fn, state, batch)
+  return _train_case(step, state, batch, compile_s, buffers)
+
+
+def forward_case(model, mode: str, length: int) -> Case:
+  """Logits of one sequence of `length` tokens."""
+  graphdef, params = nnx.split(model)
+  forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens, mode=mode)[0])
+  tokens = jnp.asarray(random_tokens(1, length, model.config.vocab_size))
+  compiled, compile_s, buffers = compile_timed(forward, params, tokens)
+  return Case(timed(lambda: compiled(params, tokens).block_until_ready()),
+              {"compile_s": compile_s, "compiled_bytes": buffers})
+
+
+def state_bytes(model, batch: int) -> int:
+  """Bytes of the decoding state (RetNet: retention states; Transformer: the KV cache)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_state(batch))))
+
+
+def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: str) -> Case:
+  """Greedy `sampling.generate` after a `context`-token prompt; each unit is one decoding step's time."""
+  prompts = random_tokens(batch, context, model.config.vocab_size, seed=1)
+  lengths = np.full((batch,), context, np.int32)
+
+  def run():
+    stamps = []
+    sampling.generate(model, prompts, lengths, max_new_tokens=new_tokens, key=jax.random.key(0),
+                      temperature=0.0, prefill_mode=prefill_mode,
+                      stream=lambda tokens, step: stamps.append(time.perf_counter()))
+    return np.diff(stamps).tolist()
+
+  return Case(run, {"state_bytes": state_bytes(model, batch)})
+
+
+class Torchscale:
+  """torchscale's RetNet (the official implementation) at our configuration, when torch and torchscale import."""
+
+  def __init__(self, model_cfg):
+    self.cfg = model_cfg
+    try:
+      import torch
+      # torchscale imports timm only for drop_path, which is off here.
+      timm = types.ModuleType("timm")
+      timm.models = types.ModuleType("timm.models")
+      timm.models.layers = types.ModuleType("timm.models.layers")
+      timm.models.layers.drop_path = lambda x, *args, **kwargs: x
+      for name, module in (("timm", timm), ("timm.models", timm.models), ("timm.models.layers", timm.models.layers)):
+        sys.modules.setdefault(name, module)
+      from torchscale.architecture.config import RetNetConfig
+      from torchscale.architecture.retnet import RetNetDecoder
+    except ImportError as error:
+      self.torch, self.note = None, f"torchscale not measured: {error}"
+      return
+    self.torch, self._config, self._decoder = torch, RetNetConfig, RetNetDecoder
+    torch.set_num_threads(os.cpu_count())
+    self.note = f"torch {torch.__version__} with {torch.get_num_threads()} threads"
+
+  def model(self, mode: str):
+    c = self.cfg
+    args = self._config(vocab_size=c.vocab_size, decoder_embed_dim=c.d_model, decoder_value_embed_dim=c.value_dim,
+                        decoder_retention_heads=c.num_heads, decoder_ffn_embed_dim=c.ffn_dim,
+                        decoder_layers=c.num_layers, activation_fn="gelu", dropout=0.0, drop_path_rate=0.0,
+                        chunkwise_recurrent=mode == "chunkwise", recurrent_chunk_size=c.chunk_size,
+                        layernorm_eps=c.norm_eps, share_decoder_input_output_embed=c.tie_embeddings)
+    return self._decoder(args, self.torch.nn.Embedding(c.vocab_size, c.d_model))
+
+  def train_case(self, mode: str, train_cfg) -> Case:
+    """A training step: loss, backward, clipping, AdamW with our hyper-parameters."""
+    torch = self.torch
+    model = self.model(mode).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.learning_rate, betas=(train_cfg.b1, train_cfg.b2),
+                            weight_decay=train_cfg.weight_decay)
+    tokens = torch.from_numpy(random_tokens(train_cfg.batch_size, train_cfg.seq_len + 1, self.cfg.vocab_size)).long()
+
+    def one_step():
+      logits = model(tokens[:, :-1])[0]
+      loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+      opt.zero_grad(set_to_none=True)
+      loss.backward()
+      torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip_norm)
+      opt.step()
+
+    return Case(timed(one_step))
+
+  def decode_case(self, new_tokens: int) -> Case:
+    """Incremental (recurrent) greedy decoding at batch 1; each unit is one token's time."""
+    torch = self.torch
+    model = self.model("parallel").eval()
+
+    def run():
+      tokens, state, stamps = torch.zeros((1, 1), dtype=torch.long), {}, []
+      with torch.no_grad():
+        for _ in range(new_tokens):
+          logits = model(tokens, incremental_state=state)[0]
+          tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+          stamps.append(time.perf_counter())
+      return np.diff(stamps).tolist()
+
+    return Case(run)
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+def measure_ceilings(suite: Suite, param_count: int, source: str) -> dict[str, Any]:
+  """Matmul FLOP/s per dtype (`flops.measure_matmul_flops`, the training loop's MFU ceiling) and read bandwidth."""
+  matmul = {name: [] for name in DTYPES}
+  for _ in range(suite.rounds + 2):
+    for name, dtype in DTYPES.items():
+      matmul[name].append(flops.measure_matmul_flops(dtype, suite.matmul_size))
+  data = jnp.ones((param_count,), jnp.float32)
+  total, _, _ = compile_timed(jax.jit(jnp.sum), data)
+  read = interleave({"read": Case(timed(lambda: total(data).block_until_ready(), repeats=10))}, suite.rounds,
+                    source)["read"]
+  return {"matmul_flops": {name: spread(v) for name, v in matmul.items()},
+          "memory_read_bytes_per_s": rate(data.nbytes, read.info["seconds"]),
+          "matmul_size": suite.matmul_size, "read_array_bytes": int(data.nbytes)}
+
+
+def measure_training(base, suite: Suite, mesh, ceilings, torchscale: Torchscale, source: str) -> dict[str, Any]:
+  """Train-step throughput and MFU per model / form / dtype, all interleaved."""
+  cases, flops_per_token = {}, {}
+  for dtype in DTYPES:
+    for mode in ("parallel", "chunkwise"):
+      config = make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size)
+      cases[f"retnet/{mode}/{dtype}"] = retnet_train_case(config, mesh)
+      flops_per_token[f"retnet/{mode}/{dtype}"] = flops.train_flops_per_token(config.model, suite.seq_len, mode)
+    config = make_config(base, suite, dtype, "parallel", suite.seq_len, suite.batch_size)
+    cases[f"transformer/parallel/{dtype}"] = transformer_train_case(config, mesh)
+    flops_per_token[f"transformer/parallel/{dtype}"] = transformer.train_flops_per_token(
+        transformer.transformer_config(config.model, suite.seq_len), suite.seq_len)
+  if torchscale.torch is not None:
+    for mode in ("parallel", "chunkwise"):
+      config = make_config(base, suite, "float32", mode, suite.seq_len, suite.batch_size)
+      cases[f"torchscale/{mode}/float32"] = torchscale.train_case(mode, config.train)
+      flops_per_token[f"torchscale/{mode}/float32"] = flops_per_token[f"retnet/{mode}/float32"]
+  print(f"training: {len(cases)} cases, batch {suite.batch_size} x {suite.seq_len} tokens", flush=True)
+  interleave(cases, suite.rounds, source)
+  tokens = suite.batch_size * suite.seq_len
+  results = {}
+  for name, case in cases.items():
+    dtype = name.rsplit("/", 1)[1]
+    throughput = rate(tokens, case.info["seconds"])
+    results[name] = {"tokens_per_s": throughput, "step_s": case.info["seconds"],
+                     "compile_s": case.info.get("compile_s"), "first_run_s": case.info["first_run_s"],
+                     "memory": case.info["memory"], "compiled_bytes": case.info.get("compiled_bytes"),
+                     "flops_per_token": flops_per_token[name],
+                     "mfu": throughput["median"] * flops_per_token[name]
+                            / ceilings["matmul_flops"][dtype]["median"]}
+  return results
+
+
+def _growth(points: list[dict], key: str) -> float | None:
+  """Exponent p of `key` ~ length^p between the two longest lengths (1: linear, 2: quadratic)."""
+  if len(points) < 2:
+    return None
+  a, b = points[-2], points[-1]
+  return math.log(b[key] / a[key]) / math.log(b["seq_len"] / a["seq_len"])
+
+
+def _crossover(parallel: list[dict], chunkwise: list[dict]) -> int | None:
+  """The shortest length from which the chunkwise form is faster at every longer length measured by both."""
+  chunk_time = {p["seq_len"]: p["seconds"]["median"] for p in chunkwise}
+  both = [(p["seq_len"], p["seconds"]["median"] < chunk_time[p["seq_len"]]) for p in parallel
+          if p["seq_len"] in chunk_time]
+  crossover = None
+  for length, parallel_faster in reversed(both):
+    if parallel_faster:
+      break
+    crossover = length
+  return crossover
+
+
+def measure_lengths(base, suite: Suite, mesh, source: str) -> dict[str, Any]:
+  """Forward and training-step time and peak memory vs sequence length at batch 1, forms interleaved per length."""
+  config = make_config(base, suite, "float32", "parallel", suite.seq_len, 1)
+  retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
+  results: dict[str, Any] = {"forward": {}, "train": {}}
+  for kind, lengths, quadratic_max in (("forward", suite.lengths, suite.quadratic_max_len),
+                                       ("train", suite.train_lengths, suite.quadratic_train_max_len)):
+    for length in lengths:
+      cases = {}
+      for name in ("retnet/parallel", "retnet/chunkwise", "transformer/parallel"):
+        if name.endswith("parallel") and length > quadratic_max:
+          continue
+        model_name, mode = name.split("/")
+        if kind == "train":
+          cfg = make_config(base, suite, "float32", mode, length, 1)
+          cases[name] = (retnet_train_case if model_name == "retnet" else transformer_train_case)(cfg, mesh)
+        elif model_name == "retnet":
+          cases[name] = forward_case(retnet, mode, length)
+        else:
+          model = transformer.Transformer(transformer.transformer_config(config.model, length),
+                                          rngs=nnx.Rngs(config.seed))
+          cases[name] = forward_case(model, "parallel", length)
+      print(f"{kind} at {length} tokens: {', '.join(cases)}", flush=True)
+      for name, case in interleave(cases, suite.rounds, source).items():
+        results[kind].setdefault(name, []).append(
+            {"seq_len": length, "seconds": case.info["seconds"], "memory": case.info["memory"],
+             "compiled_bytes": case.info["compiled_bytes"], "compile_s": case.info["compile_s"]})
+    for name, points in results[kind].items():
+      for point in points:
+        point["median_s"] = point["seconds"]["median"]
+        point["peak_bytes"] = point["memory"]["peak_bytes"]
+    results[f"{kind}_analysis"] = {
+        "crossover_seq_len": _crossover(results[kind]["retnet/parallel"], results[kind]["retnet/chunkwise"]),
+        "time_growth_exponent": {name: _growth(points, "median_s") for name, points in results[kind].items()},
+        "compiled_bytes_growth_exponent": {name: _growth(points, "compiled_bytes")
+                                           for name, points in results[kind].items()
+                                           if all(p["compiled_bytes"] for p in points)}}
+  return results
+
+
+def measure_decoding(base, suite: Suite, ceilings, torchscale: Torchscale, source: str) -> dict[str, Any]:
+  """Greedy decoding: tokens/s at batch 1 and `decode_batch`, per-token latency vs context, all interleaved."""
+  config = make_config(base, suite, "float32", "chunkwise", suite.seq_len, 1)
+  retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
+  contexts = sorted(set(suite.contexts) | {suite.prompt_len})
+  cases, models = {}, {"retnet": lambda context: retnet}
+  # A preallocated KV cache as long as the prompt and the new tokens: attention reads what the context needs.
+  models["transformer"] = lambda context: transformer.Transformer(
+      transformer.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed))
+  for name, model_at in models.items():
+    prefill = "chunkwise" if name == "retnet" else "parallel"
+    for context in contexts:
+      cases[f"{name}/batch_1/{context}"] = decode_case(model_at(context), 1, context, suite.new_tokens, prefill)
+    cases[f"{name}/batch_{suite.decode_batch}/{suite.prompt_len}"] = decode_case(
+        model_at(suite.prompt_len), suite.decode_batch, suite.prompt_len, suite.new_tokens, prefill)
+  if torchscale.torch is not None:
+    cases["torchscale/batch_1"] = torchscale.decode_case(suite.new_tokens)
+  print(f"decoding: {len(cases)} cases, {suite.new_tokens} new tokens each", flush=True)
+  interleave(cases, suite.rounds, source)
+
+  param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(retnet, nnx.Param)))
+  forward_flops = 2 * flops.matmul_params(config.model) + flops.retention_flops_per_token(config.model, 1,
+                                                                                          "recurrent")
+  results: dict[str, Any] = {"throughput": {}, "latency": {}, "latency_ratio": {}, "large_batch": {}}
+  for name in models:
+    results["latency"][name] = [
+        {"context": c, "latency_s": cases[f"{name}/batch_1/{c}"].info["seconds"],
+         "state_bytes": cases[f"{name}/batch_1/{c}"].info["state_bytes"],
+         "memory": cases[f"{name}/batch_1/{c}"].info["memory"],
+         "first_call_s": cases[f"{name}/batch_1/{c}"].info["first_run_s"]} for c in contexts]
+    latency = {p["context"]: p["latency_s"]["median"] for p in results["latency"][name]}
+    results["latency_ratio"][name] = latency[contexts[-1]] / latency[contexts[0]]
+    large = cases[f"{name}/batch_{suite.decode_batch}/{suite.prompt_len}"].info
+    results["throughput"][name] = {
+        "batch_1": rate(1, cases[f"{name}/batch_1/{suite.prompt_len}"].info["seconds"]),
+        f"batch_{suite.decode_batch}": rate(suite.decode_batch, large["seconds"])}
+    results["large_batch"][name] = {"batch": suite.decode_batch, "state_bytes": large["state_bytes"],
+                                    "memory": large["memory"], "first_call_s": large["first_run_s"]}
+  if torchscale.torch is not None:
+    results["throughput"]["torchscale"] = {"batch_1": rate(1, cases["torchscale/batch_1"].info["seconds"])}
+  bandwidth = ceilings["memory_read_bytes_per_s"]["median"]
+  ours = results["throughput"]["retnet"]
+  results.update(
+      prompt_len=suite.prompt_len, new_tokens=suite.new_tokens, latency_contexts=contexts,
+      param_bytes=param_bytes, weight_read_floor_s=param_bytes / bandwidth,
+      weight_read_floor_tokens_per_s=bandwidth / param_bytes,
+      batch_1_over_floor=ours["batch_1"]["median"] * param_bytes / bandwidth,
+      forward_flops_per_token=forward_flops,
+      large_batch_flops_per_s=ours[f"batch_{suite.decode_batch}"]["median"] * forward_flops)
+  results["large_batch_fraction_of_matmul_ceiling"] = (
+      results["large_batch_flops_per_s"] / ceilings["matmul_flops"]["float32"]["median"])
+  return results
+
+
+def torchscale_ratios(training, decoding, torchscale: Torchscale) -> dict[str, Any]:
+  if torchscale.torch is None:
+    return {"available": False, "note": torchscale.note, "ratios": {}}
+  ratios = {f"train_{mode}": training[f"retnet/{mode}/float32"]["tokens_per_s"]["median"]
+            / training[f"torchscale/{mode}/float32"]["tokens_per_s"]["median"] for mode in ("parallel", "chunkwise")}
+  ratios["decode_batch_1"] = (decoding["throughput"]["retnet"]["batch_1"]["median"]
+                              / decoding["throughput"]["torchscale"]["batch_1"]["median"])
+  return {"available": True, "note": torchscale.note, "ratios": ratios}
+
+
+def check_targets(results) -> list[dict[str, Any]]:
+  """The issue's performance targets, each with the measured value and whether it is met."""
+  training, decoding = results["training"], results["decoding"]
+  theirs = decoding["throughput"].get("torchscale", {}).get("batch_1", {}).get("median", TORCHSCALE_DECODE_REFERENCE)
+  batch_1 = decoding["throughput"]["retnet"]["batch_1"]["median"]
+  targets = [
+      ("float32 training (parallel) >= 75% of the float32 matmul ceiling",
+       training["retnet/parallel/float32"]["mfu"], lambda v: v >= 0.75),
+      ("float32 training (chunkwise) >= 75% of the float32 matmul ceiling",
+       training["retnet/chunkwise/float32"]["mfu"], lambda v: v >= 0.75),
+      (f"decoding batch 1 >= 6 x torchscale ({theirs:.1f} tok/s)", batch_1 / theirs, lambda v: v >= 6),
+      ("decoding batch 1 within 2 x of the weight-read floor", decoding["batch_1_over_floor"], lambda v: v >= 0.5),
+      ("per-token latency flat: longest / shortest context < 1.1", decoding["latency_ratio"]["retnet"],
+       lambda v: v < 1.1),
+  ]
+  return [{"target": name, "value": value, "met": bool(test(value))} for name, value, test in targets]
+
+
+# ----------------------------------------------------------------------------------------------- reporting
+
+def _fmt(x: float | None, unit: str = "") -> str:
+  if x is None:
+    return "-"
+  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale and unit:
+      return f"{x / scale:.3g} {prefix}{unit}"
+  return f"{x:.3g} {unit}".strip()
+
+
+def _range(s: dict[str, float], unit: str = "", scale: float = 1.0) -> str:
+  return f"{_fmt(s['median'] * scale, unit)} [{_fmt(s['min'] * scale)}-{_fmt(s['max'] * scale)}]"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def to_markdown(results) -> str:
+  meta, ceilings = results["meta"], results["ceilings"]
+  lines = [f"# Benchmark ({meta['suite']} suite)", "",
+           f"`{meta['command']}` on {meta['machine']}, {meta['date']}; jax {meta['jax']}. Model: "
+           + ", ".join(f"{k} {v}" for k, v in meta["size"].items())
+           + f" ({meta['params']:,} parameters); training batch {meta['batch_size']} x {meta['seq_len']}. "
+           f"Medians [min-max] over timed runs after a warm-up. Peak memory: {meta['memory_source']}; "
+           "XLA buffers: the compiled program's arguments + temporaries + outputs.", "", "## Ceilings", ""]
+  lines += _table(["ceiling", "median [min-max]"], [
+      [f"matmul {name} ({ceilings['matmul_size']}^2)", _range(s, "FLOP/s")]
+      for name, s in ceilings["matmul_flops"].items()] + [
+      [f"memory read ({_fmt(ceilings['read_array_bytes'], 'B')} reduction)",
+       _range(ceilings["memory_read_bytes_per_s"], "B/s")]])
+  lines += ["", "## Training step", ""]
+  lines += _table(["model/form/dtype", "tokens/s", "step s", "compile s", "peak memory", "XLA buffers", "MFU"], [
+      [name, _range(r["tokens_per_s"]), _range(r["step_s"]), _fmt(r["compile_s"]),
+       _fmt(r["memory"]["peak_bytes"], "B"), _fmt(r["compiled_bytes"], "B"), f"{r['mfu']:.1%}"]
+      for name, r in results["training"].items()])
+  ts = results["torchscale"]
+  lines += ["", "## torchscale (official implementation), same configuration", "", ts["note"], ""]
+  if ts["ratios"]:
+    lines += _table(["ours / theirs", "ratio"], [[k, f"{v:.2f}x"] for k, v in ts["ratios"].items()])
+  for kind in ("forward", "train"):
+    sweep, analysis = results["lengths"][kind], results["lengths"][f"{kind}_analysis"]
+    lengths = sorted({p["seq_len"] for points in sweep.values() for p in points})
+    by = {name: {p["seq_len"]: p for p in points} for name, points in sweep.items()}
+    cell = lambda p: "-" if p is None else (f"{_range(p['seconds'], 's')}, {_fmt(p['peak_bytes'], 'B')} peak, "
+                                            f"{_fmt(p['compiled_bytes'], 'B')} XLA")
+    lines += ["", f"## {kind.capitalize()} vs sequence length (batch 1)", ""]
+    lines += _table(["tokens"] + list(sweep), [[n] + [cell(by[name].get(n)) for name in sweep] for n in lengths])
+    lines += ["", f"Chunkwise faster than parallel from: {analysis['crossover_seq_len'] or 'never'} tokens. "
+              "Growth exponent between the two longest lengths (1 linear, 2 quadratic), time: "
+              + ", ".join(f"{k} {_fmt(v)}" for k, v in analysis["time_growth_exponent"].items())
+              + "; XLA buffers: "
+              + ", ".join(f"{k} {_fmt(v)}" for k, v in analysis["compiled_bytes_growth_exponent"].items()) + "."]
+  dec = results["decoding"]
+  lines += ["", f"## Decoding (greedy, `sampling.generate`, {dec['new_tokens']} new tokens)", ""]
+  lines += _table(["model", "tokens/s"], [
+      [f"{name} {key.replace('_', ' ')}" + (f" after {dec['prompt_len']} tokens" if name != "torchscale" else ""),
+       _range(value)]
+      for name, entry in dec["throughput"].items() for key, value in entry.items()])
+  lines += ["", "Per-token latency vs context (batch 1):", ""]
+  names = list(dec["latency"])
+  lines += _table(["context"] + [f"{n} ms/token" for n in names] + [f"{n} state" for n in names], [
+      [c] + [_range(dec["latency"][n][i]["latency_s"], scale=1e3) for n in names]
+      + [_fmt(dec["latency"][n][i]["state_bytes"], "B") for n in names]
+      for i, c in enumerate(dec["latency_contexts"])])
+  lines += ["", "Latency longest / shortest context: " + ", ".join(
+      f"{k} {v:.2f}" for k, v in dec["latency_ratio"].items())
+      + f". Weight-read floor: {_fmt(dec['param_bytes'], 'B')} / read bandwidth = {dec['weight_read_floor_s'] * 1e3:.2f}"
+      f" ms/token ({dec['weight_read_floor_tokens_per_s']:.0f} tok/s); batch 1 reaches "
+      f"{dec['batch_1_over_floor']:.0%} of it. Large batch: {_fmt(dec['large_batch_flops_per_s'], 'FLOP/s')} "
+      f"({dec['large_batch_fraction_of_matmul_ceiling']:.0%} of the float32 matmul ceiling). Large-batch "
+      "decoding state / peak memory: " + ", ".join(
+          f"{k} {_fmt(v['state_bytes'], 'B')} / {_fmt(v['memory']['peak_bytes'], 'B')}"
+          for k, v in dec["large_batch"].items()) + "."]
+  lines += ["", "## Targets", ""]
+  lines += _table(["target", "value", "met"], [[t["target"], _fmt(t["value"]), "yes" if t["met"] else "no"]
+                                               for t in results["targets"]])
+  return "\n".join(lines) + "\n"
+
+
+def plot(results, out: Path) -> list[str]:
+  """PNG plots: time and memory vs length, latency and state vs context, training throughput."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  def lines(ax, series, x, y, title, ylabel, xlabel="tokens"):
+    for name, points in series.items():
+      ax.plot([p[x] for p in points], [y(p) for p in points], marker="o", label=name)
+    ax.set(xscale="log", yscale="log", title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+  files = []
+  for kind in ("forward", "train"):
+    sweep = results["lengths"][kind]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    lines(axes[0], sweep, "seq_len", lambda p: p["median_s"], f"{kind}: time (batch 1)", "seconds")
+    lines(axes[1], sweep, "seq_len", lambda p: p["peak_bytes"] / 2**30, f"{kind}: peak memory (RSS)", "GiB")
+    lines(axes[2], {k: v for k, v in sweep.items() if all(p["compiled_bytes"] for p in v)}, "seq_len",
+          lambda p: p["compiled_bytes"] / 2**30, f"{kind}: XLA buffers", "GiB")
+    files.append(f"{kind}_vs_length.png")
+    fig.tight_layout()
+    fig.savefig(out / files[-1], dpi=100)
+    plt.close(fig)
+
+  latency = results["decoding"]["latency"]
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+  lines(axes[0], latency, "context", lambda p: p["latency_s"]["median"] * 1e3, "decoding latency (batch 1)",
+        "ms / token", "context tokens")
+  lines(axes[1], latency, "context", lambda p: p["state_bytes"] / 2**20, "decoding state (KV cache)", "MiB",
+        "context tokens")
+  files.append("decoding_vs_context.png")
+  fig.tight_layout()
+  fig.savefig(out / files[-1], dpi=100)
+  plt.close(fig)
+
+  training = results["training"]
+  fig, ax = plt.subplots(figsize=(10, 4.5))
+  ax.barh(list(training), [r["tokens_per_s"]["median"] for r in training.values()],
+          xerr=[[r["tokens_per_s"]["median"] - r["tokens_per_s"]["min"] for r in training.values()],
+                [r["tokens_per_s"]["max"] - r["tokens_per_s"]["median"] for r in training.values()]])
+  ax.set(xlabel="tokens / s", title="training step throughput")
+  files.append("training_throughput.png")
+  fig.tight_layout()
+  fig.savefig(out / files[-1], dpi=100)
+  plt.close(fig)
+  return files
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+def _cpu_name() -> str:
+  for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
+    if line.startswith("model name"):
+      return line.split(":", 1)[1].strip()
+  return platform.machine()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  suite = SUITES[_SUITE.value]
+  size = {name: flag.value if flag.value is not None else suite.size[name] for name, flag in _SIZE.items()}
+  suite = dataclasses.replace(suite, size=size, seq_len=_SEQ_LEN.value or suite.seq_len,
+                              batch_size=_BATCH_SIZE.value or suite.batch_size)
+  out = Path(_OUT.value)
+  out.mkdir(parents=True, exist_ok=True)
+  base = _CONFIG.value
+  config = make_config(base, suite, "float32", "parallel", suite.seq_len, suite.batch_size)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  source = memory_source()
+  torchscale = Torchscale(config.model)
+  start = time.perf_counter()
+  params = sum(x.size for x in jax.tree.leaves(
+      nnx.state(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))), nnx.Param)))
+  results: dict[str, Any] = {"meta": {
+      "suite": _SUITE.value, "command": " ".join(["python"] + sys.argv),
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "machine": f"{_cpu_name()}, {os.cpu_count()} cores", "jax": jax.__version__,
+      "device": str(jax.devices()[0]), "size": size, "params": int(params), "seq_len": suite.seq_len,
+      "batch_size": suite.batch_size, "rounds": suite.rounds, "memory_source": source,
+      "suite_settings": dataclasses.asdict(suite)}}
+  print("ceilings", flush=True)
+  results["ceilings"] = measure_ceilings(suite, params, source)
+  results["training"] = measure_training(base, suite, mesh, results["ceilings"], torchscale, source)
+  results["lengths"] = measure_lengths(base, suite, mesh, source)
+  results["decoding"] = measure_decoding(base, suite, results["ceilings"], torchscale, source)
+  results["torchscale"] = torchscale_ratios(results["training"], results["decoding"], torchscale)
+  results["targets"] = check_targets(results)
+  results["meta"]["total_s"] = time.perf_counter() - start
+  results["meta"]["plots"] = plot(results, out)
+  (out / "results.json").write_text(json.dumps(results, indent=2))
+  markdown = to_markdown(results)
+  (out / "results.md").write_text(markdown)
+  print(markdown)
+  print(f"wrote {out}/results.json, results.md and {', '.join(results['meta']['plots'])} "
+        f"in {results['meta']['total_s']:.0f} s")
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)

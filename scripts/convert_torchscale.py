@@ -1,0 +1,51 @@
+"""Converts an official torchscale RetNet checkpoint into a workdir that scripts/evaluate.py and generate.py load:
+
+    python scripts/convert_torchscale.py --state_dict=retnet.pt --torchscale_config=retnet.json --workdir=runs/ts
+
+`--state_dict` is a `torch.save`d state_dict of torchscale's RetNetDecoder (late-2023 layout, its own names:
+`layers.0.retention.q_proj.weight`, ..., `embed_tokens.weight`); `--torchscale_config` a JSON object of its
+RetNetConfig keyword values. Writes WORKDIR/checkpoints/0 and WORKDIR/config.json, then prints the flags that
+load the result. Reading the .pt file needs torch: `pip install -e '.[torch]'`.
+"""
+
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from absl import app, flags
+import jax
+
+from retnet_jax import convert
+
+_STATE_DICT = flags.DEFINE_string("state_dict", None, "torch.save'd RetNetDecoder state_dict (.pt).", required=True)
+_TORCHSCALE_CONFIG = flags.DEFINE_string("torchscale_config", None, "JSON file of RetNetConfig keyword values.",
+                                         required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory to write checkpoints/0 and config.json into.",
+                               required=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    import torch  # only to read the .pt file
+  except ImportError:
+    sys.exit("reading a torch state_dict needs torch: pip install -e '.[torch]'")
+  state_dict = torch.load(_STATE_DICT.value, map_location="cpu", weights_only=True)
+  if not isinstance(state_dict, Mapping):
+    sys.exit(f"{_STATE_DICT.value} holds a {type(state_dict).__name__}, not a state_dict (names -> tensors).")
+  torchscale_config = json.loads(Path(_TORCHSCALE_CONFIG.value).read_text())
+  model, config = convert.load_torchscale(state_dict, torchscale_config)
+  checkpoints = convert.write_checkpoint(model, config, _WORKDIR.value)
+  load_flags = " ".join([f"--config=configs/retnet.py:{config.preset}"]
+                        + [f"--config.model.{name}={value}" for name, value in convert.model_overrides(config).items()]
+                        + [f"--workdir={_WORKDIR.value}"])
+  print(f"wrote {checkpoints / '0'} and {Path(_WORKDIR.value) / 'config.json'}; load it with (plus "
+        f"--config.data.tokenizer=PATH for the checkpoint's tokenizer):\n"
+        f"  python scripts/evaluate.py {load_flags}\n  python scripts/generate.py {load_flags}", flush=True)
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)

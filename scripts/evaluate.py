@@ -1,0 +1,47 @@
+"""Evaluates a checkpoint: `python scripts/evaluate.py --config=configs/retnet.py:small --workdir=runs/shakespeare`.
+
+Prints a table and, as the last line of stdout, one JSON object, also written to WORKDIR/eval_step_STEP.json.
+`--mode=all` evaluates the parallel, chunkwise and recurrent forms and checks that they agree. Data flags are
+the training config's (`--config.data.files=...`, `--config.data.validation_files=...`).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from absl import app, flags, logging
+import jax
+from ml_collections import config_flags
+
+from retnet_jax import evaluate
+from retnet_jax.layers import MODES
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Config file and preset.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory holding checkpoints/.", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
+_MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "Retention form, or all three.")
+_MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches (default: all).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
+  modes = MODES if _MODE.value == "all" else (_MODE.value,)
+  results = {"step": step, "workdir": str(_WORKDIR.value),
+             **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value)}
+  print(evaluate.format_table(results))
+  line = json.dumps(results)
+  if jax.process_index() == 0:
+    (Path(_WORKDIR.value) / f"eval_step_{step}.json").write_text(line + "\n")
+  print(line, flush=True)
+  if not results.get("modes_agree", True):
+    logging.error("the retention forms disagree beyond the tolerance")
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)

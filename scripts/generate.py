@@ -1,0 +1,62 @@
+"""Samples text from a checkpoint, streaming it as it is produced:
+
+    python scripts/generate.py --config=configs/retnet.py:small --workdir=runs/shakespeare \\
+      --prompt="ROMEO:" --max_new_tokens=300 --temperature=0.8 --top_p=0.95
+
+Prompts are prefilled in the chunkwise form, then decoded token by token in the recurrent form inside one
+compiled loop (memory per sequence constant in the context length). The last line of stdout is one JSON
+object with every prompt's completion.
+"""
+
+import json
+
+from absl import app, flags
+import jax
+from ml_collections import config_flags
+
+from retnet_jax import data, evaluate, sampling
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Config file and preset.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory holding checkpoints/.", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to load (default: the latest).")
+_PROMPT = flags.DEFINE_multi_string("prompt", ["\n"], "Prompt text; repeat the flag for a batch of prompts.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_len", 8192, "Longest prompt accepted, in tokens.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 decodes greedily.")
+_TOP_K = flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens only.")
+_TOP_P = flags.DEFINE_float("top_p", None, "Sample from the smallest set of tokens whose probability reaches p.")
+_STOP = flags.DEFINE_multi_integer("stop_token", [], "Token id that ends a completion (repeatable).")
+_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
+_PREFILL = flags.DEFINE_enum("prefill_mode", "chunkwise", sampling.PREFILL_MODES, "Form used for the prompt.")
+_STREAM = flags.DEFINE_boolean("stream", True, "Print the first prompt's completion as it is produced.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  tokenizer = data.load_tokenizer(config.data.tokenizer)
+  model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
+  prompts = list(_PROMPT.value)
+  for i, prompt in enumerate(prompts):
+    length = len(tokenizer.encode(prompt))
+    if length > _MAX_PROMPT.value:
+      raise app.UsageError(f"prompt {i} holds {length} tokens, more than --max_prompt_len={_MAX_PROMPT.value}.")
+  if _STREAM.value:
+    print(prompts[0], end="", flush=True)
+  stop = tuple(_STOP.value) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
+  completions = sampling.generate_text(
+      model, tokenizer, prompts, print_row=0 if _STREAM.value else None, max_new_tokens=_MAX_NEW.value,
+      key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+      stop_tokens=stop, prefill_mode=_PREFILL.value)
+  for prompt, completion in zip(prompts[1:] if _STREAM.value else prompts,
+                                completions[1:] if _STREAM.value else completions):
+    print("-" * 40 + "\n" + prompt + completion)
+  print(json.dumps({"step": step, "samples": [{"prompt": p, "completion": c}
+                                              for p, c in zip(prompts, completions)]}), flush=True)
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)

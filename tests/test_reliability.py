@@ -1,0 +1,197 @@
+"""Reliability: preemption (SIGTERM, SIGKILL), damaged checkpoints, non-finite guards, determinism, two processes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from configs import retnet as retnet_config
+from retnet_jax import checkpointing, data, sharding, train
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+  path.write_bytes((REPO / "data" / "tinyshakespeare.txt").read_bytes()[:60_000])
+  return path
+
+
+def losses(workdir):
+  lines = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  return {m["step"]: m["loss"] for m in lines if "loss" in m}
+
+
+def in_process_config(corpus, **train_overrides):
+  config = retnet_config.get_config("tiny")
+  config.data.files = (str(corpus),)
+  config.train.update({**TRAIN, "steps": 12, "eval_every_steps": 100, **train_overrides})
+  config.checkpoint.update(every_steps=4, async_save=False)
+  return config
+
+
+def launch(workdir, corpus, devices=1, steps=300, extra=(), **checkpoint):
+  """Starts scripts/train.py on `devices` CPU devices, logging every step."""
+  overrides = {**TRAIN, "steps": steps, "eval_every_steps": 10_000}
+  flags = [f"--config={REPO / 'configs' / 'retnet.py'}:tiny", f"--workdir={workdir}",
+           f"--config.data.files=('{corpus}',)"]
+  flags += [f"--config.train.{k}={v}" for k, v in overrides.items()]
+  flags += [f"--config.checkpoint.{k}={v}" for k, v in {"every_steps": 10_000, **checkpoint}.items()]
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *flags, *extra], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process, timeout=300):
+  output, _ = process.communicate(timeout=timeout)
+  assert process.returncode == 0, output[-3000:]
+  return output
+
+
+def wait_for(condition, process, timeout=120):
+  deadline = time.time() + timeout
+  while not condition():
+    assert process.poll() is None, process.communicate()[0][-3000:]
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.002)
+
+
+def logged_steps(workdir):
+  path = Path(workdir) / "metrics.jsonl"
+  return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+  """An uninterrupted 300-step run in a subprocess on one device: the losses every other run must reproduce."""
+  workdir = tmp_path_factory.mktemp("reference")
+  finish(launch(workdir, corpus))
+  return losses(workdir)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, corpus, reference):
+  workdir = tmp_path / "run"
+  process = launch(workdir, corpus)
+  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  process.send_signal(signal.SIGTERM)
+  output = finish(process)
+  assert "SIGTERM received: checkpoint of step" in output
+  with checkpointing.Checkpointer(workdir / "checkpoints") as checkpointer:
+    stopped_at = checkpointer.latest_step()
+  assert 30 <= stopped_at < 300 and max(losses(workdir)) == stopped_at  # nothing lost: the last step is saved
+  finish(launch(workdir, corpus))
+  assert losses(workdir) == reference  # every step, bitwise
+
+
+@pytest.mark.slow
+def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_path, corpus, reference):
+  workdir = tmp_path / "run"
+  process = launch(workdir, corpus, every_steps=25, async_save=True)
+  checkpoints = workdir / "checkpoints"
+  started = lambda: checkpoints.is_dir() and any(p.name.startswith("50") for p in checkpoints.iterdir())
+  wait_for(started, process)
+  process.kill()  # SIGKILL while step 50 is being written (or just after)
+  process.wait()
+  with checkpointing.Checkpointer(checkpoints) as checkpointer:
+    latest = checkpointer.latest_step()
+  assert latest in (25, 50)  # a half-written 50 is never taken as the latest
+  finish(launch(workdir, corpus, every_steps=25, async_save=True))
+  assert losses(workdir) == reference  # steps after `latest` were redone identically
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, monkeypatch):
+  config = in_process_config(corpus)
+  straight = train.train_and_evaluate(config, tmp_path / "straight")
+
+  original_next, calls = data.BatchIterator.__next__, []
+
+  def crash_in_step_10(self):
+    calls.append(1)
+    if len(calls) == 10:
+      raise KeyboardInterrupt
+    return original_next(self)
+
+  monkeypatch.setattr(data.BatchIterator, "__next__", crash_in_step_10)
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(config, tmp_path / "run")
+  monkeypatch.setattr(data.BatchIterator, "__next__", original_next)
+  for file in (tmp_path / "run" / "checkpoints" / "8" / "state").rglob("*"):
+    if file.is_file():
+      file.write_bytes(b"\0garbage" * 3)
+  resumed = train.train_and_evaluate(config, tmp_path / "run")
+  assert (tmp_path / "run" / "checkpoints" / "8.corrupt").is_dir()
+  assert losses(tmp_path / "run") == losses(tmp_path / "straight")  # steps 5-12 redone from step 4
+  assert resumed["eval_loss"] == straight["eval_loss"]
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, corpus):
+  config = in_process_config(corpus, steps=6, nonfinite="skip", inject_nonfinite_steps=(3,))
+  final = train.train_and_evaluate(config, tmp_path / "run")
+  logged = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  by_step = {m["step"]: m for m in logged if "loss" in m}
+  assert np.isnan(by_step[3]["loss"]) and by_step[2]["nonfinite_steps"] == 0 and by_step[3]["nonfinite_steps"] == 1
+  assert final["nonfinite_steps"] == 1 and np.isfinite(final["eval_loss"])
+
+
+def test_nonfinite_step_stops_the_run_naming_it(tmp_path, corpus):
+  config = in_process_config(corpus, steps=8, nonfinite="stop", inject_nonfinite_steps=(6,))
+  config.checkpoint.every_steps = 4
+  with pytest.raises(FloatingPointError, match=r"at step 6;.*checkpoint \(step 4\) is intact"):
+    train.train_and_evaluate(config, tmp_path / "run")
+  with checkpointing.Checkpointer(tmp_path / "run" / "checkpoints") as checkpointer:
+    assert checkpointer.all_steps() == [4]
+
+
+def test_same_seed_same_losses(tmp_path, corpus):
+  config = in_process_config(corpus, steps=6)
+  train.train_and_evaluate(config, tmp_path / "a")
+  train.train_and_evaluate(config, tmp_path / "b")
+  assert losses(tmp_path / "a") == losses(tmp_path / "b")
+  config.seed = 1
+  train.train_and_evaluate(config, tmp_path / "c")
+  assert losses(tmp_path / "c") != losses(tmp_path / "a")
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path, corpus):
+  """2 processes x 4 CPU devices (gloo collectives over loopback) vs 1 process x 8 devices."""
+  steps = 12
+  single = tmp_path / "single"
+  finish(launch(single, corpus, devices=8, steps=steps, every_steps=6))
+  multi = tmp_path / "multi"
+  port = free_port()
+  processes = [launch(multi, corpus, devices=4, steps=steps, every_steps=6,
+                      extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"])
+               for i in range(2)]
+  for process in processes:
+    finish(process)
+  single_losses, multi_losses = losses(single), losses(multi)
+  assert sorted(multi_losses) == list(range(1, steps + 1))
+  assert max(abs(single_losses[s] - multi_losses[s]) for s in single_losses) < 1e-5
+
+  config = in_process_config(corpus, steps=steps)  # the jointly written checkpoint restores in one process
+  run = train.setup(config, sharding.make_mesh(config.mesh))
+  with checkpointing.Checkpointer(multi / "checkpoints") as checkpointer:
+    state, meta = checkpointer.restore(run.abstract_state)
+  exported = checkpointing.load_params(single / "params" / str(steps), run.abstract_state["params"])
+  assert int(state["step"]) == steps
+  difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(exported)))
+  assert difference < 1e-5
