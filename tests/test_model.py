@@ -157,3 +157,16 @@ def test_left_padding_with_negative_positions_matches_prompt_alone():
     logits, padded_state = forward(model, padded, state, mode)
     assert max_abs_diff(logits[:, pad:], alone) < 5e-5, mode
     assert max_abs_diff(padded_state, alone_state) < 1e-5, mode
+
+
+def test_bfloat16_state_hand_over_in_every_mode():
+  """bfloat16 compute with a carried-in state runs in every mode (the state stays float32) and matches."""
+  model = tiny_model(dtype="bfloat16")
+  tokens = random_tokens(2, 19, seed=6)
+  whole, _ = forward(model, tokens, None, "parallel")
+  scale = float(jnp.max(jnp.abs(whole)))
+  _, state = forward(model, tokens[:, :11], None, "chunkwise")
+  assert state["layers"][0]["kv"].dtype == jnp.float32
+  for mode in MODES:
+    logits, _ = forward(model, tokens[:, 11:], state, mode)
+    assert max_abs_diff(logits, whole[:, 11:]) < 0.03 * scale, mode

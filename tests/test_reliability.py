@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, data, sharding, train
+from retnet_jax import checkpointing, sharding, train
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_batches=1)
@@ -110,22 +110,10 @@ def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_p
   assert losses(workdir) == reference  # steps after `latest` were redone identically
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, monkeypatch):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, run_crashing_at_batch):
   config = in_process_config(corpus)
   straight = train.train_and_evaluate(config, tmp_path / "straight")
-
-  original_next, calls = data.BatchIterator.__next__, []
-
-  def crash_in_step_10(self):
-    calls.append(1)
-    if len(calls) == 10:
-      raise KeyboardInterrupt
-    return original_next(self)
-
-  monkeypatch.setattr(data.BatchIterator, "__next__", crash_in_step_10)
-  with pytest.raises(KeyboardInterrupt):
-    train.train_and_evaluate(config, tmp_path / "run")
-  monkeypatch.setattr(data.BatchIterator, "__next__", original_next)
+  run_crashing_at_batch(10, train.train_and_evaluate, config, tmp_path / "run")  # checkpoints 4 and 8 written
   for file in (tmp_path / "run" / "checkpoints" / "8" / "state").rglob("*"):
     if file.is_file():
       file.write_bytes(b"\0garbage" * 3)

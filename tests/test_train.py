@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, data, sharding, train
+from retnet_jax import checkpointing, sharding, train
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 
@@ -107,28 +107,11 @@ def test_gradient_accumulation_equals_one_big_batch():
   assert max_tree_diff(whole["params"], accumulated["params"]) < 1e-5
 
 
-class Interrupted(Exception):
-  pass
-
-
-def test_resume_is_exact(tmp_path, monkeypatch):
+def test_resume_is_exact(tmp_path, run_crashing_at_batch):
   """8 steps straight vs 4 steps, a crash, and a restart that runs 4 more: identical losses and parameters."""
   config = tiny_config(tmp_path)
   straight = train.train_and_evaluate(config, tmp_path / "straight")
-
-  original_next = data.BatchIterator.__next__
-  calls = []
-
-  def next_then_crash(self):
-    calls.append(1)
-    if len(calls) > 5:  # the checkpoint at step 4 is written; crash while in step 6
-      raise Interrupted
-    return original_next(self)
-
-  monkeypatch.setattr(data.BatchIterator, "__next__", next_then_crash)
-  with pytest.raises(Interrupted):
-    train.train_and_evaluate(config, tmp_path / "resumed")
-  monkeypatch.setattr(data.BatchIterator, "__next__", original_next)
+  run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")  # in step 6, after checkpoint 4
   resumed = train.train_and_evaluate(config, tmp_path / "resumed")
 
   straight_losses, resumed_losses = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
@@ -166,6 +149,15 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
     (lambda c: c.data.update(tokenizer="/nonexistent/tokenizer.json"), "neither 'byte' nor an existing file"),
     (lambda c: c.train.update(mode="recurrent"), "train with 'parallel' or 'chunkwise'"),
     (lambda c: c.train.update(grad_accum_steps=3), "not divisible by train.grad_accum_steps=3"),
+    (lambda c: c.model.update(dtype="float16"), "unknown dtype 'float16'"),
+    (lambda c: c.model.update(decay_schedule="cosine"), "unknown decay_schedule 'cosine'"),
+    (lambda c: c.model.update(chunk_size=0), "model.chunk_size must be a positive integer"),
+    (lambda c: c.model.update(num_heads=3), "not divisible by model.num_heads=3"),
+    (lambda c: c.train.update(lr_schedule="step"), "unknown train.lr_schedule 'step'"),
+    (lambda c: c.train.update(nonfinite="ignore"), "unknown train.nonfinite 'ignore'"),
+    (lambda c: c.train.update(remat="everything"), "unknown train.remat 'everything'"),
+    (lambda c: c.model.update(vocab_size=100), "the tokenizer has 256 tokens but model.vocab_size=100"),
+    (lambda c: c.data.update(validation_fraction=1.5), "validation_fraction must lie strictly between 0 and 1"),
 ])
 def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
   config = tiny_config(tmp_path)
@@ -183,3 +175,11 @@ def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
   with pytest.raises(ValueError, match="incompatible model config.*num_layers"):
     train.train_and_evaluate(config, tmp_path / "run")
   assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_profile_trace_and_tensorboard_events_are_written(tmp_path):
+  config = tiny_config(tmp_path, steps=4, profile_steps=(2, 3))
+  train.train_and_evaluate(config, tmp_path / "run")
+  assert list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
+  assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+  assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 4
