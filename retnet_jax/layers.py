@@ -24,6 +24,8 @@ ACTIVATIONS = {
     "relu": jax.nn.relu,
 }
 SCORE_CLAMP_MAX = 5e4  # upper clamp of the score normaliser, as in the official code
+# stability_norm_style: one scalar that every form computes alike, or the official code's scalars per form.
+NORM_STYLES = ("shared", "torchscale")
 
 
 def xavier_uniform(gain: float) -> nnx.Initializer:
@@ -104,13 +106,21 @@ def init_layer_state(cfg: ml_collections.ConfigDict, batch_size: int) -> dict[st
   return state
 
 
+def sqrt_decay_sum(n: jax.Array, log_decay_H: jax.Array) -> jax.Array:
+  """sqrt(sigma_n), sigma_n = sum_{t<=n} gamma^t = (1 - gamma^(n+1)) / (1 - gamma): `n [...]` -> `[..., H]`."""
+  n = n.astype(jnp.float32)[..., None]
+  return jnp.sqrt(jnp.expm1((n + 1) * log_decay_H) / jnp.expm1(log_decay_H))
+
+
 class MultiScaleRetention(nnx.Module):
   """Multi-scale retention: rotated q/k, per-head decay, per-head RMSNorm, swish gate, output projection.
 
-  With `stability_norm`, each head's raw output o_n is divided by sqrt(sigma_n) * c_n, where
-  sigma_n = sum_{t<=n} gamma^t and c_n = clamp(|q_n . z_n| / sqrt(sigma_n), 1, 5e4) with z_n the decayed
-  key sum (kept in the state). Every form computes the same scalar, so the forms agree exactly before and
-  after the per-head norm, whatever its epsilon.
+  With `stability_norm`, each head's raw output o_n is divided by a positive scalar per (position, head),
+  which the per-head norm cancels up to its epsilon. `stability_norm_style="shared"`: sqrt(sigma_n) * c_n,
+  where sigma_n = sum_{t<=n} gamma^t and c_n = clamp(|q_n . z_n| / sqrt(sigma_n), 1, 5e4) with z_n the
+  decayed key sum (kept in the state). Every form computes the same scalar, so the forms agree exactly
+  before and after the per-head norm, whatever its epsilon. `"torchscale"`: the official code's scalars,
+  which differ between forms (see `_divisor`), to reproduce its outputs form by form.
 
   Positions below 0 are left padding: their keys are zeroed, so they add nothing to the state, and since
   retention depends on relative positions only, a left-padded prompt gives the same outputs as alone.
@@ -125,6 +135,7 @@ class MultiScaleRetention(nnx.Module):
     self.rotation_base = cfg.rotation_base
     self.head_norm_eps = cfg.head_norm_eps
     self.stability_norm = cfg.stability_norm
+    self.stability_norm_style = cfg.stability_norm_style
     self.chunk_size = cfg.chunk_size
     self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, heads, cfg.decay_gammas))
     qkvg_init = xavier_uniform(2**-2.5)
@@ -142,6 +153,35 @@ class MultiScaleRetention(nnx.Module):
       return retention.chunkwise_retention(q, k, v, log_decay_H, self.chunk_size, state)
     return retention.recurrent_retention(q, k, v, log_decay_H, state)
 
+  def _divisor(self, mode: str, qz_BxLxH, q, k, v_ext, positions_BxL, log_decay_H, kv_in) -> jax.Array:
+    """Each head's divisor of its raw output o_n: `[B, L, H]` float32, from q_n . z_n `qz [B, L, H]`.
+
+    shared, every form: sqrt(sigma_n) * clamp(|q_n . z_n| / sqrt(sigma_n), 1, 5e4). torchscale, as its release
+    0.3.0 computes it per form: parallel sqrt(sigma_n) * clamp(|q_n . z_n| / sqrt(sigma_n), 1) (the absolute
+    row sum of its decayed score matrix); recurrent sqrt(sigma_n) (its state is stored divided by that);
+    chunkwise, with j the position inside a chunk of size B, sqrt(sigma_j) * max(clamp(A_j / sqrt(sigma_j), 1),
+    clamp(max_v sum_k |R| / sigma_(B-1), 1)), where A_j = sum_m gamma^(j-m) |q_j . k_m| over the chunk and R is
+    the raw state entering the chunk (each chunk's sums are its own: a row's clamp depends on the chunking).
+    """
+    sqrt_sigma = sqrt_decay_sum(jnp.maximum(positions_BxL, 0), log_decay_H)
+    score = jnp.abs(qz_BxLxH.astype(jnp.float32)) / sqrt_sigma
+    if self.stability_norm_style == "shared":
+      return sqrt_sigma * jnp.clip(score, 1.0, SCORE_CLAMP_MAX)
+    if mode == "parallel":
+      return sqrt_sigma * jnp.maximum(score, 1.0)
+    if mode == "recurrent":
+      return sqrt_sigma
+    length = q.shape[1]
+    size = min(self.chunk_size, length)
+    sqrt_sigma_LxH = sqrt_decay_sum(jnp.arange(length) % size, log_decay_H)
+    inner = jnp.maximum(retention.score_abs_sums(q, k, log_decay_H, size) / sqrt_sigma_LxH, 1.0)
+    states_CxBxHxKxV, _ = retention.chunk_states(k, v_ext, log_decay_H, size, kv_in)  # as in chunkwise_retention
+    sigma_last_H = sqrt_decay_sum(jnp.asarray(size - 1), log_decay_H) ** 2
+    state_abs_CxBxH = jnp.abs(states_CxBxHxKxV[..., :self.value_dim]).sum(axis=-2).max(axis=-1)
+    cross_BxCxH = jnp.maximum(jnp.moveaxis(state_abs_CxBxH, 0, 1) / sigma_last_H, 1.0)
+    cross = jnp.repeat(cross_BxCxH, size, axis=1)[:, :length]
+    return sqrt_sigma_LxH * jnp.maximum(inner, cross)
+
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, state: dict[str, jax.Array], mode: str
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     batch, length, _ = x_BxLxD.shape
@@ -155,19 +195,17 @@ class MultiScaleRetention(nnx.Module):
     k = jnp.where((positions_BxL >= 0)[..., None, None], k, 0)  # negative positions are left padding
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
-    kv = state["kv"]
+    kv_in = state["kv"]
     if self.stability_norm:  # a column of ones in v makes the last output column q_n . z_n
       v = jnp.concatenate([v, jnp.ones((batch, length, heads, 1), v.dtype)], axis=-1)
-      kv = jnp.concatenate([kv, state["key_sum"][..., None]], axis=-1)
-    out, kv = self._retention(mode, q, k, v, log_decay_H, kv)
+      kv_in = jnp.concatenate([kv_in, state["key_sum"][..., None]], axis=-1)
+    out, kv = self._retention(mode, q, k, v, log_decay_H, kv_in)
     new_state = {"kv": kv[..., :self.value_dim]}
     out_BxLxHxV = out[..., :self.value_dim].astype(jnp.float32)
     if self.stability_norm:
       new_state["key_sum"] = kv[..., self.value_dim]
-      n_BxLx1 = jnp.maximum(positions_BxL, 0).astype(jnp.float32)[..., None]
-      sqrt_sigma = jnp.sqrt(jnp.expm1((n_BxLx1 + 1) * log_decay_H) / jnp.expm1(log_decay_H))
-      c = jnp.clip(jnp.abs(out[..., self.value_dim].astype(jnp.float32)) / sqrt_sigma, 1.0, SCORE_CLAMP_MAX)
-      out_BxLxHxV = out_BxLxHxV / (sqrt_sigma * jax.lax.stop_gradient(c))[..., None]
+      divisor = self._divisor(mode, out[..., self.value_dim], q, k, v, positions_BxL, log_decay_H, kv_in)
+      out_BxLxHxV = out_BxLxHxV / jax.lax.stop_gradient(divisor)[..., None]
 
     y = rms_norm(out_BxLxHxV, self.head_norm_eps).reshape(batch, length, -1)
     gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))

@@ -52,6 +52,9 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.ffn_activation not in layers.ACTIVATIONS:
     raise ValueError(f"unknown model.ffn_activation {cfg.ffn_activation!r}; "
                      f"choose one of {tuple(layers.ACTIVATIONS)}.")
+  if cfg.stability_norm_style not in layers.NORM_STYLES:
+    raise ValueError(f"unknown model.stability_norm_style {cfg.stability_norm_style!r}; "
+                     f"choose one of {layers.NORM_STYLES}.")
 
 
 def check_tokens(tokens: Any, vocab_size: int) -> None:
@@ -72,13 +75,19 @@ def check_tokens(tokens: Any, vocab_size: int) -> None:
 
 
 class RetNet(nnx.Module):
-  """Decoder-only RetNet LM: embedding, `num_layers` pre-norm blocks, final RMSNorm, tied or untied head."""
+  """Decoder-only RetNet LM: embedding, `num_layers` pre-norm blocks, final RMSNorm, tied or untied head.
+
+  `scale_embedding` multiplies the embeddings by sqrt(d_model) and `embed_norm` applies an RMSNorm to them
+  before the first block (the official code's `no_scale_embedding=False` and `layernorm_embedding`).
+  """
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     check_model_config(cfg)
     self.config = ml_collections.FrozenConfigDict(cfg)
     dtype = layers.compute_dtype(cfg.dtype)
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
+    self.embed_scale = cfg.d_model**0.5 if cfg.scale_embedding else None
+    self.embed_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs) if cfg.embed_norm else None
     self.blocks = nnx.List([layers.RetNetBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.head = None if cfg.tie_embeddings else layers.Dense(
@@ -107,7 +116,12 @@ class RetNet(nnx.Module):
     if state is None:
       state = self.init_state(batch)
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
-    x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
+    x = self.embed(tokens_BxL)
+    if self.embed_scale is not None:
+      x = x * jnp.asarray(self.embed_scale, x.dtype)
+    if self.embed_norm is not None:
+      x = self.embed_norm(x)
+    x = sharding.constrain(x, ("batch", None, None))
     layer_states = []
     for block, layer_state in zip(self.blocks, state["layers"]):
       x, layer_state = apply_block(block, x, positions_BxL, layer_state, mode)

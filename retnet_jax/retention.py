@@ -9,6 +9,10 @@ per head, and return `(out, final_state)`. Layout: q, k `[batch, seq, heads, d_k
 `[batch, seq, heads, d_v]`, state `[batch, heads, d_k, d_v]`, `log_decay` = log(gamma) of shape `[heads]`.
 Products accumulate in float32 (float64 for float64 inputs) and the state is kept in that precision, so a
 prompt prefilled in one form can be continued in any other.
+
+Two helpers expose intermediate quantities for normalisers built on top (layers.MultiScaleRetention):
+`chunk_states`, the state entering each chunk of the chunkwise form, and `score_abs_sums`, the decayed
+sums of score magnitudes `sum_m gamma^(n-m) |q_n . k_m|`.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ def parallel_retention(q, k, v, log_decay, state=None):
   if state is not None:
     state = state.astype(acc)
     xi_LxH = _powers(log_decay_H, pos_L + 1).T  # gamma^(n+1): decay from the carried state to n
-    cross = jnp.einsum("bnhk,bhkv->bnhv", q, state.astype(q.dtype), preferred_element_type=acc)
+    # In the accumulation dtype: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for this dot.
+    cross = jnp.einsum("bnhk,bhkv->bnhv", q.astype(acc), state)
     out_BxLxHxV = out_BxLxHxV + cross * xi_LxH[None, :, :, None]
     state_out = state_out + _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None] * state
   return out_BxLxHxV.astype(v.dtype), state_out
@@ -95,32 +100,34 @@ def recurrent_retention(q, k, v, log_decay, state=None):
   return jnp.swapaxes(out_LxBxHxV, 0, 1).astype(v.dtype), state_out
 
 
-def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
-  """Chunkwise recurrent form: parallel inside chunks of `chunk_size`, a `lax.scan` carries the state across.
-
-  The sequence is zero-padded to whole chunks; the last chunk decays the state only by its true length, so
-  the final state equals the recurrent form's for any sequence length. Memory is linear in the length.
-  """
-  _check_inputs(q, k, v, log_decay, state)
+def _check_chunk_size(chunk_size):
   if not isinstance(chunk_size, int) or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}.")
-  acc = _acc_dtype(q)
-  batch, length, heads, _ = q.shape
+
+
+def _to_chunks(x, size):
+  """`[batch, seq, heads, d]` zero-padded to whole chunks: `[batch, chunks, size, heads, d]`."""
+  batch, length, heads, dim = x.shape
+  num_chunks = -(-length // size)
+  x = jnp.pad(x, ((0, 0), (0, num_chunks * size - length), (0, 0), (0, 0)))
+  return x.reshape(batch, num_chunks, size, heads, dim)
+
+
+def chunk_states(k, v, log_decay, chunk_size, state=None):
+  """The cross-chunk part of the chunkwise form: the state entering each chunk and the final state.
+
+  Returns `(states [chunks, batch, heads, d_k, d_v], final_state)`: chunk c's entry is the state as at the
+  last position of chunk c - 1 (the first is `state`, zero if None). The last chunk decays the state only by
+  its true length, so the final state equals the recurrent form's for any sequence length.
+  """
+  _check_inputs(k, k, v, log_decay, state)
+  _check_chunk_size(chunk_size)
+  acc = _acc_dtype(k)
+  length = k.shape[1]
   size = min(chunk_size, length)
   num_chunks = -(-length // size)
-  pad = num_chunks * size - length
   log_decay_H = log_decay.astype(acc)
-
-  def to_chunks(x):
-    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    return x.reshape(batch, num_chunks, size, heads, x.shape[-1])
-
-  q_c, k_c, v_c = to_chunks(q), to_chunks(k), to_chunks(v)  # [B, C, S, H, *]
-
-  # Inside each chunk: the parallel form.
-  scores = jnp.einsum("bcnhk,bcmhk->bchnm", q_c, k_c, preferred_element_type=acc)
-  scores = scores * _decay_mask(log_decay_H, size, acc)
-  inner = jnp.einsum("bchnm,bcmhv->bcnhv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
+  k_c, v_c = _to_chunks(k, size), _to_chunks(v, size)
 
   # Each chunk's contribution to the state at its own last real position, and its true length.
   pos_CxS = jnp.arange(num_chunks * size, dtype=acc).reshape(num_chunks, size)
@@ -136,12 +143,52 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
     kv, decay_H = inputs
     return decay_H[None, :, None, None] * state_BxHxKxV + kv, state_BxHxKxV
 
-  state = _zeros_state(q, v, acc) if state is None else state.astype(acc)
+  state = _zeros_state(k, v, acc) if state is None else state.astype(acc)
   state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (kv_CxBxHxKxV, chunk_decay_CxH))
+  return before_CxBxHxKxV, state_out
+
+
+def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
+  """Chunkwise recurrent form: parallel inside chunks of `chunk_size`, a `lax.scan` carries the state across.
+
+  The sequence is zero-padded to whole chunks; the last chunk decays the state only by its true length, so
+  the final state equals the recurrent form's for any sequence length. Memory is linear in the length.
+  """
+  _check_inputs(q, k, v, log_decay, state)
+  _check_chunk_size(chunk_size)
+  acc = _acc_dtype(q)
+  batch, length, heads, _ = q.shape
+  size = min(chunk_size, length)
+  log_decay_H = log_decay.astype(acc)
+  q_c, k_c, v_c = _to_chunks(q, size), _to_chunks(k, size), _to_chunks(v, size)  # [B, C, S, H, *]
+
+  # Inside each chunk: the parallel form.
+  scores = jnp.einsum("bcnhk,bcmhk->bchnm", q_c, k_c, preferred_element_type=acc)
+  scores = scores * _decay_mask(log_decay_H, size, acc)
+  inner = jnp.einsum("bchnm,bcmhv->bcnhv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
 
   # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position.
+  before_CxBxHxKxV, state_out = chunk_states(k, v, log_decay, size, state)
   xi_SxH = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc)).T
+  # Chunk-major states: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for the batch-major dot.
   cross = jnp.einsum("bcnhk,cbhkv->bcnhv", q_c, before_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
   out = inner + cross * xi_SxH[None, None, :, :, None]
-  out = out.reshape(batch, num_chunks * size, heads, -1)[:, :length]
+  out = out.reshape(batch, -1, heads, out.shape[-1])[:, :length]
   return out.astype(v.dtype), state_out
+
+
+def score_abs_sums(q, k, log_decay, chunk_size):
+  """`sum_m gamma^(n-m) |q_n . k_m|` over the m <= n in n's chunk: `[batch, seq, heads]`, accumulation dtype.
+
+  Not part of retention itself: the official chunkwise code normalises rows of its in-chunk decayed score
+  matrix by it (see layers.MultiScaleRetention). Chunks of `chunk_size` positions start at the first one.
+  """
+  if q.ndim != 4 or k.shape != q.shape:
+    raise ValueError(f"q and k must both be [batch, seq, heads, d_k]; got q {q.shape}, k {k.shape}.")
+  _check_chunk_size(chunk_size)
+  acc = _acc_dtype(q)
+  batch, length, heads, _ = q.shape
+  size = min(chunk_size, length)
+  scores = jnp.einsum("bcnhk,bcmhk->bchnm", _to_chunks(q, size), _to_chunks(k, size), preferred_element_type=acc)
+  sums_BxCxHxS = jnp.sum(jnp.abs(scores) * _decay_mask(log_decay.astype(acc), size, acc), axis=-1)
+  return jnp.swapaxes(sums_BxCxHxS, 2, 3).reshape(batch, -1, heads)[:, :length]

@@ -156,3 +156,17 @@ def test_decay_schedules():
     decay.gammas("explicit", 3, (0.9, 0.5))
   with pytest.raises(ValueError, match="strictly between 0 and 1"):
     decay.gammas("explicit", 2, (0.9, 1.0))
+
+
+def test_bfloat16_inputs_with_state_run_eagerly_and_match_float32():
+  """bfloat16 q/k/v (float32 state) in every form, outside jit too: within bfloat16 rounding of float32."""
+  q, k, v, state = random_inputs(37, seed=7)
+  expected, expected_state = reference(q, k, v, LOG_DECAY, state)
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  for name, (out, final) in {
+      "parallel": retention.parallel_retention(*args, LOG_DECAY, jnp.asarray(state, jnp.float32)),
+      "recurrent": retention.recurrent_retention(*args, LOG_DECAY, jnp.asarray(state, jnp.float32)),
+      "chunkwise": retention.chunkwise_retention(*args, LOG_DECAY, 8, jnp.asarray(state, jnp.float32)),
+  }.items():
+    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32, name
+    assert rel_err(out, expected) < 2e-2 and rel_err(final, expected_state) < 2e-2, name
