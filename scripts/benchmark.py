@@ -44,6 +44,7 @@ from retnet_jax.model import RetNet
 
 SIZE_FIELDS = ("d_model", "num_layers", "num_heads", "value_dim", "ffn_dim", "vocab_size", "chunk_size")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+SETTLE_S = 0.1  # pause before every measured run (see `interleave`)
 TORCHSCALE_DECODE_REFERENCE = 28.0  # tok/s, batch 1: torchscale on this machine (shared cpu-performance-notes)
 
 
@@ -53,11 +54,12 @@ class Suite:
   size: dict[str, int]  # model fields set on configs/retnet.py:small
   seq_len: int
   batch_size: int
-  rounds: int  # timed rounds after the warm-up
+  rounds: int  # timed rounds after the warm-up: ceilings and training
+  sweep_rounds: int  # for the sequence-length sweeps
+  decode_rounds: int  # for decoding (each run times every new token)
   lengths: tuple[int, ...]  # sequence lengths of the forward sweep (batch 1)
   train_lengths: tuple[int, ...]  # sequence lengths of the training-step sweep (batch 1)
-  quadratic_max_len: int  # the forward sweep of the quadratic forms (parallel, attention) stops here
-  quadratic_train_max_len: int  # and their training sweep here
+  quadratic_max_len: int  # the sweeps of the quadratic forms (parallel retention, attention) stop here
   prompt_len: int  # prompt before decoding at batch 1 and at `decode_batch`
   decode_batch: int
   new_tokens: int
@@ -66,17 +68,17 @@ class Suite:
 
 
 SUITES = {
-    "quick": Suite(size=dict(d_model=64, num_layers=2, num_heads=2, value_dim=128, ffn_dim=128, vocab_size=256,
+    "quick": Suite(size=dict(d_model=64, num_layers=1, num_heads=2, value_dim=128, ffn_dim=128, vocab_size=256,
                              chunk_size=16),
-                   seq_len=64, batch_size=4, rounds=2, lengths=(32, 64, 128), train_lengths=(32, 128),
-                   quadratic_max_len=128, quadratic_train_max_len=128, prompt_len=32, decode_batch=32,
-                   new_tokens=8, contexts=(16, 64), matmul_size=256),
+                   seq_len=64, batch_size=4, rounds=2, sweep_rounds=2, decode_rounds=2, lengths=(32, 64),
+                   train_lengths=(32,), quadratic_max_len=64, prompt_len=16, decode_batch=32, new_tokens=8,
+                   contexts=(16, 32), matmul_size=256),
     "full": Suite(size=dict(d_model=512, num_layers=6, num_heads=4, value_dim=1024, ffn_dim=1024, vocab_size=256,
                             chunk_size=128),
-                  seq_len=512, batch_size=8, rounds=3, lengths=(512, 1024, 2048, 4096, 8192, 16384),
-                  train_lengths=(512, 1024, 2048, 4096, 8192), quadratic_max_len=8192, quadratic_train_max_len=4096,
-                  prompt_len=2048, decode_batch=32, new_tokens=64,
-                  contexts=(128, 256, 512, 1024, 2048, 4096, 8192), matmul_size=2048),
+                  seq_len=512, batch_size=8, rounds=3, sweep_rounds=2, decode_rounds=1,
+                  lengths=(512, 1024, 2048, 4096, 8192, 16384), train_lengths=(512, 1024, 2048, 4096),
+                  quadratic_max_len=4096, prompt_len=2048, decode_batch=32, new_tokens=32,
+                  contexts=(128, 512, 2048, 8192), matmul_size=2048),
 }
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Base config; the suite sets its "
@@ -142,8 +144,8 @@ def peak_memory(fn: Callable[[], Any], source: str) -> dict[str, int]:
     fn()
     peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
   elif "VmHWM" in source:
-    before = _proc_status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
+    before = _proc_status_bytes("VmRSS")
     fn()
     peak = _proc_status_bytes("VmHWM")
   else:
@@ -156,9 +158,12 @@ def peak_memory(fn: Callable[[], Any], source: str) -> dict[str, int]:
 def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Case]:
   """Warms up every case (recording its first run's time and peak memory), then times rounds of one run each.
 
+  Every run starts after a pause of SETTLE_S: XLA's and torch's worker threads keep spinning for a while after
+  their work, and torch's OpenMP barriers run up to 30x slower while XLA's threads still spin.
   Fills each case's info with `first_run_s`, `memory` and `seconds` (median/min/max over all timed units).
   """
   for name, case in cases.items():
+    time.sleep(SETTLE_S)
     start = time.perf_counter()
     case.info["memory"] = peak_memory(case.run, source)
     case.info["first_run_s"] = time.perf_counter() - start
@@ -166,6 +171,7 @@ def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Ca
   seconds = {name: [] for name in cases}
   for _ in range(rounds):
     for name, case in cases.items():
+      time.sleep(SETTLE_S)
       seconds[name].extend(case.run())
   for name, case in cases.items():
     case.info["seconds"] = spread(seconds[name])
@@ -213,11 +219,22 @@ def _train_case(step, state, batch, compile_s: float, buffers: int | None) -> Ca
   return Case(timed(one_step), {"compile_s": compile_s, "compiled_bytes": buffers})
 
 
+_INITIAL_STATES: dict[str, Any] = {}
+
+
 def retnet_train_case(config, mesh) -> Case:
-  """The training loop's own jitted train step (`train.setup`), compiled ahead of time."""
+  """The training loop's own jitted train step (`train.setup`), compiled ahead of time.
+
+  The initial state depends on neither the form, the dtype nor the shape, so it is initialised (compiled) once
+  per model size and copied.
+  """
   run = train.setup(config, mesh)
+  key = json.dumps({k: v for k, v in config.model.to_dict().items() if k not in train.RESUMABLE_MODEL_CHANGES},
+                   sort_keys=True)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
-    state = run.init()
+    if key not in _INITIAL_STATES:
+      _INITIAL_STATES[key] = run.init()
+    state = jax.tree.map(jnp.copy, _INITIAL_STATES[key])
     batch = jax.device_put(random_tokens(config.train.batch_size, config.train.seq_len + 1,
                                          config.model.vocab_size), run.batch_sharding)
     step, compile_s, buffers = compile_timed(run.train_step, state, batch)
@@ -225,19 +242,17 @@ def retnet_train_case(config, mesh) -> Case:
 
 
 def transformer_train_case(config, mesh) -> Case:
-  """The same train step (`train.make_train_step`) around the Transformer of the same size."""
+  """The same train step (`train.make_train_step`, config.train.mode parallel) around a same-size Transformer."""
   model = transformer.Transformer(transformer.transformer_config(config.model, config.train.seq_len),
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
   tx = optimizer.make_optimizer(config.train)
-  train_config = config.copy_and_resolve_references()
-  train_config.train.mode = "parallel"
   # Besides params and opt_state the train state holds step counters; their values do not change the timing.
   counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in train.setup(config, mesh).abstract_state.items()
               if k not in ("params", "opt_state")}
   state = {"params": params, "opt_state": tx.init(params), **counters}
   batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
-  step_fn = jax.jit(train.make_train_step(graphdef, tx, train_config.train), donate_argnums=0)
+  step_fn = jax.jit(train.make_train_step(graphdef, tx, config.train), donate_argnums=0)
   step, compile_s, buffers = compile_timed(step_fn, state, batch)
   return _train_case(step, state, batch, compile_s, buffers)
 
@@ -341,24 +356,24 @@ class Torchscale:
 
 # ----------------------------------------------------------------------------------------------- sections
 
-def measure_ceilings(suite: Suite, param_count: int, source: str) -> dict[str, Any]:
-  """Matmul FLOP/s per dtype (`flops.measure_matmul_flops`, the training loop's MFU ceiling) and read bandwidth."""
-  matmul = {name: [] for name in DTYPES}
-  for _ in range(suite.rounds + 2):
-    for name, dtype in DTYPES.items():
-      matmul[name].append(flops.measure_matmul_flops(dtype, suite.matmul_size))
-  data = jnp.ones((param_count,), jnp.float32)
+def matmul_case(dtype, size: int) -> Case:
+  """The float32 / bfloat16 matmul ceiling: `flops.measure_matmul_flops` (the training loop's MFU denominator);
+  a unit is the median time of one `size`^2 matmul."""
+  return Case(lambda: [2 * size**3 / flops.measure_matmul_flops(dtype, size)], {"size": size})
+
+
+def read_case(num_floats: int) -> Case:
+  """The memory read bandwidth: a reduction over `num_floats` float32 (the model's parameter bytes)."""
+  data = jnp.ones((num_floats,), jnp.float32)
   total, _, _ = compile_timed(jax.jit(jnp.sum), data)
-  read = interleave({"read": Case(timed(lambda: total(data).block_until_ready(), repeats=10))}, suite.rounds,
-                    source)["read"]
-  return {"matmul_flops": {name: spread(v) for name, v in matmul.items()},
-          "memory_read_bytes_per_s": rate(data.nbytes, read.info["seconds"]),
-          "matmul_size": suite.matmul_size, "read_array_bytes": int(data.nbytes)}
+  return Case(timed(lambda: total(data).block_until_ready(), repeats=10), {"bytes": data.nbytes})
 
 
-def measure_training(base, suite: Suite, mesh, ceilings, torchscale: Torchscale, source: str) -> dict[str, Any]:
-  """Train-step throughput and MFU per model / form / dtype, all interleaved."""
-  cases, flops_per_token = {}, {}
+def measure_training(base, suite: Suite, mesh, torchscale: Torchscale, source: str
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Train-step throughput and MFU per model / form / dtype, interleaved with the matmul ceilings they are
+  divided by: (results per case, matmul FLOP/s per dtype)."""
+  cases, flops_per_token = {f"matmul/{name}": matmul_case(dtype, suite.matmul_size) for name, dtype in DTYPES.items()}, {}
   for dtype in DTYPES:
     for mode in ("parallel", "chunkwise"):
       config = make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size)
@@ -375,6 +390,7 @@ def measure_training(base, suite: Suite, mesh, ceilings, torchscale: Torchscale,
       flops_per_token[f"torchscale/{mode}/float32"] = flops_per_token[f"retnet/{mode}/float32"]
   print(f"training: {len(cases)} cases, batch {suite.batch_size} x {suite.seq_len} tokens", flush=True)
   interleave(cases, suite.rounds, source)
+  matmul = {name: rate(2 * suite.matmul_size**3, cases.pop(f"matmul/{name}").info["seconds"]) for name in DTYPES}
   tokens = suite.batch_size * suite.seq_len
   results = {}
   for name, case in cases.items():
@@ -384,17 +400,16 @@ def measure_training(base, suite: Suite, mesh, ceilings, torchscale: Torchscale,
                      "compile_s": case.info.get("compile_s"), "first_run_s": case.info["first_run_s"],
                      "memory": case.info["memory"], "compiled_bytes": case.info.get("compiled_bytes"),
                      "flops_per_token": flops_per_token[name],
-                     "mfu": throughput["median"] * flops_per_token[name]
-                            / ceilings["matmul_flops"][dtype]["median"]}
-  return results
+                     "mfu": throughput["median"] * flops_per_token[name] / matmul[dtype]["median"]}
+  return results, matmul
 
 
-def _growth(points: list[dict], key: str) -> float | None:
-  """Exponent p of `key` ~ length^p between the two longest lengths (1: linear, 2: quadratic)."""
-  if len(points) < 2:
+def _growth(points: list[dict], value: Callable[[dict], float | None]) -> float | None:
+  """Exponent p of value ~ length^p between the two longest lengths (1: linear, 2: quadratic)."""
+  if len(points) < 2 or not all(value(p) for p in points[-2:]):
     return None
   a, b = points[-2], points[-1]
-  return math.log(b[key] / a[key]) / math.log(b["seq_len"] / a["seq_len"])
+  return math.log(value(b) / value(a)) / math.log(b["seq_len"] / a["seq_len"])
 
 
 def _crossover(parallel: list[dict], chunkwise: list[dict]) -> int | None:
@@ -411,51 +426,45 @@ def _crossover(parallel: list[dict], chunkwise: list[dict]) -> int | None:
 
 
 def measure_lengths(base, suite: Suite, mesh, source: str) -> dict[str, Any]:
-  """Forward and training-step time and peak memory vs sequence length at batch 1, forms interleaved per length."""
+  """Time and peak memory vs sequence length at batch 1, the forms interleaved at each length: the forward pass
+  of RetNet (parallel, chunkwise) and the Transformer, and RetNet's training step."""
   config = make_config(base, suite, "float32", "parallel", suite.seq_len, 1)
   retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
-  results: dict[str, Any] = {"forward": {}, "train": {}}
-  for kind, lengths, quadratic_max in (("forward", suite.lengths, suite.quadratic_max_len),
-                                       ("train", suite.train_lengths, suite.quadratic_train_max_len)):
+  builders = {
+      "forward": {
+          "retnet/parallel": lambda length: forward_case(retnet, "parallel", length),
+          "retnet/chunkwise": lambda length: forward_case(retnet, "chunkwise", length),
+          "transformer/parallel": lambda length: forward_case(transformer.Transformer(
+              transformer.transformer_config(config.model, length), rngs=nnx.Rngs(config.seed)), "parallel", length)},
+      "train": {f"retnet/{mode}": lambda length, mode=mode: retnet_train_case(
+          make_config(base, suite, "float32", mode, length, 1), mesh) for mode in ("parallel", "chunkwise")}}
+  results: dict[str, Any] = {}
+  for kind, lengths in (("forward", suite.lengths), ("train", suite.train_lengths)):
+    results[kind] = {name: [] for name in builders[kind]}
     for length in lengths:
-      cases = {}
-      for name in ("retnet/parallel", "retnet/chunkwise", "transformer/parallel"):
-        if name.endswith("parallel") and length > quadratic_max:
-          continue
-        model_name, mode = name.split("/")
-        if kind == "train":
-          cfg = make_config(base, suite, "float32", mode, length, 1)
-          cases[name] = (retnet_train_case if model_name == "retnet" else transformer_train_case)(cfg, mesh)
-        elif model_name == "retnet":
-          cases[name] = forward_case(retnet, mode, length)
-        else:
-          model = transformer.Transformer(transformer.transformer_config(config.model, length),
-                                          rngs=nnx.Rngs(config.seed))
-          cases[name] = forward_case(model, "parallel", length)
+      cases = {name: build(length) for name, build in builders[kind].items()
+               if name.endswith("chunkwise") or length <= suite.quadratic_max_len}
       print(f"{kind} at {length} tokens: {', '.join(cases)}", flush=True)
-      for name, case in interleave(cases, suite.rounds, source).items():
-        results[kind].setdefault(name, []).append(
-            {"seq_len": length, "seconds": case.info["seconds"], "memory": case.info["memory"],
-             "compiled_bytes": case.info["compiled_bytes"], "compile_s": case.info["compile_s"]})
-    for name, points in results[kind].items():
-      for point in points:
-        point["median_s"] = point["seconds"]["median"]
-        point["peak_bytes"] = point["memory"]["peak_bytes"]
+      for name, case in interleave(cases, suite.sweep_rounds, source).items():
+        results[kind][name].append({"seq_len": length, **case.info})
     results[f"{kind}_analysis"] = {
         "crossover_seq_len": _crossover(results[kind]["retnet/parallel"], results[kind]["retnet/chunkwise"]),
-        "time_growth_exponent": {name: _growth(points, "median_s") for name, points in results[kind].items()},
-        "compiled_bytes_growth_exponent": {name: _growth(points, "compiled_bytes")
-                                           for name, points in results[kind].items()
-                                           if all(p["compiled_bytes"] for p in points)}}
+        "time_growth_exponent": {name: _growth(points, lambda p: p["seconds"]["median"])
+                                 for name, points in results[kind].items()},
+        "compiled_bytes_growth_exponent": {name: _growth(points, lambda p: p["compiled_bytes"])
+                                           for name, points in results[kind].items()}}
   return results
 
 
-def measure_decoding(base, suite: Suite, ceilings, torchscale: Torchscale, source: str) -> dict[str, Any]:
-  """Greedy decoding: tokens/s at batch 1 and `decode_batch`, per-token latency vs context, all interleaved."""
+def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, source: str
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Greedy decoding: tokens/s at batch 1 and `decode_batch`, per-token latency vs context, interleaved with
+  the read bandwidth of the weight-read floor: (results, read bytes/s)."""
   config = make_config(base, suite, "float32", "chunkwise", suite.seq_len, 1)
   retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
+  param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(retnet, nnx.Param)))
   contexts = sorted(set(suite.contexts) | {suite.prompt_len})
-  cases, models = {}, {"retnet": lambda context: retnet}
+  cases, models = {"memory_read": read_case(param_bytes // 4)}, {"retnet": lambda context: retnet}
   # A preallocated KV cache as long as the prompt and the new tokens: attention reads what the context needs.
   models["transformer"] = lambda context: transformer.Transformer(
       transformer.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed))
@@ -468,9 +477,8 @@ def measure_decoding(base, suite: Suite, ceilings, torchscale: Torchscale, sourc
   if torchscale.torch is not None:
     cases["torchscale/batch_1"] = torchscale.decode_case(suite.new_tokens)
   print(f"decoding: {len(cases)} cases, {suite.new_tokens} new tokens each", flush=True)
-  interleave(cases, suite.rounds, source)
-
-  param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(retnet, nnx.Param)))
+  interleave(cases, suite.decode_rounds, source)
+  read = rate(param_bytes, cases.pop("memory_read").info["seconds"])
   forward_flops = 2 * flops.matmul_params(config.model) + flops.retention_flops_per_token(config.model, 1,
                                                                                           "recurrent")
   results: dict[str, Any] = {"throughput": {}, "latency": {}, "latency_ratio": {}, "large_batch": {}}
@@ -490,7 +498,7 @@ def measure_decoding(base, suite: Suite, ceilings, torchscale: Torchscale, sourc
                                     "memory": large["memory"], "first_call_s": large["first_run_s"]}
   if torchscale.torch is not None:
     results["throughput"]["torchscale"] = {"batch_1": rate(1, cases["torchscale/batch_1"].info["seconds"])}
-  bandwidth = ceilings["memory_read_bytes_per_s"]["median"]
+  bandwidth = read["median"]
   ours = results["throughput"]["retnet"]
   results.update(
       prompt_len=suite.prompt_len, new_tokens=suite.new_tokens, latency_contexts=contexts,
@@ -500,8 +508,8 @@ def measure_decoding(base, suite: Suite, ceilings, torchscale: Torchscale, sourc
       forward_flops_per_token=forward_flops,
       large_batch_flops_per_s=ours[f"batch_{suite.decode_batch}"]["median"] * forward_flops)
   results["large_batch_fraction_of_matmul_ceiling"] = (
-      results["large_batch_flops_per_s"] / ceilings["matmul_flops"]["float32"]["median"])
-  return results
+      results["large_batch_flops_per_s"] / matmul["float32"]["median"])
+  return results, read
 
 
 def torchscale_ratios(training, decoding, torchscale: Torchscale) -> dict[str, Any]:
@@ -558,8 +566,14 @@ def to_markdown(results) -> str:
            f"`{meta['command']}` on {meta['machine']}, {meta['date']}; jax {meta['jax']}. Model: "
            + ", ".join(f"{k} {v}" for k, v in meta["size"].items())
            + f" ({meta['params']:,} parameters); training batch {meta['batch_size']} x {meta['seq_len']}. "
-           f"Medians [min-max] over timed runs after a warm-up. Peak memory: {meta['memory_source']}; "
-           "XLA buffers: the compiled program's arguments + temporaries + outputs.", "", "## Ceilings", ""]
+           f"Medians [min-max] over timed runs after a warm-up. Peak memory: {meta['memory_source']}, "
+           "(+ the part above the memory in use before the call); XLA buffers: the compiled program's arguments "
+           "+ temporaries + outputs. Load average (1, 5, 15 min) at start "
+           f"{', '.join(f'{x:.1f}' for x in meta['load_average_start'])}, at end "
+           f"{', '.join(f'{x:.1f}' for x in meta['load_average_end'])}: other processes share the cores when "
+           "it exceeds ~1.", "", "## Ceilings", "",
+           "Measured interleaved with what they are compared to: the matmuls with the training steps, the read "
+           "bandwidth with the decoding runs.", ""]
   lines += _table(["ceiling", "median [min-max]"], [
       [f"matmul {name} ({ceilings['matmul_size']}^2)", _range(s, "FLOP/s")]
       for name, s in ceilings["matmul_flops"].items()] + [
@@ -568,7 +582,8 @@ def to_markdown(results) -> str:
   lines += ["", "## Training step", ""]
   lines += _table(["model/form/dtype", "tokens/s", "step s", "compile s", "peak memory", "XLA buffers", "MFU"], [
       [name, _range(r["tokens_per_s"]), _range(r["step_s"]), _fmt(r["compile_s"]),
-       _fmt(r["memory"]["peak_bytes"], "B"), _fmt(r["compiled_bytes"], "B"), f"{r['mfu']:.1%}"]
+       f"{_fmt(r['memory']['peak_bytes'], 'B')} (+{_fmt(r['memory']['above_start_bytes'], 'B')})",
+       _fmt(r["compiled_bytes"], "B"), f"{r['mfu']:.1%}"]
       for name, r in results["training"].items()])
   ts = results["torchscale"]
   lines += ["", "## torchscale (official implementation), same configuration", "", ts["note"], ""]
@@ -578,7 +593,8 @@ def to_markdown(results) -> str:
     sweep, analysis = results["lengths"][kind], results["lengths"][f"{kind}_analysis"]
     lengths = sorted({p["seq_len"] for points in sweep.values() for p in points})
     by = {name: {p["seq_len"]: p for p in points} for name, points in sweep.items()}
-    cell = lambda p: "-" if p is None else (f"{_range(p['seconds'], 's')}, {_fmt(p['peak_bytes'], 'B')} peak, "
+    cell = lambda p: "-" if p is None else (f"{_range(p['seconds'], 's')}, {_fmt(p['memory']['peak_bytes'], 'B')} peak "
+                                            f"(+{_fmt(p['memory']['above_start_bytes'], 'B')}), "
                                             f"{_fmt(p['compiled_bytes'], 'B')} XLA")
     lines += ["", f"## {kind.capitalize()} vs sequence length (batch 1)", ""]
     lines += _table(["tokens"] + list(sweep), [[n] + [cell(by[name].get(n)) for name in sweep] for n in lengths])
@@ -631,8 +647,9 @@ def plot(results, out: Path) -> list[str]:
   for kind in ("forward", "train"):
     sweep = results["lengths"][kind]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    lines(axes[0], sweep, "seq_len", lambda p: p["median_s"], f"{kind}: time (batch 1)", "seconds")
-    lines(axes[1], sweep, "seq_len", lambda p: p["peak_bytes"] / 2**30, f"{kind}: peak memory (RSS)", "GiB")
+    lines(axes[0], sweep, "seq_len", lambda p: p["seconds"]["median"], f"{kind}: time (batch 1)", "seconds")
+    lines(axes[1], sweep, "seq_len", lambda p: p["memory"]["peak_bytes"] / 2**30, f"{kind}: peak memory",
+          "GiB")
     lines(axes[2], {k: v for k, v in sweep.items() if all(p["compiled_bytes"] for p in v)}, "seq_len",
           lambda p: p["compiled_bytes"] / 2**30, f"{kind}: XLA buffers", "GiB")
     files.append(f"{kind}_vs_length.png")
@@ -696,15 +713,17 @@ def main(argv):
       "machine": f"{_cpu_name()}, {os.cpu_count()} cores", "jax": jax.__version__,
       "device": str(jax.devices()[0]), "size": size, "params": int(params), "seq_len": suite.seq_len,
       "batch_size": suite.batch_size, "rounds": suite.rounds, "memory_source": source,
-      "suite_settings": dataclasses.asdict(suite)}}
-  print("ceilings", flush=True)
-  results["ceilings"] = measure_ceilings(suite, params, source)
-  results["training"] = measure_training(base, suite, mesh, results["ceilings"], torchscale, source)
-  results["lengths"] = measure_lengths(base, suite, mesh, source)
-  results["decoding"] = measure_decoding(base, suite, results["ceilings"], torchscale, source)
+      "suite_settings": dataclasses.asdict(suite), "load_average_start": os.getloadavg()}}
+  training, matmul = measure_training(base, suite, mesh, torchscale, source)
+  lengths = measure_lengths(base, suite, mesh, source)
+  decoding, read = measure_decoding(base, suite, matmul, torchscale, source)
+  results.update(ceilings={"matmul_flops": matmul, "memory_read_bytes_per_s": read, "matmul_size": suite.matmul_size,
+                           "read_array_bytes": 4 * int(params)},
+                 training=training, lengths=lengths, decoding=decoding)
   results["torchscale"] = torchscale_ratios(results["training"], results["decoding"], torchscale)
   results["targets"] = check_targets(results)
   results["meta"]["total_s"] = time.perf_counter() - start
+  results["meta"]["load_average_end"] = os.getloadavg()
   results["meta"]["plots"] = plot(results, out)
   (out / "results.json").write_text(json.dumps(results, indent=2))
   markdown = to_markdown(results)

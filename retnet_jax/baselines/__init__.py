@@ -1,0 +1,1 @@
+"""Baselines RetNet is compared against (same layers, same call signature)."""

@@ -1,0 +1,220 @@
+"""A Transformer baseline of a RetNet's size: causal softmax attention with rotary positions and a KV cache.
+
+    model = Transformer(transformer_config(retnet_model_config, max_len=4096), rngs=nnx.Rngs(0))
+    logits_BxLxV, state = model(tokens_BxL, mode="parallel" | "recurrent", state=None)
+
+Embedding, RMSNorm, GLU feed-forward and projections are RetNet's layers (`retnet_jax.layers`), queries and
+keys are rotated by `retnet_jax.rotation`, and the call signature is RetNet's. `state` is a preallocated KV
+cache: per layer `key` and `value` `[B, max_len, H, d]` in the compute dtype, the next free slot `next_slot`
+(shared by the batch) and each row's `position`. `parallel` processes all tokens at once (attending over the
+cached prefix too when a state is given); `recurrent` decodes incrementally, one token at a time through the
+cache. As in RetNet, a state starting at position -p treats its first p tokens as left padding, so
+`sampling.generate(model, ..., prefill_mode="parallel")` decodes with this model unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from retnet_jax import layers, rotation, sharding
+from retnet_jax.model import REMAT_POLICIES, check_tokens
+
+MODES = ("parallel", "recurrent")
+State = dict[str, Any]
+_MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
+
+
+def transformer_config(cfg: ml_collections.ConfigDict, max_len: int) -> ml_collections.ConfigDict:
+  """The Transformer with RetNet model config `cfg`'s size and a KV cache of `max_len` slots.
+
+  Attention holds 4 d^2 parameters against retention's 2 d^2 + 3 d d_v (gate and wider values); as in the
+  paper, the difference goes to the FFN: ffn_dim + d_v - 2 d / 3, rounded to a multiple of 8.
+  """
+  ffn_dim = cfg.ffn_dim + cfg.value_dim - 2 * cfg.d_model / 3
+  return ml_collections.ConfigDict(dict(
+      vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+      ffn_dim=max(8, 8 * round(ffn_dim / 8)), ffn_activation=cfg.ffn_activation,
+      tie_embeddings=cfg.tie_embeddings, rotation_base=cfg.rotation_base, norm_eps=cfg.norm_eps,
+      dtype=cfg.dtype, max_len=max_len))
+
+
+def matmul_params(cfg: ml_collections.ConfigDict) -> int:
+  """Parameters used in matmuls per token: q/k/v/o, the GLU FFN and the output head."""
+  d = cfg.d_model
+  return cfg.num_layers * (4 * d * d + 3 * d * cfg.ffn_dim) + d * cfg.vocab_size
+
+
+def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int) -> int:
+  """Forward + backward: 3 x (2 x matmul params + the full [L, L] scores and their product with V, 4 L d)."""
+  return 3 * (2 * matmul_params(cfg) + cfg.num_layers * 4 * seq_len * cfg.d_model)
+
+
+def check_config(cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the bad value for a config that cannot be built."""
+  for name in ("d_model", "num_layers", "num_heads", "ffn_dim", "vocab_size", "max_len"):
+    if int(cfg[name]) < 1:
+      raise ValueError(f"model.{name} must be a positive integer; got {cfg[name]}.")
+  if cfg.d_model % cfg.num_heads:
+    raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}.")
+  rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
+  layers.compute_dtype(cfg.dtype)
+
+
+def attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, visible_BxLxS: jax.Array
+              ) -> jax.Array:
+  """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` float32."""
+  scores = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
+  probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None], scores, _MASKED), axis=-1)
+  return jnp.einsum("bhls,bshk->blhk", probs.astype(v_BxSxHxK.dtype), v_BxSxHxK, preferred_element_type=jnp.float32)
+
+
+def _cached_attention(q, k, v, cache, slot, position_B):
+  """Writes k, v at cache `slot` on, then attends over the whole cache: (out `[B, L, H, K]`, cache).
+
+  Slot s holds the token at position `position_B - slot + s` (position_B: the first query's); slots after
+  the queries are not visible, and negative positions are left padding.
+  """
+  key = jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(cache["key"].dtype), slot, axis=1)
+  value = jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(cache["value"].dtype), slot, axis=1)
+  slots_S = jnp.arange(key.shape[1])
+  causal_LxS = slots_S[None, :] <= slot + jnp.arange(q.shape[1])[:, None]
+  real_BxS = (position_B - slot)[:, None] + slots_S >= 0
+  return attention(q, key, value, causal_LxS[None] & real_BxS[:, None]), {"key": key, "value": value}
+
+
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal attention: fused q/k/v projection, rotary positions, output projection.
+
+  `form`: `self` attends among the given tokens only (no cache yet), `cache` writes them into the cache
+  and attends over it, `recurrent` does the latter one token at a time.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.num_heads = cfg.num_heads
+    self.head_dim = d // cfg.num_heads
+    self.rotation_base = cfg.rotation_base
+    self.dtype = layers.compute_dtype(cfg.dtype)
+    init = layers.xavier_uniform(1.0)
+    self.qkv_proj = layers.Dense(d, 3 * d, ("embed", "heads"), init=init, dtype=self.dtype, rngs=rngs)
+    self.out_proj = layers.Dense(d, d, ("heads", "embed"), init=init, dtype=self.dtype, rngs=rngs)
+
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, cache: State, slot: jax.Array, form: str
+               ) -> tuple[jax.Array, State]:
+    batch, length, d = x_BxLxD.shape
+    qkv = self.qkv_proj(x_BxLxD).reshape(batch, length, 3, self.num_heads, self.head_dim)
+    angles = rotation.rotation_angles(positions_BxL, self.head_dim, self.rotation_base)
+    q = rotation.rotate(qkv[:, :, 0], angles) * jnp.asarray(self.head_dim**-0.5, self.dtype)
+    k, v = rotation.rotate(qkv[:, :, 1], angles), qkv[:, :, 2]
+    if form == "self":
+      causal_LxL = jnp.tril(jnp.ones((length, length), bool))
+      out = attention(q, k, v, causal_LxL[None] & (positions_BxL >= 0)[:, None, :])
+      cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], x.astype(cache[name].dtype), 0, axis=1)
+               for name, x in (("key", k), ("value", v))}
+    elif form == "cache":
+      out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0])
+    else:
+      def step(cache, inputs):
+        q_t, k_t, v_t, t = inputs
+        out_t, cache = _cached_attention(q_t[:, None], k_t[:, None], v_t[:, None], cache, slot + t,
+                                         positions_BxL[:, 0] + t)
+        return cache, out_t[:, 0]
+
+      # One token (decoding) is inlined rather than looped, so the cache updates in place in an outer loop.
+      time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)) + (jnp.arange(length),)
+      cache, out_LxBxHxK = jax.lax.scan(step, cache, time_major, unroll=length == 1)
+      out = jnp.swapaxes(out_LxBxHxK, 0, 1)
+    return self.out_proj(out.reshape(batch, length, d).astype(self.dtype)), cache
+
+
+class TransformerBlock(nnx.Module):
+  """Pre-norm block: Y = Attention(LN(X)) + X, then X' = FFN(LN(Y)) + Y."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    dtype = layers.compute_dtype(cfg.dtype)
+    self.attention_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
+    self.attention = CausalSelfAttention(cfg, rngs=rngs)
+    self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
+    self.ffn = layers.GLUFeedForward(cfg, rngs=rngs)
+
+  def __call__(self, x_BxLxD, positions_BxL, cache: State, slot: jax.Array, form: str):
+    y, cache = self.attention(self.attention_norm(x_BxLxD), positions_BxL, cache, slot, form)
+    x_BxLxD = x_BxLxD + y
+    return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), cache
+
+
+def _apply_block(block, x, positions, cache, slot, form):
+  return block(x, positions, cache, slot, form)
+
+
+def _check_room(state: State, length: int) -> None:
+  """For a concrete state (outside jit): the cache must hold `length` more tokens."""
+  try:
+    used = int(np.asarray(state["next_slot"]))
+  except jax.errors.TracerArrayConversionError:
+    return
+  size = state["layers"][0]["key"].shape[1]
+  if used + length > size:
+    raise ValueError(f"the KV cache holds {size} tokens; {used} are used and {length} more do not fit. "
+                     "Raise model.max_len or pass a state from init_state(batch, max_len).")
+
+
+class Transformer(nnx.Module):
+  """Decoder-only Transformer LM: embedding, `num_layers` pre-norm blocks, final RMSNorm, tied or untied head."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    check_config(cfg)
+    self.config = ml_collections.FrozenConfigDict(cfg)
+    dtype = layers.compute_dtype(cfg.dtype)
+    self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([TransformerBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
+    self.head = None if cfg.tie_embeddings else layers.Dense(
+        cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
+        dtype=dtype, out_dtype=jnp.float32, rngs=rngs)
+
+  def init_state(self, batch_size: int, max_len: int | None = None) -> State:
+    """An empty KV cache of `max_len` (default `config.max_len`) slots per layer, at position 0."""
+    cfg = self.config
+    shape = (batch_size, max_len or cfg.max_len, cfg.num_heads, cfg.d_model // cfg.num_heads)
+    dtype = layers.compute_dtype(cfg.dtype)
+    return {"position": jnp.zeros((batch_size,), jnp.int32), "next_slot": jnp.zeros((), jnp.int32),
+            "layers": [{"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
+                       for _ in range(cfg.num_layers)]}
+
+  def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
+               remat: str = "none") -> tuple[jax.Array, State]:
+    """Logits `[batch, seq, vocab]` (float32) for `tokens [batch, seq]`, and the state after the last token.
+
+    Without a state, a cache of max(max_len, seq) slots is returned; `remat` as in RetNet.
+    """
+    if mode not in MODES:
+      raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
+    if remat != "none" and remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
+    apply_block = _apply_block if remat == "none" else nnx.remat(
+        _apply_block, policy=REMAT_POLICIES[remat], static_argnums=(5,))
+    check_tokens(tokens_BxL, self.config.vocab_size)
+    batch, length = tokens_BxL.shape
+    form = "cache" if mode == "parallel" else "recurrent"
+    if state is None:
+      state = self.init_state(batch, max(self.config.max_len, length))
+      form = "self" if mode == "parallel" else form
+    _check_room(state, length)
+    positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
+    x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
+    caches = []
+    for block, cache in zip(self.blocks, state["layers"]):
+      x, cache = apply_block(block, x, positions_BxL, cache, state["next_slot"], form)
+      x = sharding.constrain(x, ("batch", None, None))
+      caches.append(cache)
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.head is None else self.head(x)
+    return logits, {"position": state["position"] + length, "next_slot": state["next_slot"] + length,
+                    "layers": caches}

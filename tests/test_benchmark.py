@@ -1,0 +1,164 @@
+"""Benchmark support: the quick suite's results, the FLOP counter against a hand count, the Transformer baseline."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import retnet as retnet_config
+from retnet_jax import flops, sampling
+from retnet_jax.baselines import transformer
+from retnet_jax.model import RetNet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_transformer(max_len=32, **overrides):
+  cfg = transformer.transformer_config(retnet_config.get_config("tiny").model, max_len)
+  cfg.update(overrides)
+  return transformer.Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def random_tokens(batch, length, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (batch, length)), jnp.int32)
+
+
+@nnx.jit(static_argnames="mode")
+def forward(model, tokens, state, mode):
+  return model(tokens, mode=mode, state=state)
+
+
+def test_flop_counter_matches_hand_count():
+  """The `tiny` preset: d 32, 2 layers, 2 heads, d_v 64, FFN 64, vocab 256 (untied head), chunk 8."""
+  cfg = retnet_config.get_config("tiny").model
+  # Per layer: q, k 32x32 (2 x 1024); v, g 32x64 (2 x 2048); out 64x32 (2048); GLU fc1, gate 32x64, fc2 64x32
+  # (3 x 2048): 2048 + 4096 + 2048 + 6144 = 14336. Two layers and the head 32x256 (8192): 36864.
+  assert flops.matmul_params(cfg) == 2 * 14336 + 8192 == 36864
+  # Parallel at 16 tokens, per token and layer: scores 2 * 16 * 32 = 1024, scores @ V 2 * 16 * 64 = 2048.
+  assert flops.retention_flops_per_token(cfg, 16, "parallel") == 2 * (1024 + 2048)
+  # Chunkwise: the same in a chunk of 8 (512 + 1024), plus per head (d_k 16, d_v 32) the state read q S and
+  # the update k^T v, 2 * 16 * 32 each: 2 heads x 2048 = 4096.
+  assert flops.retention_flops_per_token(cfg, 16, "chunkwise") == 2 * (512 + 1024 + 4096)
+  assert flops.retention_flops_per_token(cfg, 16, "recurrent") == 2 * 4096
+  # Training: forward (2 per multiply-add) + backward (twice the forward).
+  assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36864 + 6144) == 239616
+  assert flops.train_flops_per_token(cfg, 16, "chunkwise") == 3 * (2 * 36864 + 11264) == 254976
+
+
+def test_transformer_matches_retnet_size_and_flop_count():
+  """Attention's 4 d^2 replaces retention's 2 d^2 + 3 d d_v; the FFN takes the difference (64 + 64 - 21 -> 104)."""
+  retnet_cfg = retnet_config.get_config("tiny").model
+  cfg = transformer.transformer_config(retnet_cfg, 32)
+  assert cfg.ffn_dim == 104
+  # Per layer: q/k/v/o 4 x 32 x 32 = 4096, GLU 3 x 32 x 104 = 9984; two layers and the head 32 x 256.
+  assert transformer.matmul_params(cfg) == 2 * (4096 + 9984) + 8192 == 36352
+  # Scores and their product with V at 16 tokens: 4 * 16 * 32 per token and layer.
+  assert transformer.train_flops_per_token(cfg, 16) == 3 * (2 * 36352 + 2 * 2048)
+  # All parameters (norm scales and the embedding too): the same within the rounding of the FFN width.
+  count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  assert abs(count(tiny_transformer()) / count(RetNet(retnet_cfg, rngs=nnx.Rngs(0))) - 1) < 0.02
+
+
+def test_transformer_incremental_decoding_matches_parallel():
+  """Parallel logits equal recurrent ones: one call, token by token through the cache, and after a prefill.
+
+  The sequence (21 tokens) does not fill the cache (32 slots); differences are float32 rounding (~1e-6).
+  """
+  model = tiny_transformer()
+  tokens = random_tokens(2, 21)
+  parallel, state = forward(model, tokens, None, "parallel")
+  scale = float(jnp.max(jnp.abs(parallel)))
+  recurrent, recurrent_state = forward(model, tokens, model.init_state(2), "recurrent")
+  np.testing.assert_allclose(recurrent, parallel, atol=1e-5 * scale)
+  step_state, steps = model.init_state(2), []
+  for t in range(21):
+    logits, step_state = forward(model, tokens[:, t:t + 1], step_state, "recurrent")
+    steps.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), parallel, atol=1e-5 * scale)
+  prefill, prefill_state = forward(model, tokens[:, :13], model.init_state(2), "parallel")
+  rest, _ = forward(model, tokens[:, 13:], prefill_state, "recurrent")
+  np.testing.assert_allclose(jnp.concatenate([prefill, rest], axis=1), parallel, atol=1e-5 * scale)
+  for final in (state, recurrent_state, step_state):
+    assert int(final["next_slot"]) == 21 and final["position"].tolist() == [21, 21]
+  # The cache the parallel call returns continues like the one filled token by token.
+  np.testing.assert_allclose(state["layers"][1]["key"][:, :21], step_state["layers"][1]["key"][:, :21],
+                             atol=1e-5)
+
+
+def test_transformer_left_padding_and_generate():
+  """A left-padded prompt gives the logits of the prompt alone, and greedy `sampling.generate` (parallel
+  prefill, recurrent decoding through the cache) picks the argmax of the parallel logits."""
+  model = tiny_transformer()
+  prompt = random_tokens(1, 7, seed=1)
+  padded = jnp.concatenate([jnp.zeros((1, 4), jnp.int32), prompt], axis=1)
+  state = model.init_state(1)
+  state["position"] = jnp.asarray([-4], jnp.int32)
+  padded_logits, _ = forward(model, padded, state, "parallel")
+  alone, _ = forward(model, prompt, None, "parallel")
+  np.testing.assert_allclose(padded_logits[:, 4:], alone, atol=1e-5 * float(jnp.max(jnp.abs(alone))))
+
+  out = sampling.generate(model, np.asarray(prompt), np.asarray([7], np.int32), max_new_tokens=8,
+                          key=jax.random.key(0), temperature=0.0, prefill_mode="parallel")
+  sequence = jnp.concatenate([prompt, jnp.asarray(out.tokens[:, :-1])], axis=1)
+  logits, _ = forward(model, sequence, None, "parallel")
+  np.testing.assert_array_equal(out.tokens[0], np.argmax(np.asarray(logits)[0, 6:], axis=-1))
+
+
+def test_transformer_input_errors():
+  model = tiny_transformer(max_len=8)
+  with pytest.raises(ValueError, match="unknown mode 'chunkwise'"):
+    model(random_tokens(1, 4), mode="chunkwise")
+  with pytest.raises(ValueError, match="KV cache holds 8 tokens; 6 are used"):
+    _, state = model(random_tokens(1, 6), mode="recurrent", state=model.init_state(1))
+    model(random_tokens(1, 3), mode="recurrent", state=state)
+  with pytest.raises(ValueError, match="not divisible"):
+    tiny_transformer(num_heads=3)
+
+
+EXPECTED_KEYS = {
+    "meta": ["suite", "command", "date", "machine", "jax", "size", "params", "memory_source", "total_s", "plots"],
+    "ceilings": ["matmul_flops", "memory_read_bytes_per_s", "matmul_size", "read_array_bytes"],
+    "training": [f"{model}/{form}/{dtype}" for dtype in ("float32", "bfloat16")
+                 for model, form in (("retnet", "parallel"), ("retnet", "chunkwise"), ("transformer", "parallel"))],
+    "lengths": ["forward", "train", "forward_analysis", "train_analysis"],
+    "decoding": ["throughput", "latency", "latency_ratio", "large_batch", "weight_read_floor_s",
+                 "weight_read_floor_tokens_per_s", "batch_1_over_floor", "large_batch_flops_per_s",
+                 "large_batch_fraction_of_matmul_ceiling"],
+    "torchscale": ["available", "note", "ratios"],
+}
+
+
+@pytest.mark.slow
+def test_quick_suite_writes_every_result(tmp_path):
+  """`scripts/benchmark.py --suite=quick` runs end to end and writes results.json with every expected key,
+  results.md and the plots (the numbers themselves depend on the machine and are not checked)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user would run it
+  proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--suite=quick", f"--out={tmp_path}"], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads((tmp_path / "results.json").read_text())
+  for section, keys in EXPECTED_KEYS.items():
+    assert set(keys) <= set(results[section]), (section, set(keys) - set(results[section]))
+  for case in results["training"].values():
+    assert {"tokens_per_s", "step_s", "compile_s", "memory", "compiled_bytes", "flops_per_token", "mfu"} <= set(case)
+    assert {"median", "min", "max"} <= set(case["tokens_per_s"])
+  assert {"retnet/parallel", "retnet/chunkwise", "transformer/parallel"} == set(results["lengths"]["forward"])
+  assert {"retnet/parallel", "retnet/chunkwise"} == set(results["lengths"]["train"])
+  for kind in ("forward", "train"):
+    for points in results["lengths"][kind].values():
+      assert all({"seq_len", "seconds", "memory", "compiled_bytes", "compile_s"} <= set(p) for p in points)
+    assert {"crossover_seq_len", "time_growth_exponent"} <= set(results["lengths"][f"{kind}_analysis"])
+  for model in ("retnet", "transformer"):
+    assert {"batch_1", "batch_32"} <= set(results["decoding"]["throughput"][model])
+    assert all({"context", "latency_s", "state_bytes"} <= set(p) for p in results["decoding"]["latency"][model])
+  assert [t["target"] for t in results["targets"]] and all("met" in t for t in results["targets"])
+  assert "## Training step" in (tmp_path / "results.md").read_text()
+  for name in results["meta"]["plots"]:
+    assert (tmp_path / name).stat().st_size > 0
