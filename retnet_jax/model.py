@@ -33,6 +33,15 @@ def _apply_block(block, x, positions, layer_state, mode):
   return block(x, positions, layer_state, mode)
 
 
+def rematerialized(fn, remat: str, static_argnums: tuple[int, ...]):
+  """`fn` under `nnx.remat` with the policy named `remat`, or `fn` itself for `none`."""
+  if remat == "none":
+    return fn
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"unknown remat {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
+  return nnx.remat(fn, policy=REMAT_POLICIES[remat], static_argnums=static_argnums)
+
+
 def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the bad value and the fix for a model config that cannot be built."""
   for name in ("d_model", "num_layers", "num_heads", "value_dim", "ffn_dim", "vocab_size"):
@@ -107,10 +116,7 @@ class RetNet(nnx.Module):
     """
     if mode not in layers.MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")
-    if remat != "none" and remat not in REMAT_POLICIES:
-      raise ValueError(f"unknown remat {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
-    apply_block = _apply_block if remat == "none" else nnx.remat(
-        _apply_block, policy=REMAT_POLICIES[remat], static_argnums=(4,))
+    apply_block = rematerialized(_apply_block, remat, static_argnums=(4,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     if state is None:

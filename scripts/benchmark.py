@@ -158,8 +158,8 @@ def peak_memory(fn: Callable[[], Any], source: str) -> dict[str, int]:
 def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Case]:
   """Warms up every case (recording its first run's time and peak memory), then times rounds of one run each.
 
-  Every run starts after a pause of SETTLE_S: XLA's and torch's worker threads keep spinning for a while after
-  their work, and torch's OpenMP barriers run up to 30x slower while XLA's threads still spin.
+  Every run starts after a pause of SETTLE_S, so that the previous run's worker threads (XLA's, torch's OpenMP
+  threads) have gone idle: torch's OpenMP barriers slow down many-fold while another thread holds a core.
   Fills each case's info with `first_run_s`, `memory` and `seconds` (median/min/max over all timed units).
   """
   for name, case in cases.items():

@@ -170,3 +170,14 @@ def test_bfloat16_state_hand_over_in_every_mode():
   for mode in MODES:
     logits, _ = forward(model, tokens[:, 11:], state, mode)
     assert max_abs_diff(logits, whole[:, 11:]) < 0.03 * scale, mode
+
+
+def test_remat_policies_give_the_same_gradients():
+  model = tiny_model()
+  tokens = random_tokens(2, 9, seed=8)
+  grad = lambda remat: nnx.grad(lambda m: m(tokens, mode="chunkwise", remat=remat)[0].mean())(model)
+  reference = grad("none")
+  for remat in ("full", "dots_saveable"):
+    assert max_abs_diff(grad(remat), reference) < 1e-6, remat
+  with pytest.raises(ValueError, match="unknown remat 'some'"):
+    model(tokens, remat="some")

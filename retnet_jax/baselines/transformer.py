@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax import layers, rotation, sharding
-from retnet_jax.model import REMAT_POLICIES, check_tokens
+from retnet_jax.model import check_tokens, rematerialized
 
 MODES = ("parallel", "recurrent")
 State = dict[str, Any]
@@ -196,10 +196,7 @@ class Transformer(nnx.Module):
     """
     if mode not in MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
-    if remat != "none" and remat not in REMAT_POLICIES:
-      raise ValueError(f"unknown remat {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
-    apply_block = _apply_block if remat == "none" else nnx.remat(
-        _apply_block, policy=REMAT_POLICIES[remat], static_argnums=(5,))
+    apply_block = rematerialized(_apply_block, remat, static_argnums=(5,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     form = "cache" if mode == "parallel" else "recurrent"
