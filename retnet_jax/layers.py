@@ -182,8 +182,9 @@ class MultiScaleRetention(nnx.Module):
     cross = jnp.repeat(cross_BxCxH, size, axis=1)[:, :length]
     return sqrt_sigma_LxH * jnp.maximum(inner, cross)
 
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, state: dict[str, jax.Array], mode: str
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, state: dict[str, jax.Array] | None, mode: str
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`x [B, L, D]` at `positions [B, L]` with the layer's incoming state (None: empty) -> (y, new state)."""
     batch, length, _ = x_BxLxD.shape
     heads = self.num_heads
     split = lambda y: y.reshape(batch, length, heads, -1)
@@ -195,7 +196,8 @@ class MultiScaleRetention(nnx.Module):
     k = jnp.where((positions_BxL >= 0)[..., None, None], k, 0)  # negative positions are left padding
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
-    kv_in = state["kv"]
+    # No state (training from the start of a sequence): the forms skip the cross term with a zero state.
+    kv_in = None if state is None else state["kv"]
     out_BxLxHxV, kv = self._retention(mode, q, k, v, log_decay_H, kv_in)
     new_state = {"kv": kv}
     out_BxLxHxV = out_BxLxHxV.astype(jnp.float32)
@@ -205,7 +207,8 @@ class MultiScaleRetention(nnx.Module):
       # score matrix with the call above, and v keeps its width (d_v + 1 columns cost 16-18% of a step).
       q_sg, k_sg = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
       ones = jnp.ones((batch, length, heads, 1), q.dtype)
-      qz, key_sum = self._retention(mode, q_sg, k_sg, ones, log_decay_H, state["key_sum"][..., None])
+      z_in = None if state is None else state["key_sum"][..., None]
+      qz, key_sum = self._retention(mode, q_sg, k_sg, ones, log_decay_H, z_in)
       new_state["key_sum"] = key_sum[..., 0]
       divisor = self._divisor(mode, qz[..., 0], q_sg, k_sg, v, positions_BxL, log_decay_H, kv_in)
       out_BxLxHxV = out_BxLxHxV / jax.lax.stop_gradient(divisor)[..., None]
@@ -242,7 +245,7 @@ class RetNetBlock(nnx.Module):
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = GLUFeedForward(cfg, rngs=rngs)
 
-  def __call__(self, x_BxLxD, positions_BxL, state: dict[str, Any], mode: str):
+  def __call__(self, x_BxLxD, positions_BxL, state: dict[str, Any] | None, mode: str):
     y, state = self.retention(self.retention_norm(x_BxLxD), positions_BxL, state, mode)
     x_BxLxD = x_BxLxD + y
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), state
