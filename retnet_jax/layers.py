@@ -132,7 +132,6 @@ class MultiScaleRetention(nnx.Module):
     self.key_dim = d // heads
     self.value_dim = cfg.value_dim // heads
     self.dtype = compute_dtype(cfg.dtype)
-    self.rotation_base = cfg.rotation_base
     self.head_norm_eps = cfg.head_norm_eps
     self.stability_norm = cfg.stability_norm
     self.stability_norm_style = cfg.stability_norm_style
@@ -182,17 +181,19 @@ class MultiScaleRetention(nnx.Module):
     cross = jnp.repeat(cross_BxCxH, size, axis=1)[:, :length]
     return sqrt_sigma_LxH * jnp.maximum(inner, cross)
 
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, state: dict[str, jax.Array] | None, mode: str
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`x [B, L, D]` at `positions [B, L]` with the layer's incoming state (None: empty) -> (y, new state)."""
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, state: dict[str, jax.Array] | None,
+               mode: str) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`x [B, L, D]` at `positions [B, L]` with the layer's incoming state (None: empty) -> (y, new state).
+
+    `rotation_tables`: `rotation.rotation_tables(positions, d_model // num_heads, rotation_base)`.
+    """
     batch, length, _ = x_BxLxD.shape
     heads = self.num_heads
     split = lambda y: y.reshape(batch, length, heads, -1)
     q = split(self.q_proj(x_BxLxD))
     k = split(self.k_proj(x_BxLxD)) * jnp.asarray(self.key_dim**-0.5, self.dtype)
     v = split(self.v_proj(x_BxLxD))
-    angles = rotation.rotation_angles(positions_BxL, self.key_dim, self.rotation_base)
-    q, k = rotation.rotate(q, angles), rotation.rotate(k, angles)
+    q, k = rotation.rotate(q, rotation_tables), rotation.rotate(k, rotation_tables)
     k = jnp.where((positions_BxL >= 0)[..., None, None], k, 0)  # negative positions are left padding
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
@@ -245,7 +246,7 @@ class RetNetBlock(nnx.Module):
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = GLUFeedForward(cfg, rngs=rngs)
 
-  def __call__(self, x_BxLxD, positions_BxL, state: dict[str, Any] | None, mode: str):
-    y, state = self.retention(self.retention_norm(x_BxLxD), positions_BxL, state, mode)
+  def __call__(self, x_BxLxD, positions_BxL, rotation_tables, state: dict[str, Any] | None, mode: str):
+    y, state = self.retention(self.retention_norm(x_BxLxD), positions_BxL, rotation_tables, state, mode)
     x_BxLxD = x_BxLxD + y
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), state

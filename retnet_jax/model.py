@@ -29,8 +29,8 @@ REMAT_POLICIES = {
 }
 
 
-def _apply_block(block, x, positions, layer_state, mode):
-  return block(x, positions, layer_state, mode)
+def _apply_block(block, x, positions, rotation_tables, layer_state, mode):
+  return block(x, positions, rotation_tables, layer_state, mode)
 
 
 def rematerialized(fn, remat: str, static_argnums: tuple[int, ...]):
@@ -116,12 +116,15 @@ class RetNet(nnx.Module):
     """
     if mode not in layers.MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")
-    apply_block = rematerialized(_apply_block, remat, static_argnums=(4,))
+    apply_block = rematerialized(_apply_block, remat, static_argnums=(5,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     if state is None:  # no carried state: the blocks skip the cross terms with an all-zero state
       state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * self.config.num_layers}
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
+    # Shared by every layer: their sines and cosines would cost more than the rotations.
+    tables = rotation.rotation_tables(positions_BxL, self.config.d_model // self.config.num_heads,
+                                      self.config.rotation_base)
     x = self.embed(tokens_BxL)
     if self.embed_scale is not None:
       x = x * jnp.asarray(self.embed_scale, x.dtype)
@@ -130,7 +133,7 @@ class RetNet(nnx.Module):
     x = sharding.constrain(x, ("batch", None, None))
     layer_states = []
     for block, layer_state in zip(self.blocks, state["layers"]):
-      x, layer_state = apply_block(block, x, positions_BxL, layer_state, mode)
+      x, layer_state = apply_block(block, x, positions_BxL, tables, layer_state, mode)
       x = sharding.constrain(x, ("batch", None, None))
       layer_states.append(layer_state)
     x = self.final_norm(x)

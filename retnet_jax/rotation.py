@@ -17,17 +17,21 @@ def check_rotary_dim(head_dim: int) -> None:
                      "choose d_model / num_heads even.")
 
 
-def rotation_angles(positions: jax.Array, head_dim: int, base: float = 10000.0) -> jax.Array:
-  """Angles n * theta_j: `positions [...]` -> `[..., head_dim // 2]` float32."""
+def rotation_tables(positions_BxL: jax.Array, head_dim: int, base: float = 10000.0) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the angles n * theta_j of each feature pair j: two float32 `[batch, seq, 1, head_dim // 2]`.
+
+  A model computes them once per call and shares them between its layers: the sines and cosines cost more
+  than the rotations themselves.
+  """
   check_rotary_dim(head_dim)
-  theta = base ** -jnp.linspace(0.0, 1.0, head_dim // 2, dtype=jnp.float32)
-  return positions.astype(jnp.float32)[..., None] * theta
+  theta_P = base ** -jnp.linspace(0.0, 1.0, head_dim // 2, dtype=jnp.float32)
+  angles_BxLx1xP = positions_BxL.astype(jnp.float32)[..., None, None] * theta_P
+  return jnp.cos(angles_BxLx1xP), jnp.sin(angles_BxLx1xP)
 
 
-def rotate(x_BxLxHxK: jax.Array, angles_BxLxP: jax.Array) -> jax.Array:
-  """Rotates interleaved pairs of `x [batch, seq, heads, 2P]` by `angles [batch, seq, P]`."""
-  cos = jnp.cos(angles_BxLxP)[:, :, None, :]
-  sin = jnp.sin(angles_BxLxP)[:, :, None, :]
+def rotate(x_BxLxHxK: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """Rotates interleaved feature pairs of `x [batch, seq, heads, head_dim]` by `rotation_tables(...)`."""
+  cos, sin = tables
   pairs = x_BxLxHxK.reshape(x_BxLxHxK.shape[:-1] + (-1, 2)).astype(cos.dtype)
   even, odd = pairs[..., 0], pairs[..., 1]
   rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)

@@ -124,8 +124,8 @@ def test_rotation_depends_only_on_position_difference():
   x, y = (jnp.asarray(rng.normal(size=(1, 1, 1, head_dim)), jnp.float32) for _ in range(2))
 
   def dot_at(n, m):
-    qn = rotation.rotate(x, rotation.rotation_angles(jnp.array([[n]]), head_dim))
-    km = rotation.rotate(y, rotation.rotation_angles(jnp.array([[m]]), head_dim))
+    qn = rotation.rotate(x, rotation.rotation_tables(jnp.array([[n]]), head_dim))
+    km = rotation.rotate(y, rotation.rotation_tables(jnp.array([[m]]), head_dim))
     return float(jnp.sum(qn * km))
 
   for n, m, shift in [(5, 2, 7), (3, 3, 100), (0, 9, 31)]:
@@ -134,12 +134,20 @@ def test_rotation_depends_only_on_position_difference():
 
 
 def test_rotation_pairs_are_interleaved():
-  """Feature pair (0, 1) rotates by n * theta_0 = n radians, matching the math note's formula."""
-  x = jnp.zeros((1, 1, 1, 4)).at[..., 0].set(1.0)
-  out = rotation.rotate(x, rotation.rotation_angles(jnp.array([[1]]), 4))
-  np.testing.assert_allclose(np.asarray(out).ravel()[:2], [np.cos(1.0), np.sin(1.0)], rtol=1e-6)
+  """Pair j = (x_2j, x_2j+1) at position n turns by n * theta_j, theta_j = base^(-j / (P - 1)): a float64 check."""
+  rng = np.random.default_rng(3)
+  head_dim, base = 8, 10000.0
+  x = rng.normal(size=(2, 3, 2, head_dim))
+  positions = np.array([[0, 1, 7], [-2, 40, 1000]])
+  out = rotation.rotate(jnp.asarray(x, jnp.float32), rotation.rotation_tables(jnp.asarray(positions), head_dim, base))
+  theta = base ** -np.linspace(0.0, 1.0, head_dim // 2)
+  angle = positions[:, :, None, None] * theta  # [B, L, 1, P]
+  even, odd = x[..., 0::2], x[..., 1::2]
+  expected = np.stack([even * np.cos(angle) - odd * np.sin(angle), odd * np.cos(angle) + even * np.sin(angle)],
+                      axis=-1).reshape(x.shape)
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="odd"):
-    rotation.rotation_angles(jnp.array([[1]]), 5)
+    rotation.rotation_tables(jnp.array([[1]]), 5)
 
 
 def test_decay_schedules():

@@ -99,19 +99,17 @@ class CausalSelfAttention(nnx.Module):
     d = cfg.d_model
     self.num_heads = cfg.num_heads
     self.head_dim = d // cfg.num_heads
-    self.rotation_base = cfg.rotation_base
     self.dtype = layers.compute_dtype(cfg.dtype)
     init = layers.xavier_uniform(1.0)
     self.qkv_proj = layers.Dense(d, 3 * d, ("embed", "heads"), init=init, dtype=self.dtype, rngs=rngs)
     self.out_proj = layers.Dense(d, d, ("heads", "embed"), init=init, dtype=self.dtype, rngs=rngs)
 
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, cache: State, slot: jax.Array, form: str
-               ) -> tuple[jax.Array, State]:
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, cache: State, slot: jax.Array,
+               form: str) -> tuple[jax.Array, State]:
     batch, length, d = x_BxLxD.shape
     qkv = self.qkv_proj(x_BxLxD).reshape(batch, length, 3, self.num_heads, self.head_dim)
-    angles = rotation.rotation_angles(positions_BxL, self.head_dim, self.rotation_base)
-    q = rotation.rotate(qkv[:, :, 0], angles) * jnp.asarray(self.head_dim**-0.5, self.dtype)
-    k, v = rotation.rotate(qkv[:, :, 1], angles), qkv[:, :, 2]
+    q = rotation.rotate(qkv[:, :, 0], rotation_tables) * jnp.asarray(self.head_dim**-0.5, self.dtype)
+    k, v = rotation.rotate(qkv[:, :, 1], rotation_tables), qkv[:, :, 2]
     if form == "self":
       causal_LxL = jnp.tril(jnp.ones((length, length), bool))
       out = attention(q, k, v, causal_LxL[None] & (positions_BxL >= 0)[:, None, :])
@@ -143,14 +141,14 @@ class TransformerBlock(nnx.Module):
     self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = layers.GLUFeedForward(cfg, rngs=rngs)
 
-  def __call__(self, x_BxLxD, positions_BxL, cache: State, slot: jax.Array, form: str):
-    y, cache = self.attention(self.attention_norm(x_BxLxD), positions_BxL, cache, slot, form)
+  def __call__(self, x_BxLxD, positions_BxL, rotation_tables, cache: State, slot: jax.Array, form: str):
+    y, cache = self.attention(self.attention_norm(x_BxLxD), positions_BxL, rotation_tables, cache, slot, form)
     x_BxLxD = x_BxLxD + y
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), cache
 
 
-def _apply_block(block, x, positions, cache, slot, form):
-  return block(x, positions, cache, slot, form)
+def _apply_block(block, x, positions, rotation_tables, cache, slot, form):
+  return block(x, positions, rotation_tables, cache, slot, form)
 
 
 def _check_room(state: State, length: int) -> None:
@@ -196,7 +194,7 @@ class Transformer(nnx.Module):
     """
     if mode not in MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
-    apply_block = rematerialized(_apply_block, remat, static_argnums=(5,))
+    apply_block = rematerialized(_apply_block, remat, static_argnums=(6,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     form = "cache" if mode == "parallel" else "recurrent"
@@ -205,10 +203,12 @@ class Transformer(nnx.Module):
       form = "self" if mode == "parallel" else form
     _check_room(state, length)
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
+    tables = rotation.rotation_tables(positions_BxL, self.config.d_model // self.config.num_heads,
+                                      self.config.rotation_base)
     x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
     caches = []
     for block, cache in zip(self.blocks, state["layers"]):
-      x, cache = apply_block(block, x, positions_BxL, cache, state["next_slot"], form)
+      x, cache = apply_block(block, x, positions_BxL, tables, cache, state["next_slot"], form)
       x = sharding.constrain(x, ("batch", None, None))
       caches.append(cache)
     x = self.final_norm(x)
