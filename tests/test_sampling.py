@@ -92,7 +92,7 @@ def test_stop_tokens_end_rows(model):
 
 
 def test_compiles_once_per_shape_and_settings(model):
-  cache = sampling._generate_compiled._cache_size
+  cache = sampling._generate_compiled()._cache_size
   run(model, [[1, 2, 3], [4]], key=5, top_p=0.9, temperature=0.7, stream=lambda tokens, step: None)
   before = cache()
   out = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
@@ -167,3 +167,18 @@ def test_pad_prompts():
     sampling.pad_prompts([[1], []])
   with pytest.raises(ValueError, match="prompt 2 holds 4 tokens, more than max_prompt_len=3"):
     sampling.pad_prompts([[1], [2, 3], [4, 5, 6, 7]], max_prompt_len=3)
+
+
+def test_decoding_compiles_with_the_cpu_options(model):
+  """On CPU the loop is compiled with CPU_DECODE_OPTIONS: its dots leave YNNPACK, which a default jit uses."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the options concern XLA's CPU backend")
+  graphdef, params = nnx.split(model)
+  tokens, lengths = sampling.pad_prompts([[1, 2, 3]])
+  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), "chunkwise", False)
+  args = (params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), jnp.float32(1), jnp.float32(1),
+          jnp.int32(0))
+  compiled = sampling._generate_compiled().lower(*args, graphdef=graphdef, settings=settings).compile()
+  default = jax.jit(sampling._generate, static_argnames=("graphdef", "settings")).lower(
+      *args, graphdef=graphdef, settings=settings).compile()
+  assert "ynn" in default.as_text() and "ynn" not in compiled.as_text()
