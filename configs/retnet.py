@@ -116,6 +116,9 @@ def get_config(arg: str | None = None) -> config_dict.ConfigDict:
       weight_decay=0.05,  # not applied to norm scales
       grad_clip_norm=1.0,
       remat="none",  # none | full | dots_saveable: jax.checkpoint policy per block
+      # > 0: backpropagate through segments of this many tokens carrying the state, recomputing one segment
+      # at a time (memory grows with the segment, not seq_len; ~20-40% more time); 0: whole sequences
+      segment_len=0,
       nonfinite="stop",  # a NaN/Inf loss or gradient: stop (naming the step) | skip (the update, counted)
       inject_nonfinite_steps=(),  # steps whose loss is forced to NaN, to exercise the guard
       log_every_steps=50,

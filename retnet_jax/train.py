@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -54,6 +55,14 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if train.remat != "none" and train.remat not in model_lib.REMAT_POLICIES:
     raise ValueError(f"unknown train.remat {train.remat!r}; choose none or one of "
                      f"{tuple(model_lib.REMAT_POLICIES)}.")
+  if not isinstance(train.segment_len, int) or train.segment_len < 0:
+    raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "
+                     f"got {train.segment_len!r}.")
+  if (train.segment_len and train.mode == "chunkwise" and config.model.stability_norm_style == "torchscale"
+      and train.segment_len % config.model.chunk_size):
+    raise ValueError(f"train.segment_len={train.segment_len} is not a multiple of model.chunk_size="
+                     f"{config.model.chunk_size}: the torchscale-style chunkwise normaliser depends on where chunks "
+                     "start; choose a multiple of the chunk size.")
   optimizer.learning_rate_schedule(train)
   if train.batch_size % train.grad_accum_steps:
     raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
@@ -82,11 +91,37 @@ class Setup:
   eval_step: Callable[[Any, jax.Array], jax.Array]
 
 
-def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str, remat: str = "none"):
-  """Mean next-token cross-entropy (nats) of `tokens [batch, seq + 1]`: inputs [:, :-1], targets [:, 1:]."""
-  model = nnx.merge(graphdef, params)
-  logits, _ = model(tokens_BxL1[:, :-1], mode=mode, remat=remat)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:]).mean()
+def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str, remat: str = "none",
+               segment_len: int = 0):
+  """Mean next-token cross-entropy (nats) of `tokens [batch, seq + 1]`: inputs [:, :-1], targets [:, 1:].
+
+  `segment_len` in (0, seq): the sequence runs as segments of that many tokens in a `lax.scan` that carries
+  the recurrent state, each segment under `jax.checkpoint`, so the backward pass recomputes one segment at a
+  time and activation memory grows with the segment, not the sequence. Same loss and gradients to float
+  rounding (every form continues a carried state exactly). Unlike a checkpoint per block, this also holds on
+  XLA's CPU backend, which drops the optimisation barriers that keep a rematerialised block from being merged
+  back into the forward pass: a loop body cannot be.
+  """
+  inputs_BxL, targets_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+  batch, length = inputs_BxL.shape
+  if not 0 < segment_len < length:
+    logits, _ = nnx.merge(graphdef, params)(inputs_BxL, mode=mode, remat=remat)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxL).mean()
+  num_segments = -(-length // segment_len)
+  # Padding goes after the last token, so (causal) it changes no real position's output; its loss is masked.
+  pad = num_segments * segment_len - length
+  segments = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (0, pad))).reshape(
+      batch, num_segments, segment_len).swapaxes(0, 1)
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the recomputation
+  def segment(state, xs):
+    inputs, targets, weights = xs
+    logits, state = nnx.merge(graphdef, params)(inputs, mode=mode, state=state, remat=remat)
+    return state, jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
+
+  xs = (segments(inputs_BxL), segments(targets_BxL), segments(jnp.ones((batch, length), jnp.float32)))
+  _, sums = jax.lax.scan(segment, nnx.merge(graphdef, params).init_state(batch), xs)
+  return sums.sum() / (batch * length)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: ml_collections.ConfigDict):
@@ -94,7 +129,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
   schedule = optimizer.learning_rate_schedule(train_cfg)
   accum = train_cfg.grad_accum_steps
   loss_and_grad = jax.value_and_grad(
-      lambda params, tokens: token_loss(graphdef, params, tokens, train_cfg.mode, train_cfg.remat))
+      lambda params, tokens: token_loss(graphdef, params, tokens, train_cfg.mode, train_cfg.remat,
+                                        train_cfg.segment_len))
 
   def train_step(state: TrainState, batch_BxL1: jax.Array):
     params = state["params"]

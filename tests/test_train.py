@@ -11,6 +11,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import checkpointing, sharding, train
+from retnet_jax.model import RetNet
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 
@@ -156,6 +157,9 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
     (lambda c: c.train.update(lr_schedule="step"), "unknown train.lr_schedule 'step'"),
     (lambda c: c.train.update(nonfinite="ignore"), "unknown train.nonfinite 'ignore'"),
     (lambda c: c.train.update(remat="everything"), "unknown train.remat 'everything'"),
+    (lambda c: c.train.update(segment_len=-4), "train.segment_len must be 0"),
+    (lambda c: c.train.update(mode="chunkwise", segment_len=12) or c.model.update(stability_norm_style="torchscale"),
+     "train.segment_len=12 is not a multiple of model.chunk_size=8"),
     (lambda c: c.model.update(vocab_size=100), "the tokenizer has 256 tokens but model.vocab_size=100"),
     (lambda c: c.data.update(validation_fraction=1.5), "validation_fraction must lie strictly between 0 and 1"),
 ])
@@ -183,3 +187,48 @@ def test_profile_trace_and_tensorboard_events_are_written(tmp_path):
   assert list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
   assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
   assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 4
+
+
+def _loss_and_grads(model_cfg, tokens, mode, segment_len):
+  graphdef, params = nnx.split(RetNet(model_cfg, rngs=nnx.Rngs(0)))
+  fn = lambda p: train.token_loss(graphdef, p, tokens, mode, segment_len=segment_len)
+  return jax.jit(jax.value_and_grad(fn))(params)
+
+
+@pytest.mark.parametrize("mode,style,segment_len", [
+    ("chunkwise", "shared", 5),  # 29 tokens: segments of 5 leave a padded last one; chunks of 8 straddle them
+    ("parallel", "shared", 8),
+    ("chunkwise", "torchscale", 16),  # this style's chunkwise normaliser needs segments of whole chunks
+    ("parallel", "torchscale", 7),
+])
+def test_segmented_backprop_gives_the_same_loss_and_gradients(mode, style, segment_len):
+  """train.segment_len carries the state across segments: the loss and gradients equal the whole sequence's
+  to float32 rounding (measured 5e-7 on the loss, 1e-7 on gradients of size 0.25; segments of 12 with the
+  torchscale style, refused by check_config, differ by 3e-3)."""
+  model_cfg = retnet_config.get_config("tiny").model
+  model_cfg.stability_norm_style = style
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 30)), jnp.int32)
+  loss, grads = _loss_and_grads(model_cfg, tokens, mode, 0)
+  segmented_loss, segmented_grads = _loss_and_grads(model_cfg, tokens, mode, segment_len)
+  assert abs(float(loss) - float(segmented_loss)) < 1e-5
+  scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads))
+  assert max_tree_diff(grads, segmented_grads) < 1e-4 * scale
+
+
+def test_segmented_backprop_bounds_the_compiled_buffers():
+  """At 2048 tokens, segments of 256 cut the train step's XLA buffers several-fold (the whole sequence keeps
+  every layer's activations for the backward pass; measured 11.05 -> 1.26 GB at 16k for the benchmark model)."""
+  config = retnet_config.get_config("tiny")
+  config.train.update(dict(batch_size=1, seq_len=2048, mode="chunkwise"))
+  config.mesh.shape = (1, 1, 1)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+
+  def temp_bytes(segment_len):
+    config.train.segment_len = segment_len
+    run = train.setup(config, mesh)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+      batch = jax.ShapeDtypeStruct((1, 2049), jnp.int32, sharding=run.batch_sharding)
+      return run.train_step.lower(run.abstract_state, batch).compile().memory_analysis().temp_size_in_bytes
+
+  whole, segmented = temp_bytes(0), temp_bytes(256)
+  assert segmented < whole / 3, (whole, segmented)
