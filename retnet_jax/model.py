@@ -29,17 +29,26 @@ REMAT_POLICIES = {
 }
 
 
-def _apply_block(block, x, positions, rotation_tables, layer_state, mode):
-  return block(x, positions, rotation_tables, layer_state, mode)
+def _call_block(block, *args):
+  return block(*args)
 
 
-def rematerialized(fn, remat: str, static_argnums: tuple[int, ...]):
-  """`fn` under `nnx.remat` with the policy named `remat`, or `fn` itself for `none`."""
+def block_caller(remat: str, static_argnums: tuple[int, ...]):
+  """`call(block, *args) = block(*args)`, under `nnx.remat` with the policy named `remat` (`none`: plain).
+
+  `static_argnums` index `(block, *args)`: the block's non-array arguments, such as the mode.
+  """
   if remat == "none":
-    return fn
+    return _call_block
   if remat not in REMAT_POLICIES:
     raise ValueError(f"unknown remat {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
-  return nnx.remat(fn, policy=REMAT_POLICIES[remat], static_argnums=static_argnums)
+  return nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=static_argnums)
+
+
+def rotation_tables_for(cfg: ml_collections.ConfigDict, positions_BxL: jax.Array):
+  """The q/k rotation tables of a model config at `positions [B, L]`, shared by every layer of one call: their
+  sines and cosines would cost more than the rotations."""
+  return rotation.rotation_tables(positions_BxL, cfg.d_model // cfg.num_heads, cfg.rotation_base)
 
 
 def check_model_config(cfg: ml_collections.ConfigDict) -> None:
@@ -116,15 +125,13 @@ class RetNet(nnx.Module):
     """
     if mode not in layers.MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")
-    apply_block = rematerialized(_apply_block, remat, static_argnums=(5,))
+    call_block = block_caller(remat, static_argnums=(5,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     if state is None:  # no carried state: the blocks skip the cross terms with an all-zero state
       state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * self.config.num_layers}
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
-    # Shared by every layer: their sines and cosines would cost more than the rotations.
-    tables = rotation.rotation_tables(positions_BxL, self.config.d_model // self.config.num_heads,
-                                      self.config.rotation_base)
+    tables = rotation_tables_for(self.config, positions_BxL)
     x = self.embed(tokens_BxL)
     if self.embed_scale is not None:
       x = x * jnp.asarray(self.embed_scale, x.dtype)
@@ -133,7 +140,7 @@ class RetNet(nnx.Module):
     x = sharding.constrain(x, ("batch", None, None))
     layer_states = []
     for block, layer_state in zip(self.blocks, state["layers"]):
-      x, layer_state = apply_block(block, x, positions_BxL, tables, layer_state, mode)
+      x, layer_state = call_block(block, x, positions_BxL, tables, layer_state, mode)
       x = sharding.constrain(x, ("batch", None, None))
       layer_states.append(layer_state)
     x = self.final_norm(x)

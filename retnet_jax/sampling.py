@@ -131,7 +131,7 @@ def _generate_compiled() -> Callable[..., tuple[jax.Array, jax.Array]]:
 
 
 def _generate(params, prompts_BxP, lengths_B, keys, temperature, top_p, call_id, *, graphdef,
-                       settings: _Settings):
+              settings: _Settings):
   """Prefill and decode loop: (tokens int32 `[B, N]`, generated per row int32 `[B]`)."""
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompts_BxP.shape

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax import layers, rotation, sharding
-from retnet_jax.model import check_tokens, rematerialized
+from retnet_jax.model import block_caller, check_tokens, rotation_tables_for
 
 MODES = ("parallel", "recurrent")
 State = dict[str, Any]
@@ -147,10 +147,6 @@ class TransformerBlock(nnx.Module):
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), cache
 
 
-def _apply_block(block, x, positions, rotation_tables, cache, slot, form):
-  return block(x, positions, rotation_tables, cache, slot, form)
-
-
 def _check_room(state: State, length: int) -> None:
   """For a concrete state (outside jit): the cache must hold `length` more tokens."""
   try:
@@ -194,7 +190,7 @@ class Transformer(nnx.Module):
     """
     if mode not in MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
-    apply_block = rematerialized(_apply_block, remat, static_argnums=(6,))
+    call_block = block_caller(remat, static_argnums=(6,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     form = "cache" if mode == "parallel" else "recurrent"
@@ -203,12 +199,11 @@ class Transformer(nnx.Module):
       form = "self" if mode == "parallel" else form
     _check_room(state, length)
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
-    tables = rotation.rotation_tables(positions_BxL, self.config.d_model // self.config.num_heads,
-                                      self.config.rotation_base)
+    tables = rotation_tables_for(self.config, positions_BxL)
     x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
     caches = []
     for block, cache in zip(self.blocks, state["layers"]):
-      x, cache = apply_block(block, x, positions_BxL, tables, cache, state["next_slot"], form)
+      x, cache = call_block(block, x, positions_BxL, tables, cache, state["next_slot"], form)
       x = sharding.constrain(x, ("batch", None, None))
       caches.append(cache)
     x = self.final_norm(x)
