@@ -12,7 +12,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from retnet_jax import train
+from retnet_jax import host_memory, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Training config file and preset.",
                                           lock_config=True)
@@ -28,6 +28,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  host_memory.keep_freed_memory()  # before jax runs anything: steps reuse their buffers' pages
   logging.set_verbosity(logging.INFO)
   if _COORDINATOR.value:
     if jax.config.jax_platforms in (None, "", "cpu"):
