@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
+import multiprocessing
 import os
 import platform
 import resource
@@ -38,7 +40,7 @@ from ml_collections import config_flags
 import numpy as np
 from flax import nnx
 
-from retnet_jax import flops, optimizer, sampling, sharding, train
+from retnet_jax import flops, host_memory, optimizer, sampling, sharding, train
 from retnet_jax.baselines import transformer
 from retnet_jax.model import RetNet
 
@@ -66,6 +68,8 @@ class Suite:
   decode_batch: int
   new_tokens: int
   contexts: tuple[int, ...]  # prompt lengths of the latency-vs-context sweep (batch 1)
+  long_train_len: int  # chunkwise training of one sequence this long, whole and in segments (batch 1)
+  segment_len: int  # train.segment_len of the segmented long training step
   matmul_size: int
 
 
@@ -74,13 +78,13 @@ SUITES = {
                              chunk_size=16),
                    seq_len=64, batch_size=4, rounds=2, sweep_rounds=2, decode_rounds=2, lengths=(32, 64),
                    train_lengths=(32,), quadratic_max_len=64, prompt_len=16, decode_batch=32, new_tokens=8,
-                   contexts=(16, 32), matmul_size=256),
+                   contexts=(16, 32), long_train_len=256, segment_len=64, matmul_size=256),
     "full": Suite(size=dict(d_model=512, num_layers=6, num_heads=4, value_dim=1024, ffn_dim=1024, vocab_size=256,
                             chunk_size=128),
-                  seq_len=512, batch_size=8, rounds=3, sweep_rounds=2, decode_rounds=1,
+                  seq_len=512, batch_size=8, rounds=3, sweep_rounds=2, decode_rounds=3,
                   lengths=(512, 1024, 2048, 4096, 8192, 16384), train_lengths=(512, 1024, 2048, 4096),
                   quadratic_max_len=4096, prompt_len=2048, decode_batch=32, new_tokens=32,
-                  contexts=(128, 512, 2048, 8192), matmul_size=2048),
+                  contexts=(128, 512, 2048, 8192), long_train_len=16384, segment_len=2048, matmul_size=2048),
 }
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Base config; the suite sets its "
@@ -96,9 +100,13 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Training batch size (def
 
 @dataclasses.dataclass
 class Case:
-  """One thing to time: `run()` does it once and returns the seconds of each unit (a step, a token)."""
+  """One thing to time: `run()` does it once and returns the seconds of each unit (a step, a token).
+
+  `measure_memory()`, for a case that runs in another process, runs it once and returns that process's peak.
+  """
   run: Callable[[], list[float]]
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  measure_memory: Callable[[], dict[str, int]] | None = None
 
 
 def timed(fn: Callable[[], Any], repeats: int = 1) -> Callable[[], list[float]]:
@@ -140,7 +148,12 @@ def memory_source() -> str:
 
 
 def peak_memory(fn: Callable[[], Any], source: str) -> dict[str, int]:
-  """Runs `fn`; its peak memory and the peak above the memory in use when it started (bytes)."""
+  """Runs `fn`; its peak memory and the peak above the memory in use when it started (bytes).
+
+  The heap's free pages are returned first: `host_memory.keep_freed_memory` keeps them, and they would count
+  as memory in use before the call.
+  """
+  host_memory.release_freed_memory()
   if source.startswith("device"):
     before = jax.devices()[0].memory_stats()["bytes_in_use"]
     fn()
@@ -167,7 +180,7 @@ def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Ca
   for name, case in cases.items():
     time.sleep(SETTLE_S)
     start = time.perf_counter()
-    case.info["memory"] = peak_memory(case.run, source)
+    case.info["memory"] = case.measure_memory() if case.measure_memory else peak_memory(case.run, source)
     case.info["first_run_s"] = time.perf_counter() - start
     print(f"  warmed up {name} ({case.info['first_run_s']:.1f} s)", flush=True)
   seconds = {name: [] for name in cases}
@@ -289,28 +302,30 @@ def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: 
   return Case(run, {"state_bytes": state_bytes(model, batch)})
 
 
-class Torchscale:
-  """torchscale's RetNet (the official implementation) at our configuration, when torch and torchscale import."""
+def _torchscale_modules():
+  """torch and torchscale's RetNet classes; raises ImportError when either is missing."""
+  import torch
+  # torchscale imports timm only for drop_path, which is off here.
+  timm = types.ModuleType("timm")
+  timm.models = types.ModuleType("timm.models")
+  timm.models.layers = types.ModuleType("timm.models.layers")
+  timm.models.layers.drop_path = lambda x, *args, **kwargs: x
+  for name, module in (("timm", timm), ("timm.models", timm.models), ("timm.models.layers", timm.models.layers)):
+    sys.modules.setdefault(name, module)
+  from torchscale.architecture.config import RetNetConfig
+  from torchscale.architecture.retnet import RetNetDecoder
+  return torch, RetNetConfig, RetNetDecoder
 
-  def __init__(self, model_cfg):
-    self.cfg = model_cfg
-    try:
-      import torch
-      # torchscale imports timm only for drop_path, which is off here.
-      timm = types.ModuleType("timm")
-      timm.models = types.ModuleType("timm.models")
-      timm.models.layers = types.ModuleType("timm.models.layers")
-      timm.models.layers.drop_path = lambda x, *args, **kwargs: x
-      for name, module in (("timm", timm), ("timm.models", timm.models), ("timm.models.layers", timm.models.layers)):
-        sys.modules.setdefault(name, module)
-      from torchscale.architecture.config import RetNetConfig
-      from torchscale.architecture.retnet import RetNetDecoder
-    except ImportError as error:
-      self.torch, self.note = None, f"torchscale not measured: {error}"
-      return
-    self.torch, self._config, self._decoder = torch, RetNetConfig, RetNetDecoder
-    torch.set_num_threads(os.cpu_count())
-    self.note = f"torch {torch.__version__} with {torch.get_num_threads()} threads"
+
+class _TorchscaleCases:
+  """Builds and runs torchscale cases; lives in the worker process (see `Torchscale`)."""
+
+  def __init__(self, model_cfg: dict[str, Any]):
+    self.cfg = types.SimpleNamespace(**model_cfg)
+    self.torch, self._config, self._decoder = _torchscale_modules()
+    self.torch.set_num_threads(os.cpu_count())
+    self.note = (f"torch {self.torch.__version__} with {self.torch.get_num_threads()} threads, in a worker process "
+                 "with the default malloc settings")
 
   def model(self, mode: str):
     c = self.cfg
@@ -321,20 +336,19 @@ class Torchscale:
                         layernorm_eps=c.norm_eps, share_decoder_input_output_embed=c.tie_embeddings)
     return self._decoder(args, self.torch.nn.Embedding(c.vocab_size, c.d_model))
 
-  def train_case(self, mode: str, train_cfg) -> Case:
+  def train_case(self, mode: str, train_cfg: dict[str, Any]) -> Case:
     """A training step: loss, backward, clipping, AdamW with our hyper-parameters."""
-    torch = self.torch
+    torch, t = self.torch, types.SimpleNamespace(**train_cfg)
     model = self.model(mode).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.learning_rate, betas=(train_cfg.b1, train_cfg.b2),
-                            weight_decay=train_cfg.weight_decay)
-    tokens = torch.from_numpy(random_tokens(train_cfg.batch_size, train_cfg.seq_len + 1, self.cfg.vocab_size)).long()
+    opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.b1, t.b2), weight_decay=t.weight_decay)
+    tokens = torch.from_numpy(random_tokens(t.batch_size, t.seq_len + 1, self.cfg.vocab_size)).long()
 
     def one_step():
       logits = model(tokens[:, :-1])[0]
       loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
       opt.zero_grad(set_to_none=True)
       loss.backward()
-      torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip_norm)
+      torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
       opt.step()
 
     return Case(timed(one_step))
@@ -354,6 +368,87 @@ class Torchscale:
       return np.diff(stamps).tolist()
 
     return Case(run)
+
+
+def _torchscale_worker(conn, model_cfg: dict[str, Any], source: str) -> None:
+  """The worker process's loop: ("train", name, mode, train_cfg) / ("decode", name, new_tokens) build a case,
+  ("run", name) times it once, ("memory", name) runs it once for its peak memory; replies ("ok", value) or
+  ("error", text)."""
+  try:
+    cases, harness = {}, _TorchscaleCases(model_cfg)
+    conn.send(("ok", harness.note))
+  except ImportError as error:
+    conn.send(("error", f"torchscale not measured: {error}"))
+    return
+  while True:
+    command, name, *args = conn.recv()
+    try:
+      if command == "train":
+        cases[name], value = harness.train_case(*args), None
+      elif command == "decode":
+        cases[name], value = harness.decode_case(*args), None
+      elif command == "run":
+        value = cases[name].run()
+      elif command == "memory":
+        value = peak_memory(cases[name].run, source)
+      else:  # "stop"
+        conn.send(("ok", None))
+        return
+      conn.send(("ok", value))
+    except Exception as error:  # reported to the caller, which raises it with the worker's message
+      conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+class Torchscale:
+  """torchscale's RetNet (the official implementation) at our configuration, when torch and torchscale import.
+
+  Its cases run in a worker process, started with `spawn`, that the benchmark drives step by step, so they still
+  alternate with ours in one run while each library keeps its own threads and malloc settings:
+  `host_memory.keep_freed_memory` changes malloc for a whole process, and torchscale is measured as shipped.
+  """
+
+  def __init__(self, model_cfg, source: str):
+    self.available, self.note = False, "torchscale not measured: "
+    missing = [name for name in ("torch", "torchscale") if importlib.util.find_spec(name) is None]
+    if missing:
+      self.note += (f"{' and '.join(missing)} not installed (pip install -e '.[torch]' && "
+                    "pip install --no-deps torchscale==0.3.0)")
+      return
+    context = multiprocessing.get_context("spawn")
+    self._conn, child = context.Pipe()
+    # Peak memory in the worker is its own RSS; a device-memory source would describe this process's device.
+    worker_source = source if "RSS" in source else "process RSS high-water mark (resource.getrusage ru_maxrss)"
+    self._process = context.Process(target=_torchscale_worker, args=(child, model_cfg.to_dict(), worker_source),
+                                    daemon=True)
+    self._process.start()
+    reply, value = self._conn.recv()
+    self.available, self.note = reply == "ok", value
+    self._names = 0
+
+  def _call(self, *message):
+    self._conn.send(message)
+    reply, value = self._conn.recv()
+    if reply != "ok":
+      raise RuntimeError(f"torchscale worker: {value}")
+    return value
+
+  def _case(self, *build) -> Case:
+    self._names += 1
+    name = str(self._names)
+    self._call(build[0], name, *build[1:])
+    return Case(lambda: self._call("run", name), measure_memory=lambda: self._call("memory", name))
+
+  def train_case(self, mode: str, train_cfg) -> Case:
+    fields = ("learning_rate", "b1", "b2", "weight_decay", "batch_size", "seq_len", "grad_clip_norm")
+    return self._case("train", mode, {k: train_cfg[k] for k in fields})
+
+  def decode_case(self, new_tokens: int) -> Case:
+    return self._case("decode", new_tokens)
+
+  def close(self) -> None:
+    if self.available:
+      self._call("stop", "")
+      self._process.join()
 
 
 # ----------------------------------------------------------------------------------------------- sections
@@ -385,7 +480,7 @@ def measure_training(base, suite: Suite, mesh, torchscale: Torchscale, source: s
     cases[f"transformer/parallel/{dtype}"] = transformer_train_case(config, mesh)
     flops_per_token[f"transformer/parallel/{dtype}"] = transformer.train_flops_per_token(
         transformer.transformer_config(config.model, suite.seq_len), suite.seq_len)
-  if torchscale.torch is not None:
+  if torchscale.available:
     for mode in ("parallel", "chunkwise"):
       config = make_config(base, suite, "float32", mode, suite.seq_len, suite.batch_size)
       cases[f"torchscale/{mode}/float32"] = torchscale.train_case(mode, config.train)
@@ -458,6 +553,27 @@ def measure_lengths(base, suite: Suite, mesh, source: str) -> dict[str, Any]:
   return results
 
 
+def measure_long_training(base, suite: Suite, mesh, source: str) -> dict[str, Any]:
+  """Chunkwise training of one `long_train_len`-token sequence: the whole-sequence step compiled only (its XLA
+  buffers; running it would need them as memory), the `train.segment_len` step compiled, run and timed."""
+  whole = make_config(base, suite, "float32", "chunkwise", suite.long_train_len, 1)
+  segmented = whole.copy_and_resolve_references()
+  segmented.train.segment_len = suite.segment_len
+  run = train.setup(whole, mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+    batch = jax.ShapeDtypeStruct((1, suite.long_train_len + 1), jnp.int32, sharding=run.batch_sharding)
+    _, whole_compile_s, whole_bytes = compile_timed(run.train_step, run.abstract_state, batch)
+  print(f"long training: {suite.long_train_len} tokens, whole sequence compiled ({_fmt(whole_bytes, 'B')} XLA), "
+        f"segments of {suite.segment_len} timed", flush=True)
+  case = interleave({"segmented": retnet_train_case(segmented, mesh)}, suite.sweep_rounds, source)["segmented"]
+  return {"seq_len": suite.long_train_len, "segment_len": suite.segment_len,
+          "whole": {"compile_s": whole_compile_s, "compiled_bytes": whole_bytes},
+          "segmented": {"tokens_per_s": rate(suite.long_train_len, case.info["seconds"]),
+                        "step_s": case.info["seconds"], "compile_s": case.info["compile_s"],
+                        "first_run_s": case.info["first_run_s"], "memory": case.info["memory"],
+                        "compiled_bytes": case.info["compiled_bytes"]}}
+
+
 def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, source: str
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Greedy decoding: tokens/s at batch 1 and `decode_batch`, per-token latency vs context, interleaved with
@@ -476,7 +592,7 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, source:
       cases[f"{name}/batch_1/{context}"] = decode_case(model_at(context), 1, context, suite.new_tokens, prefill)
     cases[f"{name}/batch_{suite.decode_batch}/{suite.prompt_len}"] = decode_case(
         model_at(suite.prompt_len), suite.decode_batch, suite.prompt_len, suite.new_tokens, prefill)
-  if torchscale.torch is not None:
+  if torchscale.available:
     cases["torchscale/batch_1"] = torchscale.decode_case(suite.new_tokens)
   print(f"decoding: {len(cases)} cases, {suite.new_tokens} new tokens each", flush=True)
   interleave(cases, suite.decode_rounds, source)
@@ -498,7 +614,7 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, source:
         f"batch_{suite.decode_batch}": rate(suite.decode_batch, large["seconds"])}
     results["large_batch"][name] = {"batch": suite.decode_batch, "state_bytes": large["state_bytes"],
                                     "memory": large["memory"], "first_call_s": large["first_run_s"]}
-  if torchscale.torch is not None:
+  if torchscale.available:
     results["throughput"]["torchscale"] = {"batch_1": rate(1, cases["torchscale/batch_1"].info["seconds"])}
   bandwidth = read["median"]
   ours = results["throughput"]["retnet"]
@@ -515,7 +631,7 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, source:
 
 
 def torchscale_ratios(training, decoding, torchscale: Torchscale) -> dict[str, Any]:
-  if torchscale.torch is None:
+  if not torchscale.available:
     return {"available": False, "note": torchscale.note, "ratios": {}}
   ratios = {f"train_{mode}": training[f"retnet/{mode}/float32"]["tokens_per_s"]["median"]
             / training[f"torchscale/{mode}/float32"]["tokens_per_s"]["median"] for mode in ("parallel", "chunkwise")}
@@ -526,7 +642,8 @@ def torchscale_ratios(training, decoding, torchscale: Torchscale) -> dict[str, A
 
 def check_targets(results) -> list[dict[str, Any]]:
   """The issue's performance targets, each with the measured value and whether it is met."""
-  training, decoding = results["training"], results["decoding"]
+  training, decoding, long = results["training"], results["decoding"], results["long_training"]
+  forward_longest = results["lengths"]["forward"]["retnet/chunkwise"][-1]
   theirs = decoding["throughput"].get("torchscale", {}).get("batch_1", {}).get("median", TORCHSCALE_DECODE_REFERENCE)
   batch_1 = decoding["throughput"]["retnet"]["batch_1"]["median"]
   targets = [
@@ -541,6 +658,10 @@ def check_targets(results) -> list[dict[str, Any]]:
       ("chunkwise forward memory linear: XLA buffers grow as L^p, p < 1.2",
        results["lengths"]["forward_analysis"]["compiled_bytes_growth_exponent"]["retnet/chunkwise"],
        lambda v: v is not None and v < 1.2),
+      (f"chunkwise forward at {forward_longest['seq_len']} tokens >= 1,800 tokens/s",
+       forward_longest["seq_len"] / forward_longest["seconds"]["median"], lambda v: v >= 1800),
+      (f"chunkwise training at {long['seq_len']} tokens (train.segment_len={long['segment_len']}) under 4 GB: "
+       "peak memory, GB", long["segmented"]["memory"]["peak_bytes"] / 1e9, lambda v: v < 4),
   ]
   return [{"target": name, "value": value, "met": bool(test(value))} for name, value, test in targets]
 
@@ -629,6 +750,12 @@ def to_markdown(results) -> str:
       "decoding state / peak memory: " + ", ".join(
           f"{k} {_fmt(v['state_bytes'], 'B')} / {_fmt(v['memory']['peak_bytes'], 'B')}"
           for k, v in dec["large_batch"].items()) + "."]
+  long, seg = results["long_training"], results["long_training"]["segmented"]
+  lines += ["", f"## Chunkwise training of one {long['seq_len']}-token sequence", "",
+            f"Whole sequence: {_fmt(long['whole']['compiled_bytes'], 'B')} XLA buffers (compiled only). "
+            f"`train.segment_len={long['segment_len']}`: {_fmt(seg['compiled_bytes'], 'B')} XLA buffers, peak memory "
+            f"{_fmt(seg['memory']['peak_bytes'], 'B')} (+{_fmt(seg['memory']['above_start_bytes'], 'B')}), "
+            f"step {_range(seg['step_s'], 's')}, {_range(seg['tokens_per_s'])} tokens/s."]
   lines += ["", "## Targets", ""]
   lines += _table(["target", "value", "met"], [[t["target"], _fmt(t["value"]), "yes" if t["met"] else "no"]
                                                for t in results["targets"]])
@@ -698,6 +825,7 @@ def _cpu_name() -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  host_memory.keep_freed_memory()  # before jax runs anything: steps reuse their buffers' pages
   suite = SUITES[_SUITE.value]
   size = {name: flag.value if flag.value is not None else suite.size[name] for name, flag in _SIZE.items()}
   suite = dataclasses.replace(suite, size=size, seq_len=_SEQ_LEN.value or suite.seq_len,
@@ -708,7 +836,7 @@ def main(argv):
   config = make_config(base, suite, "float32", "parallel", suite.seq_len, suite.batch_size)
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
   source = memory_source()
-  torchscale = Torchscale(config.model)
+  torchscale = Torchscale(config.model, source)
   start = time.perf_counter()
   params = sum(x.size for x in jax.tree.leaves(
       nnx.state(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))), nnx.Param)))
@@ -721,12 +849,14 @@ def main(argv):
       "suite_settings": dataclasses.asdict(suite), "load_average_start": os.getloadavg()}}
   training, matmul = measure_training(base, suite, mesh, torchscale, source)
   lengths = measure_lengths(base, suite, mesh, source)
+  long_training = measure_long_training(base, suite, mesh, source)
   decoding, read = measure_decoding(base, suite, matmul, torchscale, source)
   results.update(ceilings={"matmul_flops": matmul, "memory_read_bytes_per_s": read, "matmul_size": suite.matmul_size,
                            "read_array_bytes": 4 * int(params)},
-                 training=training, lengths=lengths, decoding=decoding)
+                 training=training, lengths=lengths, long_training=long_training, decoding=decoding)
   results["torchscale"] = torchscale_ratios(results["training"], results["decoding"], torchscale)
   results["targets"] = check_targets(results)
+  torchscale.close()
   results["meta"]["total_s"] = time.perf_counter() - start
   results["meta"]["load_average_end"] = os.getloadavg()
   results["meta"]["plots"] = plot(results, out)

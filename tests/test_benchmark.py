@@ -132,6 +132,7 @@ EXPECTED_KEYS = {
                  "weight_read_floor_tokens_per_s", "batch_1_over_floor", "large_batch_flops_per_s",
                  "large_batch_fraction_of_matmul_ceiling"],
     "torchscale": ["available", "note", "ratios"],
+    "long_training": ["seq_len", "segment_len", "whole", "segmented"],
 }
 
 
@@ -155,6 +156,8 @@ def test_quick_suite_writes_every_result(tmp_path):
     for points in results["lengths"][kind].values():
       assert all({"seq_len", "seconds", "memory", "compiled_bytes", "compile_s"} <= set(p) for p in points)
     assert {"crossover_seq_len", "time_growth_exponent"} <= set(results["lengths"][f"{kind}_analysis"])
+  assert "compiled_bytes" in results["long_training"]["whole"]
+  assert {"tokens_per_s", "step_s", "memory", "compiled_bytes"} <= set(results["long_training"]["segmented"])
   for model in ("retnet", "transformer"):
     assert {"batch_1", "batch_32"} <= set(results["decoding"]["throughput"][model])
     assert all({"context", "latency_s", "state_bytes"} <= set(p) for p in results["decoding"]["latency"][model])
