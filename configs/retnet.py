@@ -115,7 +115,7 @@ def get_config(arg: str | None = None) -> config_dict.ConfigDict:
       b2=0.98,
       weight_decay=0.05,  # not applied to norm scales
       grad_clip_norm=1.0,
-      remat="none",  # none | full | dots_saveable: jax.checkpoint policy per block
+      remat="none",  # none | full | dots_saveable: jax.checkpoint policy per block (no saving on CPU)
       # > 0: backpropagate through segments of this many tokens carrying the state, recomputing one segment
       # at a time (memory grows with the segment, not seq_len; ~20-40% more time); 0: whole sequences
       segment_len=0,

@@ -98,9 +98,9 @@ def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str
   `segment_len` in (0, seq): the sequence runs as segments of that many tokens in a `lax.scan` that carries
   the recurrent state, each segment under `jax.checkpoint`, so the backward pass recomputes one segment at a
   time and activation memory grows with the segment, not the sequence. Same loss and gradients to float
-  rounding (every form continues a carried state exactly). Unlike a checkpoint per block, this also holds on
-  XLA's CPU backend, which drops the optimisation barriers that keep a rematerialised block from being merged
-  back into the forward pass: a loop body cannot be.
+  rounding (every form continues a carried state exactly). Unlike a checkpoint per block this also saves memory
+  on XLA's CPU backend, which removes the optimisation barriers that keep a block's recomputation apart from
+  the forward pass; a loop body's recomputation stays in the backward loop.
   """
   inputs_BxL, targets_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
   batch, length = inputs_BxL.shape
