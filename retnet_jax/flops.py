@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -42,10 +43,16 @@ def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: st
   return 3 * (2 * matmul_params(cfg) + retention_flops_per_token(cfg, seq_len, mode))
 
 
+@functools.cache
+def _compiled_matmul(dtype, size: int):
+  """A `size`^2 operand and its compiled square, made once: measuring again compiles and allocates nothing."""
+  a = jnp.ones((size, size), dtype)
+  return jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)).lower(a, a).compile(), a
+
+
 def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5) -> float:
   """Median FLOP/s of a `size`^2 matmul (accumulating in float32), after a warm-up call."""
-  a = jnp.ones((size, size), dtype)
-  matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+  matmul, a = _compiled_matmul(dtype, size)
   matmul(a, a).block_until_ready()
   times = []
   for _ in range(repeats):

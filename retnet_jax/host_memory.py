@@ -5,8 +5,9 @@ size). glibc serves allocations above 32 MB made on worker threads with `mmap` a
 so every step faults its temporaries in again: ~600k page faults and ~2 s of kernel time per training step
 there, 15-20% of the step, and more while other processes churn memory. `keep_freed_memory()` makes malloc
 serve them from one heap that is never trimmed, so later steps reuse the same pages: the process keeps its
-peak footprint. The scripts call it first thing; call it before jax runs anything (its threads pick their
-malloc arena on first use).
+peak footprint. Call it first, before importing numpy or jax: a thread keeps the malloc arena it first used,
+and numpy's and XLA's threads would otherwise already hold others (whose large blocks still come from mmap).
+The scripts do so at the top.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.metadata
-
-import jax
+import os
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -31,8 +31,8 @@ def _glibc():
 
 
 def _cpu_backend() -> bool:
-  """Whether jax will run on the CPU: jax_platforms says so, or no accelerator plugin is installed."""
-  platforms = jax.config.jax_platforms
+  """Whether jax will run on the CPU: JAX_PLATFORMS says so, or no accelerator plugin is installed."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
     return platforms.split(",")[0].strip() == "cpu"
   return not list(importlib.metadata.entry_points(group="jax_plugins"))

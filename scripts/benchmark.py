@@ -17,6 +17,11 @@ from the stream callback's timestamps, so the prompt's prefill is not part of a 
 
 from __future__ import annotations
 
+from retnet_jax import host_memory
+
+if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
+  host_memory.keep_freed_memory()
+
 import dataclasses
 import datetime
 import importlib.util
@@ -40,7 +45,7 @@ from ml_collections import config_flags
 import numpy as np
 from flax import nnx
 
-from retnet_jax import flops, host_memory, optimizer, sampling, sharding, train
+from retnet_jax import flops, optimizer, sampling, sharding, train
 from retnet_jax.baselines import transformer
 from retnet_jax.model import RetNet
 
@@ -825,7 +830,6 @@ def _cpu_name() -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.keep_freed_memory()  # before jax runs anything: steps reuse their buffers' pages
   suite = SUITES[_SUITE.value]
   size = {name: flag.value if flag.value is not None else suite.size[name] for name, flag in _SIZE.items()}
   suite = dataclasses.replace(suite, size=size, seq_len=_SEQ_LEN.value or suite.seq_len,

@@ -5,6 +5,11 @@ Prints a table and, as the last line of stdout, one JSON object, also written to
 the training config's (`--config.data.files=...`, `--config.data.validation_files=...`).
 """
 
+from retnet_jax import host_memory
+
+if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
+  host_memory.keep_freed_memory()
+
 import json
 import sys
 from pathlib import Path
@@ -13,7 +18,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from retnet_jax import evaluate, host_memory
+from retnet_jax import evaluate
 from retnet_jax.layers import MODES
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Config file and preset.",
@@ -27,7 +32,6 @@ _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate at most this 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.keep_freed_memory()  # before jax runs anything: steps reuse their buffers' pages
   config = _CONFIG.value
   model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
   modes = MODES if _MODE.value == "all" else (_MODE.value,)

@@ -8,13 +8,18 @@ compiled loop (memory per sequence constant in the context length). The last lin
 object with every prompt's completion.
 """
 
+from retnet_jax import host_memory
+
+if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
+  host_memory.keep_freed_memory()
+
 import json
 
 from absl import app, flags
 import jax
 from ml_collections import config_flags
 
-from retnet_jax import data, evaluate, host_memory, sampling
+from retnet_jax import data, evaluate, sampling
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Config file and preset.",
                                           lock_config=True)
@@ -35,7 +40,6 @@ _STREAM = flags.DEFINE_boolean("stream", True, "Print the first prompt's complet
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.keep_freed_memory()  # before jax runs anything: steps reuse their buffers' pages
   config = _CONFIG.value
   tokenizer = data.load_tokenizer(config.data.tokenizer)
   model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)

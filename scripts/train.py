@@ -6,13 +6,18 @@ WORKDIR/config.json. Several processes (hosts): pass --coordinator_address, --nu
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) on each.
 """
 
+from retnet_jax import host_memory
+
+if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
+  host_memory.keep_freed_memory()
+
 import os
 
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from retnet_jax import host_memory, train
+from retnet_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Training config file and preset.",
                                           lock_config=True)
@@ -28,7 +33,6 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.keep_freed_memory()  # before jax runs anything: steps reuse their buffers' pages
   logging.set_verbosity(logging.INFO)
   if _COORDINATOR.value:
     if jax.config.jax_platforms in (None, "", "cpu"):
