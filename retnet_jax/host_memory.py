@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.metadata
 import os
 
@@ -21,8 +22,12 @@ import os
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
+@functools.cache
 def _glibc():
-  """The C library if it is glibc (it has mallopt and malloc_trim with these meanings), else None."""
+  """The C library if it is glibc (it has mallopt and malloc_trim with these meanings), else None.
+
+  Cached: `find_library` starts an `ldconfig -p` subprocess.
+  """
   name = ctypes.util.find_library("c")
   if name is None:
     return None
