@@ -1,4 +1,4 @@
-"""Text generation with memory constant in the context length: prefill in parallel form, then decode recurrently.
+"""Text generation with memory constant in the context length: prefill in chunkwise form, then decode recurrently.
 
     tokens_BxP, lengths_B = pad_prompts(prompts)
     out = generate(model, tokens_BxP, lengths_B, max_new_tokens=64, key=jax.random.key(0), top_p=0.9)
@@ -6,12 +6,14 @@
     out.lengths  # int32 [B]: tokens generated per row, a final stop token included
 
 Prompts are left-padded and each row's state starts at position -pad, so every row decodes exactly as if it
-were alone. All prompt tokens but the last are prefilled in the chunkwise (or parallel) form; then one compiled
-`lax.while_loop` feeds one token at a time through the recurrent form, carrying only the recurrent state, the
-current token and the output buffer, and stops early once every row has emitted a stop token. Prefill and
-loop compile once per (model structure, batch, prompt length, max_new_tokens, prefill_mode, stop tokens,
-greedy or not, top_k, whether top_p is set, whether streaming); prompts, keys, temperature and top_p are
-arguments, so new values do not recompile (one key and one key per row are different input shapes).
+were alone. `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs all prompt tokens but the
+last in the chunkwise (or parallel) form, one compiled call; `decode` feeds one token at a time through the
+recurrent form in one compiled `lax.while_loop`, carrying only the recurrent state, the current token and the
+output buffer, and stops early once every row has emitted a stop token. One prefill can be decoded many times
+(other keys, temperatures, lengths). The prefill compiles once per (model structure, batch, prompt length,
+prefill_mode), the loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not, top_k,
+whether top_p is set, whether streaming); prompts, keys, temperature and top_p are arguments, so new values
+do not recompile (one key and one key per row are different input shapes).
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ class _Settings(NamedTuple):
   top_k: int | None
   use_top_p: bool
   stop_tokens: tuple[int, ...]
-  prefill_mode: str
   streaming: bool
 
 
@@ -85,6 +86,37 @@ def pad_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int | None = N
   return tokens_BxP, lengths_B
 
 
+class Prefilled(NamedTuple):
+  """Prompts run through the model: the state after every prompt token but the last, and the last `[B]`.
+
+  The last token is the decoding loop's first input. One `Prefilled` can be decoded many times.
+  """
+  state: dict[str, Any]
+  last_tokens: jax.Array
+
+
+def prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, prefill_mode: str = "chunkwise") -> Prefilled:
+  """Runs left-padded prompts (true lengths `lengths_B`) in the chunkwise or parallel form, one compiled call."""
+  _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
+  if prefill_mode not in PREFILL_MODES:
+    raise ValueError(f"unknown prefill_mode {prefill_mode!r}; choose one of {PREFILL_MODES}.")
+  graphdef, params = nnx.split(model)
+  prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
+  state = _prefill_compiled()(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
+                              prefill_mode=prefill_mode)
+  return Prefilled(state, prompts_BxP[:, -1])
+
+
+def decode(model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, stop_tokens: Sequence[int] = (),
+           stream: Stream | None = None) -> Generation:
+  """Samples `max_new_tokens` tokens after prefilled prompts in one compiled loop; arguments as `generate`."""
+  settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                             stream is not None)
+  keys = _check_key(key, prefilled.last_tokens.shape[0])
+  return _decode_checked(model, prefilled, settings, keys, temperature, top_p, stream)
+
+
 def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_tokens: Sequence[int] = (), prefill_mode: str = "chunkwise",
@@ -95,21 +127,27 @@ def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens:
   likely tokens, then to the smallest set whose probability reaches `top_p`, and sampled. `key` is one PRNG
   key (row r uses fold_in(key, r)) or one key per row `[B]`; step s uses fold_in(row key, s), so a row with
   its own key samples the same tokens whatever the rest of the batch. `stream(step_tokens_B, step)` is called
-  from inside the compiled loop, in order, with every step's tokens.
+  from inside the compiled loop, in order, with every step's tokens (a host callback per step: ~1 ms at
+  batch 1 on a 2-core CPU, docs/benchmarks.md). Equals `decode(model, prefill(model, ...), ...)`.
   """
   batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                             prefill_mode, stream is not None)
-  keys = _check_key(key, batch)
+                             stream is not None)
+  keys = _check_key(key, batch)  # every argument checked before the prefill runs
+  prefilled = prefill(model, prompts_BxP, lengths_B, prefill_mode=prefill_mode)
+  return _decode_checked(model, prefilled, settings, keys, temperature, top_p, stream)
+
+
+def _decode_checked(model: RetNet, prefilled: Prefilled, settings: _Settings, keys: jax.Array, temperature: float,
+                    top_p: float | None, stream: Stream | None) -> Generation:
   graphdef, params = nnx.split(model)
   call_id = next(_CALL_IDS)
   if stream is not None:
     _STREAMS[call_id] = stream
   try:
-    tokens_BxN, generated_B = _generate_compiled()(
-        params, jnp.asarray(prompts_BxP, jnp.int32), jnp.asarray(lengths_B, jnp.int32), keys,
-        jnp.float32(temperature or 1.0), jnp.float32(top_p or 1.0), jnp.int32(call_id),
-        graphdef=graphdef, settings=settings)
+    tokens_BxN, generated_B = _decode_compiled()(
+        params, prefilled.state, prefilled.last_tokens, keys, jnp.float32(temperature or 1.0),
+        jnp.float32(top_p or 1.0), jnp.int32(call_id), graphdef=graphdef, settings=settings)
     result = Generation(np.asarray(tokens_BxN), np.asarray(generated_B))
     if stream is not None:
       jax.effects_barrier()  # every step's callback has run before the call returns
@@ -119,30 +157,41 @@ def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens:
 
 
 @functools.cache
-def _generate_compiled() -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """`_generate` jitted, with CPU_DECODE_OPTIONS on a CPU backend whose XLA knows them."""
+def _prefill_compiled() -> Callable[..., dict[str, Any]]:
+  return jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode"))
+
+
+def _prefill(params, prompts_BxP, lengths_B, *, graphdef, prefill_mode: str):
+  """The state after each row's prompt but its last token; each row starts at position -pad, so the
+  padding stays out of the state."""
+  model = nnx.merge(graphdef, params)
+  batch, prompt_len = prompts_BxP.shape
+  state = model.init_state(batch)
+  state["position"] = lengths_B - prompt_len
+  if prompt_len > 1:
+    _, state = model(prompts_BxP[:, :-1], mode=prefill_mode, state=state)
+  return state
+
+
+@functools.cache
+def _decode_compiled() -> Callable[..., tuple[jax.Array, jax.Array]]:
+  """`_decode` jitted, with CPU_DECODE_OPTIONS on a CPU backend whose XLA knows them."""
   options = CPU_DECODE_OPTIONS if jax.default_backend() == "cpu" else None
   if options:
     try:
       jax.jit(jnp.negative, compiler_options=options).lower(jnp.zeros(())).compile()
     except jax.errors.JaxRuntimeError:  # an XLA without the option: keep its defaults
       options = None
-  return jax.jit(_generate, static_argnames=("graphdef", "settings"), compiler_options=options)
+  return jax.jit(_decode, static_argnames=("graphdef", "settings"), compiler_options=options)
 
 
-def _generate(params, prompts_BxP, lengths_B, keys, temperature, top_p, call_id, *, graphdef,
-              settings: _Settings):
-  """Prefill and decode loop: (tokens int32 `[B, N]`, generated per row int32 `[B]`)."""
+def _decode(params, state, token_B, keys, temperature, top_p, call_id, *, graphdef, settings: _Settings):
+  """The decoding loop: (tokens int32 `[B, N]`, generated per row int32 `[B]`)."""
   model = nnx.merge(graphdef, params)
-  batch, prompt_len = prompts_BxP.shape
+  batch = token_B.shape[0]
   num_new = settings.max_new_tokens
   if keys.ndim == 0:
     keys = jax.vmap(jax.random.fold_in, (None, 0))(keys, jnp.arange(batch))
-
-  state = model.init_state(batch)
-  state["position"] = lengths_B - prompt_len  # -pad: the padding stays out of the state
-  if prompt_len > 1:  # the last prompt token is the decode loop's first input
-    _, state = model(prompts_BxP[:, :-1], mode=settings.prefill_mode, state=state)
 
   def sample(logits_BxV, step):
     if settings.greedy:
@@ -167,7 +216,7 @@ def _generate(params, prompts_BxP, lengths_B, keys, temperature, top_p, call_id,
     step, _, _, done_B, _, _ = carry
     return (step < num_new) & ~jnp.all(done_B)
 
-  init = (jnp.int32(0), prompts_BxP[:, -1], state, jnp.zeros((batch,), bool),
+  init = (jnp.int32(0), token_B, state, jnp.zeros((batch,), bool),
           jnp.zeros((batch, num_new), jnp.int32), jnp.zeros((batch,), jnp.int32))
   steps, last_B, _, _, out_BxN, generated_B = jax.lax.while_loop(cond, body, init)
   # An early exit leaves columns unwritten; every row has stopped then, so fill them with its stop token.
@@ -213,10 +262,7 @@ def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
 
 
 def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
-                    top_p: float | None, stop_tokens: Sequence[int], prefill_mode: str, streaming: bool
-                    ) -> _Settings:
-  if prefill_mode not in PREFILL_MODES:
-    raise ValueError(f"unknown prefill_mode {prefill_mode!r}; choose one of {PREFILL_MODES}.")
+                    top_p: float | None, stop_tokens: Sequence[int], streaming: bool) -> _Settings:
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
   if not temperature >= 0:
@@ -230,7 +276,7 @@ def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, to
   bad = [t for t in stop if not 0 <= t < vocab_size]
   if bad:
     raise ValueError(f"stop tokens {bad} lie outside [0, vocab_size={vocab_size}); check the tokenizer's ids.")
-  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop, prefill_mode, streaming)
+  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop, streaming)
 
 
 def _check_key(key: jax.Array, batch: int) -> jax.Array:

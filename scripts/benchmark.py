@@ -4,15 +4,16 @@
 
 Measures, in one run: the matmul ceilings (float32, bfloat16) and memory read bandwidth; training throughput
 and MFU of the real train step (`train.setup`) in the parallel and chunkwise forms, float32 and bfloat16;
-forward and training time and peak memory vs sequence length; greedy decoding with `sampling.generate`
+forward and training time and peak memory vs sequence length; greedy decoding with `sampling.decode`
 (tokens/s at batch 1 and a large batch, per-token latency vs context); the same for a Transformer of the same
 size; and torchscale's RetNet at the identical configuration when torch and torchscale import. Writes
 OUT/results.json, OUT/results.md (also printed) and PNG plots.
 
 Cases that are compared are measured interleaved: each is warmed up once (its peak memory is taken then),
 then timed once per round, round after round, because this machine's speed drifts by 10-20% between runs.
-Compilation is timed on its own (ahead of time) and never inside a timed run. Decoding is timed per token
-from the stream callback's timestamps, so the prompt's prefill is not part of a token's latency.
+Compilation is timed on its own (ahead of time) and never inside a timed run. Decoding times whole
+`sampling.decode` calls (no stream callback) from a prompt prefilled once, per token: the prefill is not part
+of a token's latency.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Suite:
   batch_size: int
   rounds: int  # timed rounds after the warm-up: ceilings and training
   sweep_rounds: int  # for the sequence-length sweeps
-  decode_rounds: int  # for decoding (each run times every new token)
+  decode_rounds: int  # for decoding (each run times two decode calls)
   lengths: tuple[int, ...]  # sequence lengths of the forward sweep (batch 1)
   train_lengths: tuple[int, ...]  # sequence lengths of the training-step sweep (batch 1)
   quadratic_max_len: int  # the sweeps of the quadratic forms (parallel retention, attention) stop here
@@ -86,9 +87,9 @@ SUITES = {
                    contexts=(16, 32), long_train_len=256, segment_len=64, matmul_size=256),
     "full": Suite(size=dict(d_model=512, num_layers=6, num_heads=4, value_dim=1024, ffn_dim=1024, vocab_size=256,
                             chunk_size=128),
-                  seq_len=512, batch_size=8, rounds=3, sweep_rounds=2, decode_rounds=3,
+                  seq_len=512, batch_size=8, rounds=3, sweep_rounds=2, decode_rounds=4,
                   lengths=(512, 1024, 2048, 4096, 8192, 16384), train_lengths=(512, 1024, 2048, 4096),
-                  quadratic_max_len=4096, prompt_len=2048, decode_batch=32, new_tokens=32,
+                  quadratic_max_len=4096, prompt_len=2048, decode_batch=32, new_tokens=64,
                   contexts=(128, 512, 2048, 8192), long_train_len=16384, segment_len=2048, matmul_size=2048),
 }
 
@@ -293,16 +294,16 @@ def state_bytes(model, batch: int) -> int:
 
 
 def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: str) -> Case:
-  """Greedy `sampling.generate` after a `context`-token prompt; each unit is one decoding step's time."""
+  """Greedy `sampling.decode` of `new_tokens` after a `context`-token prompt, prefilled once here (not timed):
+  each run decodes twice, each unit is one call's time per token."""
   prompts = random_tokens(batch, context, model.config.vocab_size, seed=1)
-  lengths = np.full((batch,), context, np.int32)
+  prefilled = sampling.prefill(model, prompts, np.full((batch,), context, np.int32), prefill_mode=prefill_mode)
+  jax.block_until_ready(prefilled)
 
   def run():
-    stamps = []
-    sampling.generate(model, prompts, lengths, max_new_tokens=new_tokens, key=jax.random.key(0),
-                      temperature=0.0, prefill_mode=prefill_mode,
-                      stream=lambda tokens, step: stamps.append(time.perf_counter()))
-    return np.diff(stamps).tolist()
+    seconds = timed(lambda: sampling.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
+                                            temperature=0.0), repeats=2)()
+    return [s / new_tokens for s in seconds]
 
   return Case(run, {"state_bytes": state_bytes(model, batch)})
 
@@ -735,7 +736,8 @@ def to_markdown(results) -> str:
               + "; XLA buffers: "
               + ", ".join(f"{k} {_fmt(v)}" for k, v in analysis["compiled_bytes_growth_exponent"].items()) + "."]
   dec = results["decoding"]
-  lines += ["", f"## Decoding (greedy, `sampling.generate`, {dec['new_tokens']} new tokens)", ""]
+  lines += ["", f"## Decoding (greedy `sampling.decode` of {dec['new_tokens']} tokens after a prefilled prompt, "
+            "no stream callback)", ""]
   lines += _table(["model", "tokens/s"], [
       [f"{name} {key.replace('_', ' ')}" + (f" after {dec['prompt_len']} tokens" if name != "torchscale" else ""),
        _range(value)]

@@ -92,17 +92,33 @@ def test_stop_tokens_end_rows(model):
 
 
 def test_compiles_once_per_shape_and_settings(model):
-  cache = sampling._generate_compiled()._cache_size
+  prefills, loops = sampling._prefill_compiled()._cache_size, sampling._decode_compiled()._cache_size
   run(model, [[1, 2, 3], [4]], key=5, top_p=0.9, temperature=0.7, stream=lambda tokens, step: None)
-  before = cache()
+  before = prefills(), loops()
   out = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
   again = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
   other = run(model, [[9, 8, 7], [6, 5]], key=7, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
-  assert cache() == before and out.tokens.shape == (2, 10)  # new prompts, key, temperature, top_p, callback
+  assert (prefills(), loops()) == before and out.tokens.shape == (2, 10)  # new prompts, key, temperature...
   np.testing.assert_array_equal(again.tokens, out.tokens)  # one key: deterministic
   assert not np.array_equal(other.tokens, out.tokens)
+  run(model, [[9], [6]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
+  assert (prefills(), loops()) == (before[0] + 1, before[1])  # a new prompt length: only the prefill compiles
   run(model, [[9], [6]], key=6, top_p=0.5, temperature=1.3)
-  assert cache() == before + 1  # a new prompt length (and no streaming) compiles again
+  assert (prefills(), loops()) == (before[0] + 1, before[1] + 1)  # no streaming: another loop
+
+
+def test_one_prefill_decodes_many_times(model):
+  """decode(prefill(...)) is generate; a Prefilled is not consumed, so it can be sampled again."""
+  tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
+  prefilled = sampling.prefill(model, tokens, lengths)
+  kwargs = dict(max_new_tokens=10, key=jax.random.key(3), top_p=0.9)
+  first = sampling.decode(model, prefilled, **kwargs)
+  np.testing.assert_array_equal(sampling.decode(model, prefilled, **kwargs).tokens, first.tokens)
+  np.testing.assert_array_equal(sampling.generate(model, tokens, lengths, **kwargs).tokens, first.tokens)
+  other = sampling.decode(model, prefilled, **{**kwargs, "key": jax.random.key(4)})
+  assert not np.array_equal(other.tokens, first.tokens)
+  with pytest.raises(ValueError, match=r"one per row \[2\]"):
+    sampling.decode(model, prefilled, max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3))
 
 
 def test_stream_receives_every_step_in_order(model):
@@ -170,15 +186,17 @@ def test_pad_prompts():
 
 
 def test_decoding_compiles_with_the_cpu_options(model):
-  """On CPU the loop is compiled with CPU_DECODE_OPTIONS: its dots leave YNNPACK, which a default jit uses."""
+  """On CPU the loop is compiled with CPU_DECODE_OPTIONS: its dots leave YNNPACK, which a default jit uses
+  (from batch 2 at this size)."""
   if jax.default_backend() != "cpu":
     pytest.skip("the options concern XLA's CPU backend")
   graphdef, params = nnx.split(model)
-  tokens, lengths = sampling.pad_prompts([[1, 2, 3]])
-  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), "chunkwise", False)
-  args = (params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), jnp.float32(1), jnp.float32(1),
+  tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
+  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), False)
+  prefilled = sampling.prefill(model, tokens, lengths)
+  args = (params, prefilled.state, prefilled.last_tokens, jax.random.key(0), jnp.float32(1), jnp.float32(1),
           jnp.int32(0))
-  compiled = sampling._generate_compiled().lower(*args, graphdef=graphdef, settings=settings).compile()
-  default = jax.jit(sampling._generate, static_argnames=("graphdef", "settings")).lower(
+  compiled = sampling._decode_compiled().lower(*args, graphdef=graphdef, settings=settings).compile()
+  default = jax.jit(sampling._decode, static_argnames=("graphdef", "settings")).lower(
       *args, graphdef=graphdef, settings=settings).compile()
-  assert "ynn" in default.as_text() and "ynn" not in compiled.as_text()
+  assert "__ynn_fusion" in default.as_text() and "__ynn_fusion" not in compiled.as_text()
