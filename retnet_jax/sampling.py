@@ -12,7 +12,7 @@ recurrent form in one compiled `lax.while_loop`, carrying only the recurrent sta
 output buffer, and stops early once every row has emitted a stop token. One prefill can be decoded many times
 (other keys, temperatures, lengths). The prefill compiles once per (model structure, batch, prompt length,
 prefill_mode), the loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not, top_k,
-whether top_p is set, whether streaming); prompts, keys, temperature and top_p are arguments, so new values
+whether top_p is set, stream_every); prompts, keys, temperature and top_p are arguments, so new values
 do not recompile (one key and one key per row are different input shapes).
 """
 
@@ -53,7 +53,7 @@ class _Settings(NamedTuple):
   top_k: int | None
   use_top_p: bool
   stop_tokens: tuple[int, ...]
-  streaming: bool
+  stream_every: int  # 0: no stream
 
 
 # XLA's CPU backend runs the decoding loop's small matmuls ([batch, d] x [d, n]) faster through Eigen than
@@ -109,10 +109,10 @@ def prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, prefill_mode: st
 
 def decode(model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, stop_tokens: Sequence[int] = (),
-           stream: Stream | None = None) -> Generation:
+           stream: Stream | None = None, stream_every: int = 8) -> Generation:
   """Samples `max_new_tokens` tokens after prefilled prompts in one compiled loop; arguments as `generate`."""
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                             stream is not None)
+                             stream is not None, stream_every)
   keys = _check_key(key, prefilled.last_tokens.shape[0])
   return _decode_checked(model, prefilled, settings, keys, temperature, top_p, stream)
 
@@ -120,19 +120,21 @@ def decode(model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax
 def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_tokens: Sequence[int] = (), prefill_mode: str = "chunkwise",
-             stream: Stream | None = None) -> Generation:
+             stream: Stream | None = None, stream_every: int = 8) -> Generation:
   """Samples `max_new_tokens` tokens after each left-padded prompt of `prompts_BxP` (true lengths `lengths_B`).
 
   temperature 0 decodes greedily (argmax); otherwise logits / temperature are filtered to the `top_k` most
   likely tokens, then to the smallest set whose probability reaches `top_p`, and sampled. `key` is one PRNG
   key (row r uses fold_in(key, r)) or one key per row `[B]`; step s uses fold_in(row key, s), so a row with
   its own key samples the same tokens whatever the rest of the batch. `stream(step_tokens_B, step)` is called
-  from inside the compiled loop, in order, with every step's tokens (a host callback per step: ~1 ms at
-  batch 1 on a 2-core CPU, docs/benchmarks.md). Equals `decode(model, prefill(model, ...), ...)`.
+  in order with every step's tokens, from the compiled loop, which hands them to the host every `stream_every`
+  steps and at the end: each hand-over is a host callback (~1 ms at batch 1 on a 2-core CPU, 17% of a step;
+  docs/benchmarks.md), so 1 streams each token as it comes at that cost. Equals
+  `decode(model, prefill(model, ...), ...)`.
   """
   batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                             stream is not None)
+                             stream is not None, stream_every)
   keys = _check_key(key, batch)  # every argument checked before the prefill runs
   prefilled = prefill(model, prompts_BxP, lengths_B, prefill_mode=prefill_mode)
   return _decode_checked(model, prefilled, settings, keys, temperature, top_p, stream)
@@ -150,7 +152,7 @@ def _decode_checked(model: RetNet, prefilled: Prefilled, settings: _Settings, ke
         jnp.float32(top_p or 1.0), jnp.int32(call_id), graphdef=graphdef, settings=settings)
     result = Generation(np.asarray(tokens_BxN), np.asarray(generated_B))
     if stream is not None:
-      jax.effects_barrier()  # every step's callback has run before the call returns
+      jax.effects_barrier()  # every block's callback has run before the call returns
   finally:
     _STREAMS.pop(call_id, None)
   return result
@@ -200,6 +202,7 @@ def _decode(params, state, token_B, keys, temperature, top_p, call_id, *, graphd
     return _sample(step_keys, logits_BxV / temperature, settings.top_k, top_p if settings.use_top_p else None)
 
   stop_S = jnp.asarray(settings.stop_tokens, jnp.int32)
+  block = min(settings.stream_every, num_new)  # columns handed to the host per callback
 
   def body(carry):
     step, token_B, state, done_B, out_BxN, generated_B = carry
@@ -208,8 +211,9 @@ def _decode(params, state, token_B, keys, temperature, top_p, call_id, *, graphd
     out_BxN = jax.lax.dynamic_update_index_in_dim(out_BxN, next_B, step, axis=1)
     generated_B = generated_B + (~done_B).astype(jnp.int32)
     done_B = done_B | jnp.isin(next_B, stop_S)
-    if settings.streaming:
-      jax.debug.callback(_emit, call_id, next_B, step, ordered=True)
+    if settings.stream_every:
+      jax.lax.cond((step + 1) % settings.stream_every == 0,
+                   lambda: _stream(call_id, out_BxN, step + 1, settings.stream_every, block), lambda: None)
     return step + 1, next_B, state, done_B, out_BxN, generated_B
 
   def cond(carry):
@@ -219,6 +223,9 @@ def _decode(params, state, token_B, keys, temperature, top_p, call_id, *, graphd
   init = (jnp.int32(0), token_B, state, jnp.zeros((batch,), bool),
           jnp.zeros((batch, num_new), jnp.int32), jnp.zeros((batch,), jnp.int32))
   steps, last_B, _, _, out_BxN, generated_B = jax.lax.while_loop(cond, body, init)
+  if settings.stream_every:  # the steps after the last full block
+    rest = steps % settings.stream_every
+    jax.lax.cond(rest > 0, lambda: _stream(call_id, out_BxN, steps, rest, block), lambda: None)
   # An early exit leaves columns unwritten; every row has stopped then, so fill them with its stop token.
   out_BxN = jnp.where(jnp.arange(num_new) < steps, out_BxN, last_B[:, None])
   return out_BxN, generated_B
@@ -242,9 +249,20 @@ def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> j
   return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def _emit(call_id, tokens_B, step) -> None:
-  """Host side of the stream: hands one step's tokens to the callback registered for the call."""
-  _STREAMS[int(call_id)](np.asarray(tokens_B), int(step))
+def _stream(call_id, out_BxN: jax.Array, end, count, width: int) -> None:
+  """Hands steps `end - count ... end - 1` of the output buffer to the host, in a block of `width` columns
+  that ends at step `end` (or starts at 0)."""
+  start = jnp.maximum(end - width, 0)
+  block_BxW = jax.lax.dynamic_slice_in_dim(out_BxN, start, width, axis=1)
+  jax.debug.callback(_emit, call_id, block_BxW, start, end - count, end, ordered=True)
+
+
+def _emit(call_id, block_BxW, start, first, end) -> None:
+  """Host side of the stream: hands steps `first ... end - 1` of a block of steps from `start` to the
+  callback registered for the call, one step at a time."""
+  block_BxW = np.asarray(block_BxW)
+  for step in range(int(first), int(end)):
+    _STREAMS[int(call_id)](block_BxW[:, step - int(start)], step)
 
 
 def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
@@ -262,7 +280,8 @@ def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
 
 
 def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
-                    top_p: float | None, stop_tokens: Sequence[int], streaming: bool) -> _Settings:
+                    top_p: float | None, stop_tokens: Sequence[int], streaming: bool, stream_every: int
+                    ) -> _Settings:
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
   if not temperature >= 0:
@@ -276,7 +295,10 @@ def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, to
   bad = [t for t in stop if not 0 <= t < vocab_size]
   if bad:
     raise ValueError(f"stop tokens {bad} lie outside [0, vocab_size={vocab_size}); check the tokenizer's ids.")
-  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop, streaming)
+  if not isinstance(stream_every, int) or stream_every < 1:
+    raise ValueError(f"stream_every must be a positive integer (steps per hand-over to the stream); "
+                     f"got {stream_every!r}.")
+  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop, stream_every if streaming else 0)
 
 
 def _check_key(key: jax.Array, batch: int) -> jax.Array:

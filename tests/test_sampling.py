@@ -121,11 +121,25 @@ def test_one_prefill_decodes_many_times(model):
     sampling.decode(model, prefilled, max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3))
 
 
-def test_stream_receives_every_step_in_order(model):
+@pytest.mark.parametrize("stream_every", [1, 3, 8, 16])
+def test_stream_receives_every_step_in_order(model, stream_every):
+  """Blocks of `stream_every` steps (the last one shorter; one block when it exceeds the 10 steps)."""
   received = []
-  out = run(model, [[1, 2, 3], [4]], key=7, top_p=0.9, stream=lambda tokens, step: received.append((step, tokens)))
+  out = run(model, [[1, 2, 3], [4]], key=7, top_p=0.9, stream_every=stream_every,
+            stream=lambda tokens, step: received.append((step, tokens)))
   assert [step for step, _ in received] == list(range(10))
   np.testing.assert_array_equal(np.stack([tokens for _, tokens in received], axis=1), out.tokens)
+
+
+def test_stream_stops_with_the_loop(model):
+  """An early exit (every row stopped) streams the steps run, up to the stop tokens, and no more."""
+  free = run(model, [[1, 2, 3]], temperature=0.0).tokens[0].tolist()
+  received = []
+  out = run(model, [[1, 2, 3]], temperature=0.0, stop_tokens=(free[4],), stream_every=3,
+            stream=lambda tokens, step: received.append((step, int(tokens[0]))))
+  stop_at = free.index(free[4])
+  assert out.lengths[0] == stop_at + 1
+  assert received == [(step, token) for step, token in enumerate(free[:stop_at + 1])]
 
 
 def test_generate_text_prints_row_as_produced(model, capsys):
@@ -156,6 +170,7 @@ def test_text_printer_waits_for_whole_characters():
     (dict(top_p=0.0), r"top_p must lie in \(0, 1\].*got 0.0"),
     (dict(top_p=1.5), "got 1.5"),
     (dict(stop_tokens=(300,)), r"stop tokens \[300\]"),
+    (dict(stream_every=0), "stream_every must be a positive integer"),
     (dict(key=jax.random.split(jax.random.key(0), 3)), r"one per row \[2\]"),
 ])
 def test_generate_errors(model, kwargs, message):
@@ -192,7 +207,7 @@ def test_decoding_compiles_with_the_cpu_options(model):
     pytest.skip("the options concern XLA's CPU backend")
   graphdef, params = nnx.split(model)
   tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
-  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), False)
+  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), False, 8)
   prefilled = sampling.prefill(model, tokens, lengths)
   args = (params, prefilled.state, prefilled.last_tokens, jax.random.key(0), jnp.float32(1), jnp.float32(1),
           jnp.int32(0))
