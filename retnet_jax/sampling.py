@@ -128,8 +128,8 @@ def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens:
   key (row r uses fold_in(key, r)) or one key per row `[B]`; step s uses fold_in(row key, s), so a row with
   its own key samples the same tokens whatever the rest of the batch. `stream(step_tokens_B, step)` is called
   in order with every step's tokens, from the compiled loop, which hands them to the host every `stream_every`
-  steps and at the end: each hand-over is a host callback (~1 ms at batch 1 on a 2-core CPU, 17% of a step;
-  docs/benchmarks.md), so 1 streams each token as it comes at that cost. Equals
+  steps and at the end. Each hand-over is a host callback (~1 ms at batch 1 on a 2-core CPU, 17% of a step;
+  docs/benchmarks.md): `stream_every=1` streams every token as it comes, at that cost per token. Equals
   `decode(model, prefill(model, ...), ...)`.
   """
   batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
