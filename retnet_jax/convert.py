@@ -13,6 +13,8 @@ are refused by name. torch is never imported here: tensors are read duck-typed (
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,22 @@ UNSUPPORTED_TENSORS = {
     "group_norm.": "an affine per-head norm",
     "moe_layer.": "mixture-of-experts layers",
 }
+
+
+def torchscale_classes() -> tuple[type, type]:
+  """torchscale's `(RetNetConfig, RetNetDecoder)`, imported on call (torch with them); ImportError if missing.
+
+  torchscale imports timm for one drop-path helper, used only when training with drop_path_rate > 0; timm
+  pulls in torchvision, which need not import beside this torch. Where timm is not installed, a stub module
+  with that helper (the identity) stands in.
+  """
+  if "timm" not in sys.modules and importlib.util.find_spec("timm") is None:
+    stubs = {name: types.ModuleType(name) for name in ("timm", "timm.models", "timm.models.layers")}
+    stubs["timm.models.layers"].drop_path = lambda x, drop_prob=0.0, training=False: x
+    sys.modules.update(stubs)
+  from torchscale.architecture.config import RetNetConfig
+  from torchscale.architecture.retnet import RetNetDecoder
+  return RetNetConfig, RetNetDecoder
 
 
 def to_numpy(tensor: Any) -> np.ndarray:

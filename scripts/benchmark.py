@@ -46,7 +46,7 @@ from ml_collections import config_flags
 import numpy as np
 from flax import nnx
 
-from retnet_jax import flops, optimizer, sampling, sharding, train
+from retnet_jax import convert, flops, optimizer, sampling, sharding, train
 from retnet_jax.baselines import transformer
 from retnet_jax.model import RetNet
 
@@ -308,27 +308,14 @@ def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: 
   return Case(run, {"state_bytes": state_bytes(model, batch)})
 
 
-def _torchscale_modules():
-  """torch and torchscale's RetNet classes; raises ImportError when either is missing."""
-  import torch
-  # torchscale imports timm only for drop_path, which is off here.
-  timm = types.ModuleType("timm")
-  timm.models = types.ModuleType("timm.models")
-  timm.models.layers = types.ModuleType("timm.models.layers")
-  timm.models.layers.drop_path = lambda x, *args, **kwargs: x
-  for name, module in (("timm", timm), ("timm.models", timm.models), ("timm.models.layers", timm.models.layers)):
-    sys.modules.setdefault(name, module)
-  from torchscale.architecture.config import RetNetConfig
-  from torchscale.architecture.retnet import RetNetDecoder
-  return torch, RetNetConfig, RetNetDecoder
-
-
 class _TorchscaleCases:
   """Builds and runs torchscale cases; lives in the worker process (see `Torchscale`)."""
 
   def __init__(self, model_cfg: dict[str, Any]):
     self.cfg = types.SimpleNamespace(**model_cfg)
-    self.torch, self._config, self._decoder = _torchscale_modules()
+    import torch
+    self.torch = torch
+    self._config, self._decoder = convert.torchscale_classes()
     self.torch.set_num_threads(os.cpu_count())
     self.note = (f"torch {self.torch.__version__} with {self.torch.get_num_threads()} threads, in a worker process "
                  "with the default malloc settings")

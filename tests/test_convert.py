@@ -4,12 +4,10 @@ Needs the `torch` extra and torchscale (`pip install -e '.[torch]' && pip instal
 skipped without them.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -21,14 +19,10 @@ from configs import retnet as retnet_config
 from retnet_jax import convert, evaluate
 
 torch = pytest.importorskip("torch")
-if "timm" not in sys.modules and importlib.util.find_spec("timm") is None:
-  # torchscale imports timm for one drop-path helper (used only when training with drop_path_rate > 0); timm
-  # pulls in torchvision, which does not import beside this torch. A stub with that function stands in.
-  _timm = {name: types.ModuleType(name) for name in ("timm", "timm.models", "timm.models.layers")}
-  _timm["timm.models.layers"].drop_path = lambda x, drop_prob=0.0, training=False: x
-  sys.modules.update(_timm)
-torchscale_config = pytest.importorskip("torchscale.architecture.config")
-torchscale_retnet = pytest.importorskip("torchscale.architecture.retnet")
+try:
+  RetNetConfig, RetNetDecoder = convert.torchscale_classes()
+except ImportError as error:
+  pytest.skip(f"torchscale is not installed ({error})", allow_module_level=True)
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("parallel", "chunkwise", "recurrent")
@@ -46,8 +40,8 @@ SHAPES = {
 def torchscale_decoder(options, seed=0):
   """A torchscale RetNetDecoder in eval mode with its own initialisation, norm scales made random too."""
   torch.manual_seed(seed)
-  config = torchscale_config.RetNetConfig(**options)
-  decoder = torchscale_retnet.RetNetDecoder(config, embed_tokens=torch.nn.Embedding(options["vocab_size"],
+  config = RetNetConfig(**options)
+  decoder = RetNetDecoder(config, embed_tokens=torch.nn.Embedding(options["vocab_size"],
                                                                                    options["decoder_embed_dim"]))
   with torch.no_grad():
     for name, param in decoder.named_parameters():
