@@ -97,9 +97,18 @@ class Prefilled(NamedTuple):
 
 def prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, prefill_mode: str = "chunkwise") -> Prefilled:
   """Runs left-padded prompts (true lengths `lengths_B`) in the chunkwise or parallel form, one compiled call."""
-  _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
+  _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+  return _prefill_checked(model, prompts_BxP, lengths_B, prefill_mode)
+
+
+def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> int:
+  """The batch size, after checking the prompts, their lengths and the prefill mode."""
   if prefill_mode not in PREFILL_MODES:
     raise ValueError(f"unknown prefill_mode {prefill_mode!r}; choose one of {PREFILL_MODES}.")
+  return _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
+
+
+def _prefill_checked(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> Prefilled:
   graphdef, params = nnx.split(model)
   prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
   state = _prefill_compiled()(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
@@ -132,11 +141,11 @@ def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens:
   docs/benchmarks.md): `stream_every=1` streams every token as it comes, at that cost per token. Equals
   `decode(model, prefill(model, ...), ...)`.
   """
-  batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
+  batch = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                              stream is not None, stream_every)
   keys = _check_key(key, batch)  # every argument checked before the prefill runs
-  prefilled = prefill(model, prompts_BxP, lengths_B, prefill_mode=prefill_mode)
+  prefilled = _prefill_checked(model, prompts_BxP, lengths_B, prefill_mode)
   return _decode_checked(model, prefilled, settings, keys, temperature, top_p, stream)
 
 
