@@ -66,20 +66,24 @@ def parallel_retention(q, k, v, log_decay, state=None):
   log_decay_H = log_decay.astype(acc)
   pos_L = jnp.arange(length, dtype=acc)
 
-  scores_BxHxLxL = jnp.einsum("bnhk,bmhk->bhnm", q, k, preferred_element_type=acc)
+  # Head-major operands: the batched products then need only cheap copies of whole rows; XLA's own layouts
+  # for the token-major einsums transposed v and the output across their last axis (a 2-D transpose per head).
+  q_h, k_h, v_h = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, L, *]
+  scores_BxHxLxL = jnp.einsum("bhnk,bhmk->bhnm", q_h, k_h, preferred_element_type=acc)
   scores_BxHxLxL = scores_BxHxLxL * _decay_mask(log_decay_H, length, acc)
-  out_BxLxHxV = jnp.einsum("bhnm,bmhv->bnhv", scores_BxHxLxL.astype(v.dtype), v, preferred_element_type=acc)
+  out_BxHxLxV = jnp.einsum("bhnm,bhmv->bhnv", scores_BxHxLxL.astype(v.dtype), v_h, preferred_element_type=acc)
 
-  zeta_LxH = _powers(log_decay_H, length - 1 - pos_L).T  # gamma^(L-1-m): decay from m to the end
-  k_decayed = (k * zeta_LxH[None, :, :, None]).astype(k.dtype)
-  state_out = jnp.einsum("bmhk,bmhv->bhkv", k_decayed, v, preferred_element_type=acc)
+  zeta_HxL = _powers(log_decay_H, length - 1 - pos_L)  # gamma^(L-1-m): decay from m to the end
+  k_decayed = (k_h * zeta_HxL[None, :, :, None]).astype(k.dtype)
+  state_out = jnp.einsum("bhmk,bhmv->bhkv", k_decayed, v_h, preferred_element_type=acc)
   if state is not None:
     state = state.astype(acc)
-    xi_LxH = _powers(log_decay_H, pos_L + 1).T  # gamma^(n+1): decay from the carried state to n
+    xi_HxL = _powers(log_decay_H, pos_L + 1)  # gamma^(n+1): decay from the carried state to n
     # In the accumulation dtype: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for this dot.
-    cross = jnp.einsum("bnhk,bhkv->bnhv", q.astype(acc), state)
-    out_BxLxHxV = out_BxLxHxV + cross * xi_LxH[None, :, :, None]
+    cross = jnp.einsum("bhnk,bhkv->bhnv", q_h.astype(acc), state)
+    out_BxHxLxV = out_BxHxLxV + cross * xi_HxL[None, :, :, None]
     state_out = state_out + _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None] * state
+  out_BxLxHxV = jnp.swapaxes(out_BxHxLxV, 1, 2)
   return out_BxLxHxV.astype(v.dtype), state_out
 
 
@@ -127,7 +131,7 @@ def chunk_states(k, v, log_decay, chunk_size, state=None):
   size = min(chunk_size, length)
   num_chunks = -(-length // size)
   log_decay_H = log_decay.astype(acc)
-  k_c, v_c = _to_chunks(k, size), _to_chunks(v, size)
+  k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (k, v))  # [B, C, H, S, *]
 
   # Each chunk's contribution to the state at its own last real position, and its true length.
   pos_CxS = jnp.arange(num_chunks * size, dtype=acc).reshape(num_chunks, size)
@@ -135,8 +139,8 @@ def chunk_states(k, v, log_decay, chunk_size, state=None):
   chunk_end_C = size * jnp.arange(num_chunks, dtype=acc) + chunk_len_C
   valid = pos_CxS < length
   zeta_HxCxS = jnp.where(valid, _powers(log_decay_H, jnp.where(valid, chunk_end_C[:, None] - 1 - pos_CxS, 0)), 0)
-  k_decayed = (k_c * jnp.moveaxis(zeta_HxCxS, 0, -1)[None, ..., None]).astype(k.dtype)
-  kv_CxBxHxKxV = jnp.einsum("bcmhk,bcmhv->cbhkv", k_decayed, v_c, preferred_element_type=acc)
+  k_decayed = (k_c * jnp.moveaxis(zeta_HxCxS, 0, 1)[None, ..., None]).astype(k.dtype)
+  kv_CxBxHxKxV = jnp.einsum("bchmk,bchmv->cbhkv", k_decayed, v_c, preferred_element_type=acc)
   chunk_decay_CxH = _powers(log_decay_H, chunk_len_C).T
 
   def step(state_BxHxKxV, inputs):
@@ -160,20 +164,21 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
   batch, length, heads, _ = q.shape
   size = min(chunk_size, length)
   log_decay_H = log_decay.astype(acc)
-  q_c, k_c, v_c = _to_chunks(q, size), _to_chunks(k, size), _to_chunks(v, size)  # [B, C, S, H, *]
+  # Head-major inside chunks, as in parallel_retention.
+  q_c, k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (q, k, v))  # [B, C, H, S, *]
 
   # Inside each chunk: the parallel form.
-  scores = jnp.einsum("bcnhk,bcmhk->bchnm", q_c, k_c, preferred_element_type=acc)
+  scores = jnp.einsum("bchnk,bchmk->bchnm", q_c, k_c, preferred_element_type=acc)
   scores = scores * _decay_mask(log_decay_H, size, acc)
-  inner = jnp.einsum("bchnm,bcmhv->bcnhv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
+  inner = jnp.einsum("bchnm,bchmv->bchnv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
 
   # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position.
   before_CxBxHxKxV, state_out = chunk_states(k, v, log_decay, size, state)
-  xi_SxH = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc)).T
+  xi_HxS = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc))
   # Chunk-major states: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for the batch-major dot.
-  cross = jnp.einsum("bcnhk,cbhkv->bcnhv", q_c, before_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
-  out = inner + cross * xi_SxH[None, None, :, :, None]
-  out = out.reshape(batch, -1, heads, out.shape[-1])[:, :length]
+  cross = jnp.einsum("bchnk,cbhkv->bchnv", q_c, before_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
+  out = inner + cross * xi_HxS[None, None, :, :, None]
+  out = jnp.swapaxes(out, 2, 3).reshape(batch, -1, heads, out.shape[-1])[:, :length]
   return out.astype(v.dtype), state_out
 
 
