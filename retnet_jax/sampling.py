@@ -98,7 +98,7 @@ class Prefilled(NamedTuple):
 def prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, prefill_mode: str = "chunkwise") -> Prefilled:
   """Runs left-padded prompts (true lengths `lengths_B`) in the chunkwise or parallel form, one compiled call."""
   _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
-  return _prefill_checked(model, prompts_BxP, lengths_B, prefill_mode)
+  return _prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode)
 
 
 def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> int:
@@ -108,8 +108,7 @@ def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode
   return _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
 
 
-def _prefill_checked(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> Prefilled:
-  graphdef, params = nnx.split(model)
+def _prefill_checked(graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> Prefilled:
   prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
   state = _prefill_compiled()(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
                               prefill_mode=prefill_mode)
@@ -123,7 +122,7 @@ def decode(model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                              stream is not None, stream_every)
   keys = _check_key(key, prefilled.last_tokens.shape[0])
-  return _decode_checked(model, prefilled, settings, keys, temperature, top_p, stream)
+  return _decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
 
 
 def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int, key: jax.Array,
@@ -145,13 +144,13 @@ def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens:
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                              stream is not None, stream_every)
   keys = _check_key(key, batch)  # every argument checked before the prefill runs
-  prefilled = _prefill_checked(model, prompts_BxP, lengths_B, prefill_mode)
-  return _decode_checked(model, prefilled, settings, keys, temperature, top_p, stream)
-
-
-def _decode_checked(model: RetNet, prefilled: Prefilled, settings: _Settings, keys: jax.Array, temperature: float,
-                    top_p: float | None, stream: Stream | None) -> Generation:
   graphdef, params = nnx.split(model)
+  prefilled = _prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode)
+  return _decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
+
+
+def _decode_checked(graphdef, params, prefilled: Prefilled, settings: _Settings, keys: jax.Array,
+                    temperature: float, top_p: float | None, stream: Stream | None) -> Generation:
   call_id = next(_CALL_IDS)
   if stream is not None:
     _STREAMS[call_id] = stream

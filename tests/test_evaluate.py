@@ -72,7 +72,7 @@ def test_evaluate_script_prints_table_and_json(trained):
 def test_generate_script_streams_and_reports(trained):
   _, _, flags = trained
   stdout = run_script("generate.py", flags + ["--prompt=ROMEO:", "--prompt=A", "--max_new_tokens=12",
-                                              "--temperature=0"])
+                                              "--temperature=0", "--stream_every=5"])
   samples = json.loads(stdout.strip().splitlines()[-1])["samples"]
   assert [s["prompt"] for s in samples] == ["ROMEO:", "A"]
   assert stdout.startswith("ROMEO:" + samples[0]["completion"])  # streamed before the JSON line
