@@ -61,9 +61,28 @@ class _Settings(NamedTuple):
 # keeps the default, which is faster for its large matmuls.
 CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
-# Stream callbacks of the generate calls in flight, by call id: the compiled loop receives the id as an
-# argument, so a new callback does not recompile.
-_STREAMS: dict[int, Stream] = {}
+
+class _InOrder:
+  """Hands a call's streamed steps to its `stream` in step order, once each.
+
+  The loop's host callbacks are unordered (JAX supports ordered ones on a single device only, and a sharded
+  model runs on several), so a block may in principle arrive after a later one; it waits here until its turn.
+  """
+
+  def __init__(self, stream: Stream):
+    self.stream, self.next_step, self.waiting = stream, 0, {}
+
+  def __call__(self, step_tokens_B: np.ndarray, step: int) -> None:
+    if step >= self.next_step:
+      self.waiting[step] = step_tokens_B
+    while self.next_step in self.waiting:
+      self.stream(self.waiting.pop(self.next_step), self.next_step)
+      self.next_step += 1
+
+
+# Streams of the generate calls in flight, by call id: the compiled loop receives the id as an argument, so a
+# new callback does not recompile.
+_STREAMS: dict[int, _InOrder] = {}
 _CALL_IDS = itertools.count()
 
 
@@ -153,7 +172,7 @@ def _decode_checked(graphdef, params, prefilled: Prefilled, settings: _Settings,
                     temperature: float, top_p: float | None, stream: Stream | None) -> Generation:
   call_id = next(_CALL_IDS)
   if stream is not None:
-    _STREAMS[call_id] = stream
+    _STREAMS[call_id] = _InOrder(stream)
   try:
     tokens_BxN, generated_B = _decode_compiled()(
         params, prefilled.state, prefilled.last_tokens, keys, jnp.float32(temperature or 1.0),
@@ -262,7 +281,7 @@ def _stream(call_id, out_BxN: jax.Array, end, count, width: int) -> None:
   that ends at step `end` (or starts at 0)."""
   start = jnp.maximum(end - width, 0)
   block_BxW = jax.lax.dynamic_slice_in_dim(out_BxN, start, width, axis=1)
-  jax.debug.callback(_emit, call_id, block_BxW, start, end - count, end, ordered=True)
+  jax.debug.callback(ordered=False)(_emit, call_id, block_BxW, start, end - count, end)
 
 
 def _emit(call_id, block_BxW, start, first, end) -> None:

@@ -74,3 +74,14 @@ def tree_shardings(abstract_tree: Any, mesh: jax.sharding.Mesh, rules: Sequence[
   """NamedShardings for a pytree of annotated variables (params, optimizer moments); others replicated."""
   with nnx.logical_axis_rules(rules):
     return nnx.get_named_sharding(abstract_tree, mesh)
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]]) -> nnx.Module:
+  """Moves `model`'s variables (in place) to the shardings their logical axes get on `mesh`; returns it.
+
+  Under `("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")` this is tensor parallelism: each device
+  holds and runs a slice of the heads, the FFN and the vocabulary, and jitted calls follow those shardings.
+  """
+  state = nnx.state(model)
+  nnx.update(model, jax.device_put(state, tree_shardings(state, mesh, rules)))
+  return model

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import sampling
+from retnet_jax import sampling, sharding
 from retnet_jax.data import ByteTokenizer
 from retnet_jax.model import RetNet
 
@@ -121,6 +121,29 @@ def test_one_prefill_decodes_many_times(model):
     sampling.decode(model, prefilled, max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3))
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 2), (2, 1, 1)])
+def test_sharded_model_decodes_the_same_tokens(model, mesh_shape):
+  """A model on a tensor-parallel (heads, FFN and vocabulary split) or data-parallel mesh prefills, samples
+  and streams the tokens the single-device model does, and its prefilled state agrees."""
+  config = retnet_config.get_config("tiny")
+  config.mesh.shape = mesh_shape
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
+  sharded = sharding.shard_model(RetNet(config.model, rngs=nnx.Rngs(0)), mesh, sharding.logical_rules(config.mesh))
+  kernel = sharded.blocks[0].retention.q_proj.kernel[...]
+  assert len(kernel.sharding.device_set) == 2 and kernel.addressable_shards[0].data.shape[1] == (
+      kernel.shape[1] // 2 if mesh_shape[2] == 2 else kernel.shape[1])
+  tokens, lengths = sampling.pad_prompts(PROMPTS)
+  expected_state = sampling.prefill(model, tokens, lengths).state
+  state = sampling.prefill(sharded, tokens, lengths).state
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected_state)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  kwargs = dict(key=4, top_p=0.9, temperature=0.8)
+  received = []
+  out = run(sharded, PROMPTS, stream_every=3, stream=lambda tokens, step: received.append(tokens), **kwargs)
+  np.testing.assert_array_equal(out.tokens, run(model, PROMPTS, **kwargs).tokens)
+  np.testing.assert_array_equal(np.stack(received, axis=1), out.tokens)
+
+
 @pytest.mark.parametrize("stream_every", [1, 3, 8, 16])
 def test_stream_receives_every_step_in_order(model, stream_every):
   """Blocks of `stream_every` steps (the last one shorter; one block when it exceeds the 10 steps)."""
@@ -129,6 +152,16 @@ def test_stream_receives_every_step_in_order(model, stream_every):
             stream=lambda tokens, step: received.append((step, tokens)))
   assert [step for step, _ in received] == list(range(10))
   np.testing.assert_array_equal(np.stack([tokens for _, tokens in received], axis=1), out.tokens)
+
+
+def test_stream_delivers_blocks_in_step_order():
+  """Blocks that reach the host out of order (the loop's callbacks are unordered) or twice are handed on in
+  step order, each step once."""
+  received = []
+  in_order = sampling._InOrder(lambda tokens, step: received.append((step, tokens.tolist())))
+  for step in (2, 3, 0, 3, 1, 4):
+    in_order(np.asarray([step, -step]), step)
+  assert received == [(step, [step, -step]) for step in range(5)]
 
 
 def test_stream_stops_with_the_loop(model):
