@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from retnet_jax import convert, flops, optimizer, sampling, sharding, train
 from retnet_jax.baselines import transformer
@@ -100,6 +101,10 @@ _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.j
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Training batch size (default: the suite's).")
+_INFERENCE_DEVICES = flags.DEFINE_integer(
+    "inference_devices", None, "Devices of the tensor-parallel mesh (heads, FFN and vocabulary split) that the "
+    "forward sweep and decoding run on. Default: all, at most as many as split those evenly. On the CPU backend "
+    "the benchmark makes one JAX device per core unless JAX_NUM_CPU_DEVICES or XLA_FLAGS set a count.")
 
 
 # ----------------------------------------------------------------------------------------------- measuring
@@ -199,14 +204,17 @@ def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Ca
   return cases
 
 
-def compile_timed(fn, *args):
-  """Compiles jitted `fn` for `args` ahead of time: (executable, seconds, XLA's buffer bytes or None)."""
+def compile_timed(fn, *args, devices: int = 1):
+  """Compiles jitted `fn` for `args` ahead of time: (executable, seconds, XLA's buffer bytes or None).
+
+  The bytes are summed over the `devices` that run the (SPMD) program: XLA reports one device's.
+  """
   start = time.perf_counter()
   compiled = fn.lower(*args).compile()
   seconds = time.perf_counter() - start
   stats = compiled.memory_analysis()
-  buffers = None if stats is None else int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
-                                           + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+  buffers = None if stats is None else devices * int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                                                     + stats.output_size_in_bytes - stats.alias_size_in_bytes)
   return compiled, seconds, buffers
 
 
@@ -278,12 +286,44 @@ def transformer_train_case(config, mesh) -> Case:
   return _train_case(step, state, batch, compile_s, buffers)
 
 
-def forward_case(model, mode: str, length: int) -> Case:
-  """Logits of one sequence of `length` tokens."""
+@dataclasses.dataclass(frozen=True)
+class Inference:
+  """Where the forward sweep and decoding run: a mesh whose `tensor` axis splits heads, FFN and vocabulary.
+
+  On a CPU, XLA runs some of a step's ops on one core (the decoding state reads, the elementwise fusions);
+  with one JAX device per core, each device runs its share of the heads on its own core (docs/benchmarks.md,
+  log entry 24). Training stays on one device: it gained nothing there.
+  """
+  mesh: jax.sharding.Mesh
+  rules: tuple[tuple[str, Any], ...]
+
+  @classmethod
+  def create(cls, config, requested: int | None) -> Inference:
+    devices, names = jax.devices(), tuple(config.mesh.axis_names)
+    widths = {name: config.model[name] for name in ("num_heads", "ffn_dim", "vocab_size")}
+    if "tensor" not in names:
+      raise app.UsageError(f"mesh.axis_names={names} has no 'tensor' axis for the inference mesh.")
+    if requested is None:
+      count = max(n for n in range(1, len(devices) + 1) if all(w % n == 0 for w in widths.values()))
+    elif not 1 <= requested <= len(devices) or any(w % requested for w in widths.values()):
+      raise app.UsageError(f"--inference_devices={requested}: choose 1 to {len(devices)} (the devices present) "
+                           f"that divides each of {widths}.")
+    else:
+      count = requested
+    mesh_cfg = config.mesh.copy_and_resolve_references()
+    mesh_cfg.shape = tuple(count if name == "tensor" else 1 for name in names)
+    return cls(sharding.make_mesh(mesh_cfg, devices[:count]), sharding.logical_rules(config.mesh))
+
+  def place(self, model: nnx.Module) -> nnx.Module:
+    return sharding.shard_model(model, self.mesh, self.rules)
+
+
+def forward_case(model, mode: str, length: int, mesh: jax.sharding.Mesh) -> Case:
+  """Logits of one sequence of `length` tokens, by a model placed on `mesh` (`sharding.shard_model`)."""
   graphdef, params = nnx.split(model)
   forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens, mode=mode)[0])
-  tokens = jnp.asarray(random_tokens(1, length, model.config.vocab_size))
-  compiled, compile_s, buffers = compile_timed(forward, params, tokens)
+  tokens = jax.device_put(random_tokens(1, length, model.config.vocab_size), NamedSharding(mesh, P()))
+  compiled, compile_s, buffers = compile_timed(forward, params, tokens, devices=mesh.size)
   return Case(timed(lambda: compiled(params, tokens).block_until_ready()),
               {"compile_s": compile_s, "compiled_bytes": buffers})
 
@@ -515,17 +555,18 @@ def _crossover(parallel: list[dict], chunkwise: list[dict]) -> int | None:
   return crossover
 
 
-def measure_lengths(base, suite: Suite, mesh, source: str) -> dict[str, Any]:
+def measure_lengths(base, suite: Suite, mesh, inference: Inference, source: str) -> dict[str, Any]:
   """Time and peak memory vs sequence length at batch 1, the forms interleaved at each length: the forward pass
-  of RetNet (parallel, chunkwise) and the Transformer, and RetNet's training step."""
+  of RetNet (parallel, chunkwise) and the Transformer on the inference mesh, and RetNet's training step."""
   config = make_config(base, suite, "float32", "parallel", suite.seq_len, 1)
-  retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
+  retnet = inference.place(RetNet(config.model, rngs=nnx.Rngs(config.seed)))
   builders = {
       "forward": {
-          "retnet/parallel": lambda length: forward_case(retnet, "parallel", length),
-          "retnet/chunkwise": lambda length: forward_case(retnet, "chunkwise", length),
-          "transformer/parallel": lambda length: forward_case(transformer.Transformer(
-              transformer.transformer_config(config.model, length), rngs=nnx.Rngs(config.seed)), "parallel", length)},
+          "retnet/parallel": lambda length: forward_case(retnet, "parallel", length, inference.mesh),
+          "retnet/chunkwise": lambda length: forward_case(retnet, "chunkwise", length, inference.mesh),
+          "transformer/parallel": lambda length: forward_case(inference.place(transformer.Transformer(
+              transformer.transformer_config(config.model, length), rngs=nnx.Rngs(config.seed))), "parallel", length,
+              inference.mesh)},
       "train": {f"retnet/{mode}": lambda length, mode=mode: retnet_train_case(
           make_config(base, suite, "float32", mode, length, 1), mesh) for mode in ("parallel", "chunkwise")}}
   results: dict[str, Any] = {}
@@ -567,18 +608,18 @@ def measure_long_training(base, suite: Suite, mesh, source: str) -> dict[str, An
                         "compiled_bytes": case.info["compiled_bytes"]}}
 
 
-def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, source: str
+def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inference: Inference, source: str
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Greedy decoding: tokens/s at batch 1 and `decode_batch`, per-token latency vs context, interleaved with
-  the read bandwidth of the weight-read floor: (results, read bytes/s)."""
+  """Greedy decoding on the inference mesh: tokens/s at batch 1 and `decode_batch`, per-token latency vs
+  context, interleaved with the read bandwidth of the weight-read floor: (results, read bytes/s)."""
   config = make_config(base, suite, "float32", "chunkwise", suite.seq_len, 1)
-  retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
+  retnet = inference.place(RetNet(config.model, rngs=nnx.Rngs(config.seed)))
   param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(retnet, nnx.Param)))
   contexts = sorted(set(suite.contexts) | {suite.prompt_len})
   cases, models = {"memory_read": read_case(param_bytes // 4)}, {"retnet": lambda context: retnet}
   # A preallocated KV cache as long as the prompt and the new tokens: attention reads what the context needs.
-  models["transformer"] = lambda context: transformer.Transformer(
-      transformer.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed))
+  models["transformer"] = lambda context: inference.place(transformer.Transformer(
+      transformer.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed)))
   for name, model_at in models.items():
     prefill = "chunkwise" if name == "retnet" else "parallel"
     for context in contexts:
@@ -684,10 +725,11 @@ def to_markdown(results) -> str:
   lines = [f"# Benchmark ({meta['suite']} suite)", "",
            f"`{meta['command']}` on {meta['machine']}, {meta['date']}; jax {meta['jax']}. Model: "
            + ", ".join(f"{k} {v}" for k, v in meta["size"].items())
-           + f" ({meta['params']:,} parameters); training batch {meta['batch_size']} x {meta['seq_len']}. "
+           + f" ({meta['params']:,} parameters); training batch {meta['batch_size']} x {meta['seq_len']} on one "
+           f"device; the forward sweep and decoding on {meta['inference_devices']} (tensor-parallel). "
            f"Medians [min-max] over timed runs after a warm-up. Peak memory: {meta['memory_source']}, "
            "(+ the part above the memory in use before the call); XLA buffers: the compiled program's arguments "
-           "+ temporaries + outputs. Load average (1, 5, 15 min) at start "
+           "+ temporaries + outputs, summed over its devices. Load average (1, 5, 15 min) at start "
            f"{', '.join(f'{x:.1f}' for x in meta['load_average_start'])}, at end "
            f"{', '.join(f'{x:.1f}' for x in meta['load_average_end'])}: other processes share the cores when "
            "it exceeds ~1.", "", "## Ceilings", "",
@@ -819,6 +861,9 @@ def _cpu_name() -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(
+      "XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", len(os.sched_getaffinity(0)))  # before any device is created
   suite = SUITES[_SUITE.value]
   size = {name: flag.value if flag.value is not None else suite.size[name] for name, flag in _SIZE.items()}
   suite = dataclasses.replace(suite, size=size, seq_len=_SEQ_LEN.value or suite.seq_len,
@@ -828,6 +873,7 @@ def main(argv):
   base = _CONFIG.value
   config = make_config(base, suite, "float32", "parallel", suite.seq_len, suite.batch_size)
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  inference = Inference.create(config, _INFERENCE_DEVICES.value)
   source = memory_source()
   torchscale = Torchscale(config.model, source)
   start = time.perf_counter()
@@ -839,11 +885,12 @@ def main(argv):
       "machine": f"{_cpu_name()}, {os.cpu_count()} cores", "jax": jax.__version__,
       "device": str(jax.devices()[0]), "size": size, "params": int(params), "seq_len": suite.seq_len,
       "batch_size": suite.batch_size, "rounds": suite.rounds, "memory_source": source,
+      "inference_devices": inference.mesh.size,
       "suite_settings": dataclasses.asdict(suite), "load_average_start": os.getloadavg()}}
   training, matmul = measure_training(base, suite, mesh, torchscale, source)
-  lengths = measure_lengths(base, suite, mesh, source)
+  lengths = measure_lengths(base, suite, mesh, inference, source)
   long_training = measure_long_training(base, suite, mesh, source)
-  decoding, read = measure_decoding(base, suite, matmul, torchscale, source)
+  decoding, read = measure_decoding(base, suite, matmul, torchscale, inference, source)
   results.update(ceilings={"matmul_flops": matmul, "memory_read_bytes_per_s": read, "matmul_size": suite.matmul_size,
                            "read_array_bytes": 4 * int(params)},
                  training=training, lengths=lengths, long_training=long_training, decoding=decoding)

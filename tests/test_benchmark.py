@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import flops, sampling
+from retnet_jax import flops, sampling, sharding
 from retnet_jax.baselines import transformer
 from retnet_jax.model import RetNet
 
@@ -90,6 +90,24 @@ def test_transformer_incremental_decoding_matches_parallel():
   # The cache the parallel call returns continues like the one filled token by token.
   np.testing.assert_allclose(state["layers"][1]["key"][:, :21], step_state["layers"][1]["key"][:, :21],
                              atol=1e-5)
+
+
+def test_transformer_splits_whole_heads_over_a_tensor_mesh():
+  """On a tensor-parallel mesh (as the benchmark's forward sweep and decoding run) each device computes whole
+  heads: the compiled forward gathers nothing (its only collectives are the all-reduces after the output and
+  FFN projections), and the logits and the cache are the single-device ones."""
+  config = retnet_config.get_config("tiny")
+  config.mesh.shape = (1, 1, 2)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
+  sharded = sharding.shard_model(tiny_transformer(), mesh, sharding.logical_rules(config.mesh))
+  single = tiny_transformer()
+  tokens = random_tokens(2, 21)
+  hlo = forward.lower(sharded, tokens, sharded.init_state(2), "parallel").compile().as_text()
+  assert "all-reduce(" in hlo and not any(op + "(" in hlo for op in ("all-gather", "all-to-all", "collective-permute"))
+  logits, state = forward(sharded, tokens, sharded.init_state(2), "parallel")
+  expected, expected_state = forward(single, tokens, single.init_state(2), "parallel")
+  np.testing.assert_allclose(logits, expected, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+  np.testing.assert_allclose(state["layers"][1]["key"], expected_state["layers"][1]["key"], atol=1e-5)
 
 
 def test_transformer_left_padding_and_generate():

@@ -107,9 +107,11 @@ class CausalSelfAttention(nnx.Module):
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, cache: State, slot: jax.Array,
                form: str) -> tuple[jax.Array, State]:
     batch, length, d = x_BxLxD.shape
-    qkv = self.qkv_proj(x_BxLxD).reshape(batch, length, 3, self.num_heads, self.head_dim)
-    q = rotation.rotate(qkv[:, :, 0], rotation_tables) * jnp.asarray(self.head_dim**-0.5, self.dtype)
-    k, v = rotation.rotate(qkv[:, :, 1], rotation_tables), qkv[:, :, 2]
+    # Columns grouped per head (q, k, v of head 0, then head 1, ...): a split of the `heads` axis over devices
+    # (tensor parallelism) gives each device whole heads.
+    qkv = self.qkv_proj(x_BxLxD).reshape(batch, length, self.num_heads, 3, self.head_dim)
+    q = rotation.rotate(qkv[:, :, :, 0], rotation_tables) * jnp.asarray(self.head_dim**-0.5, self.dtype)
+    k, v = rotation.rotate(qkv[:, :, :, 1], rotation_tables), qkv[:, :, :, 2]
     if form == "self":
       causal_LxL = jnp.tril(jnp.ones((length, length), bool))
       out = attention(q, k, v, causal_LxL[None] & (positions_BxL >= 0)[:, None, :])
