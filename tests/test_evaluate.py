@@ -34,8 +34,8 @@ def trained(tmp_path_factory):
   return config, workdir, flags
 
 
-def run_script(name, flags):
-  env = dict(os.environ, XLA_FLAGS="")  # one CPU device, as a user would run it
+def run_script(name, flags, **env_vars):
+  env = dict(os.environ, XLA_FLAGS="", **env_vars)  # one CPU device, as a user would run it
   result = subprocess.run([sys.executable, str(REPO / "scripts" / name), *flags], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -77,6 +77,11 @@ def test_generate_script_streams_and_reports(trained):
   assert [s["prompt"] for s in samples] == ["ROMEO:", "A"]
   assert stdout.startswith("ROMEO:" + samples[0]["completion"])  # streamed before the JSON line
   assert all(0 < len(s["completion"]) <= 12 for s in samples)  # 12 byte tokens: at most 12 characters
+  # Restored onto a tensor-parallel mesh of two CPU devices (README), it streams and samples the same text.
+  split = run_script("generate.py", flags + ["--prompt=ROMEO:", "--prompt=A", "--max_new_tokens=12",
+                                             "--temperature=0", "--stream_every=5", "--config.mesh.shape=(1,1,2)"],
+                     JAX_NUM_CPU_DEVICES="2")
+  assert split == stdout
 
 
 def test_errors_name_what_was_found(trained, tmp_path):
