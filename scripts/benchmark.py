@@ -290,9 +290,9 @@ def transformer_train_case(config, mesh) -> Case:
 class Inference:
   """Where the forward sweep and decoding run: a mesh whose `tensor` axis splits heads, FFN and vocabulary.
 
-  On a CPU, XLA runs some of a step's ops on one core (the decoding state reads, the elementwise fusions);
-  with one JAX device per core, each device runs its share of the heads on its own core (docs/benchmarks.md,
-  log entry 24). Training stays on one device: it gained nothing there.
+  On a CPU, XLA runs some of a step's ops on one core (the decoding state reads, docs/benchmarks.md log entry
+  23); with one JAX device per core, each device runs its share of the heads on its own core (entry 24).
+  Training stays on one device: it gained nothing there.
   """
   mesh: jax.sharding.Mesh
   rules: tuple[tuple[str, Any], ...]
@@ -863,7 +863,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
-    jax.config.update("jax_num_cpu_devices", len(os.sched_getaffinity(0)))  # before any device is created
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jax.config.update("jax_num_cpu_devices", cores)  # before any device is created
   suite = SUITES[_SUITE.value]
   size = {name: flag.value if flag.value is not None else suite.size[name] for name, flag in _SIZE.items()}
   suite = dataclasses.replace(suite, size=size, seq_len=_SEQ_LEN.value or suite.seq_len,

@@ -141,7 +141,8 @@ def test_transformer_input_errors():
 
 
 EXPECTED_KEYS = {
-    "meta": ["suite", "command", "date", "machine", "jax", "size", "params", "memory_source", "total_s", "plots"],
+    "meta": ["suite", "command", "date", "machine", "jax", "size", "params", "memory_source", "inference_devices",
+             "total_s", "plots"],
     "ceilings": ["matmul_flops", "memory_read_bytes_per_s", "matmul_size", "read_array_bytes"],
     "training": [f"{model}/{form}/{dtype}" for dtype in ("float32", "bfloat16")
                  for model, form in (("retnet", "parallel"), ("retnet", "chunkwise"), ("transformer", "parallel"))],
