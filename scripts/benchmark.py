@@ -114,10 +114,12 @@ class Case:
   """One thing to time: `run()` does it once and returns the seconds of each unit (a step, a token).
 
   `measure_memory()`, for a case that runs in another process, runs it once and returns that process's peak.
+  `devices`: how many of the first JAX devices it runs on (device memory statistics are summed over them).
   """
   run: Callable[[], list[float]]
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
   measure_memory: Callable[[], dict[str, int]] | None = None
+  devices: int = 1
 
 
 def timed(fn: Callable[[], Any], repeats: int = 1) -> Callable[[], list[float]]:
@@ -149,7 +151,7 @@ def memory_source() -> str:
   """How peak memory is read: the device's own statistics, else the process RSS high-water mark."""
   stats = jax.devices()[0].memory_stats()
   if stats and "peak_bytes_in_use" in stats:
-    return "device memory_stats peak_bytes_in_use (cumulative over the process)"
+    return "device memory_stats peak_bytes_in_use, summed over the devices a case runs on (cumulative over the process)"
   try:
     Path("/proc/self/clear_refs").write_text("5")
     _proc_status_bytes("VmHWM")
@@ -158,17 +160,20 @@ def memory_source() -> str:
     return "process RSS high-water mark (resource.getrusage ru_maxrss: cumulative, never reset)"
 
 
-def peak_memory(fn: Callable[[], Any], source: str) -> dict[str, int]:
+def peak_memory(fn: Callable[[], Any], source: str, devices: int = 1) -> dict[str, int]:
   """Runs `fn`; its peak memory and the peak above the memory in use when it started (bytes).
 
+  Device statistics are summed over the first `devices` devices (those `fn` runs on): each device's own peak,
+  which in an SPMD program all reach at the same step. The process RSS covers every device of a CPU backend.
   The heap's free pages are returned first: `host_memory.keep_freed_memory` keeps them, and they would count
   as memory in use before the call.
   """
   host_memory.release_freed_memory()
   if source.startswith("device"):
-    before = jax.devices()[0].memory_stats()["bytes_in_use"]
+    in_use = lambda key: sum(device.memory_stats()[key] for device in jax.devices()[:devices])
+    before = in_use("bytes_in_use")
     fn()
-    peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+    peak = in_use("peak_bytes_in_use")
   elif "VmHWM" in source:
     Path("/proc/self/clear_refs").write_text("5")
     before = _proc_status_bytes("VmRSS")
@@ -191,7 +196,8 @@ def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Ca
   for name, case in cases.items():
     time.sleep(SETTLE_S)
     start = time.perf_counter()
-    case.info["memory"] = case.measure_memory() if case.measure_memory else peak_memory(case.run, source)
+    case.info["memory"] = case.measure_memory() if case.measure_memory else peak_memory(case.run, source,
+                                                                                         case.devices)
     case.info["first_run_s"] = time.perf_counter() - start
     print(f"  warmed up {name} ({case.info['first_run_s']:.1f} s)", flush=True)
   seconds = {name: [] for name in cases}
@@ -325,7 +331,7 @@ def forward_case(model, mode: str, length: int, mesh: jax.sharding.Mesh) -> Case
   tokens = jax.device_put(random_tokens(1, length, model.config.vocab_size), NamedSharding(mesh, P()))
   compiled, compile_s, buffers = compile_timed(forward, params, tokens, devices=mesh.size)
   return Case(timed(lambda: compiled(params, tokens).block_until_ready()),
-              {"compile_s": compile_s, "compiled_bytes": buffers})
+              {"compile_s": compile_s, "compiled_bytes": buffers}, devices=mesh.size)
 
 
 def state_bytes(model, batch: int) -> int:
@@ -345,7 +351,8 @@ def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: 
                                             temperature=0.0), repeats=2)()
     return [s / new_tokens for s in seconds]
 
-  return Case(run, {"state_bytes": state_bytes(model, batch)})
+  devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(model)))
+  return Case(run, {"state_bytes": state_bytes(model, batch)}, devices=devices)
 
 
 class _TorchscaleCases:

@@ -156,6 +156,36 @@ EXPECTED_KEYS = {
 
 
 @pytest.mark.slow
+class _FakeDevice:
+  """A device whose memory statistics move from `before` to `after` when `fn` runs."""
+
+  def __init__(self, before, after):
+    self.stats, self.after = before, after
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_device_peak_memory_sums_the_devices_a_case_runs_on(monkeypatch):
+  """With device statistics (GPUs), a case on a 2-device mesh reports both devices' memory, not device 0's."""
+  monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+  import benchmark  # pylint: disable=import-outside-toplevel
+  devices = [_FakeDevice({"bytes_in_use": 100}, {"bytes_in_use": 100, "peak_bytes_in_use": 400}),
+             _FakeDevice({"bytes_in_use": 50}, {"bytes_in_use": 50, "peak_bytes_in_use": 300}),
+             _FakeDevice({"bytes_in_use": 7}, {"bytes_in_use": 7, "peak_bytes_in_use": 9000})]  # not the case's
+
+  def run():
+    for device in devices:
+      device.stats = device.after
+
+  monkeypatch.setattr(benchmark.jax, "devices", lambda: devices)
+  source = "device memory_stats peak_bytes_in_use"
+  assert benchmark.peak_memory(run, source, devices=2) == {"peak_bytes": 700, "above_start_bytes": 550}
+  for device, before in zip(devices, (100, 50, 7)):
+    device.stats = {"bytes_in_use": before}
+  assert benchmark.peak_memory(run, source) == {"peak_bytes": 400, "above_start_bytes": 300}
+
+
 def test_quick_suite_writes_every_result(tmp_path):
   """`scripts/benchmark.py --suite=quick` runs end to end and writes results.json with every expected key,
   results.md and the plots (the numbers themselves depend on the machine and are not checked)."""
