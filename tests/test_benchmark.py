@@ -155,9 +155,8 @@ EXPECTED_KEYS = {
 }
 
 
-@pytest.mark.slow
 class _FakeDevice:
-  """A device whose memory statistics move from `before` to `after` when `fn` runs."""
+  """A device whose memory statistics are `before` until the measured function sets them to `after`."""
 
   def __init__(self, before, after):
     self.stats, self.after = before, after
@@ -186,6 +185,7 @@ def test_device_peak_memory_sums_the_devices_a_case_runs_on(monkeypatch):
   assert benchmark.peak_memory(run, source) == {"peak_bytes": 400, "above_start_bytes": 300}
 
 
+@pytest.mark.slow
 def test_quick_suite_writes_every_result(tmp_path):
   """`scripts/benchmark.py --suite=quick` runs end to end and writes results.json with every expected key,
   results.md and the plots (the numbers themselves depend on the machine and are not checked)."""
