@@ -165,8 +165,11 @@ class _FakeDevice:
     return self.stats
 
 
+# ml_collections loads the script's default --config file through importlib's deprecated load_module.
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
 def test_device_peak_memory_sums_the_devices_a_case_runs_on(monkeypatch):
   """With device statistics (GPUs), a case on a 2-device mesh reports both devices' memory, not device 0's."""
+  monkeypatch.chdir(ROOT)  # the script's default --config path is relative to the repository
   monkeypatch.syspath_prepend(str(ROOT / "scripts"))
   import benchmark  # pylint: disable=import-outside-toplevel
   devices = [_FakeDevice({"bytes_in_use": 100}, {"bytes_in_use": 100, "peak_bytes_in_use": 400}),
