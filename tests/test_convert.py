@@ -129,20 +129,18 @@ def small_state_dict():
   return options, {name: tensor.numpy() for name, tensor in torchscale_decoder(options).state_dict().items()}
 
 
-def test_missing_and_extra_tensors_are_named():
+@pytest.mark.parametrize("remove,add,message", [
+    ("layers.1.ffn.gate.weight", {"layers.2.ffn.gate.weight": (48, 32)},
+     r"missing tensors: \[layers\.1\.ffn\.gate\.weight\]; unexpected tensors: \[layers\.2\.ffn\.gate\.weight\]"),
+    (None, {"layers.0.retention.v_proj.weight": (40, 32)},
+     r"layers\.0\.retention\.v_proj\.weight has shape \(40, 32\) but the config needs \(48, 32\)"),
+])
+def test_missing_extra_and_misshapen_tensors_are_named(remove, add, message):
   options, state_dict = small_state_dict()
-  del state_dict["layers.1.ffn.gate.weight"]
-  state_dict["layers.2.ffn.gate.weight"] = np.zeros((48, 32), np.float32)
-  with pytest.raises(ValueError, match=r"missing tensors: \[layers\.1\.ffn\.gate\.weight\]; "
-                                       r"unexpected tensors: \[layers\.2\.ffn\.gate\.weight\]"):
-    convert.load_torchscale(state_dict, options)
-
-
-def test_wrong_shape_is_named():
-  options, state_dict = small_state_dict()
-  state_dict["layers.0.retention.v_proj.weight"] = np.zeros((40, 32), np.float32)
-  with pytest.raises(ValueError, match=r"layers\.0\.retention\.v_proj\.weight has shape \(40, 32\) but the "
-                                       r"config needs \(48, 32\)"):
+  if remove:
+    del state_dict[remove]
+  state_dict.update({name: np.zeros(shape, np.float32) for name, shape in add.items()})
+  with pytest.raises(ValueError, match=message):
     convert.load_torchscale(state_dict, options)
 
 
