@@ -35,7 +35,8 @@ def trained(tmp_path_factory):
 
 
 def run_script(name, flags, **env_vars):
-  env = dict(os.environ, XLA_FLAGS="", **env_vars)  # one CPU device, as a user would run it
+  # Without the suite's forced 8 devices: one CPU device, as a user would run it, unless env_vars ask for more.
+  env = dict(os.environ, XLA_FLAGS="", **env_vars)
   result = subprocess.run([sys.executable, str(REPO / "scripts" / name), *flags], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
