@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from pathlib import Path
@@ -29,19 +30,36 @@ MODE_AGREEMENT_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 
 def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
                   ) -> tuple[RetNet, int]:
-  """The model of `workdir`'s checkpoint at `step` (None: the latest), placed on the current devices' mesh."""
+  """The model of `workdir` at `step` (None: the latest), placed on the current devices' mesh.
+
+  Reads the training checkpoints (`checkpoints/STEP`), or, in a workdir that has none, the parameters-only
+  export that training writes at its end (`params/STEP`), checked against the workdir's `config.json`.
+  """
   workdir = Path(workdir)
-  ckpt_dir = workdir / "checkpoints"
-  if not ckpt_dir.is_dir():
-    raise FileNotFoundError(f"no checkpoints in {workdir} (expected {ckpt_dir}); train first with "
-                            f"scripts/train.py --workdir={workdir}, or point --workdir at a training run.")
+  ckpt_dir, export_dir = workdir / "checkpoints", workdir / "params"
+  has_checkpoints = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+  exported = sorted(int(p.name) for p in export_dir.iterdir() if p.name.isdigit()) if export_dir.is_dir() else []
+  if not has_checkpoints and not exported:
+    raise FileNotFoundError(f"no checkpoints in {workdir} (expected {ckpt_dir} or {export_dir}); train first "
+                            f"with scripts/train.py --workdir={workdir}, or point --workdir at a training run.")
   mesh = sharding.make_mesh(config.mesh)
   run = train.setup(config, mesh)
-  with checkpointing.Checkpointer(ckpt_dir) as checkpointer:
-    meta = checkpointer.restore_meta(step)
-    train.check_compatible(meta["config"]["model"], config, workdir)
-    state, _ = checkpointer.restore(run.abstract_state, step)
-  return nnx.merge(run.graphdef, state["params"]), int(state["step"])
+  if has_checkpoints:
+    with checkpointing.Checkpointer(ckpt_dir) as checkpointer:
+      meta = checkpointer.restore_meta(step)
+      train.check_compatible(meta["config"]["model"], config, workdir)
+      state, _ = checkpointer.restore(run.abstract_state, step)
+    return nnx.merge(run.graphdef, state["params"]), int(state["step"])
+  if step is None:
+    step = exported[-1]
+  elif step not in exported:
+    raise ValueError(f"No exported params for step {step} in {export_dir} (and no {ckpt_dir}); "
+                     f"available steps: {exported}.")
+  config_file = workdir / "config.json"
+  if config_file.is_file():
+    train.check_compatible(json.loads(config_file.read_text())["model"], config, workdir)
+  params = checkpointing.load_params(export_dir / str(step), run.abstract_state["params"])
+  return nnx.merge(run.graphdef, params), step
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode"))

@@ -2,12 +2,15 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import evaluate, train
@@ -83,6 +86,23 @@ def test_generate_script_streams_and_reports(trained):
                                              "--temperature=0", "--stream_every=5", "--config.mesh.shape=(1,1,2)"],
                      JAX_NUM_CPU_DEVICES="2")
   assert split == stdout
+
+
+def test_params_export_loads_without_checkpoints(trained, tmp_path):
+  """A workdir holding only config.json and the final params export (checkpoints deleted) still loads."""
+  config, workdir, _ = trained
+  shutil.copytree(workdir / "params", tmp_path / "params")
+  shutil.copy(workdir / "config.json", tmp_path / "config.json")
+  exported, step = evaluate.restore_model(config, tmp_path)
+  checkpointed, _ = evaluate.restore_model(config, workdir, step=8)
+  assert step == 8
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(exported, nnx.Param), nnx.state(checkpointed, nnx.Param))
+  with pytest.raises(ValueError, match=r"No exported params for step 4 .* available steps: \[8\]"):
+    evaluate.restore_model(config, tmp_path, step=4)
+  other = retnet_config.get_config("tiny")
+  other.model.num_layers = 3
+  with pytest.raises(ValueError, match="incompatible model config.*num_layers"):
+    evaluate.restore_model(other, tmp_path)
 
 
 def test_errors_name_what_was_found(trained, tmp_path):
