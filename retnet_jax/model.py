@@ -10,6 +10,7 @@ tokens as left padding (they do not enter the state): prompts of different lengt
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -63,6 +64,9 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.value_dim={cfg.value_dim} is not divisible by model.num_heads={cfg.num_heads}; "
                      "choose value_dim as a multiple of num_heads.")
   rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
+  for name in ("rotation_base", "norm_eps", "head_norm_eps"):
+    if not math.isfinite(cfg[name]) or cfg[name] <= 0:
+      raise ValueError(f"model.{name} must be a positive finite number; got {cfg[name]}.")
   if not isinstance(cfg.chunk_size, int) or cfg.chunk_size < 1:
     raise ValueError(f"model.chunk_size must be a positive integer; got {cfg.chunk_size!r}.")
   layers.compute_dtype(cfg.dtype)
@@ -90,6 +94,25 @@ def check_tokens(tokens: Any, vocab_size: int) -> None:
   if low < 0 or high >= vocab_size:
     raise ValueError(f"token ids must lie in [0, {vocab_size}); got ids from {low} to {high}. "
                      "Check the tokenizer against model.vocab_size.")
+
+
+def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
+  """Checks a carried state against the model config and the token batch: its layers, their keys and shapes."""
+  if not isinstance(state, dict) or set(state) != {"position", "layers"}:
+    keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+    raise ValueError(f"state must be a dict with 'position' and 'layers', as the model returns it; got {keys}.")
+  if tuple(np.shape(state["position"])) != (batch,):
+    raise ValueError(f"state['position'] must have shape [batch] = ({batch},) to match the tokens; got "
+                     f"{tuple(np.shape(state['position']))}.")
+  if len(state["layers"]) != cfg.num_layers:
+    raise ValueError(f"the state holds {len(state['layers'])} layer states but model.num_layers={cfg.num_layers}; "
+                     "it was made by another model config.")
+  expected = {k: v.shape for k, v in jax.eval_shape(lambda: layers.init_layer_state(cfg, batch)).items()}
+  for i, layer_state in enumerate(state["layers"]):
+    found = {k: tuple(np.shape(v)) for k, v in layer_state.items()} if isinstance(layer_state, dict) else layer_state
+    if found != expected:
+      raise ValueError(f"layer {i} of the state holds {found}, but a batch of {batch} in this model config needs "
+                       f"{expected}; the state was made by another model config or batch size.")
 
 
 class RetNet(nnx.Module):
@@ -130,6 +153,8 @@ class RetNet(nnx.Module):
     batch, length = tokens_BxL.shape
     if state is None:  # no carried state: the blocks skip the cross terms with an all-zero state
       state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * self.config.num_layers}
+    else:
+      check_state(self.config, state, batch)
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
     tables = rotation_tables_for(self.config, positions_BxL)
     x = self.embed(tokens_BxL)

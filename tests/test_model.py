@@ -124,6 +124,8 @@ def test_preset_parameter_counts(preset, billions):
     (dict(dtype="float16"), "unknown dtype"),
     (dict(decay_schedule="cosine"), "unknown decay_schedule"),
     (dict(ffn_activation="tanh"), "ffn_activation"),
+    (dict(rotation_base=0.0), "rotation_base must be a positive finite number; got 0.0"),
+    (dict(head_norm_eps=float("nan")), "head_norm_eps must be a positive finite number; got nan"),
 ])
 def test_bad_model_configs(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -142,6 +144,19 @@ def test_bad_inputs():
     model(jnp.zeros((1, 4)))
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     retnet_config.get_config("huge")
+
+
+def test_states_from_another_config_or_batch_are_refused():
+  model, tokens = tiny_model(), random_tokens(2, 5)
+  _, state = model(tokens)
+  with pytest.raises(ValueError, match=r"holds 1 layer states but model.num_layers=2"):
+    model(tokens, state=tiny_model(num_layers=1)(tokens)[1])
+  with pytest.raises(ValueError, match=r"layer 0 of the state holds .*'key_sum'"):
+    tiny_model(stability_norm=False)(tokens, state=state)
+  with pytest.raises(ValueError, match=r"state\['position'\] must have shape \[batch\] = \(1,\)"):
+    model(tokens[:1], state=state)
+  with pytest.raises(ValueError, match="a dict with 'position' and 'layers'"):
+    model(tokens, state={"position": state["position"]})
 
 
 def test_left_padding_with_negative_positions_matches_prompt_alone():
