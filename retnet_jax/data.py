@@ -46,8 +46,12 @@ class ByteTokenizer:
     return [self.encode(text) for text in texts]
 
   def decode(self, ids: Any) -> str:
-    """Text of a byte sequence; a multi-byte character cut by a sequence boundary becomes U+FFFD."""
-    return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+    """Text of a byte sequence; a multi-byte character cut by a sequence boundary, or an id outside the byte
+    range (a model with a larger vocabulary), becomes U+FFFD."""
+    ids = np.asarray(ids).reshape(-1)
+    pieces = np.split(ids, np.flatnonzero((ids < 0) | (ids > 255)))  # every piece after the first starts bad
+    return "\ufffd".join(np.asarray(piece[i > 0:], dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+                         for i, piece in enumerate(pieces))
 
 
 class HFTokenizer:
@@ -91,6 +95,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
                        "use 'byte' or the path of a tokenizer.json.") from e
   raise ValueError(f"data.tokenizer={spec!r} is neither 'byte' nor an existing file; "
                    "use 'byte' or the path of a tokenizer.json.")
+
+
+def check_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> None:
+  """Refuses a tokenizer whose ids would not fit the model's embedding (`model.vocab_size`)."""
+  if tokenizer.vocab_size > vocab_size:
+    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
+                     f"set --config.model.vocab_size={tokenizer.vocab_size} or more, or use the model's tokenizer.")
 
 
 def load_splits(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:

@@ -42,6 +42,7 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   if not has_checkpoints and not exported:
     raise FileNotFoundError(f"no checkpoints in {workdir} (expected {ckpt_dir} or {export_dir}); train first "
                             f"with scripts/train.py --workdir={workdir}, or point --workdir at a training run.")
+  train.check_config(config, jax.device_count())
   mesh = sharding.make_mesh(config.mesh)
   run = train.setup(config, mesh)
   if has_checkpoints:
@@ -87,7 +88,10 @@ def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("par
   unknown = [m for m in modes if m not in MODES]
   if unknown:
     raise ValueError(f"unknown mode {unknown[0]!r}; choose one of {MODES} or all.")
+  if max_batches is not None and max_batches < 1:
+    raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   tokenizer = data.load_tokenizer(config.data.tokenizer)
+  data.check_vocab_size(tokenizer, config.model.vocab_size)
   _, valid_tokens = data.load_splits(config.data, tokenizer)
   sequences = data.pack(valid_tokens, config.train.seq_len)
   batch_size = config.train.batch_size // config.train.grad_accum_steps

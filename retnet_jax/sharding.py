@@ -73,7 +73,18 @@ def batch_sharding(mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]], nd
 def tree_shardings(abstract_tree: Any, mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]]) -> Any:
   """NamedShardings for a pytree of annotated variables (params, optimizer moments); others replicated."""
   with nnx.logical_axis_rules(rules):
-    return nnx.get_named_sharding(abstract_tree, mesh)
+    shardings = nnx.get_named_sharding(abstract_tree, mesh)
+  for (path, leaf), leaf_sharding in zip(jax.tree_util.tree_leaves_with_path(abstract_tree),
+                                         jax.tree.leaves(shardings)):
+    for size, axes in zip(leaf.shape, leaf_sharding.spec):
+      axes = (axes,) if isinstance(axes, str) else axes or ()
+      parts = math.prod(mesh.shape[a] for a in axes)
+      if size % parts:
+        raise ValueError(f"{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} cannot be split over mesh "
+                         f"axes {axes} ({parts} devices): {size} is not divisible by {parts}. Choose mesh sizes that "
+                         "divide the model's widths (heads, value_dim, ffn_dim, vocab_size, d_model), or change "
+                         "mesh.rules.")
+  return shardings
 
 
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]]) -> nnx.Module:

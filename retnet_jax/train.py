@@ -37,6 +37,18 @@ RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size")
 NONFINITE_POLICIES = ("stop", "skip")
 
 
+# Optimizer fields: (test, what the value must be).
+_OPTIMIZER_RANGES = {
+    "learning_rate": (lambda x: x > 0, "positive"),
+    "warmup_steps": (lambda x: x >= 0, "at least 0"),
+    "end_lr_fraction": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "b1": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "b2": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "weight_decay": (lambda x: x >= 0, "at least 0"),
+    "grad_clip_norm": (lambda x: x > 0, "positive"),
+}
+
+
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks the config against itself and the devices before any data is read or file written."""
   model_lib.check_model_config(config.model)
@@ -45,8 +57,16 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
                "eval_batches"):
     if int(train[name]) < 1:
       raise ValueError(f"train.{name} must be a positive integer; got {train[name]}.")
-  if config.checkpoint.every_steps < 1:
-    raise ValueError(f"checkpoint.every_steps must be a positive integer; got {config.checkpoint.every_steps}.")
+  for name in ("every_steps", "keep"):
+    if int(config.checkpoint[name]) < 1:
+      raise ValueError(f"checkpoint.{name} must be a positive integer; got {config.checkpoint[name]}.")
+  for name, (valid, requirement) in _OPTIMIZER_RANGES.items():
+    if not math.isfinite(train[name]) or not valid(train[name]):
+      raise ValueError(f"train.{name} must be {requirement}; got {train[name]}.")
+  profile = train.profile_steps
+  if profile is not None and (len(profile) != 2 or not 0 <= profile[0] <= profile[1] < train.steps):
+    raise ValueError(f"train.profile_steps must be (first, last) with 0 <= first <= last < train.steps="
+                     f"{train.steps}; got {profile}.")
   if train.mode not in ("parallel", "chunkwise"):
     raise ValueError(f"train.mode={train.mode!r}; train with 'parallel' or 'chunkwise' (the recurrent form is "
                      "for decoding).")
@@ -231,9 +251,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   workdir = Path(workdir)
   check_config(config, jax.device_count())
   tokenizer = data.load_tokenizer(config.data.tokenizer)
-  if tokenizer.vocab_size > config.model.vocab_size:
-    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
-                     f"{config.model.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more.")
+  data.check_vocab_size(tokenizer, config.model.vocab_size)
   ckpt_dir = workdir / "checkpoints"
   if ckpt_dir.is_dir():
     with checkpointing.Checkpointer(ckpt_dir) as existing:

@@ -9,6 +9,7 @@ load the result. Reading the .pt file needs torch: `pip install -e '.[torch]'`.
 """
 
 import json
+import pickle
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,10 +33,20 @@ def main(argv):
     import torch  # only to read the .pt file
   except ImportError:
     sys.exit("reading a torch state_dict needs torch: pip install -e '.[torch]'")
-  state_dict = torch.load(_STATE_DICT.value, map_location="cpu", weights_only=True)
+  try:
+    state_dict = torch.load(_STATE_DICT.value, map_location="cpu", weights_only=True)
+  except (OSError, RuntimeError, pickle.UnpicklingError, KeyError, EOFError) as e:
+    first_line = (str(e).strip().splitlines() or [""])[0]  # torch appends pages of advice
+    sys.exit(f"{_STATE_DICT.value} could not be read as a torch.save file ({type(e).__name__}: {first_line}).")
   if not isinstance(state_dict, Mapping):
     sys.exit(f"{_STATE_DICT.value} holds a {type(state_dict).__name__}, not a state_dict (names -> tensors).")
-  torchscale_config = json.loads(Path(_TORCHSCALE_CONFIG.value).read_text())
+  try:
+    torchscale_config = json.loads(Path(_TORCHSCALE_CONFIG.value).read_text())
+  except json.JSONDecodeError as e:
+    sys.exit(f"{_TORCHSCALE_CONFIG.value} is not valid JSON ({e}).")
+  if not isinstance(torchscale_config, dict):
+    sys.exit(f"{_TORCHSCALE_CONFIG.value} holds a JSON {type(torchscale_config).__name__}; it must be a JSON object "
+             "of RetNetConfig keyword values.")
   model, config = convert.load_torchscale(state_dict, torchscale_config)
   checkpoints = convert.write_checkpoint(model, config, _WORKDIR.value)
   load_flags = " ".join([f"--config=configs/retnet.py:{config.preset}"]

@@ -178,10 +178,19 @@ def test_script_writes_a_checkpoint_that_restore_model_loads(tmp_path):
   torch.save(decoder.state_dict(), tmp_path / "retnet.pt")
   (tmp_path / "retnet.json").write_text(json.dumps(options))
   workdir = tmp_path / "converted"
-  result = subprocess.run(
-      [sys.executable, str(REPO / "scripts" / "convert_torchscale.py"), f"--state_dict={tmp_path / 'retnet.pt'}",
-       f"--torchscale_config={tmp_path / 'retnet.json'}", f"--workdir={workdir}"],
+  convert_script = lambda state_dict, torchscale_config: subprocess.run(
+      [sys.executable, str(REPO / "scripts" / "convert_torchscale.py"), f"--state_dict={state_dict}",
+       f"--torchscale_config={torchscale_config}", f"--workdir={workdir}"],
       capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""), cwd=REPO, timeout=300)
+  (tmp_path / "list.json").write_text("[1, 2]")
+  (tmp_path / "not_torch.pt").write_text("not a torch file")
+  for state_dict, torchscale_config, message in [
+      ("retnet.pt", "list.json", "list.json holds a JSON list; it must be a JSON object"),
+      ("not_torch.pt", "retnet.json", "not_torch.pt could not be read as a torch.save file")]:
+    result = convert_script(tmp_path / state_dict, tmp_path / torchscale_config)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-3000:]
+  assert not workdir.exists()
+  result = convert_script(tmp_path / "retnet.pt", tmp_path / "retnet.json")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "python scripts/evaluate.py --config=configs/retnet.py:torchscale_base" in result.stdout
   assert (workdir / "config.json").is_file()

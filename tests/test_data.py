@@ -63,6 +63,8 @@ def test_byte_tokenizer_round_trip():
   np.testing.assert_array_equal(ids, byte_tokens(text))
   assert tok.decode(ids) == text
   assert tok.decode(byte_tokens("日")[:2]) == "\ufffd"  # a character cut in two decodes, replaced
+  # Ids beyond the bytes (sampled from a model with a larger vocabulary) decode as U+FFFD too.
+  assert tok.decode(np.concatenate([[300], byte_tokens("wö"), [-1, 256]])) == "\ufffdwö\ufffd\ufffd"
 
 
 def test_hf_tokenizer_round_trip(bpe_path):

@@ -1,5 +1,6 @@
 """Evaluation and generation from a checkpoint written by a short training run, through the scripts too."""
 
+import copy
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
@@ -117,3 +119,11 @@ def test_errors_name_what_was_found(trained, tmp_path):
     evaluate.restore_model(other, workdir)
   with pytest.raises(ValueError, match="unknown mode 'serial'"):
     evaluate.evaluate_model(None, config, modes=("serial",))
+  with pytest.raises(ValueError, match="max_batches must be a positive number of batches"):
+    evaluate.evaluate_model(None, config, max_batches=0)
+  bigger = tmp_path / "tokenizer.json"
+  tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0")).save(str(bigger))
+  config = copy.deepcopy(config)
+  config.data.tokenizer = str(bigger)
+  with pytest.raises(ValueError, match="the tokenizer has 300 tokens but model.vocab_size=256"):
+    evaluate.evaluate_model(None, config)

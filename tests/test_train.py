@@ -162,6 +162,13 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
      "train.segment_len=12 is not a multiple of model.chunk_size=8"),
     (lambda c: c.model.update(vocab_size=100), "the tokenizer has 256 tokens but model.vocab_size=100"),
     (lambda c: c.data.update(validation_fraction=1.5), "validation_fraction must lie strictly between 0 and 1"),
+    (lambda c: c.train.update(learning_rate=-1.0), r"train.learning_rate must be positive; got -1.0"),
+    (lambda c: c.train.update(warmup_steps=-5), r"train.warmup_steps must be at least 0; got -5"),
+    (lambda c: c.train.update(b2=1.0), r"train.b2 must be in \[0, 1\); got 1.0"),
+    (lambda c: c.checkpoint.update(keep=0), r"checkpoint.keep must be a positive integer; got 0"),
+    (lambda c: c.train.update(profile_steps=(5,)), r"profile_steps must be \(first, last\)"),
+    (lambda c: c.mesh.update(shape=(1, 1, 8)) or c.model.update(ffn_dim=36),
+     r"\['ffn'\]\['fc1'\]\['kernel'\].* cannot be split over mesh axes \('tensor',\) \(8 devices\): 36 is not"),
 ])
 def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
   config = tiny_config(tmp_path)
