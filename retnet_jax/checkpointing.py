@@ -41,7 +41,9 @@ def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) 
   Checked before restoring, because orbax's own error for a mismatch does not say which model config is at fault.
   """
   stored = {key: getattr(meta, "shape", None)
-            for key, meta in ocp.tree.to_flat_dict(stored_metadata, sep="/").items()}
+            for key, meta in ocp.tree.to_flat_dict(stored_metadata or {}, sep="/").items()}
+  if not stored:
+    raise ValueError(f"The checkpoint at {location} holds no array metadata: it is damaged or incomplete.")
   expected = {key: tuple(leaf.shape) for key, leaf in ocp.tree.to_flat_dict(abstract_state, sep="/").items()}
   for key, shape in expected.items():
     if key not in stored:
@@ -57,8 +59,9 @@ def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) 
       return
     problem = f"the checkpoint has key {extra[0]!r} that the model lacks"
   raise IncompatibleCheckpointError(
-      f"The checkpoint at {location} was written by an incompatible model config: {problem}. "
-      "Restore with the config it was trained with (its meta holds it), or start a fresh directory.")
+      f"The checkpoint at {location} does not fit the state this config builds: {problem}. It was written with "
+      "another model config (or code version): restore with the config it was trained with (its meta holds it), "
+      "or start a fresh directory.")
 
 
 class Checkpointer:

@@ -47,9 +47,25 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   run = train.setup(config, mesh)
   if has_checkpoints:
     with checkpointing.Checkpointer(ckpt_dir) as checkpointer:
-      meta = checkpointer.restore_meta(step)
-      train.check_compatible(meta["config"]["model"], config, workdir)
-      state, _ = checkpointer.restore(run.abstract_state, step)
+      steps = checkpointer.all_steps()
+      if not steps:
+        raise FileNotFoundError(f"no committed checkpoint in {ckpt_dir}: its step folders are incomplete.")
+      step = steps[-1] if step is None else step
+      if step not in steps:
+        raise ValueError(f"No checkpoint for step {step} in {ckpt_dir}; available steps: {steps}.")
+      unreadable = lambda e: ValueError(f"checkpoint {step} in {ckpt_dir} is unreadable ({type(e).__name__}: {e}); "
+                                        f"choose another with --step (available steps: {steps}).")
+      try:
+        saved_model = checkpointer.restore_meta(step)["config"]["model"]
+      except Exception as e:  # orbax raises many kinds for a damaged step folder
+        raise unreadable(e) from e
+      train.check_compatible(saved_model, config, workdir)
+      try:
+        state, _ = checkpointer.restore(run.abstract_state, step)
+      except checkpointing.IncompatibleCheckpointError:
+        raise
+      except Exception as e:
+        raise unreadable(e) from e
     return nnx.merge(run.graphdef, state["params"]), int(state["step"])
   if step is None:
     step = exported[-1]

@@ -64,9 +64,11 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.value_dim={cfg.value_dim} is not divisible by model.num_heads={cfg.num_heads}; "
                      "choose value_dim as a multiple of num_heads.")
   rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
-  for name in ("rotation_base", "norm_eps", "head_norm_eps"):
-    if not math.isfinite(cfg[name]) or cfg[name] <= 0:
-      raise ValueError(f"model.{name} must be a positive finite number; got {cfg[name]}.")
+  if not math.isfinite(cfg.rotation_base) or cfg.rotation_base <= 0:
+    raise ValueError(f"model.rotation_base must be a positive finite number; got {cfg.rotation_base}.")
+  for name in ("norm_eps", "head_norm_eps"):
+    if not math.isfinite(cfg[name]) or cfg[name] < 0:
+      raise ValueError(f"model.{name} must be a finite number >= 0; got {cfg[name]}.")
   if not isinstance(cfg.chunk_size, int) or cfg.chunk_size < 1:
     raise ValueError(f"model.chunk_size must be a positive integer; got {cfg.chunk_size!r}.")
   layers.compute_dtype(cfg.dtype)

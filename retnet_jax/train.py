@@ -133,14 +133,15 @@ def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str
   segments = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (0, pad))).reshape(
       batch, num_segments, segment_len).swapaxes(0, 1)
 
+  # params enter as an argument, not a closure: a block's own `remat` must see them at this trace level.
   @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the recomputation
-  def segment(state, xs):
+  def segment(params, state, xs):
     inputs, targets, weights = xs
     logits, state = nnx.merge(graphdef, params)(inputs, mode=mode, state=state, remat=remat)
     return state, jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
 
   xs = (segments(inputs_BxL), segments(targets_BxL), segments(jnp.ones((batch, length), jnp.float32)))
-  _, sums = jax.lax.scan(segment, nnx.merge(graphdef, params).init_state(batch), xs)
+  _, sums = jax.lax.scan(functools.partial(segment, params), nnx.merge(graphdef, params).init_state(batch), xs)
   return sums.sum() / (batch * length)
 
 
@@ -255,8 +256,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   ckpt_dir = workdir / "checkpoints"
   if ckpt_dir.is_dir():
     with checkpointing.Checkpointer(ckpt_dir) as existing:
-      if existing.latest_step() is not None:
-        check_compatible(existing.restore_meta()["config"]["model"], config, workdir)
+      for step in reversed(existing.all_steps()):  # the newest whose meta reads; damaged ones are set aside later
+        try:
+          saved_model = existing.restore_meta(step)["config"]["model"]
+        except Exception:  # orbax raises many kinds for a damaged step folder
+          continue
+        check_compatible(saved_model, config, workdir)
+        break
   train_cfg = config.train
   train_tokens, valid_tokens = data.load_splits(config.data, tokenizer)
   train_sequences = data.pack(train_tokens, train_cfg.seq_len)

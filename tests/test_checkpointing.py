@@ -127,7 +127,7 @@ def test_incompatible_model_config_is_a_clear_error(tmp_path, state):
   wider = nnx.state(nnx.eval_shape(lambda: RetNet(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   target = abstract(state)
   target["params"] = abstract(wider, lambda x: SingleDeviceSharding(jax.devices()[0]))
-  expected = (rf"checkpoint at {tmp_path}/3 was written by an incompatible model config: "
+  expected = (rf"checkpoint at {tmp_path}/3 does not fit the state this config builds: "
               r"key 'params/blocks/0/ffn/fc1/kernel/value' has shape \(32, 64\) in the checkpoint but \(64, 64\)")
   with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError, match=expected):
     ckpt.restore(target)

@@ -119,6 +119,12 @@ def test_errors_name_what_was_found(trained, tmp_path):
     evaluate.restore_model(other, workdir)
   with pytest.raises(ValueError, match="unknown mode 'serial'"):
     evaluate.evaluate_model(None, config, modes=("serial",))
+  damaged = tmp_path / "damaged"
+  shutil.copytree(workdir / "checkpoints", damaged / "checkpoints")
+  (damaged / "checkpoints" / "8" / "meta" / "metadata").write_text("{not json")
+  with pytest.raises(ValueError, match=r"checkpoint 8 in .* is unreadable .*--step \(available steps: \[4, 8\]\)"):
+    evaluate.restore_model(config, damaged)
+  assert evaluate.restore_model(config, damaged, step=4)[1] == 4
   with pytest.raises(ValueError, match="max_batches must be a positive number of batches"):
     evaluate.evaluate_model(None, config, max_batches=0)
   bigger = tmp_path / "tokenizer.json"

@@ -125,7 +125,8 @@ def test_preset_parameter_counts(preset, billions):
     (dict(decay_schedule="cosine"), "unknown decay_schedule"),
     (dict(ffn_activation="tanh"), "ffn_activation"),
     (dict(rotation_base=0.0), "rotation_base must be a positive finite number; got 0.0"),
-    (dict(head_norm_eps=float("nan")), "head_norm_eps must be a positive finite number; got nan"),
+    (dict(head_norm_eps=float("nan")), "head_norm_eps must be a finite number >= 0; got nan"),
+    (dict(norm_eps=-1.0), "norm_eps must be a finite number >= 0; got -1.0"),
 ])
 def test_bad_model_configs(overrides, message):
   with pytest.raises(ValueError, match=message):

@@ -110,16 +110,33 @@ def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_p
   assert losses(workdir) == reference  # steps after `latest` were redone identically
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, run_crashing_at_batch):
-  config = in_process_config(corpus)
-  straight = train.train_and_evaluate(config, tmp_path / "straight")
-  run_crashing_at_batch(10, train.train_and_evaluate, config, tmp_path / "run")  # checkpoints 4 and 8 written
-  for file in (tmp_path / "run" / "checkpoints" / "8" / "state").rglob("*"):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus):
+  """An uninterrupted in-process run of `in_process_config`: (workdir, its last metrics)."""
+  workdir = tmp_path_factory.mktemp("straight")
+  return workdir, train.train_and_evaluate(in_process_config(corpus), workdir)
+
+
+def _garble_arrays(step_dir):
+  for file in (step_dir / "state").rglob("*"):
     if file.is_file():
       file.write_bytes(b"\0garbage" * 3)
+
+
+@pytest.mark.parametrize("damage", [
+    _garble_arrays,
+    lambda step_dir: (step_dir / "meta" / "metadata").write_text("{not json"),
+    lambda step_dir: (step_dir / "state" / "_METADATA").unlink(),
+], ids=["arrays", "meta", "array_metadata"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, straight, run_crashing_at_batch,
+                                                              damage):
+  config = in_process_config(corpus)
+  straight_workdir, straight = straight
+  run_crashing_at_batch(10, train.train_and_evaluate, config, tmp_path / "run")  # checkpoints 4 and 8 written
+  damage(tmp_path / "run" / "checkpoints" / "8")
   resumed = train.train_and_evaluate(config, tmp_path / "run")
   assert (tmp_path / "run" / "checkpoints" / "8.corrupt").is_dir()
-  assert losses(tmp_path / "run") == losses(tmp_path / "straight")  # steps 5-12 redone from step 4
+  assert losses(tmp_path / "run") == losses(straight_workdir)  # steps 5-12 redone from step 4
   assert resumed["eval_loss"] == straight["eval_loss"]
 
 

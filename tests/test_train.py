@@ -196,19 +196,19 @@ def test_profile_trace_and_tensorboard_events_are_written(tmp_path):
   assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 4
 
 
-def _loss_and_grads(model_cfg, tokens, mode, segment_len):
+def _loss_and_grads(model_cfg, tokens, mode, segment_len, remat="none"):
   graphdef, params = nnx.split(RetNet(model_cfg, rngs=nnx.Rngs(0)))
-  fn = lambda p: train.token_loss(graphdef, p, tokens, mode, segment_len=segment_len)
+  fn = lambda p: train.token_loss(graphdef, p, tokens, mode, remat, segment_len)
   return jax.jit(jax.value_and_grad(fn))(params)
 
 
-@pytest.mark.parametrize("mode,style,segment_len", [
-    ("chunkwise", "shared", 5),  # 29 tokens: segments of 5 leave a padded last one; chunks of 8 straddle them
-    ("parallel", "shared", 8),
-    ("chunkwise", "torchscale", 16),  # this style's chunkwise normaliser needs segments of whole chunks
-    ("parallel", "torchscale", 7),
+@pytest.mark.parametrize("mode,style,segment_len,remat", [
+    ("chunkwise", "shared", 5, "none"),  # 29 tokens: a padded last segment; chunks of 8 straddle segments
+    ("parallel", "shared", 8, "full"),  # with a checkpoint per block inside each segment too
+    ("chunkwise", "torchscale", 16, "none"),  # this style's chunkwise normaliser needs segments of whole chunks
+    ("parallel", "torchscale", 7, "dots_saveable"),
 ])
-def test_segmented_backprop_gives_the_same_loss_and_gradients(mode, style, segment_len):
+def test_segmented_backprop_gives_the_same_loss_and_gradients(mode, style, segment_len, remat):
   """train.segment_len carries the state across segments: the loss and gradients equal the whole sequence's
   to float32 rounding (measured 5e-7 on the loss, 1e-7 on gradients of size 0.25; segments of 12 with the
   torchscale style, refused by check_config, differ by 3e-3)."""
@@ -216,7 +216,7 @@ def test_segmented_backprop_gives_the_same_loss_and_gradients(mode, style, segme
   model_cfg.stability_norm_style = style
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 30)), jnp.int32)
   loss, grads = _loss_and_grads(model_cfg, tokens, mode, 0)
-  segmented_loss, segmented_grads = _loss_and_grads(model_cfg, tokens, mode, segment_len)
+  segmented_loss, segmented_grads = _loss_and_grads(model_cfg, tokens, mode, segment_len, remat)
   assert abs(float(loss) - float(segmented_loss)) < 1e-5
   scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads))
   assert max_tree_diff(grads, segmented_grads) < 1e-4 * scale
