@@ -17,6 +17,8 @@ sums of score magnitudes `sum_m gamma^(n-m) |q_n . k_m|`.
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -104,9 +106,16 @@ def recurrent_retention(q, k, v, log_decay, state=None):
   return jnp.swapaxes(out_LxBxHxV, 0, 1).astype(v.dtype), state_out
 
 
-def _check_chunk_size(chunk_size):
-  if not isinstance(chunk_size, int) or chunk_size < 1:
+def _chunk_len(chunk_size, length: int) -> int:
+  """The chunk length used for a sequence of `length`: `chunk_size` (any positive integer type), at most the
+  length, and 1 for an empty sequence."""
+  try:
+    size = operator.index(chunk_size)
+  except TypeError:
+    size = 0
+  if size < 1:
     raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}.")
+  return max(min(size, length), 1)
 
 
 def _to_chunks(x, size):
@@ -125,10 +134,9 @@ def chunk_states(k, v, log_decay, chunk_size, state=None):
   its true length, so the final state equals the recurrent form's for any sequence length.
   """
   _check_inputs(k, k, v, log_decay, state)
-  _check_chunk_size(chunk_size)
   acc = _acc_dtype(k)
   length = k.shape[1]
-  size = min(chunk_size, length)
+  size = _chunk_len(chunk_size, length)
   num_chunks = -(-length // size)
   log_decay_H = log_decay.astype(acc)
   k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (k, v))  # [B, C, H, S, *]
@@ -159,10 +167,9 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
   the final state equals the recurrent form's for any sequence length. Memory is linear in the length.
   """
   _check_inputs(q, k, v, log_decay, state)
-  _check_chunk_size(chunk_size)
   acc = _acc_dtype(q)
   batch, length, heads, _ = q.shape
-  size = min(chunk_size, length)
+  size = _chunk_len(chunk_size, length)
   log_decay_H = log_decay.astype(acc)
   # Head-major inside chunks, as in parallel_retention.
   q_c, k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (q, k, v))  # [B, C, H, S, *]
@@ -190,10 +197,9 @@ def score_abs_sums(q, k, log_decay, chunk_size):
   """
   if q.ndim != 4 or k.shape != q.shape:
     raise ValueError(f"q and k must both be [batch, seq, heads, d_k]; got q {q.shape}, k {k.shape}.")
-  _check_chunk_size(chunk_size)
   acc = _acc_dtype(q)
   batch, length, heads, _ = q.shape
-  size = min(chunk_size, length)
+  size = _chunk_len(chunk_size, length)
   scores = jnp.einsum("bcnhk,bcmhk->bchnm", _to_chunks(q, size), _to_chunks(k, size), preferred_element_type=acc)
   sums_BxCxHxS = jnp.sum(jnp.abs(scores) * _decay_mask(log_decay.astype(acc), size, acc), axis=-1)
   return jnp.swapaxes(sums_BxCxHxS, 2, 3).reshape(batch, -1, heads)[:, :length]

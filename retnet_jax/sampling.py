@@ -6,7 +6,8 @@
     out.lengths  # int32 [B]: tokens generated per row, a final stop token included
 
 Prompts are left-padded and each row's state starts at position -pad, so every row decodes exactly as if it
-were alone. `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs all prompt tokens but the
+were alone (with the torchscale-style normaliser, whose chunkwise form depends on where chunks start, padded
+prompts need the parallel prefill). `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs all prompt tokens but the
 last in the chunkwise (or parallel) form, one compiled call; `decode` feeds one token at a time through the
 recurrent form in one compiled `lax.while_loop`, carrying only the recurrent state, the current token and the
 output buffer, and stops early once every row has emitted a stop token. One prefill can be decoded many times
@@ -124,7 +125,15 @@ def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode
   """The batch size, after checking the prompts, their lengths and the prefill mode."""
   if prefill_mode not in PREFILL_MODES:
     raise ValueError(f"unknown prefill_mode {prefill_mode!r}; choose one of {PREFILL_MODES}.")
-  return _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
+  batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
+  cfg = model.config
+  if (prefill_mode == "chunkwise" and cfg.stability_norm and cfg.stability_norm_style == "torchscale"
+      and np.any(np.asarray(lengths_B) != prompts_BxP.shape[1])):
+    raise ValueError(f"prompts of lengths {np.asarray(lengths_B).tolist()} are left-padded to {prompts_BxP.shape[1]} "
+                     "tokens, but with model.stability_norm_style='torchscale' the chunkwise normaliser depends on "
+                     "where chunks start, so a padded row would not decode as if alone; use prefill_mode='parallel' "
+                     "(--prefill_mode=parallel) or prompts of one length.")
+  return batch
 
 
 def _prefill_checked(graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> Prefilled:

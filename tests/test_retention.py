@@ -106,6 +106,17 @@ def test_zero_length_chunk_size_rejected():
   for bad in (0, -2, 2.5):
     with pytest.raises(ValueError, match="chunk_size"):
       retention.chunkwise_retention(q, k, v, LOG_DECAY, bad)
+  np.testing.assert_array_equal(retention.chunkwise_retention(q, k, v, LOG_DECAY, np.int64(3))[0],
+                                retention.chunkwise_retention(q, k, v, LOG_DECAY, 3)[0])  # numpy integers too
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_empty_sequence_passes_the_state_through(form):
+  q, k, v, state = (jnp.asarray(x[:, :0] if x.ndim == 4 and i < 3 else x, jnp.float32)
+                    for i, x in enumerate(random_inputs(5)))
+  out, state_out = FORMS[form](q, k, v, LOG_DECAY, state, 3)
+  assert out.shape == v.shape and out.shape[1] == 0
+  np.testing.assert_array_equal(state_out, state)
 
 
 def test_shape_errors_name_the_array():

@@ -79,6 +79,20 @@ def test_padded_batch_matches_each_prompt_alone_and_sampling_is_deterministic(mo
   assert not np.array_equal(greedy.tokens, sampled.tokens)
 
 
+def test_torchscale_style_pads_only_in_the_parallel_prefill():
+  """With the torchscale normaliser, chunkwise results depend on where chunks start, so padding would shift them
+  (4.5e-2 on the logits of a row padded by 6 with chunks of 8): refused; the parallel prefill pads exactly."""
+  cfg = retnet_config.get_config("tiny").model
+  cfg.stability_norm_style = "torchscale"
+  ts_model = RetNet(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"lengths \[5, 1, 11, 8\] are left-padded .* prefill_mode='parallel'"):
+    run(ts_model, PROMPTS, temperature=0.0)
+  greedy = run(ts_model, PROMPTS, temperature=0.0, prefill_mode="parallel")
+  for i, prompt in enumerate(PROMPTS):
+    alone = run(ts_model, [prompt], temperature=0.0, prefill_mode="parallel")
+    np.testing.assert_array_equal(alone.tokens[0], greedy.tokens[i])
+
+
 def test_stop_tokens_end_rows(model):
   """Each row stops at its first stop token; once all rows have stopped the loop exits early."""
   free = run(model, PROMPTS, temperature=0.0).tokens.tolist()
