@@ -86,8 +86,8 @@ def check_tokens(tokens: Any, vocab_size: int) -> None:
   if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens must be an integer array [batch, seq]; got shape {getattr(tokens, 'shape', None)} "
                      f"dtype {getattr(tokens, 'dtype', None)}.")
-  if tokens.shape[1] < 1:
-    raise ValueError("tokens must hold at least one position; got an empty sequence.")
+  if tokens.shape[0] < 1 or tokens.shape[1] < 1:
+    raise ValueError(f"tokens must hold at least one row and one position; got shape {tuple(tokens.shape)}.")
   try:
     host = np.asarray(tokens)
   except jax.errors.TracerArrayConversionError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TextIO
@@ -148,7 +149,7 @@ def decode(model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax
            stream: Stream | None = None, stream_every: int = 8) -> Generation:
   """Samples `max_new_tokens` tokens after prefilled prompts in one compiled loop; arguments as `generate`."""
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                             stream is not None, stream_every)
+                             stream, stream_every)
   keys = _check_key(key, prefilled.last_tokens.shape[0])
   return _decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
 
@@ -170,7 +171,7 @@ def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens:
   """
   batch = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
   settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                             stream is not None, stream_every)
+                             stream, stream_every)
   keys = _check_key(key, batch)  # every argument checked before the prefill runs
   graphdef, params = nnx.split(model)
   prefilled = _prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode)
@@ -315,31 +316,50 @@ def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
   return batch
 
 
+def _integer(value: Any, name: str, requirement: str) -> int:
+  """`value` as a Python int (any integer type), or ValueError naming `name` and what it must be."""
+  try:
+    return operator.index(value)
+  except TypeError:
+    raise ValueError(f"{name} must be {requirement}; got {value!r}.") from None
+
+
 def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
-                    top_p: float | None, stop_tokens: Sequence[int], streaming: bool, stream_every: int
+                    top_p: float | None, stop_tokens: Sequence[int], stream: Stream | None, stream_every: int
                     ) -> _Settings:
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+  max_new_tokens = _integer(max_new_tokens, "max_new_tokens", "a positive integer")
+  if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
+  temperature = float(temperature)
   if not temperature >= 0:
     raise ValueError(f"temperature must be >= 0 (0 decodes greedily); got {temperature}.")
+  top_k = None if top_k is None else _integer(top_k, "top_k", f"an integer in [1, vocab_size={vocab_size}] or None")
   if top_k is not None and not 1 <= top_k <= vocab_size:
     raise ValueError(f"top_k must lie in [1, vocab_size={vocab_size}], or be None to keep every token; "
                      f"got {top_k}.")
-  if top_p is not None and not 0 < top_p <= 1:
+  if top_p is not None and not 0 < float(top_p) <= 1:
     raise ValueError(f"top_p must lie in (0, 1], or be None to keep every token; got {top_p}.")
-  stop = tuple(int(t) for t in stop_tokens)
+  if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Sequence | np.ndarray):
+    raise ValueError(f"stop_tokens must be a sequence of token ids, e.g. [eos_id] or (); got {stop_tokens!r}.")
+  stop = tuple(_integer(t, "every stop token", "an integer token id") for t in stop_tokens)
   bad = [t for t in stop if not 0 <= t < vocab_size]
   if bad:
     raise ValueError(f"stop tokens {bad} lie outside [0, vocab_size={vocab_size}); check the tokenizer's ids.")
-  if not isinstance(stream_every, int) or stream_every < 1:
+  stream_every = _integer(stream_every, "stream_every", "a positive integer (steps per hand-over to the stream)")
+  if stream_every < 1:
     raise ValueError(f"stream_every must be a positive integer (steps per hand-over to the stream); "
                      f"got {stream_every!r}.")
-  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop, stream_every if streaming else 0)
+  if stream is not None and not callable(stream):
+    raise ValueError(f"stream must be a callable stream(step_tokens_B, step) or None; got {stream!r}.")
+  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop,
+                   0 if stream is None else stream_every)
 
 
 def _check_key(key: jax.Array, batch: int) -> jax.Array:
   """A typed PRNG key of shape `[]` or `[batch]`; raw uint32 keys (jax.random.PRNGKey) are wrapped."""
-  key = jnp.asarray(key)
+  key = None if key is None else jnp.asarray(key)
+  if key is None or not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == jnp.uint32):
+    raise ValueError(f"key must be a PRNG key, e.g. jax.random.key(seed), or one per row; got {key!r}.")
   if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.wrap_key_data(key)
   if key.shape not in ((), (batch,)):
@@ -389,6 +409,8 @@ def generate_text(model: RetNet, tokenizer: Any, prompts: Sequence[str], *, prin
   Stop tokens default to the tokenizer's `eos_id` when it has one. With `print_row`, that row's text is printed
   as it is produced.
   """
+  if isinstance(prompts, str):
+    raise ValueError(f"prompts must be a list of strings; got one string {prompts[:40]!r}: pass [prompt].")
   if print_row is not None and kwargs.get("stream") is not None:
     raise ValueError("give either print_row or stream, not both.")
   if print_row is not None and not 0 <= print_row < len(prompts):

@@ -1,6 +1,7 @@
 """The RetNet model: modes agree, state hand-over, parameter counts, dtypes, annotations and input errors."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +144,9 @@ def test_bad_inputs():
     model(jnp.array([[-1, 3]]))
   with pytest.raises(ValueError, match=r"integer array \[batch, seq\]"):
     model(jnp.zeros((1, 4)))
+  for empty in ((0, 4), (2, 0)):
+    with pytest.raises(ValueError, match=re.escape(f"at least one row and one position; got shape {empty}")):
+      model(jnp.zeros(empty, jnp.int32))
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     retnet_config.get_config("huge")
 

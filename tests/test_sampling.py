@@ -219,6 +219,11 @@ def test_text_printer_waits_for_whole_characters():
     (dict(stop_tokens=(300,)), r"stop tokens \[300\]"),
     (dict(stream_every=0), "stream_every must be a positive integer"),
     (dict(key=jax.random.split(jax.random.key(0), 3)), r"one per row \[2\]"),
+    (dict(key=None), r"key must be a PRNG key, e.g. jax.random.key\(seed\)"),
+    (dict(top_k=2.5), r"top_k must be an integer in \[1, vocab_size=256\] or None; got 2.5"),
+    (dict(stop_tokens=5), "stop_tokens must be a sequence of token ids"),
+    (dict(stop_tokens=[2.7]), "every stop token must be an integer token id; got 2.7"),
+    (dict(stream="print"), "stream must be a callable"),
 ])
 def test_generate_errors(model, kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -227,6 +232,11 @@ def test_generate_errors(model, kwargs, message):
 
 def test_generate_input_errors(model):
   key = jax.random.key(0)
+  # numpy and jax scalars work where Python numbers do
+  np.testing.assert_array_equal(run(model, [[1, 2]], max_new_tokens=np.int64(3), temperature=jnp.float32(0)).tokens,
+                                run(model, [[1, 2]], max_new_tokens=3, temperature=0.0).tokens)
+  with pytest.raises(ValueError, match="prompts must be a list of strings; got one string 'hello'"):
+    sampling.generate_text(model, ByteTokenizer(), "hello", max_new_tokens=2, key=key)
   with pytest.raises(ValueError, match=r"lengths must lie in \[1, 2\]"):
     sampling.generate(model, np.ones((2, 2), np.int32), np.asarray([3, 1]), max_new_tokens=2, key=key)
   with pytest.raises(ValueError, match=r"shape \[batch\] = \(2,\)"):
@@ -254,7 +264,7 @@ def test_decoding_compiles_with_the_cpu_options(model):
     pytest.skip("the options concern XLA's CPU backend")
   graphdef, params = nnx.split(model)
   tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
-  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), False, 8)
+  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), None, 8)
   prefilled = sampling.prefill(model, tokens, lengths)
   args = (params, prefilled.state, prefilled.last_tokens, jax.random.key(0), jnp.float32(1), jnp.float32(1),
           jnp.int32(0))
