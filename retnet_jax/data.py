@@ -145,6 +145,8 @@ def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: T
   """Token stream of local files in order; the cache lives in a temporary directory, not in ~/.cache."""
   for file in files:
     path = Path(file)
+    if path.is_dir():
+      raise ValueError(f"{source}: {file!r} is a directory; list the files in it (e.g. a tuple of paths).")
     if not path.is_file():
       raise FileNotFoundError(f"{source}: {file!r} does not exist; check the path.")
     if path.suffix.lower() not in BUILDERS:

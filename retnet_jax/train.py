@@ -251,6 +251,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns the last train/eval metrics."""
   workdir = Path(workdir)
   check_config(config, jax.device_count())
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
   tokenizer = data.load_tokenizer(config.data.tokenizer)
   data.check_vocab_size(tokenizer, config.model.vocab_size)
   ckpt_dir = workdir / "checkpoints"
@@ -287,7 +289,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     writer.close()
 
 
-def _restore_or_init(run: Setup, checkpointer: checkpointing.Checkpointer, batches: data.BatchIterator):
+def _restore_or_init(config: ml_collections.ConfigDict, run: Setup, checkpointer: checkpointing.Checkpointer,
+                     batches: data.BatchIterator):
   """The latest readable checkpoint's state (an unreadable one is set aside with a warning), else a fresh one."""
   for step in reversed(checkpointer.all_steps()):
     try:
@@ -301,12 +304,24 @@ def _restore_or_init(run: Setup, checkpointer: checkpointing.Checkpointer, batch
       continue
     batches.set_state(meta["data"])
     metrics.log(f"resumed from {checkpointer.directory}/{step} (data position {meta['data']})")
+    changed = [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
+               if _field(meta["config"], name) != _field(config.to_dict(), name)]
+    if changed:
+      metrics.log(f"WARNING: {', '.join(changed)} changed since the checkpoint: the data position continues, but "
+                  "the batches are no longer those an uninterrupted run would have seen.")
     return state
   with jax.set_mesh(run.mesh), nnx.logical_axis_rules(run.rules):
     state = run.init()
   metrics.log(f"initialised {_count_params(state['params']):,} parameters on mesh {dict(run.mesh.shape)}; "
               "training from step 0")
   return state
+
+
+def _field(config: dict, dotted: str) -> str:
+  """A config dict's field `a.b` as canonical JSON, for comparison."""
+  for name in dotted.split("."):
+    config = config.get(name, {})
+  return json.dumps(config, sort_keys=True)
 
 
 def _check_finite(state: TrainState, policy: str, checkpointer: checkpointing.Checkpointer) -> None:
@@ -324,7 +339,7 @@ def _train_loop(config, run: Setup, batches: data.BatchIterator, valid_sequences
                 workdir: Path) -> dict[str, float]:
   train_cfg = config.train
   eval_batch = train_cfg.batch_size // train_cfg.grad_accum_steps
-  state = _restore_or_init(run, checkpointer, batches)
+  state = _restore_or_init(config, run, checkpointer, batches)
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
   flops_per_token = flops.train_flops_per_token(config.model, train_cfg.seq_len, train_cfg.mode)
   peak = flops.measure_matmul_flops(layers.compute_dtype(config.model.dtype))

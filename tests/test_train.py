@@ -1,10 +1,12 @@
 """Training: learning, sharded steps, gradient accumulation, exact resume, restoring on another mesh, bad input."""
 
 import json
+import logging
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import absl.logging
 import numpy as np
 import pytest
 from flax import nnx
@@ -125,7 +127,7 @@ def test_resume_is_exact(tmp_path, run_crashing_at_batch):
   assert max_tree_diff(*params) == 0
 
 
-def test_checkpoint_restores_on_another_mesh(tmp_path):
+def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
   config = tiny_config(tmp_path, steps=4)
   config.mesh.shape = (8, 1, 1)
   train.train_and_evaluate(config, tmp_path / "run")
@@ -138,14 +140,23 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
   exported = checkpointing.load_params(tmp_path / "run" / "params" / "4", run.abstract_state["params"])
   assert max_tree_diff(state["params"], exported) == 0
   assert int(state["step"]) == 4 and meta["data"] == {"epoch": 0, "index": 4}
-  config.train.steps = 6  # and training continues on the new mesh
-  assert np.isfinite(train.train_and_evaluate(config, tmp_path / "run")["loss"])
+  config.train.steps = 6  # and training continues on the new mesh, warning that the batches now differ
+  config.seed = 7
+  verbosity = absl.logging.get_verbosity()
+  absl.logging.set_verbosity(absl.logging.INFO)
+  try:
+    with caplog.at_level(logging.INFO, logger="absl"):
+      assert np.isfinite(train.train_and_evaluate(config, tmp_path / "run")["loss"])
+  finally:
+    absl.logging.set_verbosity(verbosity)
+  assert "WARNING: seed changed since the checkpoint" in caplog.text
 
 
 @pytest.mark.parametrize("change,message", [
     (lambda c: c.train.update(batch_size=12), "not divisible by the 8 data shards"),
     (lambda c: c.mesh.update(shape=(3, 1, 1)), "needs 3 devices but 8 are present"),
     (lambda c: c.data.update(files=("/nonexistent/corpus.txt",)), "does not exist"),
+    (lambda c: c.data.update(files=(str(CORPUS.parent),)), "is a directory; list the files in it"),
     (lambda c: c.train.update(seq_len=100_000), "too few for one sequence"),
     (lambda c: c.data.update(tokenizer="/nonexistent/tokenizer.json"), "neither 'byte' nor an existing file"),
     (lambda c: c.train.update(mode="recurrent"), "train with 'parallel' or 'chunkwise'"),
@@ -176,6 +187,12 @@ def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     train.train_and_evaluate(config, tmp_path / "run")
   assert not (tmp_path / "run").exists()
+
+
+def test_workdir_that_is_a_file_is_refused(tmp_path):
+  (tmp_path / "run").write_text("notes")
+  with pytest.raises(ValueError, match="is a file; choose a directory"):
+    train.train_and_evaluate(tiny_config(tmp_path), tmp_path / "run")
 
 
 def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
