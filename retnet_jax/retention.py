@@ -197,6 +197,8 @@ def score_abs_sums(q, k, log_decay, chunk_size):
   """
   if q.ndim != 4 or k.shape != q.shape:
     raise ValueError(f"q and k must both be [batch, seq, heads, d_k]; got q {q.shape}, k {k.shape}.")
+  if log_decay.shape != (q.shape[2],):
+    raise ValueError(f"log_decay must have shape [heads] = ({q.shape[2]},); got {log_decay.shape}.")
   acc = _acc_dtype(q)
   batch, length, heads, _ = q.shape
   size = _chunk_len(chunk_size, length)

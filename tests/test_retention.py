@@ -127,6 +127,8 @@ def test_shape_errors_name_the_array():
     retention.recurrent_retention(q, k, v, LOG_DECAY[:2])
   with pytest.raises(ValueError, match="state must be"):
     retention.chunkwise_retention(q, k, v, LOG_DECAY, 2, jnp.zeros((BATCH, HEADS, D_K, D_V + 1)))
+  with pytest.raises(ValueError, match=r"log_decay must have shape \[heads\]"):
+    retention.score_abs_sums(q, k, LOG_DECAY[:1], 2)
 
 
 def test_rotation_depends_only_on_position_difference():
