@@ -5,16 +5,16 @@
     out.tokens  # int32 [B, 64]: new tokens only
     out.lengths  # int32 [B]: tokens generated per row, a final stop token included
 
-Prompts are left-padded and each row's state starts at position -pad, so every row decodes exactly as if it
-were alone (with the torchscale-style normaliser, whose chunkwise form depends on where chunks start, padded
-prompts need the parallel prefill). `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs all prompt tokens but the
-last in the chunkwise (or parallel) form, one compiled call; `decode` feeds one token at a time through the
-recurrent form in one compiled `lax.while_loop`, carrying only the recurrent state, the current token and the
-output buffer, and stops early once every row has emitted a stop token. One prefill can be decoded many times
-(other keys, temperatures, lengths). The prefill compiles once per (model structure, batch, prompt length,
-prefill_mode), the loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not, top_k,
-whether top_p is set, stream_every); prompts, keys, temperature and top_p are arguments, so new values
-do not recompile (one key and one key per row are different input shapes).
+Prompts are left-padded and each row's state starts at position -pad, so every row decodes exactly as if it were
+alone (with the torchscale-style normaliser, whose chunkwise form depends on where chunks start, padded prompts
+need the parallel prefill). `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs all prompt
+tokens but the last in the chunkwise (or parallel) form, one compiled call; `decode` feeds one token at a time
+through the recurrent form in one compiled `lax.while_loop`, carrying only the recurrent state, the current
+token and the output buffer, and stops early once every row has emitted a stop token. One prefill can be decoded
+many times (other keys, temperatures, lengths). The prefill compiles once per (model structure, batch, prompt
+length, prefill_mode), the loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not,
+top_k, whether top_p is set, stream_every); prompts, keys, temperature and top_p are arguments, so new values do
+not recompile (one key and one key per row are different input shapes).
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, to
                      f"got {top_k}.")
   if top_p is not None and not 0 < float(top_p) <= 1:
     raise ValueError(f"top_p must lie in (0, 1], or be None to keep every token; got {top_p}.")
-  if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Sequence | np.ndarray):
+  if np.ndim(stop_tokens) != 1:  # a list, tuple or array of ids; not one id, None or a string
     raise ValueError(f"stop_tokens must be a sequence of token ids, e.g. [eos_id] or (); got {stop_tokens!r}.")
   stop = tuple(_integer(t, "every stop token", "an integer token id") for t in stop_tokens)
   bad = [t for t in stop if not 0 <= t < vocab_size]

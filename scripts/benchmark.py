@@ -96,7 +96,8 @@ SUITES = {
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Base config; the suite sets its "
                                           "model size and training shape.", lock_config=True)
-_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES), "quick: tiny sizes (about 100 s on 2 cores); full: the preset below.")
+_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES),
+                           "quick: tiny sizes (about 100 s on 2 cores); full: the preset below.")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).")
