@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import tokenizers
 from huggingface_hub.errors import HfHubHTTPError
@@ -162,7 +163,7 @@ def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: T
       try:
         dataset = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache_dir,
                                         keep_in_memory=True, **options)
-      except datasets.exceptions.DatasetGenerationError as e:
+      except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:
         raise ValueError(f"{source}: {file!r} could not be read as {builder} ({e.__cause__ or e}); "
                          "check the file format.") from e
       field = "text" if builder == "text" else text_field

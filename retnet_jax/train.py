@@ -96,6 +96,10 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ValueError(f"the micro-batch of {micro_batch} sequences (train.batch_size / train.grad_accum_steps) "
                      f"is not divisible by the {shards} data shards of mesh axes {batch_axes}; choose a batch "
                      "size that is a multiple of the shard count (times grad_accum_steps).")
+  if shards % jax.process_count():
+    raise ValueError(f"the batch is split into {shards} data shards (mesh axes {batch_axes}) but runs on "
+                     f"{jax.process_count()} processes, and each process loads only its own rows: make the sizes of "
+                     f"{batch_axes} a multiple of the process count in mesh.shape={tuple(config.mesh.shape)}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,6 +192,13 @@ def test_bad_extension_errors(tmp_path):
     data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
 
 
+def test_unreadable_file_errors(tmp_path):
+  path = tmp_path / "broken.parquet"
+  path.write_text("not a parquet file")
+  with pytest.raises(ValueError, match=r"broken\.parquet' could not be read as parquet.*check the file format"):
+    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+
+
 def test_missing_text_field_errors(tmp_path):
   jsonl = write_jsonl(tmp_path / "docs.jsonl", [{"content": "hello"}])
   with pytest.raises(ValueError, match=r"no field 'text'.*content.*set data\.text_field"):

@@ -189,6 +189,18 @@ def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
   assert not (tmp_path / "run").exists()
 
 
+def test_batch_must_be_split_over_the_processes(tmp_path, monkeypatch):
+  """Each process loads only its own rows, so a batch replicated over processes (all devices on `tensor`) would
+  hand each one half of what it needs."""
+  config = tiny_config(tmp_path)
+  config.mesh.shape = (1, 1, 8)
+  monkeypatch.setattr(train.jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"split into 1 data shards .* on 2 processes.*multiple of the process count"):
+    train.check_config(config, 8)
+  config.mesh.shape = (2, 1, 4)
+  train.check_config(config, 8)
+
+
 def test_workdir_that_is_a_file_is_refused(tmp_path):
   (tmp_path / "run").write_text("notes")
   with pytest.raises(ValueError, match="is a file; choose a directory"):
