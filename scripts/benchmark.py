@@ -96,12 +96,16 @@ SUITES = {
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Base config; the suite sets its "
                                           "model size and training shape.", lock_config=True)
+# Config fields each case sets itself: overriding them with --config.X would be silently undone.
+SUITE_CONFIG_FLAGS = tuple(f"--config.model.{name}" for name in SIZE_FIELDS) + (
+    "--config.model.dtype", "--config.train.mode", "--config.train.seq_len", "--config.train.batch_size",
+    "--config.train.grad_accum_steps")
 _SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES),
                            "quick: tiny sizes (about 100 s on 2 cores); full: the preset below.")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Training batch size (default: the suite's).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).", lower_bound=1)
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Training batch size (default: the suite's).", lower_bound=1)
 _INFERENCE_DEVICES = flags.DEFINE_integer(
     "inference_devices", None, "Devices of the tensor-parallel mesh (heads, FFN and vocabulary split) that the "
     "forward sweep and decoding run on. Default: all, at most as many as split those evenly. On the CPU backend "
@@ -345,12 +349,12 @@ def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: 
   each run decodes twice, each unit is one call's time per token."""
   prompts = random_tokens(batch, context, model.config.vocab_size, seed=1)
   prefilled = sampling.prefill(model, prompts, np.full((batch,), context, np.int32), prefill_mode=prefill_mode)
-  jax.block_until_ready(prefilled)
+  decode = lambda: sampling.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
+                                   temperature=0.0)
+  decode()  # compiles here, so that the warm-up run's memory is that of decoding alone
 
   def run():
-    seconds = timed(lambda: sampling.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
-                                            temperature=0.0), repeats=2)()
-    return [s / new_tokens for s in seconds]
+    return [s / new_tokens for s in timed(decode, repeats=2)()]
 
   devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(model)))
   return Case(run, {"state_bytes": state_bytes(model, batch)}, devices=devices)
@@ -720,7 +724,11 @@ def _fmt(x: float | None, unit: str = "") -> str:
 
 
 def _range(s: dict[str, float], unit: str = "", scale: float = 1.0) -> str:
-  return f"{_fmt(s['median'] * scale, unit)} [{_fmt(s['min'] * scale)}-{_fmt(s['max'] * scale)}]"
+  """`median [min-max]`, the range in the median's unit prefix."""
+  median, low, high = (s[k] * scale for k in ("median", "min", "max"))
+  factor, prefix = next(((f, p) for f, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+                         if unit and abs(median) >= f), (1.0, ""))
+  return f"{f'{median / factor:.3g} {prefix}{unit}'.strip()} [{low / factor:.3g}-{high / factor:.3g}]"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -767,8 +775,9 @@ def to_markdown(results) -> str:
                                             f"{_fmt(p['compiled_bytes'], 'B')} XLA")
     lines += ["", f"## {kind.capitalize()} vs sequence length (batch 1)", ""]
     lines += _table(["tokens"] + list(sweep), [[n] + [cell(by[name].get(n)) for name in sweep] for n in lengths])
-    lines += ["", f"Chunkwise faster than parallel from: {analysis['crossover_seq_len'] or 'never'} tokens. "
-              "Growth exponent between the two longest lengths (1 linear, 2 quadratic), time: "
+    lines += ["", (f"Chunkwise faster than parallel from {analysis['crossover_seq_len']} tokens. "
+                  if analysis["crossover_seq_len"] else "Chunkwise faster than parallel at none of these lengths. ")
+              + "Growth exponent between the two longest lengths (1 linear, 2 quadratic), time: "
               + ", ".join(f"{k} {_fmt(v)}" for k, v in analysis["time_growth_exponent"].items())
               + "; XLA buffers: "
               + ", ".join(f"{k} {_fmt(v)}" for k, v in analysis["compiled_bytes_growth_exponent"].items()) + "."]
@@ -875,9 +884,16 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", cores)  # before any device is created
   suite = SUITES[_SUITE.value]
   size = {name: flag.value if flag.value is not None else suite.size[name] for name, flag in _SIZE.items()}
-  suite = dataclasses.replace(suite, size=size, seq_len=_SEQ_LEN.value or suite.seq_len,
-                              batch_size=_BATCH_SIZE.value or suite.batch_size)
+  suite = dataclasses.replace(
+      suite, size=size, seq_len=suite.seq_len if _SEQ_LEN.value is None else _SEQ_LEN.value,
+      batch_size=suite.batch_size if _BATCH_SIZE.value is None else _BATCH_SIZE.value)
+  set_by_suite = [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in SUITE_CONFIG_FLAGS]
+  if set_by_suite:
+    raise app.UsageError(f"{', '.join(set_by_suite)}: the suite sets these (and runs both dtypes and forms); use "
+                         f"--{', --'.join(SIZE_FIELDS)}, --seq_len and --batch_size instead.")
   out = Path(_OUT.value)
+  if out.exists() and not out.is_dir():
+    raise app.UsageError(f"--out={out} is a file; give a folder for results.json, results.md and the plots.")
   out.mkdir(parents=True, exist_ok=True)
   base = _CONFIG.value
   config = make_config(base, suite, "float32", "parallel", suite.seq_len, suite.batch_size)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,27 @@ def test_device_peak_memory_sums_the_devices_a_case_runs_on(monkeypatch):
   for device, before in zip(devices, (100, 50, 7)):
     device.stats = {"bytes_in_use": before}
   assert benchmark.peak_memory(run, source) == {"peak_bytes": 400, "above_start_bytes": 300}
+
+
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+def test_table_ranges_share_the_median_unit(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+  import benchmark  # pylint: disable=import-outside-toplevel
+  assert benchmark._range({"median": 2.65e10, "min": 2.33e10, "max": 3.08e10}, "FLOP/s") == "26.5 GFLOP/s [23.3-30.8]"
+  assert benchmark._range({"median": 665, "min": 514, "max": 682}) == "665 [514-682]"
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--seq_len=0", "flag --seq_len=0: 0 is not a positive integer"),
+    ("--config.model.d_model=128", "--config.model.d_model: the suite sets these .* use --d_model"),
+    ("--out=README.md", "--out=README.md is a file; give a folder"),
+])
+def test_bad_flags_are_named(flag, message):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "scripts/benchmark.py", flag], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-3000:]
 
 
 @pytest.mark.slow
