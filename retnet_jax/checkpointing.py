@@ -117,7 +117,7 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def _resolve(self, step: int | None) -> int:
+  def resolve(self, step: int | None) -> int:
     """Waits for pending saves, then checks `step` (None: the latest) against the committed steps."""
     self.wait()
     steps = self.all_steps()
@@ -134,7 +134,7 @@ class Checkpointer:
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set, shaped like the saved state.
     """
-    step = self._resolve(step)
+    step = self.resolve(step)
     _check_compatible(abstract_state, self._manager.metadata(step).item_metadata["state"],
                       os.path.join(self.directory, str(step)))
     restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -152,7 +152,7 @@ class Checkpointer:
 
   def restore_meta(self, step: int | None = None) -> dict:
     """Only the JSON meta of `step` (None: the latest); reads no arrays."""
-    step = self._resolve(step)
+    step = self.resolve(step)
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def wait(self) -> None:

@@ -47,12 +47,7 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   run = train.setup(config, mesh)
   if has_checkpoints:
     with checkpointing.Checkpointer(ckpt_dir) as checkpointer:
-      steps = checkpointer.all_steps()
-      if not steps:
-        raise FileNotFoundError(f"no committed checkpoint in {ckpt_dir}: its step folders are incomplete.")
-      step = steps[-1] if step is None else step
-      if step not in steps:
-        raise ValueError(f"No checkpoint for step {step} in {ckpt_dir}; available steps: {steps}.")
+      step, steps = checkpointer.resolve(step), checkpointer.all_steps()
       unreadable = lambda e: ValueError(f"checkpoint {step} in {ckpt_dir} is unreadable ({type(e).__name__}: {e}); "
                                         f"choose another with --step (available steps: {steps}).")
       try:

@@ -714,21 +714,24 @@ def check_targets(results) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------------------------- reporting
 
+def _prefix(x: float, unit: str) -> tuple[float, str]:
+  """(factor, SI prefix) to print `x` in `unit`; none for a unitless number."""
+  return next(((f, p) for f, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")) if unit and abs(x) >= f),
+              (1.0, ""))
+
+
 def _fmt(x: float | None, unit: str = "") -> str:
   if x is None:
     return "-"
-  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-    if abs(x) >= scale and unit:
-      return f"{x / scale:.3g} {prefix}{unit}"
-  return f"{x:.3g} {unit}".strip()
+  factor, prefix = _prefix(x, unit)
+  return f"{x / factor:.3g} {prefix}{unit}".strip()
 
 
 def _range(s: dict[str, float], unit: str = "", scale: float = 1.0) -> str:
   """`median [min-max]`, the range in the median's unit prefix."""
   median, low, high = (s[k] * scale for k in ("median", "min", "max"))
-  factor, prefix = next(((f, p) for f, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-                         if unit and abs(median) >= f), (1.0, ""))
-  return f"{f'{median / factor:.3g} {prefix}{unit}'.strip()} [{low / factor:.3g}-{high / factor:.3g}]"
+  factor, _ = _prefix(median, unit)
+  return f"{_fmt(median, unit)} [{low / factor:.3g}-{high / factor:.3g}]"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:

@@ -90,6 +90,14 @@ def test_generate_script_streams_and_reports(trained):
   assert split == stdout
 
 
+def assert_refuses_another_model(workdir, **model_changes):
+  """restore_model with the tiny config changed by `model_changes` names the first changed field."""
+  other = retnet_config.get_config("tiny")
+  other.model.update(model_changes)
+  with pytest.raises(ValueError, match=f"incompatible model config.*{next(iter(model_changes))}"):
+    evaluate.restore_model(other, workdir)
+
+
 def test_params_export_loads_without_checkpoints(trained, tmp_path):
   """A workdir holding only config.json and the final params export (checkpoints deleted) still loads."""
   config, workdir, _ = trained
@@ -101,10 +109,7 @@ def test_params_export_loads_without_checkpoints(trained, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, nnx.state(exported, nnx.Param), nnx.state(checkpointed, nnx.Param))
   with pytest.raises(ValueError, match=r"No exported params for step 4 .* available steps: \[8\]"):
     evaluate.restore_model(config, tmp_path, step=4)
-  other = retnet_config.get_config("tiny")
-  other.model.num_layers = 3
-  with pytest.raises(ValueError, match="incompatible model config.*num_layers"):
-    evaluate.restore_model(other, tmp_path)
+  assert_refuses_another_model(tmp_path, num_layers=3)
 
 
 def test_errors_name_what_was_found(trained, tmp_path):
@@ -113,10 +118,7 @@ def test_errors_name_what_was_found(trained, tmp_path):
     evaluate.restore_model(config, tmp_path)
   with pytest.raises(ValueError, match=r"No checkpoint for step 5 .* available steps: \[4, 8\]"):
     evaluate.restore_model(config, workdir, step=5)
-  other = retnet_config.get_config("tiny")
-  other.model.d_model = 64
-  with pytest.raises(ValueError, match="incompatible model config.*d_model"):
-    evaluate.restore_model(other, workdir)
+  assert_refuses_another_model(workdir, d_model=64)
   with pytest.raises(ValueError, match="unknown mode 'serial'"):
     evaluate.evaluate_model(None, config, modes=("serial",))
   damaged = tmp_path / "damaged"
