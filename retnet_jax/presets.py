@@ -1,0 +1,209 @@
+"""RetNet presets as named data, and the locked config (every field with its default) built from one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ml_collections import config_dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+  """A preset's model sizes; `options` holds the other model fields where the preset departs from the defaults."""
+  d_model: int
+  num_layers: int
+  num_heads: int
+  value_dim: int  # total value width (all heads)
+  ffn_dim: int
+  vocab_size: int
+  tie_embeddings: bool
+  chunk_size: int
+  dtype: str
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPreset:
+  """A preset's training settings."""
+  steps: int
+  batch_size: int
+  seq_len: int
+  learning_rate: float
+  warmup_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A named preset: its model and its training run."""
+  model: ModelPreset
+  train: TrainPreset
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchscaleSize:
+  """One of the official code's sizes (torchscale's fairseq retnet_* architectures); key head dim 256."""
+  d_model: int
+  num_layers: int
+  num_heads: int
+  width: int  # value and FFN width, about 5/3 x d_model
+
+
+def paper_train(learning_rate: float) -> TrainPreset:
+  """The paper's recipe: 25k steps of 2048 x 2048 tokens, 375 warm-up steps."""
+  return TrainPreset(steps=25000, batch_size=2048, seq_len=2048, learning_rate=learning_rate, warmup_steps=375)
+
+
+def paper_preset(d_model: int, num_layers: int, num_heads: int, ffn_dim: int, learning_rate: float) -> Preset:
+  """A paper size: value width 2 x d_model, 50304 tokens, tied embeddings, bfloat16, the paper's recipe."""
+  model = ModelPreset(d_model=d_model, num_layers=num_layers, num_heads=num_heads, value_dim=2 * d_model,
+                      ffn_dim=ffn_dim, vocab_size=50304, tie_embeddings=True, chunk_size=256, dtype="bfloat16")
+  return Preset(model=model, train=paper_train(learning_rate))
+
+
+# Paper sizes: value width 2 x d_model, key head dim 256, value head dim 512. The GLU FFN (three matrices) is
+# 4/3 x d_model wide so that it holds as many parameters as the paper's 2 x d_model plain FFN.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        model=ModelPreset(d_model=32, num_layers=2, num_heads=2, value_dim=64, ffn_dim=64, vocab_size=256,
+                          tie_embeddings=False, chunk_size=8, dtype="float32"),
+        train=TrainPreset(steps=200, batch_size=8, seq_len=64, learning_rate=3e-3, warmup_steps=20)),
+    "small": Preset(
+        model=ModelPreset(d_model=256, num_layers=4, num_heads=4, value_dim=512, ffn_dim=512, vocab_size=256,
+                          tie_embeddings=False, chunk_size=64, dtype="float32"),
+        train=TrainPreset(steps=900, batch_size=8, seq_len=256, learning_rate=3e-3, warmup_steps=100)),
+    "1.3b": paper_preset(d_model=2048, num_layers=24, num_heads=8, ffn_dim=2688, learning_rate=6e-4),
+    "2.7b": paper_preset(d_model=2560, num_layers=32, num_heads=10, ffn_dim=3456, learning_rate=3e-4),
+    "6.7b": paper_preset(d_model=4096, num_layers=32, num_heads=16, ffn_dim=5504, learning_rate=3e-4),
+}
+
+# Checkpoints converted from torchscale (scripts/convert_torchscale.py) get the preset of their size with the
+# checkpoint's vocabulary.
+TORCHSCALE_SIZES: dict[str, TorchscaleSize] = {
+    "base": TorchscaleSize(d_model=512, num_layers=6, num_heads=2, width=864),
+    "medium": TorchscaleSize(d_model=1024, num_layers=16, num_heads=4, width=1728),
+    "xl": TorchscaleSize(d_model=2048, num_layers=24, num_heads=8, width=3456),
+    "3b": TorchscaleSize(d_model=2560, num_layers=32, num_heads=10, width=4280),
+    "7b": TorchscaleSize(d_model=4096, num_layers=32, num_heads=16, width=6912),
+    "13b": TorchscaleSize(d_model=5120, num_layers=40, num_heads=20, width=8560),
+    "65b": TorchscaleSize(d_model=8192, num_layers=64, num_heads=32, width=13824),
+}
+
+# torchscale's recipe: swish GLU, embeddings scaled by sqrt(d_model), and its own stability normaliser.
+TORCHSCALE_OPTIONS: Mapping[str, Any] = MappingProxyType(dict(
+    ffn_activation="swish", scale_embedding=True, stability_norm_style="torchscale"))
+
+
+def torchscale_preset(size: TorchscaleSize) -> Preset:
+  """The preset of a torchscale size: its recipe, with the paper's learning rates (6e-4 up to 1.3B, 3e-4 above)."""
+  model = ModelPreset(d_model=size.d_model, num_layers=size.num_layers, num_heads=size.num_heads,
+                      value_dim=size.width, ffn_dim=size.width, vocab_size=50304, tie_embeddings=False,
+                      chunk_size=512, dtype="bfloat16", options=TORCHSCALE_OPTIONS)
+  return Preset(model=model, train=paper_train(6e-4 if size.d_model <= 2048 else 3e-4))
+
+
+PRESETS.update({f"torchscale_{name}": torchscale_preset(size) for name, size in TORCHSCALE_SIZES.items()})
+
+
+def preset(name: str) -> Preset:
+  """The preset called `name`; ValueError naming the choices for an unknown one."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} "
+                     "(e.g. --config=configs/retnet.py:small).")
+  return PRESETS[name]
+
+
+def model_config(name: str) -> config_dict.ConfigDict:
+  """The `model` section for a preset."""
+  sizes = preset(name).model
+  model = config_dict.ConfigDict(dict(
+      vocab_size=sizes.vocab_size,
+      d_model=sizes.d_model,
+      num_layers=sizes.num_layers,
+      num_heads=sizes.num_heads,
+      value_dim=sizes.value_dim,  # total value width (all heads); the paper uses 2 x d_model
+      ffn_dim=sizes.ffn_dim,
+      ffn_activation="gelu",  # gelu (exact) | gelu_tanh | swish | relu
+      tie_embeddings=sizes.tie_embeddings,
+      chunk_size=sizes.chunk_size,  # chunk length of the chunkwise form
+      decay_schedule="retnet",  # retnet: 1 - 2^(-5-h) | logspace: the paper's experiments | explicit
+      decay_gammas=config_dict.placeholder(tuple),  # one gamma per head, for decay_schedule="explicit"
+      rotation_base=10000.0,
+      stability_norm=True,  # divide raw retention by sqrt(sum of decays) and the clamped score sum
+      # shared: one scalar that every form computes alike (forms agree exactly) | torchscale: the official
+      # code's per-form scalars (its outputs reproduced form by form; forms agree up to head_norm_eps)
+      stability_norm_style="shared",
+      head_norm_eps=1e-6,  # per-head RMSNorm (no affine) epsilon
+      norm_eps=1e-6,  # block, final and embedding RMSNorm epsilon
+      scale_embedding=False,  # multiply token embeddings by sqrt(d_model)
+      embed_norm=False,  # RMSNorm on the embeddings before the first block
+      dtype=sizes.dtype,  # compute dtype: float32 | bfloat16; parameters are always float32
+  ))
+  model.update(dict(sizes.options))
+  return model
+
+
+def get_config(name: str) -> config_dict.ConfigDict:
+  """The full locked config of the preset called `name`."""
+  config = config_dict.ConfigDict()
+  config.preset = name
+  config.seed = 0
+  config.model = model_config(name)
+  run = preset(name).train
+
+  config.data = config_dict.ConfigDict(dict(
+      files=(),  # local .txt / .jsonl / .json / .parquet files; empty: the shipped corpus data/tinyshakespeare.txt
+      hub_dataset=config_dict.placeholder(str),  # a datasets hub name (needs network), instead of files
+      hub_config=config_dict.placeholder(str),
+      text_field="text",  # the column holding text in JSON lines / parquet / hub datasets
+      tokenizer="byte",  # byte | path to a tokenizers tokenizer.json
+      validation_files=(),  # explicit validation files; empty: hold out the last validation_fraction
+      validation_fraction=0.1,
+  ))
+
+  config.train = config_dict.ConfigDict(dict(
+      steps=run.steps,
+      batch_size=run.batch_size,  # global batch, in sequences
+      seq_len=run.seq_len,
+      grad_accum_steps=1,  # micro-batches per step (batch_size must divide evenly)
+      mode="chunkwise" if run.seq_len > 512 else "parallel",  # retention form used for training
+      learning_rate=run.learning_rate,
+      lr_schedule="cosine",  # cosine | linear decay after warm-up
+      warmup_steps=run.warmup_steps,
+      end_lr_fraction=0.1,  # final learning rate as a fraction of the peak
+      b1=0.9,
+      b2=0.98,
+      weight_decay=0.05,  # not applied to norm scales
+      grad_clip_norm=1.0,
+      # jax.checkpoint policy per block (no saving on CPU): none | full | dots_saveable |
+      # dots_with_no_batch_dims_saveable
+      remat="none",
+      # > 0: backpropagate through segments of this many tokens carrying the state, recomputing one segment
+      # at a time (memory grows with the segment, not seq_len; ~20-40% more time); 0: whole sequences
+      segment_len=0,
+      nonfinite="stop",  # a NaN/Inf loss or gradient: stop (naming the step) | skip (the update, counted)
+      inject_nonfinite_steps=(),  # steps whose loss is forced to NaN, to exercise the guard
+      log_every_steps=50,
+      eval_every_steps=300,
+      eval_batches=8,
+      profile_steps=config_dict.placeholder(tuple),  # (first, last) step of a profiler trace
+  ))
+
+  config.checkpoint = config_dict.ConfigDict(dict(
+      every_steps=300,
+      keep=3,  # the last K checkpoints are kept
+      keep_best=True,  # also keep the one with the best validation loss
+      async_save=True,
+  ))
+
+  config.mesh = config_dict.ConfigDict(dict(
+      shape=(-1, 1, 1),  # sizes of the (data, fsdp, tensor) axes; -1 takes the remaining devices
+      axis_names=("data", "fsdp", "tensor"),
+      # logical axis -> mesh axis (or None); swap these to change the parallelism without code changes
+      rules=(("batch", ("data", "fsdp")), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
+             ("mlp", "tensor")),
+  ))
+  config.lock()
+  return config
