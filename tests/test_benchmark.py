@@ -16,6 +16,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import flops, sampling, sharding
 from retnet_jax.baselines import transformer
+from retnet_jax.bench import harness, report
 from retnet_jax.model import RetNet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,13 +167,8 @@ class _FakeDevice:
     return self.stats
 
 
-# ml_collections loads the script's default --config file through importlib's deprecated load_module.
-@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
 def test_device_peak_memory_sums_the_devices_a_case_runs_on(monkeypatch):
   """With device statistics (GPUs), a case on a 2-device mesh reports both devices' memory, not device 0's."""
-  monkeypatch.chdir(ROOT)  # the script's default --config path is relative to the repository
-  monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-  import benchmark  # pylint: disable=import-outside-toplevel
   devices = [_FakeDevice({"bytes_in_use": 100}, {"bytes_in_use": 100, "peak_bytes_in_use": 400}),
              _FakeDevice({"bytes_in_use": 50}, {"bytes_in_use": 50, "peak_bytes_in_use": 300}),
              _FakeDevice({"bytes_in_use": 7}, {"bytes_in_use": 7, "peak_bytes_in_use": 9000})]  # not the case's
@@ -181,21 +177,17 @@ def test_device_peak_memory_sums_the_devices_a_case_runs_on(monkeypatch):
     for device in devices:
       device.stats = device.after
 
-  monkeypatch.setattr(benchmark.jax, "devices", lambda: devices)
+  monkeypatch.setattr(harness.jax, "devices", lambda: devices)
   source = "device memory_stats peak_bytes_in_use"
-  assert benchmark.peak_memory(run, source, devices=2) == {"peak_bytes": 700, "above_start_bytes": 550}
+  assert harness.peak_memory(run, source, devices=2) == {"peak_bytes": 700, "above_start_bytes": 550}
   for device, before in zip(devices, (100, 50, 7)):
     device.stats = {"bytes_in_use": before}
-  assert benchmark.peak_memory(run, source) == {"peak_bytes": 400, "above_start_bytes": 300}
+  assert harness.peak_memory(run, source) == {"peak_bytes": 400, "above_start_bytes": 300}
 
 
-@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
-def test_table_ranges_share_the_median_unit(monkeypatch):
-  monkeypatch.chdir(ROOT)
-  monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-  import benchmark  # pylint: disable=import-outside-toplevel
-  assert benchmark._range({"median": 2.65e10, "min": 2.33e10, "max": 3.08e10}, "FLOP/s") == "26.5 GFLOP/s [23.3-30.8]"
-  assert benchmark._range({"median": 665, "min": 514, "max": 682}) == "665 [514-682]"
+def test_table_ranges_share_the_median_unit():
+  assert report.fmt_range({"median": 2.65e10, "min": 2.33e10, "max": 3.08e10}, "FLOP/s") == "26.5 GFLOP/s [23.3-30.8]"
+  assert report.fmt_range({"median": 665, "min": 514, "max": 682}) == "665 [514-682]"
 
 
 @pytest.mark.parametrize("flag,message", [

@@ -1,0 +1,1 @@
+"""The benchmark of scripts/benchmark.py: suites, timing harness, cases, sections, Markdown report and plots."""

@@ -1,0 +1,163 @@
+"""The benchmark's cases: train steps, forward passes, greedy decoding, the matmul and memory-read ceilings."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from retnet_jax import flops, optimizer, sampling, sharding, train
+from retnet_jax.baselines import transformer
+from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
+from retnet_jax.bench.suites import Suite
+
+# Model widths the inference mesh's `tensor` axis splits: its device count must divide each.
+TENSOR_SPLIT = ("num_heads", "ffn_dim", "vocab_size")
+
+
+def make_config(base, suite: Suite, dtype: str, mode: str, seq_len: int, batch_size: int):
+  """`base` at the suite's model size, with this dtype, form and training shape (one gradient step per batch)."""
+  config = base.copy_and_resolve_references()
+  config.model.update(suite.size)
+  config.model.dtype = dtype
+  config.train.update(dict(mode=mode, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=1))
+  return config
+
+
+def _train_case(step, state, batch, compile_s: float, buffers: int | None) -> Case:
+  holder = {"state": state}
+
+  def one_step():
+    holder["state"], _ = step(holder["state"], batch)
+    jax.block_until_ready(holder["state"])
+
+  return Case(timed(one_step), {"compile_s": compile_s, "compiled_bytes": buffers})
+
+
+class InitialStates:
+  """The initial train state per model size, initialised (compiled) once per benchmark run and copied per case.
+
+  It depends on neither the form, the dtype nor the shape (`train.RESUMABLE_MODEL_CHANGES`).
+  """
+
+  def __init__(self):
+    self._states: dict[str, Any] = {}
+
+  def copy(self, config, run) -> Any:
+    """A copy of the initial state of `config.model`; call under `run`'s mesh and logical-axis rules."""
+    key = json.dumps({k: v for k, v in config.model.to_dict().items() if k not in train.RESUMABLE_MODEL_CHANGES},
+                     sort_keys=True)
+    if key not in self._states:
+      self._states[key] = run.init()
+    return jax.tree.map(jnp.copy, self._states[key])
+
+
+def retnet_train_case(config, mesh, states: InitialStates) -> Case:
+  """The training loop's own jitted train step (`train.setup`), compiled ahead of time, from a copy of `states`'."""
+  run = train.setup(config, mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+    state = states.copy(config, run)
+    batch = jax.device_put(random_tokens(config.train.batch_size, config.train.seq_len + 1,
+                                         config.model.vocab_size), run.batch_sharding)
+    step, compile_s, buffers = compile_timed(run.train_step, state, batch)
+  return _train_case(step, state, batch, compile_s, buffers)
+
+
+def compile_train_step(config, mesh) -> tuple[float, int | None]:
+  """Compiles the train step for a `config.train` batch without running it: (seconds, XLA's buffer bytes)."""
+  run = train.setup(config, mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+    batch = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jnp.int32,
+                                 sharding=run.batch_sharding)
+    _, compile_s, buffers = compile_timed(run.train_step, run.abstract_state, batch)
+  return compile_s, buffers
+
+
+def transformer_train_case(config, mesh) -> Case:
+  """The same train step (`train.make_train_step`, config.train.mode parallel) around a same-size Transformer."""
+  model = transformer.Transformer(transformer.transformer_config(config.model, config.train.seq_len),
+                                  rngs=nnx.Rngs(config.seed))
+  graphdef, params = nnx.split(model)
+  tx = optimizer.make_optimizer(config.train)
+  # Besides params and opt_state the train state holds step counters; their values do not change the timing.
+  counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in train.setup(config, mesh).abstract_state.items()
+              if k not in ("params", "opt_state")}
+  state = {"params": params, "opt_state": tx.init(params), **counters}
+  batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
+  step_fn = jax.jit(train.make_train_step(graphdef, tx, config.train), donate_argnums=0)
+  step, compile_s, buffers = compile_timed(step_fn, state, batch)
+  return _train_case(step, state, batch, compile_s, buffers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inference:
+  """Where the forward sweep and decoding run: a mesh whose `tensor` axis splits heads, FFN and vocabulary.
+
+  On a CPU, XLA runs some of a step's ops (the decoding state reads) on one core; with one JAX device per core,
+  each device runs its share of the heads on its own core. Training stays on one device: it gained nothing there.
+  """
+  mesh: jax.sharding.Mesh
+  rules: tuple[tuple[str, Any], ...]
+
+  @classmethod
+  def create(cls, config, count: int | None = None) -> Inference:
+    """On the first `count` devices (checked by the caller); default: all, at most as many as split TENSOR_SPLIT."""
+    devices, names = jax.devices(), tuple(config.mesh.axis_names)
+    if count is None:
+      count = max(n for n in range(1, len(devices) + 1) if all(config.model[w] % n == 0 for w in TENSOR_SPLIT))
+    mesh_cfg = config.mesh.copy_and_resolve_references()
+    mesh_cfg.shape = tuple(count if name == "tensor" else 1 for name in names)
+    return cls(sharding.make_mesh(mesh_cfg, devices[:count]), sharding.logical_rules(config.mesh))
+
+  def place(self, model: nnx.Module) -> nnx.Module:
+    return sharding.shard_model(model, self.mesh, self.rules)
+
+
+def forward_case(model, mode: str, length: int, mesh: jax.sharding.Mesh) -> Case:
+  """Logits of one sequence of `length` tokens, by a model placed on `mesh` (`sharding.shard_model`)."""
+  graphdef, params = nnx.split(model)
+  forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens, mode=mode)[0])
+  tokens = jax.device_put(random_tokens(1, length, model.config.vocab_size), NamedSharding(mesh, P()))
+  compiled, compile_s, buffers = compile_timed(forward, params, tokens, devices=mesh.size)
+  return Case(timed(lambda: compiled(params, tokens).block_until_ready()),
+              {"compile_s": compile_s, "compiled_bytes": buffers}, devices=mesh.size)
+
+
+def state_bytes(model, batch: int) -> int:
+  """Bytes of the decoding state (RetNet: retention states; Transformer: the KV cache)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_state(batch))))
+
+
+def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: str) -> Case:
+  """Greedy `sampling.decode` of `new_tokens` after a `context`-token prompt, prefilled once here (not timed):
+  each run decodes twice, each unit is one call's time per token."""
+  prompts = random_tokens(batch, context, model.config.vocab_size, seed=1)
+  prefilled = sampling.prefill(model, prompts, np.full((batch,), context, np.int32), prefill_mode=prefill_mode)
+  decode = lambda: sampling.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
+                                   temperature=0.0)
+  decode()  # compiles here, so that the warm-up run's memory is that of decoding alone
+
+  def run():
+    return [s / new_tokens for s in timed(decode, repeats=2)()]
+
+  devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(model)))
+  return Case(run, {"state_bytes": state_bytes(model, batch)}, devices=devices)
+
+
+def matmul_case(dtype, size: int) -> Case:
+  """The float32 / bfloat16 matmul ceiling: `flops.measure_matmul_flops` (the training loop's MFU denominator);
+  a unit is the median time of one `size`^2 matmul."""
+  return Case(lambda: [2 * size**3 / flops.measure_matmul_flops(dtype, size)], {"size": size})
+
+
+def read_case(num_floats: int) -> Case:
+  """The memory read bandwidth: a reduction over `num_floats` float32 (the model's parameter bytes)."""
+  data = jnp.ones((num_floats,), jnp.float32)
+  total, _, _ = compile_timed(jax.jit(jnp.sum), data)
+  return Case(timed(lambda: total(data).block_until_ready(), repeats=10), {"bytes": data.nbytes})
