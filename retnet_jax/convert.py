@@ -25,10 +25,9 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 
-from retnet_jax import checkpointing, decay, sharding, train
+from retnet_jax import checkpointing, decay, sharding, train_state
+from retnet_jax import presets
 from retnet_jax.model import RetNet
-
-CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "retnet.py"
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read
 # below only act in training (dropout, drop path, activation checkpointing, FSDP), choose the forward form
@@ -121,17 +120,6 @@ def torchscale_name(path: tuple) -> str:
   return TOP_NAMES[tuple(path)]
 
 
-def _presets():
-  """configs/retnet.py, beside the package (the presets the scripts use)."""
-  if not CONFIG_FILE.is_file():
-    raise FileNotFoundError(f"the presets file {CONFIG_FILE} is missing; convert from a checkout of the "
-                            "repository (pip install -e .).")
-  spec = importlib.util.spec_from_file_location("retnet_presets", CONFIG_FILE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def config_from_torchscale(torchscale_config: Mapping[str, Any], vocab_size: int) -> ml_collections.ConfigDict:
   """The full config (the torchscale preset of the checkpoint's size, or `torchscale_base`, with its model).
 
@@ -157,9 +145,9 @@ def config_from_torchscale(torchscale_config: Mapping[str, Any], vocab_size: int
                      "rows.")
   sizes = (options["decoder_embed_dim"], options["decoder_layers"], options["decoder_retention_heads"],
            options["decoder_value_embed_dim"])
-  presets = _presets()
-  preset = next((name for name, preset_sizes in presets.TORCHSCALE_SIZES.items()
-                 if preset_sizes == sizes and options["decoder_ffn_embed_dim"] == sizes[3]), "base")
+  preset = next((name for name, size in presets.TORCHSCALE_SIZES.items()
+                 if (size.d_model, size.num_layers, size.num_heads, size.width) == sizes
+                 and options["decoder_ffn_embed_dim"] == size.width), "base")
   config = presets.get_config(f"torchscale_{preset}")
   d_model, num_layers, num_heads, value_dim = sizes
   config.model.update(
@@ -245,25 +233,23 @@ def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[st
 def model_overrides(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The model fields of `config` that differ from its preset: with `--config=configs/retnet.py:PRESET`,
   scripts/evaluate.py and scripts/generate.py need them as `--config.model.NAME=VALUE`."""
-  preset = _presets().model_config(config.preset)
+  preset = presets.model_config(config.preset)
   return {name: value for name, value in config.model.items() if value != preset[name]}
 
 
 def write_checkpoint(model: RetNet, config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
-  """Writes `model` into `workdir` as training does: a step-0 checkpoint and config.json, so that
-  evaluate.restore_model and the scripts load it. Returns the checkpoint directory. Everything but the
-  parameters is a fresh train state (`train.setup(...).init()`)."""
+  """Writes `model` into `workdir` as training does: a step-0 checkpoint and config.json, which
+  `train_state.restore_model`, the scripts and training's resume load.
+
+  Returns:
+    The checkpoint directory. Everything but the parameters is a fresh train state.
+  """
   workdir = Path(workdir)
   ckpt_dir = workdir / "checkpoints"
   if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
     raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into an empty --workdir.")
-  mesh = sharding.make_mesh(config.mesh)
-  run = train.setup(config, mesh)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
-    state = run.init()  # the optimizer state starts at zero whatever the parameters
-  nnx.replace_by_pure_dict(state["params"], nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-  state["params"] = jax.device_put(state["params"], jax.tree.map(lambda leaf: leaf.sharding,
-                                                                 run.abstract_state["params"]))
+  layout = train_state.make_layout(config, sharding.placement(config.mesh))
+  state = train_state.from_params(config, layout, nnx.state(model, nnx.Param))
   workdir.mkdir(parents=True, exist_ok=True)
   with checkpointing.Checkpointer(ckpt_dir, keep=1, async_save=False) as checkpointer:
     checkpointer.save(0, state, {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)

@@ -324,21 +324,24 @@ class BatchIterator:
     self.epoch, self.index = epoch, index
 
 
+def eval_rows(num_sequences: int, global_batch_size: int, max_batches: int | None) -> np.ndarray:
+  """Rows of the validation batches, `[num_batches, global_batch_size]`: every full batch in order, or with
+  `max_batches` fewer than those, that many batches of rows spread evenly over the whole split (the same every
+  time), so that a sample of the split stands for all of it."""
+  num_batches = num_sequences // global_batch_size
+  if max_batches is None or max_batches >= num_batches:
+    return np.arange(num_batches * global_batch_size).reshape(num_batches, global_batch_size)
+  num_rows = max_batches * global_batch_size
+  return (np.arange(num_rows) * num_sequences // num_rows).reshape(max_batches, global_batch_size)
+
+
 def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int | None,
                  sharding: jax.sharding.NamedSharding | None = None) -> Iterator[jax.Array]:
-  """The first `max_batches` (all when None) batches `[global_batch_size, seq_len + 1]`, in order.
+  """The validation batches `[global_batch_size, seq_len + 1]` of `eval_rows` (all when `max_batches` is None).
 
   Checks run on the call, not on the first `next()`.
   """
   sequences = np.asarray(sequences, dtype=np.int32)
   _check_batch(sequences, global_batch_size, "validation")
-  num_batches = len(sequences) // global_batch_size
-  if max_batches is not None:
-    num_batches = min(num_batches, max_batches)
-
-  def batches() -> Iterator[jax.Array]:
-    for b in range(num_batches):
-      rows = np.arange(b * global_batch_size, (b + 1) * global_batch_size)
-      yield _global_array(sequences, rows, sharding)
-
-  return batches()
+  rows_NxB = eval_rows(len(sequences), global_batch_size, max_batches)
+  return (_global_array(sequences, rows, sharding) for rows in rows_NxB)

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import ml_collections
 import optax
 
 SCHEDULES = ("cosine", "linear")
+# Optimizer fields of `config.train`: (test, what the value must be).
+RANGES = {
+    "learning_rate": (lambda x: x > 0, "positive"),
+    "warmup_steps": (lambda x: x >= 0, "at least 0"),
+    "end_lr_fraction": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "b1": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "b2": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "weight_decay": (lambda x: x >= 0, "at least 0"),
+    "grad_clip_norm": (lambda x: x > 0, "positive"),
+}
+
+
+def check_config(train_cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first optimizer field out of its range, or an unknown schedule."""
+  for name, (valid, requirement) in RANGES.items():
+    if not math.isfinite(train_cfg[name]) or not valid(train_cfg[name]):
+      raise ValueError(f"train.{name} must be {requirement}; got {train_cfg[name]}.")
+  learning_rate_schedule(train_cfg)
 
 
 def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:

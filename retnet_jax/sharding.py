@@ -6,8 +6,10 @@ Parameters are annotated with logical axes (`vocab`, `embed`, `heads`, `mlp`) an
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -68,6 +70,50 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]], ndim: int = 2) -> NamedSharding:
   """Batches `[batch, ...]` split over the mesh axes the `batch` rule names."""
   return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """A mesh and the logical-axis rules that place arrays on it: where batches go, and the context in which
+  the model's annotations resolve."""
+  mesh: jax.sharding.Mesh
+  rules: tuple[tuple[str, Any], ...]
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    return batch_sharding(self.mesh, self.rules)
+
+  @contextlib.contextmanager
+  def active(self) -> Iterator[None]:
+    """`jax.set_mesh(mesh)` and `nnx.logical_axis_rules(rules)` together."""
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+      yield
+
+
+def placement(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Placement:
+  """The Placement of `config.mesh` on `devices` (default: all)."""
+  return Placement(make_mesh(mesh_cfg, devices), logical_rules(mesh_cfg))
+
+
+def check_batch_split(mesh_cfg: ml_collections.ConfigDict, batch_size: int, grad_accum_steps: int,
+                      num_devices: int) -> None:
+  """Checks that each micro-batch splits evenly over the data shards, and the shards over the processes."""
+  if batch_size % grad_accum_steps:
+    raise ValueError(f"train.batch_size={batch_size} is not divisible by "
+                     f"train.grad_accum_steps={grad_accum_steps}; choose a divisor of the batch size.")
+  shape = dict(zip(mesh_cfg.axis_names, mesh_shape(mesh_cfg, num_devices)))
+  batch_axes = logical_spec(("batch",), logical_rules(mesh_cfg))[0] or ()
+  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+  shards = math.prod(shape[a] for a in batch_axes)
+  micro_batch = batch_size // grad_accum_steps
+  if micro_batch % shards:
+    raise ValueError(f"the micro-batch of {micro_batch} sequences (train.batch_size / train.grad_accum_steps) "
+                     f"is not divisible by the {shards} data shards of mesh axes {batch_axes}; choose a batch "
+                     "size that is a multiple of the shard count (times grad_accum_steps).")
+  if shards % jax.process_count():
+    raise ValueError(f"the batch is split into {shards} data shards (mesh axes {batch_axes}) but runs on "
+                     f"{jax.process_count()} processes, and each process loads only its own rows: make the sizes of "
+                     f"{batch_axes} a multiple of the process count in mesh.shape={tuple(mesh_cfg.shape)}.")
 
 
 def tree_shardings(abstract_tree: Any, mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]]) -> Any:

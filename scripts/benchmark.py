@@ -3,7 +3,7 @@
     python scripts/benchmark.py --suite=full --out=runs/benchmark
 
 Measures, in one run: the matmul ceilings (float32, bfloat16) and memory read bandwidth; training throughput
-and MFU of the real train step (`train.setup`) in the parallel and chunkwise forms, float32 and bfloat16;
+and MFU of the real train step (`train_step.setup`) in the parallel and chunkwise forms, float32 and bfloat16;
 forward and training time and peak memory vs sequence length; greedy decoding with `sampling.decode`
 (tokens/s at batch 1 and a large batch, per-token latency vs context); the same for a Transformer of the same
 size; and torchscale's RetNet at the identical configuration when torch and torchscale import. Writes
@@ -18,10 +18,10 @@ of a token's latency.
 
 from __future__ import annotations
 
-from retnet_jax import host_memory
+from retnet_jax import cli
 
-if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
-  host_memory.keep_freed_memory()
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
 
 import dataclasses
 import os
@@ -30,13 +30,11 @@ from pathlib import Path
 
 from absl import app, flags
 import jax
-from ml_collections import config_flags
 
 from retnet_jax.bench import cases, sections
 from retnet_jax.bench.suites import SIZE_FIELDS, SUITES
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Base config; the suite sets its "
-                                          "model size and training shape.", lock_config=True)
+_CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
 # Config fields each case sets itself: overriding them with --config.X would be silently undone.
 SUITE_CONFIG_FLAGS = tuple(f"--config.model.{name}" for name in SIZE_FIELDS) + (
     "--config.model.dtype", "--config.train.mode", "--config.train.seq_len", "--config.train.batch_size",
@@ -65,9 +63,7 @@ def _check_inference_mesh(base, size: dict[str, int]) -> None:
                          f"that divides each of {widths}.")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main():
   if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -89,5 +85,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main)
+  cli.run(main)

@@ -14,21 +14,17 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from absl import app, flags
-import jax
+from absl import flags
 
-from retnet_jax import convert
+from retnet_jax import cli, convert
 
 _STATE_DICT = flags.DEFINE_string("state_dict", None, "torch.save'd RetNetDecoder state_dict (.pt).", required=True)
 _TORCHSCALE_CONFIG = flags.DEFINE_string("torchscale_config", None, "JSON file of RetNetConfig keyword values.",
                                          required=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory to write checkpoints/0 and config.json into.",
-                               required=True)
+_WORKDIR = cli.workdir_flag("Directory to write checkpoints/0 and config.json into.")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main():
   try:
     import torch  # only to read the .pt file
   except ImportError:
@@ -58,5 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main)
+  cli.run(main)

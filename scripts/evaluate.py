@@ -5,33 +5,29 @@ Prints a table and, as the last line of stdout, one JSON object, also written to
 the training config's (`--config.data.files=...`, `--config.data.validation_files=...`).
 """
 
-from retnet_jax import host_memory
+from retnet_jax import cli
 
-if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
-  host_memory.keep_freed_memory()
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
 
 import json
 import sys
 from pathlib import Path
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
-from ml_collections import config_flags
 
 from retnet_jax import evaluate
 from retnet_jax.layers import MODES
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Config file and preset.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory holding checkpoints/.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
+_CONFIG = cli.config_flag("Config file and preset.")
+_WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
+_STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
 _MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "Retention form, or all three.")
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches (default: all).")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main():
   config = _CONFIG.value
   model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
   modes = MODES if _MODE.value == "all" else (_MODE.value,)
@@ -48,5 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main)
+  cli.run(main)

@@ -8,23 +8,21 @@ compiled loop (memory per sequence constant in the context length). The last lin
 object with every prompt's completion.
 """
 
-from retnet_jax import host_memory
+from retnet_jax import cli
 
-if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
-  host_memory.keep_freed_memory()
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
 
 import json
 
 from absl import app, flags
 import jax
-from ml_collections import config_flags
 
-from retnet_jax import data, evaluate, sampling
+from retnet_jax import data, sampling, train_state
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Config file and preset.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory holding checkpoints/.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to load (default: the latest).")
+_CONFIG = cli.config_flag("Config file and preset.")
+_WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
+_STEP = cli.step_flag("Checkpoint step to load (default: the latest).")
 _PROMPT = flags.DEFINE_multi_string("prompt", ["\n"], "Prompt text; repeat the flag for a batch of prompts.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_len", 8192, "Longest prompt accepted, in tokens.")
@@ -39,12 +37,10 @@ _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the 
                                      "at a time (1: every token, at ~1 ms of host callback each).")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main():
   config = _CONFIG.value
   tokenizer = data.load_tokenizer(config.data.tokenizer)
-  model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
+  model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
   prompts = list(_PROMPT.value)
   for i, prompt in enumerate(prompts):
     length = len(tokenizer.encode(prompt))
@@ -65,5 +61,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main)
+  cli.run(main)

@@ -6,22 +6,20 @@ WORKDIR/config.json. Several processes (hosts): pass --coordinator_address, --nu
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) on each.
 """
 
-from retnet_jax import host_memory
+from retnet_jax import cli
 
-if __name__ == "__main__":  # first, before numpy and jax start threads (see retnet_jax/host_memory.py)
-  host_memory.keep_freed_memory()
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
 
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
-from ml_collections import config_flags
 
 from retnet_jax import train
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/retnet.py:small", "Training config file and preset.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the config.", required=True)
+_CONFIG = cli.config_flag("Training config file and preset.")
+_WORKDIR = cli.workdir_flag("Directory for checkpoints, metrics and the config.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", os.environ.get("JAX_COORDINATOR_ADDRESS"),
                                    "host:port of process 0, for multi-process training.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", int(os.environ.get("JAX_NUM_PROCESSES", 0)) or None,
@@ -30,9 +28,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS
                                    "This process's index, for multi-process training.")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main():
   logging.set_verbosity(logging.INFO)
   if _COORDINATOR.value:
     if jax.config.jax_platforms in (None, "", "cpu"):
@@ -43,5 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main)
+  cli.run(main)

@@ -299,8 +299,12 @@ def test_eval_batches(data_sharding):
   assert len(batches) == 2  # 40 sequences hold two full batches
   assert all(b.sharding == data_sharding for b in batches)
   np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in batches]), seqs[:32])
-  first = list(data.eval_batches(seqs, 16, max_batches=1, sharding=None))
-  assert len(first) == 1
-  np.testing.assert_array_equal(np.asarray(first[0]), seqs[:16])
+  # One batch of two: its rows are spread evenly over the whole split, not its first 16 sequences.
+  sample = list(data.eval_batches(seqs, 16, max_batches=1, sharding=None))
+  assert len(sample) == 1
+  rows = np.arange(16) * 40 // 16
+  assert rows[0] == 0 and rows[-1] == 37 and len(set(rows)) == 16
+  np.testing.assert_array_equal(np.asarray(sample[0]), seqs[rows])
+  np.testing.assert_array_equal(data.eval_rows(40, 16, 1), rows[None])
   with pytest.raises(ValueError, match=r"validation data holds 8 sequences, fewer than one batch"):
     data.eval_batches(seqs[:8], 16, max_batches=8, sharding=data_sharding)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, sharding, train
+from retnet_jax import checkpointing, sharding, train, train_state
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_batches=1)
@@ -192,7 +192,7 @@ def test_two_processes_match_one_process(tmp_path, corpus):
   assert max(abs(single_losses[s] - multi_losses[s]) for s in single_losses) < 1e-5
 
   config = in_process_config(corpus, steps=steps)  # the jointly written checkpoint restores in one process
-  run = train.setup(config, sharding.make_mesh(config.mesh))
+  run = train_state.make_layout(config, sharding.placement(config.mesh))
   with checkpointing.Checkpointer(multi / "checkpoints") as checkpointer:
     state, meta = checkpointer.restore(run.abstract_state)
   exported = checkpointing.load_params(single / "params" / str(steps), run.abstract_state["params"])

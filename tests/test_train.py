@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, sharding, train
+from retnet_jax import checkpointing, losses, sharding, train, train_state, train_step
 from retnet_jax.model import RetNet
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
@@ -42,10 +42,10 @@ def random_batch(config, seed=0):
 
 
 def one_step(config, mesh, batch):
-  run = train.setup(config, mesh)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+  run = train_step.setup(config, mesh)
+  with run.placement.active():
     state = run.init()
-    state, metrics = run.train_step(state, jax.device_put(batch, run.batch_sharding))
+    state, metrics = run.train_step(state, jax.device_put(batch, run.placement.batch_sharding))
   return state, metrics
 
 
@@ -122,7 +122,7 @@ def test_resume_is_exact(tmp_path, run_crashing_at_batch):
   for step in range(1, 9):
     assert resumed_losses[step] == straight_losses[step], step  # bitwise on CPU, data order included
   assert resumed["eval_loss"] == straight["eval_loss"]
-  abstract = train.setup(config, sharding.make_mesh(config.mesh)).abstract_state["params"]
+  abstract = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state["params"]
   params = [checkpointing.load_params(tmp_path / run / "params" / "8", abstract) for run in ("straight", "resumed")]
   assert max_tree_diff(*params) == 0
 
@@ -132,7 +132,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
   config.mesh.shape = (8, 1, 1)
   train.train_and_evaluate(config, tmp_path / "run")
   config.mesh.shape = (2, 2, 2)
-  run = train.setup(config, sharding.make_mesh(config.mesh))
+  run = train_state.make_layout(config, sharding.placement(config.mesh))
   with checkpointing.Checkpointer(tmp_path / "run" / "checkpoints") as checkpointer:
     state, meta = checkpointer.restore(run.abstract_state)
   kernel = state["params"]["blocks"][0]["ffn"]["fc1"]["kernel"][...]
@@ -227,7 +227,7 @@ def test_profile_trace_and_tensorboard_events_are_written(tmp_path):
 
 def _loss_and_grads(model_cfg, tokens, mode, segment_len, remat="none"):
   graphdef, params = nnx.split(RetNet(model_cfg, rngs=nnx.Rngs(0)))
-  fn = lambda p: train.token_loss(graphdef, p, tokens, mode, remat, segment_len)
+  fn = lambda p: losses.token_loss(graphdef, p, tokens, mode, remat, segment_len)
   return jax.jit(jax.value_and_grad(fn))(params)
 
 
@@ -261,9 +261,9 @@ def test_segmented_backprop_bounds_the_compiled_buffers():
 
   def temp_bytes(segment_len):
     config.train.segment_len = segment_len
-    run = train.setup(config, mesh)
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
-      batch = jax.ShapeDtypeStruct((1, 2049), jnp.int32, sharding=run.batch_sharding)
+    run = train_step.setup(config, mesh)
+    with run.placement.active():
+      batch = jax.ShapeDtypeStruct((1, 2049), jnp.int32, sharding=run.placement.batch_sharding)
       return run.train_step.lower(run.abstract_state, batch).compile().memory_analysis().temp_size_in_bytes
 
   whole, segmented = temp_bytes(0), temp_bytes(256)

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax import flops, optimizer, sampling, sharding, train
+from retnet_jax import flops, optimizer, sampling, sharding, train_state, train_step
 from retnet_jax.baselines import transformer
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
@@ -43,7 +43,7 @@ def _train_case(step, state, batch, compile_s: float, buffers: int | None) -> Ca
 class InitialStates:
   """The initial train state per model size, initialised (compiled) once per benchmark run and copied per case.
 
-  It depends on neither the form, the dtype nor the shape (`train.RESUMABLE_MODEL_CHANGES`).
+  It depends on neither the form, the dtype nor the shape (`train_state.RESUMABLE_MODEL_CHANGES`).
   """
 
   def __init__(self):
@@ -51,7 +51,7 @@ class InitialStates:
 
   def copy(self, config, run) -> Any:
     """A copy of the initial state of `config.model`; call under `run`'s mesh and logical-axis rules."""
-    key = json.dumps({k: v for k, v in config.model.to_dict().items() if k not in train.RESUMABLE_MODEL_CHANGES},
+    key = json.dumps({k: v for k, v in config.model.to_dict().items() if k not in train_state.RESUMABLE_MODEL_CHANGES},
                      sort_keys=True)
     if key not in self._states:
       self._states[key] = run.init()
@@ -59,38 +59,38 @@ class InitialStates:
 
 
 def retnet_train_case(config, mesh, states: InitialStates) -> Case:
-  """The training loop's own jitted train step (`train.setup`), compiled ahead of time, from a copy of `states`'."""
-  run = train.setup(config, mesh)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+  """The training loop's own jitted train step (`train_step.setup`), compiled ahead of time, from `states`."""
+  run = train_step.setup(config, mesh)
+  with run.placement.active():
     state = states.copy(config, run)
     batch = jax.device_put(random_tokens(config.train.batch_size, config.train.seq_len + 1,
-                                         config.model.vocab_size), run.batch_sharding)
+                                         config.model.vocab_size), run.placement.batch_sharding)
     step, compile_s, buffers = compile_timed(run.train_step, state, batch)
   return _train_case(step, state, batch, compile_s, buffers)
 
 
 def compile_train_step(config, mesh) -> tuple[float, int | None]:
   """Compiles the train step for a `config.train` batch without running it: (seconds, XLA's buffer bytes)."""
-  run = train.setup(config, mesh)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(run.rules):
+  run = train_step.setup(config, mesh)
+  with run.placement.active():
     batch = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jnp.int32,
-                                 sharding=run.batch_sharding)
+                                 sharding=run.placement.batch_sharding)
     _, compile_s, buffers = compile_timed(run.train_step, run.abstract_state, batch)
   return compile_s, buffers
 
 
 def transformer_train_case(config, mesh) -> Case:
-  """The same train step (`train.make_train_step`, config.train.mode parallel) around a same-size Transformer."""
+  """The same train step (`train_step.make_train_step`, config.train.mode parallel) around a same-size Transformer."""
   model = transformer.Transformer(transformer.transformer_config(config.model, config.train.seq_len),
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
   tx = optimizer.make_optimizer(config.train)
   # Besides params and opt_state the train state holds step counters; their values do not change the timing.
-  counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in train.setup(config, mesh).abstract_state.items()
+  counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in train_step.setup(config, mesh).abstract_state.items()
               if k not in ("params", "opt_state")}
   state = {"params": params, "opt_state": tx.init(params), **counters}
   batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
-  step_fn = jax.jit(train.make_train_step(graphdef, tx, config.train), donate_argnums=0)
+  step_fn = jax.jit(train_step.make_train_step(graphdef, tx, config.train), donate_argnums=0)
   step, compile_s, buffers = compile_timed(step_fn, state, batch)
   return _train_case(step, state, batch, compile_s, buffers)
 

@@ -1,0 +1,56 @@
+"""What the scripts share: the host-memory setting made first, their common flags, and the absl entry point.
+
+    from retnet_jax import cli
+    if __name__ == "__main__":
+      cli.prepare()  # before numpy and jax are imported
+    ...
+    _CONFIG = cli.config_flag("Config file and preset.")
+    if __name__ == "__main__":
+      cli.run(main)
+
+Importing this module imports neither numpy nor jax, so `prepare` can still act on every thread they start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from retnet_jax import host_memory
+
+DEFAULT_CONFIG = "configs/retnet.py:small"
+
+
+def prepare() -> None:
+  """Process-wide settings that must precede numpy and jax: `host_memory.keep_freed_memory` (CPU backend)."""
+  host_memory.keep_freed_memory()
+
+
+def config_flag(help_text: str) -> flags.FlagHolder:
+  """`--config=FILE:PRESET` (locked: a misspelt `--config.x.y` is an error) with `--config.x.y=...` overrides."""
+  return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, help_text, lock_config=True)
+
+
+def workdir_flag(help_text: str) -> flags.FlagHolder:
+  """The required `--workdir`."""
+  return flags.DEFINE_string("workdir", None, help_text, required=True)
+
+
+def step_flag(help_text: str) -> flags.FlagHolder:
+  """`--step`: a checkpoint step; None for the latest."""
+  return flags.DEFINE_integer("step", None, help_text)
+
+
+def run(main: Callable[[], None]) -> None:
+  """Parses the flags (jax's own among them) and calls `main()`; positional arguments are a usage error."""
+  import jax  # pylint: disable=import-outside-toplevel  (after `prepare`, which the scripts call first)
+
+  def absl_main(argv: list[str]) -> None:
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    main()
+
+  jax.config.config_with_absl()
+  app.run(absl_main)

@@ -1,0 +1,61 @@
+"""Next-token losses shared by training and evaluation: the mean token loss, its segmented form, per-sequence NLL."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+  """Cross-entropy (nats) of each target token under the logits: `[B, L]` float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+
+
+def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str, remat: str = "none",
+               segment_len: int = 0) -> jax.Array:
+  """Mean next-token cross-entropy (nats) of `tokens [B, L + 1]`: inputs `[:, :-1]`, targets `[:, 1:]`.
+
+  Args:
+    graphdef, params: the model, as `nnx.split` gives them.
+    tokens_BxL1: int32 `[B, L + 1]`.
+    mode: the retention form (`parallel`, `chunkwise`, `recurrent`).
+    remat: `none` or a `model.REMAT_POLICIES` key: each block recomputed in the backward pass.
+    segment_len: in (0, L): backpropagate through segments of this many tokens that carry the state, each
+      under `jax.checkpoint`, so activation memory grows with the segment, not L; same loss and gradients to
+      float rounding. Otherwise whole sequences.
+  Returns:
+    The scalar mean loss, float32.
+  """
+  inputs_BxL, targets_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+  batch, length = inputs_BxL.shape
+  if not 0 < segment_len < length:
+    logits, _ = nnx.merge(graphdef, params)(inputs_BxL, mode=mode, remat=remat)
+    return token_nll(logits, targets_BxL).mean()
+  num_segments = -(-length // segment_len)
+  # Padding goes after the last token, so (causal) it changes no real position's output; its loss is masked.
+  pad = num_segments * segment_len - length
+  segments = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (0, pad))).reshape(
+      batch, num_segments, segment_len).swapaxes(0, 1)
+
+  # params enter as an argument, not a closure: a block's own `remat` must see them at this trace level.
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the recomputation
+  def segment(params, state, xs):
+    inputs, targets, weights = xs
+    logits, state = nnx.merge(graphdef, params)(inputs, mode=mode, state=state, remat=remat)
+    return state, jnp.sum(token_nll(logits, targets) * weights)
+
+  xs = (segments(inputs_BxL), segments(targets_BxL), segments(jnp.ones((batch, length), jnp.float32)))
+  _, sums = jax.lax.scan(functools.partial(segment, params), nnx.merge(graphdef, params).init_state(batch), xs)
+  return sums.sum() / (batch * length)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode"))
+def sequence_nll(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Summed next-token NLL per sequence `[B]` (float32) and the logits of the last position `[B, V]`."""
+  logits, _ = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1], mode=mode)
+  return token_nll(logits, tokens_BxL1[:, 1:]).sum(axis=-1), logits[:, -1]

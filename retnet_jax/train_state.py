@@ -1,0 +1,156 @@
+"""The train state's layout: its structure and shardings on a mesh, sharded creation, and restore from a workdir.
+
+    layout = train_state.make_layout(config, placement)  # shapes and shardings only: nothing runs
+    state = train_state.init(config, layout)              # created sharded, in place
+    model, step = train_state.restore_model(config, workdir)
+
+The state is the pytree `{"params", "opt_state", "step", "nonfinite_steps", "first_nonfinite_step"}`. Nothing
+here builds a train step: evaluation, generation and conversion use the layout without compiling one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from retnet_jax import checkpointing, optimizer, sharding
+from retnet_jax.model import RetNet, check_model_config
+
+TrainState = dict[str, Any]
+# Model fields that may change between a checkpoint and its resumption: they do not change the parameters.
+RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size")
+
+
+def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Checks what the state and its batches need (model, optimizer, mesh and batch split) before any work."""
+  check_model_config(config.model)
+  train = config.train
+  for name in ("batch_size", "seq_len", "grad_accum_steps"):
+    if int(train[name]) < 1:
+      raise ValueError(f"train.{name} must be a positive integer; got {train[name]}.")
+  optimizer.check_config(train)
+  sharding.check_batch_split(config.mesh, train.batch_size, train.grad_accum_steps, num_devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The train state of one config on one placement: model structure and abstract state with shardings."""
+  placement: sharding.Placement
+  graphdef: nnx.GraphDef
+  abstract_state: TrainState  # jax.ShapeDtypeStructs carrying the mesh's shardings
+
+  @property
+  def shardings(self) -> Any:
+    return jax.tree.map(lambda leaf: leaf.sharding, self.abstract_state)
+
+
+def _fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainState:
+  """Step 0 around `params`: a zero optimizer state and counters."""
+  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+          "nonfinite_steps": jnp.zeros((), jnp.int32), "first_nonfinite_step": jnp.full((), -1, jnp.int32)}
+
+
+def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
+  """The pure function that creates a fresh state, parameters drawn from `config.seed`."""
+  tx = optimizer.make_optimizer(config.train)
+  return lambda: _fresh_state(tx, nnx.state(RetNet(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
+
+
+def make_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> Layout:
+  """The state's structure and shardings for `config` on `placement`, traced abstractly (nothing runs)."""
+  with placement.active():
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
+    abstract = jax.eval_shape(_init_fn(config))
+  shardings = sharding.tree_shardings(abstract, placement.mesh, placement.rules)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  return Layout(placement, graphdef, abstract)
+
+
+def init_fn(config: ml_collections.ConfigDict, layout: Layout) -> Callable[[], TrainState]:
+  """A jitted `init() -> state` that creates every array directly with its sharding (compiled on first call)."""
+  return jax.jit(_init_fn(config), out_shardings=layout.shardings)
+
+
+def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.State) -> TrainState:
+  """A fresh state (step 0, zero optimizer state) around `params`, placed with the layout's shardings."""
+  placed = jax.tree.map(lambda leaf: leaf, layout.abstract_state["params"])
+  nnx.replace_by_pure_dict(placed, nnx.to_pure_dict(params))
+  placed = jax.device_put(placed, layout.shardings["params"])
+  tx = optimizer.make_optimizer(config.train)
+  with layout.placement.active():
+    return jax.jit(lambda p: _fresh_state(tx, p), out_shardings=layout.shardings)(placed)
+
+
+def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
+  """Refuses a checkpoint written with another model config, naming the fields (before anything is overwritten)."""
+  workdir = Path(workdir)
+  current = config.model.to_dict()
+  differs = sorted(k for k in set(saved_model) | set(current)
+                   if k not in RESUMABLE_MODEL_CHANGES
+                   and json.dumps(saved_model.get(k)) != json.dumps(current.get(k)))
+  if differs:
+    details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {current.get(k)!r}"
+                        for k in differs)
+    raise ValueError(f"{workdir} holds a checkpoint of an incompatible model config ({details}); use the model "
+                     f"config it was trained with ({workdir / 'config.json'}), or another --workdir for a new run.")
+
+
+def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
+                  ) -> tuple[RetNet, int]:
+  """The model of `workdir` at `step` (None: the latest), placed on `config.mesh` over the devices present.
+
+  Reads the training checkpoints (`checkpoints/STEP`), or, in a workdir that has none, the parameters-only
+  export that training writes at its end (`params/STEP`), checked against the workdir's `config.json`.
+
+  Returns:
+    (model, step).
+  """
+  workdir = Path(workdir)
+  ckpt_dir, export_dir = workdir / "checkpoints", workdir / "params"
+  has_checkpoints = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+  exported = sorted(int(p.name) for p in export_dir.iterdir() if p.name.isdigit()) if export_dir.is_dir() else []
+  if not has_checkpoints and not exported:
+    raise FileNotFoundError(f"no checkpoints in {workdir} (expected {ckpt_dir} or {export_dir}); train first "
+                            f"with scripts/train.py --workdir={workdir}, or point --workdir at a training run.")
+  check_config(config, jax.device_count())
+  layout = make_layout(config, sharding.placement(config.mesh))
+  if has_checkpoints:
+    with checkpointing.Checkpointer(ckpt_dir) as checkpointer:
+      step, steps = checkpointer.resolve(step), checkpointer.all_steps()
+      try:
+        saved_model = checkpointer.restore_meta(step)["config"]["model"]
+      except Exception as e:  # orbax raises many kinds for a damaged step folder
+        raise _unreadable(ckpt_dir, step, steps, e) from e
+      check_compatible(saved_model, config, workdir)
+      try:
+        state, _ = checkpointer.restore(layout.abstract_state, step)
+      except checkpointing.IncompatibleCheckpointError:
+        raise
+      except Exception as e:
+        raise _unreadable(ckpt_dir, step, steps, e) from e
+    return nnx.merge(layout.graphdef, state["params"]), int(state["step"])
+  if step is None:
+    step = exported[-1]
+  elif step not in exported:
+    raise ValueError(f"No exported params for step {step} in {export_dir} (and no {ckpt_dir}); "
+                     f"available steps: {exported}.")
+  config_file = workdir / "config.json"
+  if config_file.is_file():
+    check_compatible(json.loads(config_file.read_text())["model"], config, workdir)
+  params = checkpointing.load_params(export_dir / str(step), layout.abstract_state["params"])
+  return nnx.merge(layout.graphdef, params), step
+
+
+def _unreadable(ckpt_dir: Path, step: int, steps: list[int], error: Exception) -> ValueError:
+  return ValueError(f"checkpoint {step} in {ckpt_dir} is unreadable ({type(error).__name__}: {error}); "
+                    f"choose another with --step (available steps: {steps}).")

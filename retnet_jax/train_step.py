@@ -1,0 +1,124 @@
+"""The pure train step, and the compiled init, train and eval steps of one (config, mesh).
+
+    run = train_step.setup(config, mesh)   # compiled once per process for equal (model, train, mesh, seed)
+    with run.placement.active():
+      state = run.init()
+      state, metrics = run.train_step(state, batch_BxL1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from retnet_jax import losses, model as model_lib, optimizer, sharding, train_state
+
+MODES = ("parallel", "chunkwise")  # the recurrent form is for decoding
+# What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Checks the step's options in `config.train` (form, non-finite policy, remat, segments)."""
+  train = config.train
+  if train.mode not in MODES:
+    raise ValueError(f"train.mode={train.mode!r}; train with 'parallel' or 'chunkwise' (the recurrent form is "
+                     "for decoding).")
+  if train.nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"unknown train.nonfinite {train.nonfinite!r}; choose one of {NONFINITE_POLICIES}.")
+  if train.remat != "none" and train.remat not in model_lib.REMAT_POLICIES:
+    raise ValueError(f"unknown train.remat {train.remat!r}; choose none or one of "
+                     f"{tuple(model_lib.REMAT_POLICIES)}.")
+  if not isinstance(train.segment_len, int) or train.segment_len < 0:
+    raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "
+                     f"got {train.segment_len!r}.")
+  if (train.segment_len and train.mode == "chunkwise" and config.model.stability_norm_style == "torchscale"
+      and train.segment_len % config.model.chunk_size):
+    raise ValueError(f"train.segment_len={train.segment_len} is not a multiple of model.chunk_size="
+                     f"{config.model.chunk_size}: the torchscale-style chunkwise normaliser depends on where chunks "
+                     "start; choose a multiple of the chunk size.")
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: ml_collections.ConfigDict):
+  """A pure `train_step(state, batch [B, L + 1]) -> (state, metrics)`; micro-batches accumulate in a `lax.scan`.
+
+  A non-finite loss or gradient leaves the parameters and optimizer state as they were; the step is counted.
+  """
+  schedule = optimizer.learning_rate_schedule(train_cfg)
+  accum = train_cfg.grad_accum_steps
+  loss_and_grad = jax.value_and_grad(
+      lambda params, tokens: losses.token_loss(graphdef, params, tokens, train_cfg.mode, train_cfg.remat,
+                                               train_cfg.segment_len))
+
+  def train_step(state: train_state.TrainState, batch_BxL1: jax.Array):
+    params = state["params"]
+    if accum == 1:
+      loss, grads = loss_and_grad(params, batch_BxL1)
+    else:
+      # Micro-batch i takes rows i, i + accum, ...: each device keeps its own rows (no resharding).
+      batch, length = batch_BxL1.shape
+      micro_MxBxL1 = batch_BxL1.reshape(batch // accum, accum, length).swapaxes(0, 1)
+
+      def accumulate(carry, tokens):
+        loss_sum, grad_sum = carry
+        loss, grads = loss_and_grad(params, tokens)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_MxBxL1)
+      loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+    step = state["step"] + 1
+    if train_cfg.inject_nonfinite_steps:  # a test hook for the guard below
+      loss = jnp.where(jnp.isin(step, jnp.asarray(train_cfg.inject_nonfinite_steps)), jnp.nan, loss)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {
+        "params": keep(optax.apply_updates(params, updates), params),
+        "opt_state": keep(opt_state, state["opt_state"]),
+        "step": step,
+        "nonfinite_steps": state["nonfinite_steps"] + (~finite).astype(jnp.int32),
+        "first_nonfinite_step": jnp.where((state["first_nonfinite_step"] < 0) & ~finite, step,
+                                          state["first_nonfinite_step"]),
+    }
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
+
+  return train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup(train_state.Layout):
+  """A layout with its jitted functions: `init()`, `train_step(state, batch)`, `eval_step(params, batch)`."""
+  init: Callable[[], train_state.TrainState]
+  train_step: Callable[[train_state.TrainState, jax.Array], tuple[train_state.TrainState, dict[str, jax.Array]]]
+  eval_step: Callable[[Any, jax.Array], jax.Array]
+
+
+def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+  """The Setup for (config, mesh); equal model, train, mesh and seed fields reuse one (and its compilations)."""
+  fields = ml_collections.FrozenConfigDict({k: config[k] for k in ("model", "train", "mesh")} | {"seed": config.seed})
+  return _build_setup(fields, mesh)
+
+
+@functools.lru_cache(maxsize=16)
+def _build_setup(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+  layout = train_state.make_layout(config, sharding.Placement(mesh, sharding.logical_rules(config.mesh)))
+  shardings, batch_sharding = layout.shardings, layout.placement.batch_sharding
+  tx = optimizer.make_optimizer(config.train)
+  graphdef, mode = layout.graphdef, config.train.mode
+  return Setup(
+      **{f.name: getattr(layout, f.name) for f in dataclasses.fields(train_state.Layout)},
+      init=train_state.init_fn(config, layout),
+      train_step=jax.jit(make_train_step(graphdef, tx, config.train), in_shardings=(shardings, batch_sharding),
+                         out_shardings=(shardings, None), donate_argnums=0),
+      eval_step=jax.jit(lambda params, batch: losses.token_loss(graphdef, params, batch, mode),
+                        in_shardings=(shardings["params"], batch_sharding)))
