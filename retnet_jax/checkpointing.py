@@ -28,7 +28,12 @@ class _OrbaxWarningsOnly(logging.Filter):
     return record.levelno >= logging.WARNING or not record.pathname.startswith(_ORBAX_DIR)
 
 
-logging.getLogger("absl").addFilter(_OrbaxWarningsOnly())  # orbax logs through absl.logging
+_ORBAX_FILTER = _OrbaxWarningsOnly()
+
+
+def _quiet_orbax() -> None:
+  """Filters orbax's records out of absl's log (orbax logs through absl.logging); adding it again is a no-op."""
+  logging.getLogger("absl").addFilter(_ORBAX_FILTER)
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -75,6 +80,7 @@ class Checkpointer:
                async_save: bool = True):
     if keep < 1:
       raise ValueError(f"keep must be at least 1 (the latest checkpoint is needed to resume); got {keep}.")
+    _quiet_orbax()
     self.directory = os.path.abspath(directory)
     best_fn = (lambda metrics: metrics[_METRIC]) if keep_best else None
     policies = [ocp.checkpoint_managers.LatestN(n=keep)]
@@ -172,6 +178,7 @@ class Checkpointer:
 
 def export_params(directory: str | os.PathLike, params: Any) -> None:
   """Writes a params-only pytree to `directory` (which must not exist) for evaluation and generation."""
+  _quiet_orbax()
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(os.path.abspath(directory), params)  # closing waits for the write to commit
 
@@ -181,6 +188,7 @@ def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"No exported params at {directory}.")
+  _quiet_orbax()
   with ocp.StandardCheckpointer() as checkpointer:
     _check_compatible(abstract_params, checkpointer.metadata(directory).item_metadata, directory)
     return checkpointer.restore(directory, abstract_params)

@@ -24,7 +24,8 @@ _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
 _MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "Retention form, or all three.")
-_MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches (default: all).")
+_MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many batches, their rows spread over the "
+                                    "validation split (default: all).")
 
 
 def main():
