@@ -25,8 +25,7 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 
-from retnet_jax import checkpointing, decay, sharding, train_state
-from retnet_jax import presets
+from retnet_jax import checkpointing, decay, presets, sharding, train_state
 from retnet_jax.model import RetNet
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read
@@ -199,8 +198,14 @@ def _check_buffers(state_dict: Mapping[str, Any], cfg: ml_collections.ConfigDict
 
 def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[str, Any]
                     ) -> tuple[RetNet, ml_collections.ConfigDict]:
-  """(model, config) from a torchscale RetNetDecoder state_dict (names -> numpy arrays or torch tensors) and
-  its RetNetConfig keyword values. `model(tokens, mode=...)` gives torchscale's logits in each form."""
+  """A torchscale RetNetDecoder as a RetNet: `model(tokens, mode=...)` gives torchscale's logits in each form.
+
+  Args:
+    state_dict: the decoder's names -> numpy arrays or torch tensors (float32 or bfloat16).
+    torchscale_config: its RetNetConfig keyword values; unsupported options are refused by name.
+  Returns:
+    (model, config): the model and the full config (the torchscale preset of its size, with its model fields).
+  """
   embed = state_dict.get("embed_tokens.weight")
   if embed is None:
     raise ValueError("the state_dict has no embed_tokens.weight (the token embedding); pass the state_dict of a "

@@ -1,13 +1,11 @@
 """Host memory reuse between XLA executions on the CPU backend (glibc malloc).
 
-XLA's CPU runtime allocates each execution's temporaries afresh (2.5 GB for a training step at the benchmark
-size). glibc serves allocations above 32 MB made on worker threads with `mmap` and returns them with `munmap`,
-so every step faults its temporaries in again: ~600k page faults and ~2 s of kernel time per training step
-there, 15-20% of the step, and more while other processes churn memory. `keep_freed_memory()` makes malloc
-serve them from one heap that is never trimmed, so later steps reuse the same pages: the process keeps its
-peak footprint. Call it first, before importing numpy or jax: a thread keeps the malloc arena it first used,
-and numpy's and XLA's threads would otherwise already hold others (whose large blocks still come from mmap).
-The scripts do so at the top.
+XLA's CPU runtime allocates each execution's temporaries afresh. glibc serves allocations above 32 MB made on
+worker threads with `mmap` and returns them with `munmap`, so every step faults its temporaries in again (the
+cost is in docs/benchmarks.md). `keep_freed_memory()` makes malloc serve them from one heap that is never
+trimmed, so later steps reuse the same pages: the process keeps its peak footprint. Call it first, before
+importing numpy or jax: a thread keeps the malloc arena it first used, and numpy's and XLA's threads would
+otherwise already hold others. The scripts do so through `retnet_jax.cli.prepare`.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def get_config(name: str) -> config_dict.ConfigDict:
       # dots_with_no_batch_dims_saveable
       remat="none",
       # > 0: backpropagate through segments of this many tokens carrying the state, recomputing one segment
-      # at a time (memory grows with the segment, not seq_len; ~20-40% more time); 0: whole sequences
+      # at a time (memory grows with the segment, not seq_len, for one more forward pass); 0: whole sequences
       segment_len=0,
       nonfinite="stop",  # a NaN/Inf loss or gradient: stop (naming the step) | skip (the update, counted)
       inject_nonfinite_steps=(),  # steps whose loss is forced to NaN, to exercise the guard

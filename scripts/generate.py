@@ -34,7 +34,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _PREFILL = flags.DEFINE_enum("prefill_mode", "chunkwise", sampling.PREFILL_MODES, "Form used for the prompt.")
 _STREAM = flags.DEFINE_boolean("stream", True, "Print the first prompt's completion as it is produced.")
 _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the compiled loop to the console "
-                                     "at a time (1: every token, at ~1 ms of host callback each).")
+                                     "at a time (1: every token, one host callback each).")
 
 
 def main():
