@@ -5,16 +5,13 @@
     out.tokens  # int32 [B, 64]: new tokens only
     out.lengths  # int32 [B]: tokens generated per row, a final stop token included
 
-Prompts are left-padded and each row's state starts at position -pad, so every row decodes exactly as if it were
-alone (with the torchscale-style normaliser, whose chunkwise form depends on where chunks start, padded prompts
-need the parallel prefill). `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs all prompt
-tokens but the last in the chunkwise (or parallel) form, one compiled call; `decode` feeds one token at a time
-through the recurrent form in one compiled `lax.while_loop`, carrying only the recurrent state, the current
-token and the output buffer, and stops early once every row has emitted a stop token. One prefill can be decoded
-many times (other keys, temperatures, lengths). The prefill compiles once per (model structure, batch, prompt
-length, prefill_mode), the loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not,
-top_k, whether top_p is set, stream_every); prompts, keys, temperature and top_p are arguments, so new values do
-not recompile (one key and one key per row are different input shapes).
+`generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs every prompt token but the last in the
+chunkwise (or parallel) form in one compiled call; `decode` feeds one token at a time through the recurrent form in
+one compiled `lax.while_loop`, which stops once every row has emitted a stop token. Left-padded rows start at
+position -pad, so each decodes as if alone. The module functions share one `Sampler`: its prefill compiles once per
+(model structure, batch, prompt length, prefill_mode), its loop once per (model structure, batch, max_new_tokens,
+stop tokens, greedy or not, top_k, whether top_p is set, stream_every); new prompts, keys, temperatures and top_p
+do not recompile (one key and one key per row are different shapes).
 """
 
 from __future__ import annotations
@@ -40,10 +37,8 @@ Stream = Callable[[np.ndarray, int], None]
 
 
 class Generation(NamedTuple):
-  """New tokens `[B, max_new_tokens]` and the number generated per row `[B]`, a final stop token included.
-
-  After a row emits a stop token, the rest of its row repeats that stop token.
-  """
+  """New tokens `[B, max_new_tokens]` and the number generated per row `[B]`, a final stop token included; after
+  its stop token a row repeats it."""
   tokens: np.ndarray
   lengths: np.ndarray
 
@@ -59,17 +54,13 @@ class _Settings(NamedTuple):
 
 
 # XLA's CPU backend runs the decoding loop's small matmuls ([batch, d] x [d, n]) faster through Eigen than
-# through YNNPACK, its default for dots: batch-32 decoding +27%, batch 1 +3% (docs/benchmarks.md). Training
-# keeps the default, which is faster for its large matmuls.
+# through YNNPACK, its default for dots; training keeps the default, faster for its large matmuls.
 CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 class _InOrder:
-  """Hands a call's streamed steps to its `stream` in step order, once each.
-
-  The loop's host callbacks are unordered (JAX supports ordered ones on a single device only, and a sharded
-  model runs on several), so a block may in principle arrive after a later one; it waits here until its turn.
-  """
+  """Hands a call's streamed steps to its `stream` in step order, once each: the loop's host callbacks are
+  unordered (ordered ones need a single device), so a block may arrive after a later one."""
 
   def __init__(self, stream: Stream):
     self.stream, self.next_step, self.waiting = stream, 0, {}
@@ -80,12 +71,6 @@ class _InOrder:
     while self.next_step in self.waiting:
       self.stream(self.waiting.pop(self.next_step), self.next_step)
       self.next_step += 1
-
-
-# Streams of the generate calls in flight, by call id: the compiled loop receives the id as an argument, so a
-# new callback does not recompile.
-_STREAMS: dict[int, _InOrder] = {}
-_CALL_IDS = itertools.count()
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int | None = None
@@ -108,18 +93,180 @@ def pad_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int | None = N
 
 
 class Prefilled(NamedTuple):
-  """Prompts run through the model: the state after every prompt token but the last, and the last `[B]`.
-
-  The last token is the decoding loop's first input. One `Prefilled` can be decoded many times.
-  """
+  """Prompts run through the model: the state after every prompt token but the last, and that last token `[B]`,
+  the decoding loop's first input. One `Prefilled` can be decoded many times."""
   state: dict[str, Any]
   last_tokens: jax.Array
 
 
-def prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, prefill_mode: str = "chunkwise") -> Prefilled:
-  """Runs left-padded prompts (true lengths `lengths_B`) in the chunkwise or parallel form, one compiled call."""
-  _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
-  return _prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode)
+def _prefill(params, prompts_BxP, lengths_B, *, graphdef, prefill_mode: str):
+  """The state after each row's prompt but its last token; each row starts at position -pad, so the padding stays
+  out of the state."""
+  model = nnx.merge(graphdef, params)
+  batch, prompt_len = prompts_BxP.shape
+  state = model.init_state(batch)
+  state["position"] = lengths_B - prompt_len
+  if prompt_len > 1:
+    _, state = model(prompts_BxP[:, :-1], mode=prefill_mode, state=state)
+  return state
+
+
+class Sampler:
+  """Owns the compiled prefill and decoding loop, and the streams of its calls in flight, which its loop's host
+  callbacks reach; reusing one reuses its compilations."""
+
+  def __init__(self):
+    self._prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode"))
+    self._streams: dict[int, _InOrder] = {}  # by call id: the loop gets the id as an argument, so no recompile
+    self._call_ids = itertools.count()
+
+  @functools.cached_property
+  def _loop_jit(self) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """`_loop` jitted, with CPU_DECODE_OPTIONS on a CPU backend whose XLA knows them; made on first use, once the
+    backend is set up."""
+    options = CPU_DECODE_OPTIONS if jax.default_backend() == "cpu" else None
+    if options:
+      try:
+        jax.jit(jnp.negative, compiler_options=options).lower(jnp.zeros(())).compile()
+      except jax.errors.JaxRuntimeError:  # an XLA without the option: keep its defaults
+        options = None
+    return jax.jit(self._loop, static_argnames=("graphdef", "settings"), compiler_options=options)
+
+  def prefill(self, model: RetNet, prompts_BxP: Any, lengths_B: Any, *, prefill_mode: str = "chunkwise"
+              ) -> Prefilled:
+    """Runs left-padded prompts in the chunkwise or parallel form, one compiled call.
+
+    Args:
+      prompts_BxP: int token ids `[B, P]`, each row left-padded to P (`pad_prompts`).
+      lengths_B: the true prompt lengths `[B]`, in [1, P].
+      prefill_mode: one of PREFILL_MODES.
+    Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
+    """
+    _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode)
+
+  def decode(self, model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             stop_tokens: Sequence[int] = (), stream: Stream | None = None, stream_every: int = 8) -> Generation:
+    """Samples `max_new_tokens` tokens after prefilled prompts in one compiled loop.
+
+    Args:
+      prefilled: from `prefill`, batch B; not consumed, so it can be decoded again.
+      the rest: as `generate`.
+    Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
+    """
+    settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                               stream, stream_every)
+    keys = _check_key(key, prefilled.last_tokens.shape[0])
+    return self._decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
+
+  def generate(self, model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int, key: jax.Array,
+               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+               stop_tokens: Sequence[int] = (), prefill_mode: str = "chunkwise",
+               stream: Stream | None = None, stream_every: int = 8) -> Generation:
+    """Samples `max_new_tokens` tokens after each left-padded prompt: `decode(model, prefill(model, ...), ...)`.
+
+    Args:
+      prompts_BxP, lengths_B, prefill_mode: as `prefill`.
+      temperature: 0 decodes greedily (argmax); otherwise logits / temperature are filtered to the `top_k` most
+        likely tokens, then to the smallest set whose probability reaches `top_p`, and sampled.
+      key: one PRNG key (row r uses fold_in(key, r)) or one per row `[B]`; step s uses fold_in(row key, s), so a
+        row with its own key samples the same tokens whatever the rest of the batch.
+      stop_tokens: ids that end a row.
+      stream: `stream(step_tokens_B, step)`, called in step order with every step's tokens `[B]`.
+      stream_every: steps per hand-over of tokens to the host, one host callback each; 1 streams every token as
+        it comes, at that cost per token.
+    Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
+    """
+    batch = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                               stream, stream_every)
+    keys = _check_key(key, batch)  # every argument checked before the prefill runs
+    graphdef, params = nnx.split(model)
+    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode)
+    return self._decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
+
+  def _prefill_checked(self, graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> Prefilled:
+    prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
+    state = self._prefill_jit(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
+                              prefill_mode=prefill_mode)
+    return Prefilled(state, prompts_BxP[:, -1])
+
+  def _decode_checked(self, graphdef, params, prefilled: Prefilled, settings: _Settings, keys: jax.Array,
+                      temperature: float, top_p: float | None, stream: Stream | None) -> Generation:
+    call_id = next(self._call_ids)
+    if stream is not None:
+      self._streams[call_id] = _InOrder(stream)
+    try:
+      tokens_BxN, generated_B = self._loop_jit(
+          params, prefilled.state, prefilled.last_tokens, keys, jnp.float32(temperature or 1.0),
+          jnp.float32(top_p or 1.0), jnp.int32(call_id), graphdef=graphdef, settings=settings)
+      result = Generation(np.asarray(tokens_BxN), np.asarray(generated_B))
+      if stream is not None:
+        jax.effects_barrier()  # every block's callback has run before the call returns
+    finally:
+      self._streams.pop(call_id, None)
+    return result
+
+  def _loop(self, params, state, token_B, keys, temperature, top_p, call_id, *, graphdef, settings: _Settings):
+    """The decoding loop: (tokens int32 `[B, N]`, generated per row int32 `[B]`)."""
+    model = nnx.merge(graphdef, params)
+    batch = token_B.shape[0]
+    num_new = settings.max_new_tokens
+    if keys.ndim == 0:
+      keys = jax.vmap(jax.random.fold_in, (None, 0))(keys, jnp.arange(batch))
+
+    def sample(logits_BxV, step):
+      if settings.greedy:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+      step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+      return _sample(step_keys, logits_BxV / temperature, settings.top_k, top_p if settings.use_top_p else None)
+
+    stop_S = jnp.asarray(settings.stop_tokens, jnp.int32)
+    block = min(settings.stream_every, num_new)  # columns handed to the host per callback
+
+    def body(carry):
+      step, token_B, state, done_B, out_BxN, generated_B = carry
+      logits, state = model(token_B[:, None], mode="recurrent", state=state)
+      next_B = jnp.where(done_B, token_B, sample(logits[:, 0].astype(jnp.float32), step))  # done: repeat stop
+      out_BxN = jax.lax.dynamic_update_index_in_dim(out_BxN, next_B, step, axis=1)
+      generated_B = generated_B + (~done_B).astype(jnp.int32)
+      done_B = done_B | jnp.isin(next_B, stop_S)
+      if settings.stream_every:
+        jax.lax.cond((step + 1) % settings.stream_every == 0,
+                     lambda: self._stream(call_id, out_BxN, step + 1, settings.stream_every, block), lambda: None)
+      return step + 1, next_B, state, done_B, out_BxN, generated_B
+
+    def cond(carry):
+      step, _, _, done_B, _, _ = carry
+      return (step < num_new) & ~jnp.all(done_B)
+
+    init = (jnp.int32(0), token_B, state, jnp.zeros((batch,), bool),
+            jnp.zeros((batch, num_new), jnp.int32), jnp.zeros((batch,), jnp.int32))
+    steps, last_B, _, _, out_BxN, generated_B = jax.lax.while_loop(cond, body, init)
+    if settings.stream_every:  # the steps after the last full block
+      rest = steps % settings.stream_every
+      jax.lax.cond(rest > 0, lambda: self._stream(call_id, out_BxN, steps, rest, block), lambda: None)
+    # An early exit leaves columns unwritten; every row has stopped then, so fill them with its stop token.
+    out_BxN = jnp.where(jnp.arange(num_new) < steps, out_BxN, last_B[:, None])
+    return out_BxN, generated_B
+
+  def _stream(self, call_id, out_BxN: jax.Array, end, count, width: int) -> None:
+    """Hands steps `end - count ... end - 1` to the host, in a block of `width` columns ending at `end` (or
+    starting at 0)."""
+    start = jnp.maximum(end - width, 0)
+    block_BxW = jax.lax.dynamic_slice_in_dim(out_BxN, start, width, axis=1)
+    jax.debug.callback(ordered=False)(self._emit, call_id, block_BxW, start, end - count, end)
+
+  def _emit(self, call_id, block_BxW, start, first, end) -> None:
+    """Host side: hands steps `first ... end - 1` of a block starting at step `start` to the call's stream."""
+    block_BxW = np.asarray(block_BxW)
+    for step in range(int(first), int(end)):
+      self._streams[int(call_id)](block_BxW[:, step - int(start)], step)
+
+
+_SAMPLER = Sampler()
+prefill, decode, generate = _SAMPLER.prefill, _SAMPLER.decode, _SAMPLER.generate
 
 
 def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> int:
@@ -137,143 +284,9 @@ def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode
   return batch
 
 
-def _prefill_checked(graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> Prefilled:
-  prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
-  state = _prefill_compiled()(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
-                              prefill_mode=prefill_mode)
-  return Prefilled(state, prompts_BxP[:, -1])
-
-
-def decode(model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, stop_tokens: Sequence[int] = (),
-           stream: Stream | None = None, stream_every: int = 8) -> Generation:
-  """Samples `max_new_tokens` tokens after prefilled prompts in one compiled loop; arguments as `generate`."""
-  settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                             stream, stream_every)
-  keys = _check_key(key, prefilled.last_tokens.shape[0])
-  return _decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
-
-
-def generate(model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int, key: jax.Array,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             stop_tokens: Sequence[int] = (), prefill_mode: str = "chunkwise",
-             stream: Stream | None = None, stream_every: int = 8) -> Generation:
-  """Samples `max_new_tokens` tokens after each left-padded prompt of `prompts_BxP` (true lengths `lengths_B`).
-
-  temperature 0 decodes greedily (argmax); otherwise logits / temperature are filtered to the `top_k` most
-  likely tokens, then to the smallest set whose probability reaches `top_p`, and sampled. `key` is one PRNG
-  key (row r uses fold_in(key, r)) or one key per row `[B]`; step s uses fold_in(row key, s), so a row with
-  its own key samples the same tokens whatever the rest of the batch. `stream(step_tokens_B, step)` is called
-  in order with every step's tokens, from the compiled loop, which hands them to the host every `stream_every`
-  steps and at the end. Each hand-over is a host callback (~1 ms at batch 1 on a 2-core CPU, 17% of a step;
-  docs/benchmarks.md): `stream_every=1` streams every token as it comes, at that cost per token. Equals
-  `decode(model, prefill(model, ...), ...)`.
-  """
-  batch = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
-  settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                             stream, stream_every)
-  keys = _check_key(key, batch)  # every argument checked before the prefill runs
-  graphdef, params = nnx.split(model)
-  prefilled = _prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode)
-  return _decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
-
-
-def _decode_checked(graphdef, params, prefilled: Prefilled, settings: _Settings, keys: jax.Array,
-                    temperature: float, top_p: float | None, stream: Stream | None) -> Generation:
-  call_id = next(_CALL_IDS)
-  if stream is not None:
-    _STREAMS[call_id] = _InOrder(stream)
-  try:
-    tokens_BxN, generated_B = _decode_compiled()(
-        params, prefilled.state, prefilled.last_tokens, keys, jnp.float32(temperature or 1.0),
-        jnp.float32(top_p or 1.0), jnp.int32(call_id), graphdef=graphdef, settings=settings)
-    result = Generation(np.asarray(tokens_BxN), np.asarray(generated_B))
-    if stream is not None:
-      jax.effects_barrier()  # every block's callback has run before the call returns
-  finally:
-    _STREAMS.pop(call_id, None)
-  return result
-
-
-@functools.cache
-def _prefill_compiled() -> Callable[..., dict[str, Any]]:
-  return jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode"))
-
-
-def _prefill(params, prompts_BxP, lengths_B, *, graphdef, prefill_mode: str):
-  """The state after each row's prompt but its last token; each row starts at position -pad, so the
-  padding stays out of the state."""
-  model = nnx.merge(graphdef, params)
-  batch, prompt_len = prompts_BxP.shape
-  state = model.init_state(batch)
-  state["position"] = lengths_B - prompt_len
-  if prompt_len > 1:
-    _, state = model(prompts_BxP[:, :-1], mode=prefill_mode, state=state)
-  return state
-
-
-@functools.cache
-def _decode_compiled() -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """`_decode` jitted, with CPU_DECODE_OPTIONS on a CPU backend whose XLA knows them."""
-  options = CPU_DECODE_OPTIONS if jax.default_backend() == "cpu" else None
-  if options:
-    try:
-      jax.jit(jnp.negative, compiler_options=options).lower(jnp.zeros(())).compile()
-    except jax.errors.JaxRuntimeError:  # an XLA without the option: keep its defaults
-      options = None
-  return jax.jit(_decode, static_argnames=("graphdef", "settings"), compiler_options=options)
-
-
-def _decode(params, state, token_B, keys, temperature, top_p, call_id, *, graphdef, settings: _Settings):
-  """The decoding loop: (tokens int32 `[B, N]`, generated per row int32 `[B]`)."""
-  model = nnx.merge(graphdef, params)
-  batch = token_B.shape[0]
-  num_new = settings.max_new_tokens
-  if keys.ndim == 0:
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(keys, jnp.arange(batch))
-
-  def sample(logits_BxV, step):
-    if settings.greedy:
-      return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
-    return _sample(step_keys, logits_BxV / temperature, settings.top_k, top_p if settings.use_top_p else None)
-
-  stop_S = jnp.asarray(settings.stop_tokens, jnp.int32)
-  block = min(settings.stream_every, num_new)  # columns handed to the host per callback
-
-  def body(carry):
-    step, token_B, state, done_B, out_BxN, generated_B = carry
-    logits, state = model(token_B[:, None], mode="recurrent", state=state)
-    next_B = jnp.where(done_B, token_B, sample(logits[:, 0].astype(jnp.float32), step))  # done: repeat stop
-    out_BxN = jax.lax.dynamic_update_index_in_dim(out_BxN, next_B, step, axis=1)
-    generated_B = generated_B + (~done_B).astype(jnp.int32)
-    done_B = done_B | jnp.isin(next_B, stop_S)
-    if settings.stream_every:
-      jax.lax.cond((step + 1) % settings.stream_every == 0,
-                   lambda: _stream(call_id, out_BxN, step + 1, settings.stream_every, block), lambda: None)
-    return step + 1, next_B, state, done_B, out_BxN, generated_B
-
-  def cond(carry):
-    step, _, _, done_B, _, _ = carry
-    return (step < num_new) & ~jnp.all(done_B)
-
-  init = (jnp.int32(0), token_B, state, jnp.zeros((batch,), bool),
-          jnp.zeros((batch, num_new), jnp.int32), jnp.zeros((batch,), jnp.int32))
-  steps, last_B, _, _, out_BxN, generated_B = jax.lax.while_loop(cond, body, init)
-  if settings.stream_every:  # the steps after the last full block
-    rest = steps % settings.stream_every
-    jax.lax.cond(rest > 0, lambda: _stream(call_id, out_BxN, steps, rest, block), lambda: None)
-  # An early exit leaves columns unwritten; every row has stopped then, so fill them with its stop token.
-  out_BxN = jnp.where(jnp.arange(num_new) < steps, out_BxN, last_B[:, None])
-  return out_BxN, generated_B
-
-
 def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> jax.Array:
-  """One token per row `[B]` int32 from the scaled logits, after optional top-k and nucleus (top-p) filtering.
-
-  With a filter, only the sorted top k (all tokens for top-p alone) candidates are sampled from, then mapped
-  back to token ids; the most likely token always survives the nucleus filter.
-  """
+  """One token per row `[B]` int32 from the scaled logits, after optional top-k and nucleus (top-p) filtering of
+  the sorted candidates; the most likely token always survives the nucleus filter."""
   categorical = jax.vmap(jax.random.categorical)
   if top_k is None and top_p is None:
     return categorical(keys_B, logits_BxV).astype(jnp.int32)
@@ -284,22 +297,6 @@ def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> j
     values_BxK = jnp.where(mass_before_BxK < top_p, values_BxK, -jnp.inf)
   choice_B = categorical(keys_B, values_BxK)
   return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
-def _stream(call_id, out_BxN: jax.Array, end, count, width: int) -> None:
-  """Hands steps `end - count ... end - 1` of the output buffer to the host, in a block of `width` columns
-  that ends at step `end` (or starts at 0)."""
-  start = jnp.maximum(end - width, 0)
-  block_BxW = jax.lax.dynamic_slice_in_dim(out_BxN, start, width, axis=1)
-  jax.debug.callback(ordered=False)(_emit, call_id, block_BxW, start, end - count, end)
-
-
-def _emit(call_id, block_BxW, start, first, end) -> None:
-  """Host side of the stream: hands steps `first ... end - 1` of a block of steps from `start` to the
-  callback registered for the call, one step at a time."""
-  block_BxW = np.asarray(block_BxW)
-  for step in range(int(first), int(end)):
-    _STREAMS[int(call_id)](block_BxW[:, step - int(start)], step)
 
 
 def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
@@ -327,6 +324,7 @@ def _integer(value: Any, name: str, requirement: str) -> int:
 def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
                     top_p: float | None, stop_tokens: Sequence[int], stream: Stream | None, stream_every: int
                     ) -> _Settings:
+  """The checked arguments as the loop's static `_Settings`."""
   max_new_tokens = _integer(max_new_tokens, "max_new_tokens", "a positive integer")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
@@ -369,10 +367,8 @@ def _check_key(key: jax.Array, batch: int) -> jax.Array:
 
 
 class TextPrinter:
-  """A `stream` callback that prints the decoded text of one batch row as it is produced, up to a stop token.
-
-  Text ending in an incomplete character (U+FFFD) waits for the next token; `finish` prints what is left.
-  """
+  """A `stream` callback that prints one batch row's text as it is produced, up to a stop token; text ending in an
+  incomplete character (U+FFFD) waits for the next token, and `finish` prints what is left."""
 
   def __init__(self, tokenizer: Any, row: int = 0, stop_tokens: Sequence[int] = (), file: TextIO | None = None):
     self.tokenizer = tokenizer
@@ -404,11 +400,8 @@ class TextPrinter:
 
 def generate_text(model: RetNet, tokenizer: Any, prompts: Sequence[str], *, print_row: int | None = None,
                   **kwargs) -> list[str]:
-  """Encodes `prompts`, generates (keyword arguments as `generate`) and decodes each row up to its stop token.
-
-  Stop tokens default to the tokenizer's `eos_id` when it has one. With `print_row`, that row's text is printed
-  as it is produced.
-  """
+  """Encodes `prompts`, generates (keyword arguments as `generate`; stop tokens default to the tokenizer's `eos_id`)
+  and decodes each row up to its stop token; with `print_row`, that row's text is printed as it is produced."""
   if isinstance(prompts, str):
     raise ValueError(f"prompts must be a list of strings; got one string {prompts[:40]!r}: pass [prompt].")
   if print_row is not None and kwargs.get("stream") is not None:

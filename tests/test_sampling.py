@@ -106,7 +106,8 @@ def test_stop_tokens_end_rows(model):
 
 
 def test_compiles_once_per_shape_and_settings(model):
-  prefills, loops = sampling._prefill_compiled()._cache_size, sampling._decode_compiled()._cache_size
+  """Repeated calls of the module functions reuse the default Sampler's compilations."""
+  prefills, loops = sampling._SAMPLER._prefill_jit._cache_size, sampling._SAMPLER._loop_jit._cache_size
   run(model, [[1, 2, 3], [4]], key=5, top_p=0.9, temperature=0.7, stream=lambda tokens, step: None)
   before = prefills(), loops()
   out = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
@@ -133,6 +134,19 @@ def test_one_prefill_decodes_many_times(model):
   assert not np.array_equal(other.tokens, first.tokens)
   with pytest.raises(ValueError, match=r"one per row \[2\]"):
     sampling.decode(model, prefilled, max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3))
+
+
+def test_each_sampler_streams_to_its_own_calls(model):
+  """A Sampler compiles its own loop, whose host callbacks reach its own streams; it samples the default's tokens."""
+  tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
+  kwargs = dict(max_new_tokens=10, key=jax.random.key(3), top_p=0.9, stream_every=4)
+  sampler, mine, default = sampling.Sampler(), [], []
+  out = sampler.generate(model, tokens, lengths, stream=lambda tokens, step: mine.append(tokens), **kwargs)
+  expected = sampling.generate(model, tokens, lengths, stream=lambda tokens, step: default.append(tokens), **kwargs)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(np.stack(mine, axis=1), out.tokens)
+  np.testing.assert_array_equal(np.stack(default, axis=1), out.tokens)
+  assert not sampler._streams and not sampling._SAMPLER._streams  # done calls leave no stream behind
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 2), (2, 1, 1)])
@@ -268,7 +282,7 @@ def test_decoding_compiles_with_the_cpu_options(model):
   prefilled = sampling.prefill(model, tokens, lengths)
   args = (params, prefilled.state, prefilled.last_tokens, jax.random.key(0), jnp.float32(1), jnp.float32(1),
           jnp.int32(0))
-  compiled = sampling._decode_compiled().lower(*args, graphdef=graphdef, settings=settings).compile()
-  default = jax.jit(sampling._decode, static_argnames=("graphdef", "settings")).lower(
+  compiled = sampling._SAMPLER._loop_jit.lower(*args, graphdef=graphdef, settings=settings).compile()
+  default = jax.jit(sampling._SAMPLER._loop, static_argnames=("graphdef", "settings")).lower(
       *args, graphdef=graphdef, settings=settings).compile()
   assert "__ynn_fusion" in default.as_text() and "__ynn_fusion" not in compiled.as_text()
