@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from retnet_jax import decay, retention, rotation, sharding
+from retnet_jax import decay, retention, rotation, sharding, stability
 
 MODES = ("parallel", "chunkwise", "recurrent")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -23,9 +23,6 @@ ACTIVATIONS = {
     "swish": jax.nn.swish,
     "relu": jax.nn.relu,
 }
-SCORE_CLAMP_MAX = 5e4  # upper clamp of the score normaliser, as in the official code
-# stability_norm_style: one scalar that every form computes alike, or the official code's scalars per form.
-NORM_STYLES = ("shared", "torchscale")
 
 
 def xavier_uniform(gain: float) -> nnx.Initializer:
@@ -39,6 +36,7 @@ def _param(rngs: nnx.Rngs, init: nnx.Initializer, shape: tuple[int, ...], axes: 
 
 
 def compute_dtype(name: str):
+  """The jnp dtype of a config's `dtype` name."""
   if name not in DTYPES:
     raise ValueError(f"unknown dtype {name!r}; choose one of {tuple(DTYPES)}.")
   return DTYPES[name]
@@ -106,80 +104,40 @@ def init_layer_state(cfg: ml_collections.ConfigDict, batch_size: int) -> dict[st
   return state
 
 
-def sqrt_decay_sum(n: jax.Array, log_decay_H: jax.Array) -> jax.Array:
-  """sqrt(sigma_n), sigma_n = sum_{t<=n} gamma^t = (1 - gamma^(n+1)) / (1 - gamma): `n [...]` -> `[..., H]`."""
-  n = n.astype(jnp.float32)[..., None]
-  return jnp.sqrt(jnp.expm1((n + 1) * log_decay_H) / jnp.expm1(log_decay_H))
-
-
 class MultiScaleRetention(nnx.Module):
   """Multi-scale retention: rotated q/k, per-head decay, per-head RMSNorm, swish gate, output projection.
 
-  With `stability_norm`, each head's raw output o_n is divided by a positive scalar per (position, head),
-  which the per-head norm cancels up to its epsilon. `stability_norm_style="shared"`: sqrt(sigma_n) * c_n,
-  where sigma_n = sum_{t<=n} gamma^t and c_n = clamp(|q_n . z_n| / sqrt(sigma_n), 1, 5e4) with z_n the
-  decayed key sum (kept in the state). Every form computes the same scalar, so the forms agree exactly
-  before and after the per-head norm, whatever its epsilon. `"torchscale"`: the official code's scalars,
-  which differ between forms (see `_divisor`), to reproduce its outputs form by form.
-
-  Positions below 0 are left padding: their keys are zeroed, so they add nothing to the state, and since
-  retention depends on relative positions only, a left-padded prompt gives the same outputs as alone.
+  With `stability_norm`, each head's raw output is divided by the `stability_norm_style` scalars of
+  `retnet_jax.stability`. Positions below 0 are left padding: their keys are zeroed, so they add nothing to the
+  state, and as retention depends on relative positions only, a left-padded prompt gives the outputs it gives alone.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
     d, heads = cfg.d_model, cfg.num_heads
     self.num_heads = heads
     self.key_dim = d // heads
     self.value_dim = cfg.value_dim // heads
-    self.dtype = compute_dtype(cfg.dtype)
+    self.dtype = dtype
     self.head_norm_eps = cfg.head_norm_eps
     self.stability_norm = cfg.stability_norm
     self.stability_norm_style = cfg.stability_norm_style
     self.chunk_size = cfg.chunk_size
     self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, heads, cfg.decay_gammas))
     qkvg_init = xavier_uniform(2**-2.5)
-    dense = lambda i, o, axes, init: Dense(i, o, axes, init=init, dtype=self.dtype, rngs=rngs)
+    dense = lambda i, o, axes, init: Dense(i, o, axes, init=init, dtype=dtype, rngs=rngs)
     self.q_proj = dense(d, d, ("embed", "heads"), qkvg_init)
     self.k_proj = dense(d, d, ("embed", "heads"), qkvg_init)
     self.v_proj = dense(d, cfg.value_dim, ("embed", "heads"), qkvg_init)
     self.g_proj = dense(d, cfg.value_dim, ("embed", "heads"), qkvg_init)
     self.out_proj = dense(cfg.value_dim, d, ("heads", "embed"), xavier_uniform(2**-1))
 
-  def _retention(self, mode: str, q, k, v, log_decay_H, state):
+  def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False):
+    """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only."""
     if mode == "parallel":
-      return retention.parallel_retention(q, k, v, log_decay_H, state)
+      return *retention.parallel_retention(q, k, v, log_decay_H, state), None, None
     if mode == "chunkwise":
-      return retention.chunkwise_retention(q, k, v, log_decay_H, self.chunk_size, state)
-    return retention.recurrent_retention(q, k, v, log_decay_H, state)
-
-  def _divisor(self, mode: str, qz_BxLxH, q, k, v, positions_BxL, log_decay_H, kv_in) -> jax.Array:
-    """Each head's divisor of its raw output o_n: `[B, L, H]` float32, from q_n . z_n `qz [B, L, H]`.
-
-    shared, every form: sqrt(sigma_n) * clamp(|q_n . z_n| / sqrt(sigma_n), 1, 5e4). torchscale, as its release
-    0.3.0 computes it per form: parallel sqrt(sigma_n) * clamp(|q_n . z_n| / sqrt(sigma_n), 1) (the absolute
-    row sum of its decayed score matrix); recurrent sqrt(sigma_n) (its state is stored divided by that);
-    chunkwise, with j the position inside a chunk of size B, sqrt(sigma_j) * max(clamp(A_j / sqrt(sigma_j), 1),
-    clamp(max_v sum_k |R| / sigma_(B-1), 1)), where A_j = sum_m gamma^(j-m) |q_j . k_m| over the chunk and R is
-    the raw state entering the chunk (each chunk's sums are its own: a row's clamp depends on the chunking).
-    """
-    sqrt_sigma = sqrt_decay_sum(jnp.maximum(positions_BxL, 0), log_decay_H)
-    score = jnp.abs(qz_BxLxH.astype(jnp.float32)) / sqrt_sigma
-    if self.stability_norm_style == "shared":
-      return sqrt_sigma * jnp.clip(score, 1.0, SCORE_CLAMP_MAX)
-    if mode == "parallel":
-      return sqrt_sigma * jnp.maximum(score, 1.0)
-    if mode == "recurrent":
-      return sqrt_sigma
-    length = q.shape[1]
-    size = min(self.chunk_size, length)
-    sqrt_sigma_LxH = sqrt_decay_sum(jnp.arange(length) % size, log_decay_H)
-    inner = jnp.maximum(retention.score_abs_sums(q, k, log_decay_H, size) / sqrt_sigma_LxH, 1.0)
-    states_CxBxHxKxV, _ = retention.chunk_states(k, v, log_decay_H, size, kv_in)  # as in chunkwise_retention
-    sigma_last_H = sqrt_decay_sum(jnp.asarray(size - 1), log_decay_H) ** 2
-    state_abs_CxBxH = jnp.abs(states_CxBxHxKxV).sum(axis=-2).max(axis=-1)
-    cross_BxCxH = jnp.maximum(jnp.moveaxis(state_abs_CxBxH, 0, 1) / sigma_last_H, 1.0)
-    cross = jnp.repeat(cross_BxCxH, size, axis=1)[:, :length]
-    return sqrt_sigma_LxH * jnp.maximum(inner, cross)
+      return retention._chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums)
+    return *retention.recurrent_retention(q, k, v, log_decay_H, state), None, None
 
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, state: dict[str, jax.Array] | None,
                mode: str) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -199,19 +157,23 @@ class MultiScaleRetention(nnx.Module):
 
     # No state (training from the start of a sequence): the forms skip the cross term with a zero state.
     kv_in = None if state is None else state["kv"]
-    out_BxLxHxV, kv = self._retention(mode, q, k, v, log_decay_H, kv_in)
+    out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in)
     new_state = {"kv": kv}
     out_BxLxHxV = out_BxLxHxV.astype(jnp.float32)
     if self.stability_norm:
-      # q_n . z_n is the retention of a ones value column, with z the decayed key sum carried in the state.
-      # Computed apart from o_n and without gradient (the divisor is a constant to autodiff): XLA shares the
-      # score matrix with the call above, and v keeps its width (d_v + 1 columns cost 16-18% of a step).
+      # q_n . z_n is the retention of a ones value column, z the decayed key sum in the state. A call of its own
+      # without gradient (the divisor is a constant to autodiff): XLA shares its scores with the call above, and
+      # v keeps its width. Its in-chunk scores are q . k, so it also gives torchscale's chunkwise score sums.
+      torchscale_chunks = self.stability_norm_style == "torchscale" and mode == "chunkwise"
       q_sg, k_sg = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
       ones = jnp.ones((batch, length, heads, 1), q.dtype)
       z_in = None if state is None else state["key_sum"][..., None]
-      qz, key_sum = self._retention(mode, q_sg, k_sg, ones, log_decay_H, z_in)
+      qz, key_sum, _, abs_sums = self._retention(mode, q_sg, k_sg, ones, log_decay_H, z_in, torchscale_chunks)
       new_state["key_sum"] = key_sum[..., 0]
-      divisor = self._divisor(mode, qz[..., 0], q_sg, k_sg, v, positions_BxL, log_decay_H, kv_in)
+      if torchscale_chunks:
+        divisor = stability.torchscale_chunkwise_divisor(abs_sums, entry_states, self.chunk_size, log_decay_H)
+      else:
+        divisor = stability.divisor(self.stability_norm_style, mode, qz[..., 0], positions_BxL, log_decay_H)
       out_BxLxHxV = out_BxLxHxV / jax.lax.stop_gradient(divisor)[..., None]
 
     y = rms_norm(out_BxLxHxV, self.head_norm_eps).reshape(batch, length, -1)
@@ -222,11 +184,10 @@ class MultiScaleRetention(nnx.Module):
 class GLUFeedForward(nnx.Module):
   """GLU feed-forward: (act(x W_1) * (x W_gate)) W_2."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
     if cfg.ffn_activation not in ACTIVATIONS:
       raise ValueError(f"unknown ffn_activation {cfg.ffn_activation!r}; choose one of {tuple(ACTIVATIONS)}.")
     self.activation = cfg.ffn_activation
-    dtype = compute_dtype(cfg.dtype)
     init = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
     self.fc1 = Dense(cfg.d_model, cfg.ffn_dim, ("embed", "mlp"), init=init, dtype=dtype, rngs=rngs)
     self.gate = Dense(cfg.d_model, cfg.ffn_dim, ("embed", "mlp"), init=init, dtype=dtype, rngs=rngs)
@@ -237,14 +198,13 @@ class GLUFeedForward(nnx.Module):
 
 
 class RetNetBlock(nnx.Module):
-  """Pre-norm block: Y = MSR(LN(X)) + X, then X' = FFN(LN(Y)) + Y."""
+  """Pre-norm block: Y = MSR(LN(X)) + X, then X' = FFN(LN(Y)) + Y; `dtype` is the compute dtype."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
-    dtype = compute_dtype(cfg.dtype)
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
     self.retention_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
-    self.retention = MultiScaleRetention(cfg, rngs=rngs)
+    self.retention = MultiScaleRetention(cfg, dtype=dtype, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
-    self.ffn = GLUFeedForward(cfg, rngs=rngs)
+    self.ffn = GLUFeedForward(cfg, dtype=dtype, rngs=rngs)
 
   def __call__(self, x_BxLxD, positions_BxL, rotation_tables, state: dict[str, Any] | None, mode: str):
     y, state = self.retention(self.retention_norm(x_BxLxD), positions_BxL, rotation_tables, state, mode)

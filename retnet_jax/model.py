@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import decay, layers, rotation, sharding
+from retnet_jax import decay, layers, rotation, sharding, stability
 
 State = dict[str, Any]
 # jax.checkpoint policies for `remat`: what each block keeps for the backward pass instead of recomputing it.
@@ -76,9 +76,9 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.ffn_activation not in layers.ACTIVATIONS:
     raise ValueError(f"unknown model.ffn_activation {cfg.ffn_activation!r}; "
                      f"choose one of {tuple(layers.ACTIVATIONS)}.")
-  if cfg.stability_norm_style not in layers.NORM_STYLES:
+  if cfg.stability_norm_style not in stability.NORM_STYLES:
     raise ValueError(f"unknown model.stability_norm_style {cfg.stability_norm_style!r}; "
-                     f"choose one of {layers.NORM_STYLES}.")
+                     f"choose one of {stability.NORM_STYLES}.")
 
 
 def check_tokens(tokens: Any, vocab_size: int) -> None:
@@ -131,7 +131,7 @@ class RetNet(nnx.Module):
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
     self.embed_scale = cfg.d_model**0.5 if cfg.scale_embedding else None
     self.embed_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs) if cfg.embed_norm else None
-    self.blocks = nnx.List([layers.RetNetBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([layers.RetNetBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.head = None if cfg.tie_embeddings else layers.Dense(
         cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
@@ -144,9 +144,16 @@ class RetNet(nnx.Module):
 
   def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
                remat: str = "none") -> tuple[jax.Array, State]:
-    """Logits `[batch, seq, vocab]` (float32) for `tokens [batch, seq]`, and the state after the last token.
+    """Runs the model over a token batch in one retention form.
 
-    `remat` (`none` or a key of REMAT_POLICIES) recomputes each block in the backward pass to save memory.
+    Args:
+      tokens_BxL: integer token ids `[batch, seq]`.
+      mode: the retention form: parallel, chunkwise or recurrent (layers.MODES).
+      state: the state a previous call returned (position `[batch]`, each layer's retention state), or None to start
+        at position 0.
+      remat: `none`, or a key of REMAT_POLICIES to recompute each block in the backward pass and save memory.
+    Returns:
+      `(logits [batch, seq, vocab]` float32, the state after the last token).
     """
     if mode not in layers.MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")

@@ -1,18 +1,12 @@
 """Retention as pure functions: the parallel, recurrent and chunkwise recurrent forms.
 
-All three compute the raw retention of one layer (no normalisation, q and k already rotated and scaled)
+Each computes one layer's raw retention per head (no normalisation; q and k already rotated and scaled)
 
     o_n = sum_{m <= n} gamma^(n - m) (q_n . k_m) v_m  +  gamma^(n + 1) q_n S_in
     S_out = gamma^L S_in + sum_m gamma^(L - 1 - m) k_m^T v_m
 
-per head, and return `(out, final_state)`. Layout: q, k `[batch, seq, heads, d_k]`, v
-`[batch, seq, heads, d_v]`, state `[batch, heads, d_k, d_v]`, `log_decay` = log(gamma) of shape `[heads]`.
-Products accumulate in float32 (float64 for float64 inputs) and the state is kept in that precision, so a
-prompt prefilled in one form can be continued in any other.
-
-Two helpers expose intermediate quantities for normalisers built on top (layers.MultiScaleRetention):
-`chunk_states`, the state entering each chunk of the chunkwise form, and `score_abs_sums`, the decayed
-sums of score magnitudes `sum_m gamma^(n-m) |q_n . k_m|`.
+and returns `(out, final_state)`. Products accumulate in float32 (float64 for float64 inputs) and the state
+stays in that precision, so a prompt prefilled in one form continues in any other.
 """
 
 from __future__ import annotations
@@ -61,15 +55,21 @@ def _zeros_state(q, v, acc):
 
 
 def parallel_retention(q, k, v, log_decay, state=None):
-  """Parallel form: `((Q K^T) * D) V` with one `[L, L]` decay mask per head. Returns (out, final_state)."""
+  """Parallel form: `O = ((Q K^T) * D) V` with the `[L, L]` decay mask D of each head.
+
+  Args:
+    q, k: `[batch, seq, heads, d_k]`. v: `[batch, seq, heads, d_v]`. log_decay: log(gamma), `[heads]`.
+    state: the carried-in state `[batch, heads, d_k, d_v]`, or None for an empty one.
+  Returns:
+    `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` in the accumulation dtype).
+  """
   _check_inputs(q, k, v, log_decay, state)
   acc = _acc_dtype(q)
   length = q.shape[1]
   log_decay_H = log_decay.astype(acc)
   pos_L = jnp.arange(length, dtype=acc)
 
-  # Head-major operands: the batched products then need only cheap copies of whole rows; XLA's own layouts
-  # for the token-major einsums transposed v and the output across their last axis (a 2-D transpose per head).
+  # Head-major operands: the batched products then copy whole rows, where token-major ones transposed per head.
   q_h, k_h, v_h = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, L, *]
   scores_BxHxLxL = jnp.einsum("bhnk,bhmk->bhnm", q_h, k_h, preferred_element_type=acc)
   scores_BxHxLxL = scores_BxHxLxL * _decay_mask(log_decay_H, length, acc)
@@ -90,7 +90,10 @@ def parallel_retention(q, k, v, log_decay, state=None):
 
 
 def recurrent_retention(q, k, v, log_decay, state=None):
-  """Recurrent form: `S_n = gamma S_(n-1) + k_n^T v_n`, `o_n = q_n S_n`, one `lax.scan` step per token."""
+  """Recurrent form: `S_n = gamma S_(n-1) + k_n^T v_n`, `o_n = q_n S_n`, one `lax.scan` step per token.
+
+  Args and returns as in `parallel_retention`.
+  """
   _check_inputs(q, k, v, log_decay, state)
   acc = _acc_dtype(q)
   gamma_H = jnp.exp(log_decay.astype(acc))
@@ -107,8 +110,7 @@ def recurrent_retention(q, k, v, log_decay, state=None):
 
 
 def _chunk_len(chunk_size, length: int) -> int:
-  """The chunk length used for a sequence of `length`: `chunk_size` (any positive integer type), at most the
-  length, and 1 for an empty sequence."""
+  """The chunk length for a sequence of `length`: `chunk_size` (any integer type), at most the length, at least 1."""
   try:
     size = operator.index(chunk_size)
   except TypeError:
@@ -126,19 +128,18 @@ def _to_chunks(x, size):
   return x.reshape(batch, num_chunks, size, heads, dim)
 
 
-def chunk_states(k, v, log_decay, chunk_size, state=None):
-  """The cross-chunk part of the chunkwise form: the state entering each chunk and the final state.
+def _from_chunks(x_BxCxHxS, length: int):
+  """Head-major chunks `[batch, chunks, heads, size, *rest]` back to `[batch, length, heads, *rest]`."""
+  batch, _, heads = x_BxCxHxS.shape[:3]
+  return jnp.swapaxes(x_BxCxHxS, 2, 3).reshape((batch, -1, heads) + x_BxCxHxS.shape[4:])[:, :length]
 
-  Returns `(states [chunks, batch, heads, d_k, d_v], final_state)`: chunk c's entry is the state as at the
-  last position of chunk c - 1 (the first is `state`, zero if None). The last chunk decays the state only by
-  its true length, so the final state equals the recurrent form's for any sequence length.
-  """
-  _check_inputs(k, k, v, log_decay, state)
-  acc = _acc_dtype(k)
+
+def _chunk_states(k, v, log_decay_H, size, state):
+  """The state entering each chunk, `[chunks, batch, heads, d_k, d_v]` (chunk c's: as at the last position of chunk
+  c - 1), and the final state; the last chunk decays the state by its true length only."""
+  acc = log_decay_H.dtype
   length = k.shape[1]
-  size = _chunk_len(chunk_size, length)
   num_chunks = -(-length // size)
-  log_decay_H = log_decay.astype(acc)
   k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (k, v))  # [B, C, H, S, *]
 
   # Each chunk's contribution to the state at its own last real position, and its true length.
@@ -160,15 +161,16 @@ def chunk_states(k, v, log_decay, chunk_size, state=None):
   return before_CxBxHxKxV, state_out
 
 
-def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
-  """Chunkwise recurrent form: parallel inside chunks of `chunk_size`, a `lax.scan` carries the state across.
+def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False):
+  """`chunkwise_retention` with two by-products of its pass, for normalisers built on it.
 
-  The sequence is zero-padded to whole chunks; the last chunk decays the state only by its true length, so
-  the final state equals the recurrent form's for any sequence length. Memory is linear in the length.
+  Returns `(out, final_state, entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
+  entering each chunk; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless `score_abs_sums`), the
+  in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums of the masked scores.
   """
   _check_inputs(q, k, v, log_decay, state)
   acc = _acc_dtype(q)
-  batch, length, heads, _ = q.shape
+  length = q.shape[1]
   size = _chunk_len(chunk_size, length)
   log_decay_H = log_decay.astype(acc)
   # Head-major inside chunks, as in parallel_retention.
@@ -178,30 +180,27 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
   scores = jnp.einsum("bchnk,bchmk->bchnm", q_c, k_c, preferred_element_type=acc)
   scores = scores * _decay_mask(log_decay_H, size, acc)
   inner = jnp.einsum("bchnm,bchmv->bchnv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
+  abs_sums = _from_chunks(jnp.sum(jnp.abs(scores), axis=-1), length) if score_abs_sums else None
 
   # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position.
-  before_CxBxHxKxV, state_out = chunk_states(k, v, log_decay, size, state)
+  before_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state)
   xi_HxS = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc))
   # Chunk-major states: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for the batch-major dot.
   cross = jnp.einsum("bchnk,cbhkv->bchnv", q_c, before_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
-  out = inner + cross * xi_HxS[None, None, :, :, None]
-  out = jnp.swapaxes(out, 2, 3).reshape(batch, -1, heads, out.shape[-1])[:, :length]
-  return out.astype(v.dtype), state_out
+  out = _from_chunks(inner + cross * xi_HxS[None, None, :, :, None], length)
+  return out.astype(v.dtype), state_out, before_CxBxHxKxV, abs_sums
 
 
-def score_abs_sums(q, k, log_decay, chunk_size):
-  """`sum_m gamma^(n-m) |q_n . k_m|` over the m <= n in n's chunk: `[batch, seq, heads]`, accumulation dtype.
+def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
+  """Chunkwise recurrent form: the parallel form inside chunks of `chunk_size`, a `lax.scan` across them.
 
-  Not part of retention itself: the official chunkwise code normalises rows of its in-chunk decayed score
-  matrix by it (see layers.MultiScaleRetention). Chunks of `chunk_size` positions start at the first one.
+  The sequence is zero-padded to whole chunks; the last chunk decays the state by its true length only, so the
+  final state equals the recurrent form's for any length. Memory is linear in the length.
+
+  Args:
+    q, k, v, log_decay, state: as in `parallel_retention`. chunk_size: a positive integer (at most seq is used).
+  Returns:
+    `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` in the accumulation dtype).
   """
-  if q.ndim != 4 or k.shape != q.shape:
-    raise ValueError(f"q and k must both be [batch, seq, heads, d_k]; got q {q.shape}, k {k.shape}.")
-  if log_decay.shape != (q.shape[2],):
-    raise ValueError(f"log_decay must have shape [heads] = ({q.shape[2]},); got {log_decay.shape}.")
-  acc = _acc_dtype(q)
-  batch, length, heads, _ = q.shape
-  size = _chunk_len(chunk_size, length)
-  scores = jnp.einsum("bcnhk,bcmhk->bchnm", _to_chunks(q, size), _to_chunks(k, size), preferred_element_type=acc)
-  sums_BxCxHxS = jnp.sum(jnp.abs(scores) * _decay_mask(log_decay.astype(acc), size, acc), axis=-1)
-  return jnp.swapaxes(sums_BxCxHxS, 2, 3).reshape(batch, -1, heads)[:, :length]
+  out, state_out, _, _ = _chunkwise(q, k, v, log_decay, chunk_size, state)
+  return out, state_out

@@ -128,7 +128,31 @@ def test_shape_errors_name_the_array():
   with pytest.raises(ValueError, match="state must be"):
     retention.chunkwise_retention(q, k, v, LOG_DECAY, 2, jnp.zeros((BATCH, HEADS, D_K, D_V + 1)))
   with pytest.raises(ValueError, match=r"log_decay must have shape \[heads\]"):
-    retention.score_abs_sums(q, k, LOG_DECAY[:1], 2)
+    retention._chunkwise(q, k, v, LOG_DECAY[:1], 2, score_abs_sums=True)
+
+
+@pytest.mark.parametrize("length,chunk", [(7, 3), (16, 4), (5, 8)])
+def test_chunkwise_by_products_match_float64(length, chunk):
+  """The chunkwise pass's by-products for the normalisers: the state entering each chunk, and the in-chunk decayed
+  sums of score magnitudes sum_m gamma^(j-m) |q_j . k_m| over the m <= j of j's chunk."""
+  q, k, v, state = random_inputs(length, seed=length)
+  size = min(chunk, length)
+  expected_states = np.stack([reference(q[:, :s], k[:, :s], v[:, :s], LOG_DECAY, state)[1]
+                              for s in range(0, length, size)])
+  n = np.arange(length)
+  diff = n[:, None] - n[None, :]
+  in_chunk = (diff >= 0) & (n[:, None] // size == n[None, :] // size)
+  mask = np.where(in_chunk, np.exp(LOG_DECAY.astype(np.float64))[:, None, None] ** np.maximum(diff, 0), 0.0)
+  expected_sums = np.einsum("bhnm,hnm->bnh", np.abs(np.einsum("bnhk,bmhk->bhnm", q, k)), mask)
+  with jax.enable_x64(True):
+    args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, state)]
+    out, final, states, sums = retention._chunkwise(*args[:3], LOG_DECAY, chunk, args[3], score_abs_sums=True)
+    expected_out, expected_final = retention.chunkwise_retention(*args[:3], LOG_DECAY, chunk, args[3])
+    assert retention._chunkwise(*args[:3], LOG_DECAY, chunk, args[3])[3] is None
+  assert states.shape == expected_states.shape and rel_err(states, expected_states) < 1e-10
+  assert sums.shape == expected_sums.shape and rel_err(sums, expected_sums) < 1e-10
+  np.testing.assert_array_equal(out, expected_out)
+  np.testing.assert_array_equal(final, expected_final)
 
 
 def test_rotation_depends_only_on_position_difference():

@@ -141,7 +141,7 @@ class TransformerBlock(nnx.Module):
     self.attention_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.attention = CausalSelfAttention(cfg, rngs=rngs)
     self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
-    self.ffn = layers.GLUFeedForward(cfg, rngs=rngs)
+    self.ffn = layers.GLUFeedForward(cfg, dtype=dtype, rngs=rngs)
 
   def __call__(self, x_BxLxD, positions_BxL, rotation_tables, cache: State, slot: jax.Array, form: str):
     y, cache = self.attention(self.attention_norm(x_BxLxD), positions_BxL, rotation_tables, cache, slot, form)
