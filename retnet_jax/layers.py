@@ -1,17 +1,21 @@
 """Flax NNX layers of RetNet: projections, RMSNorm, embedding, multi-scale retention, GLU feed-forward, block.
 
-Parameters are float32 and carry logical axis names (`vocab`, `embed`, `heads`, `mlp`) that
-`retnet_jax.sharding` maps to mesh axes; compute runs in the configured dtype with float32 accumulation.
+Parameters are float32 and carry logical axis names (`vocab`, `embed`, `heads`, `mlp`); compute runs in the
+configured dtype with float32 accumulation. Built under a mesh (`jax.set_mesh`), a parameter is placed where the
+active `nnx.logical_axis_rules` put its axes, as far as that mesh has those axes and they split it evenly, and
+replicated otherwise (with no rules active: replicated).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from retnet_jax import decay, retention, rotation, sharding, stability
 
@@ -29,10 +33,25 @@ def xavier_uniform(gain: float) -> nnx.Initializer:
   return nnx.initializers.variance_scaling(gain**2, "fan_avg", "uniform")
 
 
+def _mesh_spec(mesh, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> P:
+  """The active rules' spec for logical `axes`, keeping per dimension only mesh axes `mesh` has that split it evenly."""
+  spec = []
+  for size, names in zip(shape, sharding.logical_spec(axes)):
+    names = tuple(n for n in ((names,) if isinstance(names, str) else names or ()) if n in mesh.axis_names)
+    if size % math.prod(mesh.shape[n] for n in names):
+      names = ()
+    spec.append(names[0] if len(names) == 1 else names or None)
+  return P(*spec)
+
+
 def _param(rngs: nnx.Rngs, init: nnx.Initializer, shape: tuple[int, ...], axes: tuple[str | None, ...]):
-  """A float32 parameter annotated with logical axes; sharded at creation only when a mesh is active."""
-  return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes,
-                   eager_sharding=not jax.sharding.get_abstract_mesh().empty)
+  """A float32 parameter annotated with logical `axes`; under a mesh, placed as the module docstring says."""
+  value = init(rngs.params(), shape, jnp.float32)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    place = jax.sharding.reshard if mesh.are_all_axes_explicit else jax.lax.with_sharding_constraint
+    value = place(value, _mesh_spec(mesh, shape, axes))
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)  # placed above, not by flax's rules
 
 
 def compute_dtype(name: str):

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
+from retnet_jax import sharding
 from retnet_jax.model import RetNet
 
 MODES = ("parallel", "chunkwise", "recurrent")
@@ -201,3 +202,27 @@ def test_remat_policies_give_the_same_gradients():
     assert max_abs_diff(grad(remat), reference) < 1e-6, remat
   with pytest.raises(ValueError, match="unknown remat 'some'"):
     model(tokens, remat="some")
+
+
+@pytest.mark.parametrize("shape,names", [((1,), ("data",)), ((2, 2, 2), ("data", "fsdp", "tensor"))])
+@pytest.mark.parametrize("with_rules", [False, True])
+def test_model_builds_under_a_user_mesh(shape, names, with_rules):
+  """Built under a researcher's own mesh, with or without the project's rules active, the model gives the logits of
+  one built without a mesh; its parameters lie where the rules put them on the mesh's axes, replicated elsewhere."""
+  cfg = retnet_config.get_config("tiny")
+  rules = sharding.logical_rules(cfg.mesh)
+  mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules if with_rules else ()):
+    model = RetNet(cfg.model, rngs=nnx.Rngs(0))
+  reference, tokens = tiny_model(), random_tokens(2, 21)
+  params = nnx.state(model, nnx.Param)
+  assert max_abs_diff(params, nnx.state(reference, nnx.Param)) == 0
+  for mode in ("parallel", "chunkwise"):  # sharded parameters split the products: float32 rounding apart
+    expected = forward(reference, tokens, None, mode)[0]
+    assert max_abs_diff(forward(model, tokens, None, mode)[0], expected) < 1e-5 * float(jnp.max(jnp.abs(expected)))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    spec = sharding.logical_spec(leaf.get_metadata()["out_sharding"], rules)
+    expected = spec if with_rules and len(names) == 3 else jax.sharding.PartitionSpec()
+    assert leaf[...].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, expected), leaf[...].ndim), path
+    if expected != jax.sharding.PartitionSpec():
+      assert leaf[...].addressable_shards[0].data.size < leaf[...].size, path  # split indeed
