@@ -8,14 +8,12 @@ replicated otherwise (with no rules active: replicated).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from retnet_jax import decay, retention, rotation, sharding, stability
 
@@ -33,25 +31,20 @@ def xavier_uniform(gain: float) -> nnx.Initializer:
   return nnx.initializers.variance_scaling(gain**2, "fan_avg", "uniform")
 
 
-def _mesh_spec(mesh, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> P:
-  """The active rules' spec for logical `axes`, keeping per dimension only mesh axes `mesh` has that split it evenly."""
-  spec = []
-  for size, names in zip(shape, sharding.logical_spec(axes)):
-    names = tuple(n for n in ((names,) if isinstance(names, str) else names or ()) if n in mesh.axis_names)
-    if size % math.prod(mesh.shape[n] for n in names):
-      names = ()
-    spec.append(names[0] if len(names) == 1 else names or None)
-  return P(*spec)
-
-
 def _param(rngs: nnx.Rngs, init: nnx.Initializer, shape: tuple[int, ...], axes: tuple[str | None, ...]):
   """A float32 parameter annotated with logical `axes`; under a mesh, placed as the module docstring says."""
   value = init(rngs.params(), shape, jnp.float32)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty:
     place = jax.sharding.reshard if mesh.are_all_axes_explicit else jax.lax.with_sharding_constraint
-    value = place(value, _mesh_spec(mesh, shape, axes))
+    value = place(value, sharding.mesh_spec(mesh, shape, axes))
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)  # placed above, not by flax's rules
+
+
+def check_activation(name: str) -> None:
+  """Raises ValueError for an `ffn_activation` not in ACTIVATIONS."""
+  if name not in ACTIVATIONS:
+    raise ValueError(f"unknown model.ffn_activation {name!r}; choose one of {tuple(ACTIVATIONS)}.")
 
 
 def compute_dtype(name: str):
@@ -204,8 +197,6 @@ class GLUFeedForward(nnx.Module):
   """GLU feed-forward: (act(x W_1) * (x W_gate)) W_2."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
-    if cfg.ffn_activation not in ACTIVATIONS:
-      raise ValueError(f"unknown ffn_activation {cfg.ffn_activation!r}; choose one of {tuple(ACTIVATIONS)}.")
     self.activation = cfg.ffn_activation
     init = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
     self.fc1 = Dense(cfg.d_model, cfg.ffn_dim, ("embed", "mlp"), init=init, dtype=dtype, rngs=rngs)

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import decay, layers, rotation, sharding, stability
+from retnet_jax import decay, layers, retention, rotation, sharding, stability
 
 State = dict[str, Any]
 # jax.checkpoint policies for `remat`: what each block keeps for the backward pass instead of recomputing it.
@@ -69,13 +69,10 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   for name in ("norm_eps", "head_norm_eps"):
     if not math.isfinite(cfg[name]) or cfg[name] < 0:
       raise ValueError(f"model.{name} must be a finite number >= 0; got {cfg[name]}.")
-  if not isinstance(cfg.chunk_size, int) or cfg.chunk_size < 1:
-    raise ValueError(f"model.chunk_size must be a positive integer; got {cfg.chunk_size!r}.")
+  retention.check_chunk_size(cfg.chunk_size, "model.chunk_size")
   layers.compute_dtype(cfg.dtype)
   decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
-  if cfg.ffn_activation not in layers.ACTIVATIONS:
-    raise ValueError(f"unknown model.ffn_activation {cfg.ffn_activation!r}; "
-                     f"choose one of {tuple(layers.ACTIVATIONS)}.")
+  layers.check_activation(cfg.ffn_activation)
   if cfg.stability_norm_style not in stability.NORM_STYLES:
     raise ValueError(f"unknown model.stability_norm_style {cfg.stability_norm_style!r}; "
                      f"choose one of {stability.NORM_STYLES}.")

@@ -109,15 +109,20 @@ def recurrent_retention(q, k, v, log_decay, state=None):
   return jnp.swapaxes(out_LxBxHxV, 0, 1).astype(v.dtype), state_out
 
 
-def _chunk_len(chunk_size, length: int) -> int:
-  """The chunk length for a sequence of `length`: `chunk_size` (any integer type), at most the length, at least 1."""
+def check_chunk_size(chunk_size, name: str = "chunk_size") -> int:
+  """`chunk_size` as an int (any integer type), or ValueError naming `name` unless it is a positive integer."""
   try:
     size = operator.index(chunk_size)
   except TypeError:
     size = 0
   if size < 1:
-    raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}.")
-  return max(min(size, length), 1)
+    raise ValueError(f"{name} must be a positive integer; got {chunk_size!r}.")
+  return size
+
+
+def _chunk_len(chunk_size, length: int) -> int:
+  """The chunk length for a sequence of `length`: `chunk_size`, at most the length, at least 1."""
+  return max(min(check_chunk_size(chunk_size), length), 1)
 
 
 def _to_chunks(x, size):

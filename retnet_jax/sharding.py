@@ -60,11 +60,25 @@ def logical_spec(axes: Sequence[str | None], rules: Sequence[tuple[str, Any]] | 
   return P(*(mapping.get(a) if a is not None else None for a in axes))
 
 
+def mesh_spec(mesh: Any, shape: Sequence[int], axes: Sequence[str | None]) -> P:
+  """The active rules' spec for an array of `shape` with logical `axes`, keeping per dimension only the axes
+  `mesh` has that split it evenly (others replicate): the project's rules also fit a user's own mesh."""
+  spec = []
+  for size, names in zip(shape, logical_spec(axes)):
+    names = tuple(n for n in ((names,) if isinstance(names, str) else names or ()) if n in mesh.axis_names)
+    if size % math.prod(mesh.shape[n] for n in names):
+      names = ()
+    spec.append(names[0] if len(names) == 1 else names or None)
+  return P(*spec)
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-  """Constrains an activation to the sharding of its logical `axes`; a no-op outside a mesh and rules."""
-  if jax.sharding.get_abstract_mesh().empty or not flax_spmd.get_logical_axis_rules():
+  """Constrains an activation to the sharding of its logical `axes` (`mesh_spec`); a no-op outside a mesh and
+  rules."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not flax_spmd.get_logical_axis_rules():
     return x
-  return jax.lax.with_sharding_constraint(x, logical_spec(axes))
+  return jax.lax.with_sharding_constraint(x, mesh_spec(mesh, x.shape, axes))
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]], ndim: int = 2) -> NamedSharding:

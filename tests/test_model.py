@@ -207,8 +207,8 @@ def test_remat_policies_give_the_same_gradients():
 @pytest.mark.parametrize("shape,names", [((1,), ("data",)), ((2, 2, 2), ("data", "fsdp", "tensor"))])
 @pytest.mark.parametrize("with_rules", [False, True])
 def test_model_builds_under_a_user_mesh(shape, names, with_rules):
-  """Built under a researcher's own mesh, with or without the project's rules active, the model gives the logits of
-  one built without a mesh; its parameters lie where the rules put them on the mesh's axes, replicated elsewhere."""
+  """Built and run under a researcher's own mesh, with or without the project's rules active, the model gives the
+  logits of one built without a mesh; its parameters lie where the rules put them on the mesh's axes, replicated elsewhere."""
   cfg = retnet_config.get_config("tiny")
   rules = sharding.logical_rules(cfg.mesh)
   mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
@@ -220,6 +220,9 @@ def test_model_builds_under_a_user_mesh(shape, names, with_rules):
   for mode in ("parallel", "chunkwise"):  # sharded parameters split the products: float32 rounding apart
     expected = forward(reference, tokens, None, mode)[0]
     assert max_abs_diff(forward(model, tokens, None, mode)[0], expected) < 1e-5 * float(jnp.max(jnp.abs(expected)))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules if with_rules else ()):  # and run under that mesh
+      inside = model(tokens, mode=mode)[0]  # traced afresh: under the mesh, constraints apply
+    assert max_abs_diff(inside, expected) < 1e-5 * float(jnp.max(jnp.abs(expected)))
   for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     spec = sharding.logical_spec(leaf.get_metadata()["out_sharding"], rules)
     expected = spec if with_rules and len(names) == 3 else jax.sharding.PartitionSpec()

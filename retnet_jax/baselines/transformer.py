@@ -64,6 +64,7 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}.")
   rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
   layers.compute_dtype(cfg.dtype)
+  layers.check_activation(cfg.ffn_activation)
 
 
 def attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, visible_BxLxS: jax.Array
