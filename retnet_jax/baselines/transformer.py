@@ -96,11 +96,11 @@ class CausalSelfAttention(nnx.Module):
   and attends over it, `recurrent` does the latter one token at a time.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
     d = cfg.d_model
     self.num_heads = cfg.num_heads
     self.head_dim = d // cfg.num_heads
-    self.dtype = layers.compute_dtype(cfg.dtype)
+    self.dtype = dtype
     init = layers.xavier_uniform(1.0)
     self.qkv_proj = layers.Dense(d, 3 * d, ("embed", "heads"), init=init, dtype=self.dtype, rngs=rngs)
     self.out_proj = layers.Dense(d, d, ("heads", "embed"), init=init, dtype=self.dtype, rngs=rngs)
@@ -135,12 +135,11 @@ class CausalSelfAttention(nnx.Module):
 
 
 class TransformerBlock(nnx.Module):
-  """Pre-norm block: Y = Attention(LN(X)) + X, then X' = FFN(LN(Y)) + Y."""
+  """Pre-norm block: Y = Attention(LN(X)) + X, then X' = FFN(LN(Y)) + Y; `dtype` is the compute dtype."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
-    dtype = layers.compute_dtype(cfg.dtype)
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
     self.attention_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
-    self.attention = CausalSelfAttention(cfg, rngs=rngs)
+    self.attention = CausalSelfAttention(cfg, dtype=dtype, rngs=rngs)
     self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = layers.GLUFeedForward(cfg, dtype=dtype, rngs=rngs)
 
@@ -170,7 +169,7 @@ class Transformer(nnx.Module):
     self.config = ml_collections.FrozenConfigDict(cfg)
     dtype = layers.compute_dtype(cfg.dtype)
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([TransformerBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([TransformerBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.head = None if cfg.tie_embeddings else layers.Dense(
         cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
