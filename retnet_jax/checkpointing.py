@@ -22,10 +22,13 @@ _METRIC = "eval_loss"
 
 
 class _OrbaxWarningsOnly(logging.Filter):
-  """Drops orbax's info and debug records, which otherwise flood training logs at every save."""
+  """Drops orbax's info and debug records, which otherwise flood training logs at every save, and its warning
+  that a reader's directory is read-only (what readers ask for)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or not record.pathname.startswith(_ORBAX_DIR)
+    if not record.pathname.startswith(_ORBAX_DIR):
+      return True
+    return record.levelno >= logging.WARNING and not record.getMessage().startswith("Given directory is read only")
 
 
 _ORBAX_FILTER = _OrbaxWarningsOnly()
@@ -73,15 +76,26 @@ class Checkpointer:
   """Keeps the last `keep` training checkpoints (plus the lowest `eval_loss` one with `keep_best`).
 
   Saves run in the background when `async_save`; a step still being written is never reported by `latest_step`
-  or `all_steps`, and `restore` waits for it. Leftover temporary folders of a crashed save are ignored and removed.
+  or `all_steps`, and `restore` waits for it. Leftover temporary folders of a crashed save are ignored, and
+  removed by a writer. With `read_only` (evaluation, generation, notebooks: a workdir that may be training) it
+  only reads: it writes, deletes and cleans up nothing, so the training process's saves in flight are untouched.
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 3, keep_best: bool = False,
-               async_save: bool = True):
+               async_save: bool = True, read_only: bool = False):
     if keep < 1:
       raise ValueError(f"keep must be at least 1 (the latest checkpoint is needed to resume); got {keep}.")
     _quiet_orbax()
     self.directory = os.path.abspath(directory)
+    self.read_only = read_only
+    registry = ocp.handlers.create_default_handler_registry(
+        state=ocp.handlers.StandardCheckpointHandler(), meta=ocp.handlers.JsonCheckpointHandler())
+    self._pending_step = None
+    if read_only:
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
+                                             enable_async_checkpointing=False, save_interval_steps=0)
+      self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+      return
     best_fn = (lambda metrics: metrics[_METRIC]) if keep_best else None
     policies = [ocp.checkpoint_managers.LatestN(n=keep)]
     if keep_best:  # reverse: rank by descending loss, so the one kept (the last) has the lowest
@@ -93,10 +107,7 @@ class Checkpointer:
         best_fn=best_fn, best_mode="min",
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)
-    registry = ocp.handlers.create_default_handler_registry(
-        state=ocp.handlers.StandardCheckpointHandler(), meta=ocp.handlers.JsonCheckpointHandler())
     self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
-    self._pending_step = None
 
   def save(self, step: int, state: Any, meta: dict, *, eval_loss: float | None = None,
            force: bool = False) -> bool:
@@ -105,6 +116,7 @@ class Checkpointer:
     Without `force`, a step not above the latest saved one is skipped (orbax's rule); with `force`, an existing
     step raises ValueError rather than being overwritten.
     """
+    self._check_writable("save")
     metrics = None if eval_loss is None else {_METRIC: float(eval_loss)}
     started = self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -149,6 +161,7 @@ class Checkpointer:
 
   def set_aside(self, step: int) -> str:
     """Renames an unreadable step folder to `<step>.corrupt` (kept for inspection, no longer a checkpoint)."""
+    self._check_writable("set a step aside")
     self.wait()
     source = os.path.join(self.directory, str(step))
     target = f"{source}.corrupt"
@@ -164,6 +177,10 @@ class Checkpointer:
   def wait(self) -> None:
     """Blocks until background saves are committed (and old steps deleted)."""
     self._manager.wait_until_finished()
+
+  def _check_writable(self, action: str) -> None:
+    if self.read_only:
+      raise ValueError(f"cannot {action} in {self.directory}: this Checkpointer is read-only.")
 
   def close(self) -> None:
     """Waits for pending saves and releases orbax's threads."""

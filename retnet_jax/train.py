@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from retnet_jax import (checkpointing, data, flops, layers, metrics, preemption, sharding, train_state,
-                        train_step as train_step_lib)
+                        train_step as train_step_lib, workdir_lock)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -65,7 +65,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   data.check_vocab_size(tokenizer, config.model.vocab_size)
   ckpt_dir = workdir / "checkpoints"
   if ckpt_dir.is_dir():
-    with checkpointing.Checkpointer(ckpt_dir) as existing:
+    with checkpointing.Checkpointer(ckpt_dir, read_only=True) as existing:
       for step in reversed(existing.all_steps()):  # the newest whose meta reads; damaged ones are set aside later
         try:
           saved_model = existing.restore_meta(step)["config"]["model"]
@@ -84,17 +84,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   data.eval_batches(valid_sequences, train_cfg.batch_size // train_cfg.grad_accum_steps, 1)  # enough to evaluate?
 
   workdir.mkdir(parents=True, exist_ok=True)
-  if jax.process_index() == 0:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-  checkpointer = checkpointing.Checkpointer(ckpt_dir, keep=config.checkpoint.keep,
-                                            keep_best=config.checkpoint.keep_best,
-                                            async_save=config.checkpoint.async_save)
-  writer = metrics.MetricsWriter(workdir)
-  try:
-    return _train_loop(config, run, batches, valid_sequences, checkpointer, writer, workdir)
-  finally:
-    checkpointer.close()
-    writer.close()
+  with workdir_lock.WriterLock(workdir, jax.process_index()):  # one training process writes the workdir
+    if jax.process_index() == 0:
+      (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    checkpointer = checkpointing.Checkpointer(ckpt_dir, keep=config.checkpoint.keep,
+                                              keep_best=config.checkpoint.keep_best,
+                                              async_save=config.checkpoint.async_save)
+    writer = metrics.MetricsWriter(workdir)
+    try:
+      return _train_loop(config, run, batches, valid_sequences, checkpointer, writer, workdir)
+    finally:
+      checkpointer.close()
+      writer.close()
 
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,

@@ -125,7 +125,7 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   check_config(config, jax.device_count())
   layout = make_layout(config, sharding.placement(config.mesh))
   if has_checkpoints:
-    with checkpointing.Checkpointer(ckpt_dir) as checkpointer:
+    with checkpointing.Checkpointer(ckpt_dir, read_only=True) as checkpointer:  # the workdir may be training
       step, steps = checkpointer.resolve(step), checkpointer.all_steps()
       try:
         saved_model = checkpointer.restore_meta(step)["config"]["model"]

@@ -106,8 +106,72 @@ def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_p
   with checkpointing.Checkpointer(checkpoints) as checkpointer:
     latest = checkpointer.latest_step()
   assert latest in (25, 50)  # a half-written 50 is never taken as the latest
+  assert (workdir / "train_0.lock").exists()  # the killed run's lock file stays, but its lock died with it
   finish(launch(workdir, corpus, every_steps=25, async_save=True))
   assert losses(workdir) == reference  # steps after `latest` were redone identically
+
+
+def script_flags(workdir, corpus):
+  """Flags that load `launch`'s model and data in scripts/evaluate.py and scripts/generate.py."""
+  return ([f"--config={REPO / 'configs' / 'retnet.py'}:tiny", f"--workdir={workdir}",
+           f"--config.data.files=('{corpus}',)"] + [f"--config.train.{k}={v}" for k, v in TRAIN.items()])
+
+
+@pytest.mark.slow
+def test_evaluating_and_sampling_while_training_leave_it_intact(tmp_path, corpus, reference):
+  """Readers open checkpoints read-only: evaluate.py and generate.py against a workdir that is training (saving
+  asynchronously every 5 steps) succeed, and the training finishes with every step equal to an uninterrupted run.
+  (A reader used to remove the writer's save in flight, and the training died.)"""
+  workdir = tmp_path / "run"
+  process = launch(workdir, corpus, every_steps=5, async_save=True)
+  checkpoints = workdir / "checkpoints"
+  wait_for(lambda: checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()), process)
+  env = dict(os.environ, XLA_FLAGS="")
+  readers = [("evaluate.py", ["--max_batches=1"]), ("generate.py", ["--max_new_tokens=4", "--stream=false"])]
+  reads = 0
+  while process.poll() is None and reads < 6:
+    script, extra = readers[reads % 2]
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / script), *script_flags(workdir, corpus), *extra],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reads += 1
+  finish(process)
+  assert reads >= 2  # at least one evaluation and one sampling overlapped the training
+  assert losses(workdir) == reference
+  assert not [p.name for p in checkpoints.iterdir() if not p.name.isdigit()]  # no save left half-written
+  with checkpointing.Checkpointer(checkpoints, read_only=True) as checkpointer:
+    assert checkpointer.latest_step() == 300
+
+
+@pytest.mark.slow
+def test_a_second_training_in_a_live_workdir_is_refused(tmp_path, corpus, reference):
+  """Two trainings in one workdir: the second is refused at once, naming the first, which runs on undisturbed."""
+  workdir = tmp_path / "run"
+  first = launch(workdir, corpus)
+  wait_for(lambda: logged_steps(workdir) >= 1, first)
+  first.send_signal(signal.SIGSTOP)  # alive but paused, holding its lock, until the second has tried
+  try:
+    second = launch(workdir, corpus)
+    output, _ = second.communicate(timeout=300)
+  finally:
+    first.send_signal(signal.SIGCONT)
+  assert second.returncode != 0 and f"is being trained by process {first.pid} on" in output, output[-3000:]
+  finish(first)
+  assert losses(workdir) == reference  # metrics.jsonl holds the first run alone
+
+
+def test_writer_lock_is_exclusive_and_released(tmp_path):
+  from retnet_jax import workdir_lock  # pylint: disable=import-outside-toplevel
+  with workdir_lock.WriterLock(tmp_path):
+    with pytest.raises(workdir_lock.WorkdirBusyError, match=rf"being trained by process {os.getpid()} on .* since"):
+      workdir_lock.WriterLock(tmp_path).acquire()  # another open file description: flock excludes it too
+    with workdir_lock.WriterLock(tmp_path, process_index=1):  # another process of the same run: its own lock
+      pass
+  with workdir_lock.WriterLock(tmp_path):  # released on exit
+    pass
+  with checkpointing.Checkpointer(tmp_path, read_only=True) as reader:
+    with pytest.raises(ValueError, match="read-only"):
+      reader.save(1, {"x": np.zeros(2)}, {})
 
 
 @pytest.fixture(scope="module")

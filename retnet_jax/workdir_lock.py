@@ -1,0 +1,71 @@
+"""One training process per workdir: a lock that the kernel releases whenever its holder ends, SIGKILL included.
+
+    with WriterLock(workdir, jax.process_index()):
+      ...  # write checkpoints, metrics.jsonl, config.json
+
+Readers (evaluation, generation, notebooks) take no lock: they open checkpoints read-only. Each process of a
+multi-process run holds its own lock file, so a second run on the same workdir is refused on every process.
+The lock is `flock` on a local file system; on network file systems it may not exclude other hosts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+
+class WorkdirBusyError(RuntimeError):
+  """Another live process is training in this workdir."""
+
+
+class WriterLock:
+  """The exclusive lock `WORKDIR/train_<process_index>.lock`; the file records its holder for the message."""
+
+  def __init__(self, workdir: str | os.PathLike, process_index: int = 0):
+    self.workdir = Path(workdir)
+    self.path = self.workdir / f"train_{process_index}.lock"
+    self._fd: int | None = None
+
+  def acquire(self) -> None:
+    """Takes the lock at once, or raises WorkdirBusyError naming the process that holds it."""
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _read_holder(fd)
+      os.close(fd)
+      raise WorkdirBusyError(
+          f"{self.workdir} is being trained by {holder} (lock {self.path}); one training process per workdir. "
+          "Wait for it to finish, stop it (SIGTERM checkpoints and exits), or choose another --workdir. "
+          "Evaluating and sampling from this workdir while it trains are safe.") from None
+    os.ftruncate(fd, 0)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode(), 0)
+    self._fd = fd
+
+  def release(self) -> None:
+    """Releases the lock (the file stays: it is free once no process holds it)."""
+    if self._fd is not None:
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None
+
+  def __enter__(self) -> WriterLock:
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.release()
+
+
+def _read_holder(fd: int) -> str:
+  """`process PID on HOST since TIME` from the lock file, or a plain description if it is not written yet."""
+  try:
+    holder = json.loads(os.pread(fd, 4096, 0).decode())
+    return f"process {holder['pid']} on {holder['host']} since {holder['started']}"
+  except (ValueError, KeyError, TypeError):
+    return "another process"
