@@ -13,12 +13,13 @@ Importing this module imports neither numpy nor jax, so `prepare` can still act 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from retnet_jax import host_memory
+from retnet_jax import host_memory, workdir_lock
 
 DEFAULT_CONFIG = "configs/retnet.py:small"
 
@@ -43,14 +44,28 @@ def step_flag(help_text: str) -> flags.FlagHolder:
   return flags.DEFINE_integer("step", None, help_text)
 
 
+_VERBOSE = flags.DEFINE_boolean("verbose", False, "Show the traceback of an error, not only its message.")
+# What bad input, a busy workdir or a failing disk raise: their messages name the value or path and the fix.
+USER_ERRORS = (ValueError, OSError, FloatingPointError, workdir_lock.WorkdirBusyError)
+
+
 def run(main: Callable[[], None]) -> None:
-  """Parses the flags (jax's own among them) and calls `main()`; positional arguments are a usage error."""
+  """Parses the flags (jax's own among them) and calls `main()`; positional arguments are a usage error.
+
+  A USER_ERRORS exception ends the script with its message alone on stderr and exit status 1 (its traceback
+  with --verbose).
+  """
   import jax  # pylint: disable=import-outside-toplevel  (after `prepare`, which the scripts call first)
 
   def absl_main(argv: list[str]) -> None:
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    main()
+    try:
+      main()
+    except USER_ERRORS as e:
+      if _VERBOSE.value:
+        raise
+      sys.exit(f"error: {e} ({type(e).__name__}; --verbose shows the traceback)")
 
   jax.config.config_with_absl()
   app.run(absl_main)

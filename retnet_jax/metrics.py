@@ -12,6 +12,24 @@ from absl import logging
 from tensorboardX import SummaryWriter
 
 
+def to_json(values: dict[str, Any]) -> str:
+  """`values` as one line of valid JSON: a non-finite number becomes null, and `nonfinite` lists where."""
+  nonfinite = []
+
+  def clean(value, path):
+    if isinstance(value, dict):
+      return {k: clean(v, f"{path}.{k}" if path else k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+      return [clean(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+      nonfinite.append(path)
+      return None
+    return value
+
+  cleaned = clean(values, "")
+  return json.dumps({**cleaned, "nonfinite": nonfinite} if nonfinite else cleaned, allow_nan=False)
+
+
 class MetricsWriter:
   """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard; only process 0 writes."""
 
@@ -25,7 +43,7 @@ class MetricsWriter:
     if not self.enabled:
       return
     values = {k: float(v) for k, v in metrics.items()}
-    self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+    self._jsonl.write(to_json({"step": int(step), **values}) + "\n")
     self._jsonl.flush()
     for name, value in values.items():
       self._tensorboard.add_scalar(name, value, step)

@@ -17,7 +17,7 @@ from pathlib import Path
 from absl import flags, logging
 import jax
 
-from retnet_jax import evaluate
+from retnet_jax import evaluate, metrics
 from retnet_jax.layers import MODES
 
 _CONFIG = cli.config_flag("Config file and preset.")
@@ -35,10 +35,19 @@ def main():
   results = {"step": step, "workdir": str(_WORKDIR.value),
              **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value)}
   print(evaluate.format_table(results))
-  line = json.dumps(results)
+  line = metrics.to_json(results)
   if jax.process_index() == 0:
-    (Path(_WORKDIR.value) / f"eval_step_{step}.json").write_text(line + "\n")
+    path = Path(_WORKDIR.value) / f"eval_step_{step}.json"
+    try:
+      path.write_text(line + "\n")
+    except OSError as e:  # a read-only or full workdir: the results still reach stdout
+      logging.error(f"could not write {path} ({e.strerror}); the results are the JSON line below only")
   print(line, flush=True)
+  nonfinite = json.loads(line).get("nonfinite")
+  if nonfinite:
+    logging.error(f"non-finite results at {nonfinite} (null in the JSON): the model diverged or its checkpoint is "
+                  "damaged")
+    sys.exit(1)
   if not results.get("modes_agree", True):
     logging.error("the retention forms disagree beyond the tolerance")
     sys.exit(1)

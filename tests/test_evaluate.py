@@ -15,7 +15,7 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import evaluate, train
+from retnet_jax import evaluate, metrics, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,6 +88,28 @@ def test_generate_script_streams_and_reports(trained):
                                              "--temperature=0", "--stream_every=5", "--config.mesh.shape=(1,1,2)"],
                      JAX_NUM_CPU_DEVICES="2")
   assert split == stdout
+
+
+def test_evaluate_script_errors_are_one_message_and_its_json_survives_an_unwritable_file(trained, tmp_path):
+  _, workdir, flags = trained
+  env = dict(os.environ, XLA_FLAGS="")
+  result = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), *flags, f"--workdir={tmp_path}"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+  assert result.returncode == 1 and "error: no checkpoints in" in result.stderr, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+  blocked = workdir / "eval_step_8.json"
+  blocked.mkdir()  # the results file cannot be written (as in a read-only or full workdir)
+  try:
+    stdout = run_script("evaluate.py", flags + ["--max_batches=1"])
+  finally:
+    blocked.rmdir()
+  assert json.loads(stdout.strip().splitlines()[-1])["step"] == 8
+
+
+def test_metrics_json_has_no_nan():
+  line = metrics.to_json({"step": 3, "loss": float("nan"), "modes": {"parallel": {"loss": float("inf")}}, "n": 1.5})
+  assert json.loads(line) == {"step": 3, "loss": None, "modes": {"parallel": {"loss": None}}, "n": 1.5,
+                              "nonfinite": ["loss", "modes.parallel.loss"]}
 
 
 def assert_refuses_another_model(workdir, **model_changes):
