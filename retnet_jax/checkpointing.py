@@ -15,6 +15,8 @@ import logging
 import os
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
@@ -37,6 +39,29 @@ _ORBAX_FILTER = _OrbaxWarningsOnly()
 def _quiet_orbax() -> None:
   """Filters orbax's records out of absl's log (orbax logs through absl.logging); adding it again is a no-op."""
   logging.getLogger("absl").addFilter(_ORBAX_FILTER)
+
+
+class DamagedCheckpointError(ValueError):
+  """The checkpoint's arrays read back differ from what was saved (their checksums disagree)."""
+
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@jax.jit
+def _checksums(tree: Any) -> Any:
+  """Per array, a uint32 sum of its bit patterns times odd position weights: any one changed element changes it."""
+  def checksum(x):
+    bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
+    weights = (2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1) * jnp.uint32(2654435761)  # odd: no cancelling
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+  return jax.tree.map(checksum, tree)
+
+
+def checksums(tree: Any) -> dict[str, int]:
+  """`_checksums` of a pytree of arrays by key path, as JSON-able ints (a collective on multi-process runs)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(_checksums(tree)))
+  return {jax.tree_util.keystr(path): int(value) for path, value in flat}
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -117,6 +142,7 @@ class Checkpointer:
     step raises ValueError rather than being overwritten.
     """
     self._check_writable("save")
+    meta = {**meta, "checksums": checksums(state)}  # verified by `restore`
     metrics = None if eval_loss is None else {_METRIC: float(eval_loss)}
     started = self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -151,13 +177,22 @@ class Checkpointer:
     """(state, meta) of `step` (None: the latest), every array placed with the sharding in `abstract_state`.
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set, shaped like the saved state.
+    Raises DamagedCheckpointError when the arrays read differ from the checksums saved with them.
     """
     step = self.resolve(step)
-    _check_compatible(abstract_state, self._manager.metadata(step).item_metadata["state"],
-                      os.path.join(self.directory, str(step)))
+    location = os.path.join(self.directory, str(step))
+    _check_compatible(abstract_state, self._manager.metadata(step).item_metadata["state"], location)
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    return restored["state"], restored["meta"]
+    meta = dict(restored["meta"])
+    saved = meta.pop("checksums", None)  # absent in checkpoints written before checksums were recorded
+    if saved is not None:
+      found = checksums(restored["state"])
+      damaged = [key for key in saved if found.get(key) != saved[key]]
+      if damaged:
+        raise DamagedCheckpointError(f"the checkpoint at {location} is damaged: {len(damaged)} array(s) read back "
+                                     f"differ from what was saved, first {damaged[0]}.")
+    return restored["state"], meta
 
   def set_aside(self, step: int) -> str:
     """Renames an unreadable step folder to `<step>.corrupt` (kept for inspection, no longer a checkpoint)."""
@@ -172,7 +207,8 @@ class Checkpointer:
   def restore_meta(self, step: int | None = None) -> dict:
     """Only the JSON meta of `step` (None: the latest); reads no arrays."""
     step = self.resolve(step)
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return {k: v for k, v in meta.items() if k != "checksums"}
 
   def wait(self) -> None:
     """Blocks until background saves are committed (and old steps deleted)."""

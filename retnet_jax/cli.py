@@ -30,8 +30,15 @@ def prepare() -> None:
 
 
 def config_flag(help_text: str) -> flags.FlagHolder:
-  """`--config=FILE:PRESET` (locked: a misspelt `--config.x.y` is an error) with `--config.x.y=...` overrides."""
-  return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, help_text, lock_config=True)
+  """`--config=FILE:PRESET` (locked: a misspelt `--config.x.y` is an error) with `--config.x.y=...` overrides.
+
+  ml_collections reads the overrides of sys.argv as the flag is defined: one that names no field ends the
+  script with one line naming it and the nearest field names.
+  """
+  try:
+    return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, help_text, lock_config=True)
+  except (AttributeError, KeyError) as e:
+    sys.exit(_unknown_field(sys.argv, e))
 
 
 def workdir_flag(help_text: str) -> flags.FlagHolder:
@@ -68,4 +75,27 @@ def run(main: Callable[[], None]) -> None:
       sys.exit(f"error: {e} ({type(e).__name__}; --verbose shows the traceback)")
 
   jax.config.config_with_absl()
-  app.run(absl_main)
+  app.run(absl_main, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with each failure as one line: a bad value, an unknown preset, a misspelt field."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):  # ml_collections quotes its own traceback: the cause
+      lines = [lines[0].split(": Error whilst", 1)[0] + ":", lines[-1]]
+    sys.exit("error: " + " ".join(lines) + "\nPass --helpshort or --helpfull to see help on flags.")
+  except (AttributeError, KeyError) as e:
+    sys.exit(_unknown_field(argv, e))
+
+
+def _unknown_field(argv: list[str], error: BaseException) -> str:
+  """One line for ml_collections' error about a `--config.x.y=...` that names no field (its innermost message)."""
+  while error.args and isinstance(error.args[0], BaseException):
+    error = error.args[0]
+  detail = " ".join(str(error.args[0] if error.args else error).split())
+  overrides = [arg.split("=", 1)[0] for arg in argv[1:] if arg.startswith("--config.")]
+  culprit = next((name for name in overrides if f"'{name.rsplit('.', 1)[-1]}'" in detail), "a --config override")
+  return f"error: {culprit} names no config field: {detail}"

@@ -11,6 +11,7 @@ so a run resumed from `get_state()` sees exactly the batches an uninterrupted ru
 
 from __future__ import annotations
 
+import glob
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import tokenizers
+from absl import logging
 from huggingface_hub.errors import HfHubHTTPError
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
@@ -142,8 +144,23 @@ def _as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
   return (files,) if isinstance(files, str) else tuple(files)
 
 
+def _expand(files: Sequence[str], source: str) -> list[str]:
+  """The paths, each glob pattern (`*`, `?`, `[`) replaced by the files it matches, sorted."""
+  expanded = []
+  for file in files:
+    if any(c in file for c in "*?["):
+      matches = sorted(glob.glob(file))
+      if not matches:
+        raise FileNotFoundError(f"{source}: the pattern {file!r} matches no file; check it.")
+      expanded += matches
+    else:
+      expanded.append(file)
+  return expanded
+
+
 def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> np.ndarray:
-  """Token stream of local files in order; the cache lives in a temporary directory, not in ~/.cache."""
+  """Token stream of local files in order (glob patterns expanded); the cache lives in a temporary directory."""
+  files = _expand(files, source)
   for file in files:
     path = Path(file)
     if path.is_dir():
@@ -199,6 +216,11 @@ def _tokenize(dataset: datasets.Dataset, field: str, tokenizer: Tokenizer, sourc
     raise ValueError(f"{source}: field {field!r} holds {dataset.features[field]}, not text; "
                      "set data.text_field to the field holding the text.")
 
+  column = dataset.data.column(field)
+  missing = column.null_count + int(pc.sum(pc.equal(pc.utf8_length(column), 0)).as_py() or 0)
+  if missing:
+    logging.warning(f"{source}: {missing} of {len(dataset)} rows have no text in field {field!r}; they are "
+                    "skipped.")
   eos = np.asarray([] if tokenizer.eos_id is None else [tokenizer.eos_id], dtype=np.int32)
 
   def encode(batch: dict[str, list[Any]]) -> dict[str, list[np.ndarray]]:
@@ -219,17 +241,18 @@ def _join(streams: Sequence[np.ndarray], eos_id: int | None) -> np.ndarray:
   return np.concatenate(streams)
 
 
-def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+def pack(tokens: np.ndarray, seq_len: int, split: str = "data") -> np.ndarray:
   """`[num_sequences, seq_len + 1]`: consecutive non-overlapping windows; the trailing remainder is dropped.
 
   Each row holds inputs `[:-1]` and next-token targets `[1:]`; every token appears exactly once, in order.
+  `split` names the tokens in errors (e.g. "validation split").
   """
   if seq_len < 1:
     raise ValueError(f"train.seq_len must be a positive integer; got {seq_len}.")
   tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
   num_sequences = len(tokens) // (seq_len + 1)
   if num_sequences == 0:
-    raise ValueError(f"the data holds {len(tokens)} tokens, too few for one sequence of train.seq_len + 1 = "
+    raise ValueError(f"the {split} holds {len(tokens)} tokens, too few for one sequence of train.seq_len + 1 = "
                      f"{seq_len + 1} tokens; use a smaller train.seq_len or more data.")
   return tokens[:num_sequences * (seq_len + 1)].reshape(num_sequences, seq_len + 1)
 

@@ -19,6 +19,9 @@ def gammas(schedule: str, num_heads: int, explicit: Sequence[float] | None = Non
   `retnet`: 1 - 2^(-5-h) (the official code); `logspace`: 1 - exp(linspace(log 1/32, log 1/512, H)) (the
   paper's experiments); `explicit`: the given list.
   """
+  if explicit is not None and schedule != "explicit":
+    raise ValueError(f"decay_gammas={tuple(explicit)} is set but decay_schedule={schedule!r} ignores it; set "
+                     "model.decay_schedule=explicit to use these gammas, or leave decay_gammas unset.")
   if schedule == "retnet":
     return 1.0 - 2.0 ** (-5.0 - np.arange(num_heads, dtype=np.float64))
   if schedule == "logspace":

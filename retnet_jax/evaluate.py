@@ -51,7 +51,7 @@ def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("par
   tokenizer = data.load_tokenizer(config.data.tokenizer)
   data.check_vocab_size(tokenizer, config.model.vocab_size)
   _, valid_tokens = data.load_splits(config.data, tokenizer)
-  sequences = data.pack(valid_tokens, config.train.seq_len)
+  sequences = data.pack(valid_tokens, config.train.seq_len, "validation split")
   batch_size = config.train.batch_size // config.train.grad_accum_steps
   placement = sharding.placement(config.mesh)
   batches = list(data.eval_batches(sequences, batch_size, max_batches, placement.batch_sharding))

@@ -15,6 +15,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _acc_dtype(x: jax.Array) -> jnp.dtype:
@@ -31,6 +32,13 @@ def _check_inputs(q, k, v, log_decay, state):
                      f"got {v.shape}.")
   if log_decay.shape != (q.shape[2],):
     raise ValueError(f"log_decay must have shape [heads] = ({q.shape[2]},); got {log_decay.shape}.")
+  try:
+    growing = np.asarray(log_decay) > 0
+  except jax.errors.TracerArrayConversionError:  # traced: its values are not known before the computation
+    growing = None
+  if growing is not None and growing.any():
+    raise ValueError(f"log_decay must be <= 0 (a decay gamma = exp(log_decay) in (0, 1]); got "
+                     f"{np.asarray(log_decay).tolist()}: pass log(gamma), not gamma or -log(gamma).")
   if state is not None:
     expected = (q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     if state.shape != expected:

@@ -75,8 +75,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         break
   train_cfg = config.train
   train_tokens, valid_tokens = data.load_splits(config.data, tokenizer)
-  train_sequences = data.pack(train_tokens, train_cfg.seq_len)
-  valid_sequences = data.pack(valid_tokens, train_cfg.seq_len)
+  train_sequences = data.pack(train_tokens, train_cfg.seq_len, "training split")
+  valid_sequences = data.pack(valid_tokens, train_cfg.seq_len, "validation split")
 
   mesh = sharding.make_mesh(config.mesh)
   run = train_step_lib.setup(config, mesh)

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 
 import absl.logging
 import jax
@@ -13,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.retnet import get_config
-from retnet_jax.checkpointing import Checkpointer, export_params, load_params
+from retnet_jax.checkpointing import Checkpointer, DamagedCheckpointError, export_params, load_params
 from retnet_jax.model import RetNet
 
 META = {"data_position": [3, 1024], "config": {"preset": "tiny", "lr": 3e-3, "files": []}, "note": None}
@@ -48,6 +49,22 @@ def assert_bitwise_equal(restored, expected):
 
 def step_dirs(directory):
   return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+def test_arrays_that_read_back_other_values_are_refused(tmp_path, state):
+  """Damage the storage layer cannot see (arrays that decode, but to other values: here another save's arrays
+  under this checkpoint's meta) is refused by the checksums saved with the checkpoint."""
+  other = jax.tree.map(lambda x: x + 1, state)
+  for directory, tree in ((tmp_path / "a", state), (tmp_path / "b", other)):
+    with Checkpointer(directory, async_save=False) as ckpt:
+      ckpt.save(1, tree, META)
+  shutil.rmtree(tmp_path / "a" / "1" / "state")
+  shutil.copytree(tmp_path / "b" / "1" / "state", tmp_path / "a" / "1" / "state")
+  with Checkpointer(tmp_path / "a", read_only=True) as ckpt:
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint at .*1 is damaged: \d+ array\(s\) read back"):
+      ckpt.restore(abstract(state), 1)
+  with Checkpointer(tmp_path / "b", read_only=True) as ckpt:
+    assert_bitwise_equal(ckpt.restore(abstract(state), 1)[0], other)
 
 
 def test_round_trip_is_bitwise_equal(tmp_path, state):

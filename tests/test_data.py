@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import datasets
@@ -160,6 +161,23 @@ def test_hf_tokenizer_separates_documents_with_eos(tmp_path, bpe_path):
   eos = np.asarray([tok.eos_id], dtype=np.int32)
   expected = np.concatenate([tok.encode(docs[0]), eos, tok.encode(docs[1]), eos, tok.encode(docs[2])])
   np.testing.assert_array_equal(train, expected)
+
+
+def test_globs_expand_and_rows_without_text_are_counted(tmp_path, caplog):
+  for name, text in (("b.txt", "second "), ("a.txt", "first "), ("c.md", "not matched")):
+    (tmp_path / name).write_text(text)
+  only_a = (str(tmp_path / "a.txt"),)
+  train, _ = data.load_splits(data_config(files=(str(tmp_path / "*.txt"),), validation_files=only_a),
+                              data.ByteTokenizer())
+  np.testing.assert_array_equal(train, byte_tokens("first second "))  # sorted matches
+  with pytest.raises(FileNotFoundError, match=r"data\.files: the pattern .*\*\.json' matches no file"):
+    data.load_splits(data_config(files=(str(tmp_path / "*.json"),)), data.ByteTokenizer())
+  rows = write_jsonl(tmp_path / "half.jsonl", [{"text": "a"}, {"other": 1}, {"text": "b"}, {"text": ""}])
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    data.load_splits(data_config(files=(str(rows),), validation_files=only_a), data.ByteTokenizer())
+  assert "half.jsonl': 2 of 4 rows have no text in field 'text'; they are skipped" in caplog.text
+  with pytest.raises(ValueError, match=r"the validation split holds 5 tokens, too few"):
+    data.pack(np.arange(5), 8, "validation split")
 
 
 def test_missing_file_errors(tmp_path):

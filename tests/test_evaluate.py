@@ -15,6 +15,7 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
+from conftest import flip_bytes
 from retnet_jax import evaluate, metrics, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,6 +150,11 @@ def test_errors_name_what_was_found(trained, tmp_path):
   with pytest.raises(ValueError, match=r"checkpoint 8 in .* is unreadable .*--step \(available steps: \[4, 8\]\)"):
     evaluate.restore_model(config, damaged)
   assert evaluate.restore_model(config, damaged, step=4)[1] == 4
+  flipped = tmp_path / "flipped"  # bytes changed in place: readable, but not what was saved
+  shutil.copytree(workdir / "checkpoints", flipped / "checkpoints")
+  flip_bytes(flipped / "checkpoints" / "8", every_data_file=True)
+  with pytest.raises(ValueError, match=r"checkpoint 8 in .* is unreadable .*--step \(available steps: \[4, 8\]\)"):
+    evaluate.restore_model(config, flipped)
   with pytest.raises(ValueError, match="max_batches must be a positive number of batches"):
     evaluate.evaluate_model(None, config, max_batches=0)
   bigger = tmp_path / "tokenizer.json"

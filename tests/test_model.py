@@ -125,6 +125,7 @@ def test_preset_parameter_counts(preset, billions):
     (dict(chunk_size=0), "chunk_size"),
     (dict(dtype="float16"), "unknown dtype"),
     (dict(decay_schedule="cosine"), "unknown decay_schedule"),
+    (dict(decay_gammas=(0.9, 0.8)), r"decay_schedule='retnet' ignores it; set model.decay_schedule=explicit"),
     (dict(ffn_activation="tanh"), "ffn_activation"),
     (dict(rotation_base=0.0), "rotation_base must be a positive finite number; got 0.0"),
     (dict(head_norm_eps=float("nan")), "head_norm_eps must be a finite number >= 0; got nan"),

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs import retnet as retnet_config
+from conftest import flip_bytes
 from retnet_jax import checkpointing, sharding, train, train_state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,7 +192,8 @@ def _garble_arrays(step_dir):
     _garble_arrays,
     lambda step_dir: (step_dir / "meta" / "metadata").write_text("{not json"),
     lambda step_dir: (step_dir / "state" / "_METADATA").unlink(),
-], ids=["arrays", "meta", "array_metadata"])
+    lambda step_dir: flip_bytes(step_dir, every_data_file=True),
+], ids=["arrays", "meta", "array_metadata", "flipped_bytes"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, straight, run_crashing_at_batch,
                                                               damage):
   config = in_process_config(corpus)
@@ -209,7 +211,8 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path, corpus):
   final = train.train_and_evaluate(config, tmp_path / "run")
   logged = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   by_step = {m["step"]: m for m in logged if "loss" in m}
-  assert np.isnan(by_step[3]["loss"]) and by_step[2]["nonfinite_steps"] == 0 and by_step[3]["nonfinite_steps"] == 1
+  assert by_step[3]["loss"] is None and by_step[3]["nonfinite"] == ["loss", "perplexity"]  # valid JSON: null, flagged
+  assert by_step[2]["nonfinite_steps"] == 0 and by_step[3]["nonfinite_steps"] == 1
   assert final["nonfinite_steps"] == 1 and np.isfinite(final["eval_loss"])
 
 

@@ -129,6 +129,9 @@ def test_shape_errors_name_the_array():
     retention.chunkwise_retention(q, k, v, LOG_DECAY, 2, jnp.zeros((BATCH, HEADS, D_K, D_V + 1)))
   with pytest.raises(ValueError, match=r"log_decay must have shape \[heads\]"):
     retention._chunkwise(q, k, v, LOG_DECAY[:1], 2, score_abs_sums=True)
+  for form in (retention.parallel_retention, retention.recurrent_retention):  # gamma > 1: a growing state
+    with pytest.raises(ValueError, match=r"log_decay must be <= 0"):
+      form(q, k, v, -LOG_DECAY)
 
 
 @pytest.mark.parametrize("length,chunk", [(7, 3), (16, 4), (5, 8)])
