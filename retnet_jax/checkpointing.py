@@ -201,7 +201,7 @@ class Checkpointer:
     source = os.path.join(self.directory, str(step))
     target = f"{source}.corrupt"
     os.replace(source, target)
-    self._manager.reload()
+    self.reload()
     return target
 
   def restore_meta(self, step: int | None = None) -> dict:
@@ -209,6 +209,10 @@ class Checkpointer:
     step = self.resolve(step)
     meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     return {k: v for k, v in meta.items() if k != "checksums"}
+
+  def reload(self) -> None:
+    """Lists the steps on disk again (another process may have written or deleted some)."""
+    self._manager.reload()
 
   def wait(self) -> None:
     """Blocks until background saves are committed (and old steps deleted)."""

@@ -126,18 +126,7 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   layout = make_layout(config, sharding.placement(config.mesh))
   if has_checkpoints:
     with checkpointing.Checkpointer(ckpt_dir, read_only=True) as checkpointer:  # the workdir may be training
-      step, steps = checkpointer.resolve(step), checkpointer.all_steps()
-      try:
-        saved_model = checkpointer.restore_meta(step)["config"]["model"]
-      except Exception as e:  # orbax raises many kinds for a damaged step folder
-        raise _unreadable(ckpt_dir, step, steps, e) from e
-      check_compatible(saved_model, config, workdir)
-      try:
-        state, _ = checkpointer.restore(layout.abstract_state, step)
-      except checkpointing.IncompatibleCheckpointError:
-        raise
-      except Exception as e:
-        raise _unreadable(ckpt_dir, step, steps, e) from e
+      state = _restore_state(config, layout, checkpointer, step)
     return nnx.merge(layout.graphdef, state["params"]), int(state["step"])
   if step is None:
     step = exported[-1]
@@ -147,10 +136,46 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   config_file = workdir / "config.json"
   if config_file.is_file():
     check_compatible(json.loads(config_file.read_text())["model"], config, workdir)
-  params = checkpointing.load_params(export_dir / str(step), layout.abstract_state["params"])
+  try:
+    params = checkpointing.load_params(export_dir / str(step), layout.abstract_state["params"])
+  except checkpointing.IncompatibleCheckpointError:
+    raise
+  except Exception as e:  # a truncated or damaged export: orbax and TensorStore raise many kinds
+    raise ValueError(f"the params export {export_dir / str(step)} is unreadable ({type(e).__name__}: "
+                     f"{_first_line(e)}); choose another with --step (available steps: {exported}), or restore "
+                     "from checkpoints/.") from e
   return nnx.merge(layout.graphdef, params), step
 
 
+def _first_line(error: Exception) -> str:
+  """The first line of an error's message (TensorStore appends pages of its spec)."""
+  return (str(error).strip().splitlines() or [""])[0]
+
+
+def _restore_state(config: ml_collections.ConfigDict, layout: Layout, checkpointer: checkpointing.Checkpointer,
+                   requested: int | None, attempts: int = 3) -> TrainState:
+  """The state of checkpoint `requested` (None: the latest). A training run in the same workdir may delete a
+  step while it is read (its retention policy): the latest is then resolved again."""
+  ckpt_dir = Path(checkpointer.directory)
+  for attempt in range(1, attempts + 1):
+    step, steps = checkpointer.resolve(requested), checkpointer.all_steps()
+    try:
+      saved_model = checkpointer.restore_meta(step)["config"]["model"]
+    except Exception as e:  # orbax raises many kinds for a damaged step folder
+      error = e
+    else:
+      check_compatible(saved_model, config, ckpt_dir.parent)
+      try:
+        return checkpointer.restore(layout.abstract_state, step)[0]
+      except checkpointing.IncompatibleCheckpointError:
+        raise
+      except Exception as e:
+        error = e
+    if requested is not None or attempt == attempts or (ckpt_dir / str(step)).exists():
+      raise _unreadable(ckpt_dir, step, steps, error) from error
+    checkpointer.reload()
+
+
 def _unreadable(ckpt_dir: Path, step: int, steps: list[int], error: Exception) -> ValueError:
-  return ValueError(f"checkpoint {step} in {ckpt_dir} is unreadable ({type(error).__name__}: {error}); "
+  return ValueError(f"checkpoint {step} in {ckpt_dir} is unreadable ({type(error).__name__}: {_first_line(error)}); "
                     f"choose another with --step (available steps: {steps}).")

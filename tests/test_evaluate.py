@@ -16,7 +16,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from conftest import flip_bytes
-from retnet_jax import evaluate, metrics, train
+from retnet_jax import checkpointing, evaluate, metrics, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,6 +107,22 @@ def test_evaluate_script_errors_are_one_message_and_its_json_survives_an_unwrita
   assert json.loads(stdout.strip().splitlines()[-1])["step"] == 8
 
 
+def test_a_step_deleted_while_it_is_read_gives_the_new_latest(trained, tmp_path, monkeypatch):
+  """A training run deletes old steps as it saves new ones; a reader of the latest that loses its step to that
+  resolves the latest again (here, step 8 vanishes as its meta is read: step 4 is the latest left)."""
+  config, workdir, _ = trained
+  shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
+  read_meta = checkpointing.Checkpointer.restore_meta
+
+  def deleting_read(self, step=None):
+    if step == 8 and (tmp_path / "checkpoints" / "8").exists():
+      shutil.rmtree(tmp_path / "checkpoints" / "8")
+    return read_meta(self, step)
+
+  monkeypatch.setattr(checkpointing.Checkpointer, "restore_meta", deleting_read)
+  assert evaluate.restore_model(config, tmp_path)[1] == 4
+
+
 def test_metrics_json_has_no_nan():
   line = metrics.to_json({"step": 3, "loss": float("nan"), "modes": {"parallel": {"loss": float("inf")}}, "n": 1.5})
   assert json.loads(line) == {"step": 3, "loss": None, "modes": {"parallel": {"loss": None}}, "n": 1.5,
@@ -132,6 +148,11 @@ def test_params_export_loads_without_checkpoints(trained, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, nnx.state(exported, nnx.Param), nnx.state(checkpointed, nnx.Param))
   with pytest.raises(ValueError, match=r"No exported params for step 4 .* available steps: \[8\]"):
     evaluate.restore_model(config, tmp_path, step=4)
+  for file in (tmp_path / "params" / "8").rglob("*"):  # truncated data files: one clear error, not TensorStore's
+    if file.is_file() and file.parent.name == "d":
+      file.write_bytes(file.read_bytes()[:10])
+  with pytest.raises(ValueError, match=r"the params export .*8 is unreadable .*available steps: \[8\]"):
+    evaluate.restore_model(config, tmp_path)
   assert_refuses_another_model(tmp_path, num_layers=3)
 
 
