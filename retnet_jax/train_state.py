@@ -153,9 +153,9 @@ def _first_line(error: Exception) -> str:
 
 
 def _restore_state(config: ml_collections.ConfigDict, layout: Layout, checkpointer: checkpointing.Checkpointer,
-                   requested: int | None, attempts: int = 3) -> TrainState:
+                   requested: int | None, attempts: int = 10) -> TrainState:
   """The state of checkpoint `requested` (None: the latest). A training run in the same workdir may delete a
-  step while it is read (its retention policy): the latest is then resolved again."""
+  step while it is read (its retention policy, as newer steps arrive): the latest is then resolved again."""
   ckpt_dir = Path(checkpointer.directory)
   for attempt in range(1, attempts + 1):
     step, steps = checkpointer.resolve(requested), checkpointer.all_steps()
@@ -171,9 +171,9 @@ def _restore_state(config: ml_collections.ConfigDict, layout: Layout, checkpoint
         raise
       except Exception as e:
         error = e
-    if requested is not None or attempt == attempts or (ckpt_dir / str(step)).exists():
-      raise _unreadable(ckpt_dir, step, steps, error) from error
     checkpointer.reload()
+    if requested is not None or attempt == attempts or checkpointer.latest_step() == step:
+      raise _unreadable(ckpt_dir, step, steps, error) from error
 
 
 def _unreadable(ckpt_dir: Path, step: int, steps: list[int], error: Exception) -> ValueError:
