@@ -11,6 +11,7 @@ loads on any other.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -62,6 +63,17 @@ def checksums(tree: Any) -> dict[str, int]:
   """`_checksums` of a pytree of arrays by key path, as JSON-able ints (a collective on multi-process runs)."""
   flat, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(_checksums(tree)))
   return {jax.tree_util.keystr(path): int(value) for path, value in flat}
+
+
+def _verify(saved: dict[str, int] | None, restored: Any, what: str) -> None:
+  """Raises DamagedCheckpointError if `restored` differs from the `saved` checksums (None: none were saved)."""
+  if saved is None:
+    return
+  found = checksums(restored)
+  damaged = [key for key in saved if found.get(key) != saved[key]]
+  if damaged:
+    raise DamagedCheckpointError(f"{what} is damaged: {len(damaged)} array(s) read back differ from what was "
+                                 f"saved, first {damaged[0]}.")
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -185,13 +197,7 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     meta = dict(restored["meta"])
-    saved = meta.pop("checksums", None)  # absent in checkpoints written before checksums were recorded
-    if saved is not None:
-      found = checksums(restored["state"])
-      damaged = [key for key in saved if found.get(key) != saved[key]]
-      if damaged:
-        raise DamagedCheckpointError(f"the checkpoint at {location} is damaged: {len(damaged)} array(s) read back "
-                                     f"differ from what was saved, first {damaged[0]}.")
+    _verify(meta.pop("checksums", None), restored["state"], f"the checkpoint at {location}")
     return restored["state"], meta
 
   def set_aside(self, step: int) -> str:
@@ -233,19 +239,34 @@ class Checkpointer:
     self.close()
 
 
+_EXPORT_CHECKSUMS = "checksums.json"  # beside orbax's files in an export folder
+
+
 def export_params(directory: str | os.PathLike, params: Any) -> None:
-  """Writes a params-only pytree to `directory` (which must not exist) for evaluation and generation."""
+  """Writes a params-only pytree to `directory` (which must not exist) for evaluation and generation, with the
+  checksums `load_params` verifies."""
   _quiet_orbax()
+  directory = os.path.abspath(directory)
+  sums = checksums(params)
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(os.path.abspath(directory), params)  # closing waits for the write to commit
+    checkpointer.save(directory, params)  # closing waits for the write to commit
+  if jax.process_index() == 0:
+    with open(os.path.join(directory, _EXPORT_CHECKSUMS), "w", encoding="utf-8") as file:
+      json.dump(sums, file)
 
 
 def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
-  """Reads params written by `export_params`, placed with the shardings in `abstract_params`."""
+  """Reads params written by `export_params`, placed with the shardings in `abstract_params`; verifies them
+  against the export's checksums when it has them (DamagedCheckpointError)."""
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"No exported params at {directory}.")
   _quiet_orbax()
   with ocp.StandardCheckpointer() as checkpointer:
     _check_compatible(abstract_params, checkpointer.metadata(directory).item_metadata, directory)
-    return checkpointer.restore(directory, abstract_params)
+    params = checkpointer.restore(directory, abstract_params)
+  sums_file = os.path.join(directory, _EXPORT_CHECKSUMS)
+  if os.path.isfile(sums_file):
+    with open(sums_file, encoding="utf-8") as file:
+      _verify(json.load(file), params, f"the params export at {directory}")
+  return params

@@ -188,6 +188,10 @@ def test_export_and_load_params(tmp_path, state):
   assert all(got.sharding == want.sharding for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(wanted)))
   with pytest.raises(FileNotFoundError, match="No exported params"):
     load_params(tmp_path / "nothing", wanted)
+  export_params(tmp_path / "other", jax.tree.map(lambda x: x + 1, state["params"]))
+  shutil.copy(tmp_path / "export" / "checksums.json", tmp_path / "other" / "checksums.json")  # other values
+  with pytest.raises(DamagedCheckpointError, match=r"params export at .*other is damaged"):
+    load_params(tmp_path / "other", wanted)
 
 
 def test_orbax_logs_only_warnings(tmp_path, state, caplog):
