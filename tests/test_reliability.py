@@ -41,12 +41,16 @@ def in_process_config(corpus, **train_overrides):
   return config
 
 
+def script_flags(workdir, corpus, **train_overrides):
+  """Flags of the tiny model on `corpus` with TRAIN's settings: for train.py, evaluate.py and generate.py."""
+  return ([f"--config={REPO / 'configs' / 'retnet.py'}:tiny", f"--workdir={workdir}",
+           f"--config.data.files=('{corpus}',)"]
+          + [f"--config.train.{k}={v}" for k, v in {**TRAIN, **train_overrides}.items()])
+
+
 def launch(workdir, corpus, devices=1, steps=300, extra=(), **checkpoint):
   """Starts scripts/train.py on `devices` CPU devices, logging every step."""
-  overrides = {**TRAIN, "steps": steps, "eval_every_steps": 10_000}
-  flags = [f"--config={REPO / 'configs' / 'retnet.py'}:tiny", f"--workdir={workdir}",
-           f"--config.data.files=('{corpus}',)"]
-  flags += [f"--config.train.{k}={v}" for k, v in overrides.items()]
+  flags = script_flags(workdir, corpus, steps=steps, eval_every_steps=10_000)
   flags += [f"--config.checkpoint.{k}={v}" for k, v in {"every_steps": 10_000, **checkpoint}.items()]
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   return subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *flags, *extra], cwd=REPO, env=env,
@@ -110,12 +114,6 @@ def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_p
   assert (workdir / "train_0.lock").exists()  # the killed run's lock file stays, but its lock died with it
   finish(launch(workdir, corpus, every_steps=25, async_save=True))
   assert losses(workdir) == reference  # steps after `latest` were redone identically
-
-
-def script_flags(workdir, corpus):
-  """Flags that load `launch`'s model and data in scripts/evaluate.py and scripts/generate.py."""
-  return ([f"--config={REPO / 'configs' / 'retnet.py'}:tiny", f"--workdir={workdir}",
-           f"--config.data.files=('{corpus}',)"] + [f"--config.train.{k}={v}" for k, v in TRAIN.items()])
 
 
 @pytest.mark.slow
