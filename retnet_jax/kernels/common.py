@@ -1,0 +1,79 @@
+"""What the forward and backward kernels share: the grid and block specs, in-kernel gamma powers, the dot.
+
+Grid `(value tiles, batch, heads)`, the value tile fastest so that the programs of one head, which read the same q
+and k, run side by side. Each program sees its head's whole (padded) sequence and walks it chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from retnet_jax.kernels.support import KernelConfig
+
+# lax.dot_general contractions of two matrices: a @ b, a @ b^T, a^T @ b.
+NN = ((1,), (0,))
+NT = ((1,), (1,))
+TN = ((0,), (0,))
+
+
+def dot(a: jax.Array, b: jax.Array, contract, precision) -> jax.Array:
+  """A float32-accumulated product of two same-dtype matrices, contracting `contract` (NN, NT or TN)."""
+  return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def grid(num_tiles: int, batch: int, heads: int) -> tuple[int, int, int]:
+  return num_tiles, batch, heads
+
+
+def head_spec() -> pl.BlockSpec:
+  """log_decay `[heads]`: the program's own head, a scalar ref."""
+  return pl.BlockSpec((None,), lambda t, b, h: (h,))
+
+
+def rows_spec(length: int, width: int) -> pl.BlockSpec:
+  """A `[batch, length, heads, width]` array whole per (batch, head): a `[length, width]` ref."""
+  return pl.BlockSpec((None, length, None, width), lambda t, b, h: (b, 0, h, 0))
+
+
+def rows_tile_spec(length: int, block_v: int) -> pl.BlockSpec:
+  """A `[batch, length, heads, d_v]` array's value tile: a `[length, block_v]` ref."""
+  return pl.BlockSpec((None, length, None, block_v), lambda t, b, h: (b, 0, h, t))
+
+
+def state_tile_spec(key_dim: int, block_v: int) -> pl.BlockSpec:
+  """A `[batch, heads, d_k, d_v]` state's value tile: a `[d_k, block_v]` ref."""
+  return pl.BlockSpec((None, None, key_dim, block_v), lambda t, b, h: (b, h, 0, t))
+
+
+def compiler_params(config: KernelConfig) -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def in_chunk_decays(log_decay: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+  """The decay mask `[S, S]` (gamma^(i-j) for i >= j, else 0) and xi `[S]` = gamma^(j+1), the decay from the
+  previous chunk's last position to query j, from the head's scalar log(gamma)."""
+  row = lax.broadcasted_iota(jnp.int32, (size, size), 0)
+  col = lax.broadcasted_iota(jnp.int32, (size, size), 1)
+  causal = row >= col
+  mask_SxS = jnp.where(causal, jnp.exp(log_decay * jnp.where(causal, row - col, 0).astype(jnp.float32)), 0.0)
+  xi_S = jnp.exp(log_decay * (lax.broadcasted_iota(jnp.int32, (size,), 0) + 1).astype(jnp.float32))
+  return mask_SxS, xi_S
+
+
+def state_decays(log_decay: jax.Array, start: jax.Array, size: int, length: int) -> tuple[jax.Array, jax.Array]:
+  """For the chunk at `start`, with n = min(length - start, size) its true length: zeta `[S]` = gamma^(n-1-j) for
+  j < n (else 0), the decay of key j to the chunk's last real position, and gamma^n, the state's decay over it."""
+  n = jnp.minimum(length - start, size)
+  pos_S = lax.broadcasted_iota(jnp.int32, (size,), 0)
+  real = pos_S < n
+  zeta_S = jnp.where(real, jnp.exp(log_decay * jnp.where(real, n - 1 - pos_S, 0).astype(jnp.float32)), 0.0)
+  return zeta_S, jnp.exp(log_decay * n.astype(jnp.float32))
+
+
+def chunk_rows(c: jax.Array, size: int) -> pl.Slice:
+  """The rows of chunk `c` in a `[length, ...]` ref."""
+  return pl.ds(pl.multiple_of(c * size, size), size)

@@ -1,0 +1,72 @@
+"""Where the Pallas retention kernels compile, their block sizes, and when they run interpreted.
+
+The kernels are written for Pallas' Triton lowering on GPUs. Elsewhere they run in Pallas interpret mode (correct,
+slow: tests only). `check_supported` is the one place that states the compiled kernels' limits, so that a config
+asking for `retention_impl=pallas` fails before training starts, naming the limit and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+CHUNK_SIZES = (16, 32, 64, 128)  # the [chunk, chunk] score tile: Triton dots need >= 16 per side, powers of two
+KEY_DIMS = (16, 32, 64, 128, 256)  # whole key rows per program and a [d_k, block_v] float32 state in registers
+_FIX = "use retention_impl='xla' (or 'auto', which picks the XLA form wherever the kernel does not compile)"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tiling of the kernels: `block_v` value columns per program (d_v is zero-padded to a multiple), and Triton's
+  `num_warps` / `num_stages` (software pipelining depth of the chunk loop)."""
+  block_v: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+def default_config(key_dim: int, value_dim: int) -> KernelConfig:
+  """A starting point per head size, to be tuned on the GPU: 64 value columns (fewer for narrow values)."""
+  block_v = min(64, max(16, 1 << (value_dim - 1).bit_length()))
+  return KernelConfig(block_v=block_v, num_warps=4 if key_dim <= 64 else 8)
+
+
+def _unsupported_reason(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> str | None:
+  """Why the compiled kernels cannot run these per-head sizes on `backend` (default: JAX's), or None if they can."""
+  backend = backend or jax.default_backend()
+  if backend != "gpu":
+    return f"the Pallas retention kernels compile for GPUs only (Triton); the backend is {backend!r}"
+  if jnp.dtype(dtype) not in DTYPES:
+    return f"dtype {jnp.dtype(dtype).name} is not supported by the Pallas kernels (float32 or bfloat16)"
+  if chunk_size not in CHUNK_SIZES:
+    return f"chunk_size {chunk_size} is not one of the kernels' chunk tiles {CHUNK_SIZES}"
+  if key_dim not in KEY_DIMS:
+    return f"the key head dim {key_dim} is not one of the kernels' key widths {KEY_DIMS}"
+  if value_dim < 1:
+    return f"the value head dim {value_dim} is empty"
+  return None
+
+
+def check_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> None:
+  """Raises ValueError naming the limit and the fix unless the compiled kernels support these sizes.
+
+  Args:
+    key_dim, value_dim: the per-head dims d_k and d_v (any d_v: it is padded to a multiple of `block_v`).
+    dtype: the compute dtype of q, k and v. chunk_size: the chunk length.
+    backend: a JAX backend name (`gpu`, `cpu`, `tpu`); default `jax.default_backend()`.
+  """
+  reason = _unsupported_reason(key_dim, value_dim, dtype, chunk_size, backend)
+  if reason is not None:
+    raise ValueError(f"retention_impl='pallas': {reason}; {_FIX}.")
+
+
+def is_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> bool:
+  """Whether the compiled kernels support these sizes on `backend`: `retention_impl='auto'` picks Pallas if so."""
+  return _unsupported_reason(key_dim, value_dim, dtype, chunk_size, backend) is None
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """`interpret=None`: interpreted unless JAX's default backend is a GPU, the one the kernels compile for."""
+  return jax.default_backend() != "gpu" if interpret is None else bool(interpret)

@@ -1,0 +1,207 @@
+"""The fused Pallas retention kernels, in interpret mode, against a float64 reference and the XLA chunkwise form.
+
+Values and gradients (q, k, v, carried state), lengths that are not whole chunks or shorter than one, chunk 1,
+several value tiles (the backward pass's partial sums) and a padded d_v, bfloat16 inputs, decays near 1 and 0, the
+stability normaliser's by-products against what `layers.py` computes, and the input and support errors. Shapes are
+tiny: interpret mode runs the kernels as XLA loops, and each distinct shape compiles once.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from retnet_jax import kernels, retention, stability
+from retnet_jax.kernels import support
+
+BATCH, HEADS, D_K, D_V = 2, 2, 8, 16
+LOG_DECAY = np.log(np.array([0.6, 0.995])).astype(np.float32)
+TWO_TILES = kernels.KernelConfig(block_v=8)  # two value tiles: dq and dk are partial sums over them
+F32_TOL, BF16_TOL = 1e-6, 2e-2  # relative to the largest magnitude; bfloat16 keeps 8 bits of mantissa
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+def random_inputs(length, seed, d_v=D_V):
+  """q, k, v, state, the cotangents of out and of the final state, and a key sum, as float64 NumPy arrays."""
+  rng = np.random.default_rng(seed)
+  q, k = rng.normal(size=(2, BATCH, length, HEADS, D_K))
+  v, d_out = rng.normal(size=(2, BATCH, length, HEADS, d_v))
+  state, d_state = rng.normal(size=(2, BATCH, HEADS, D_K, d_v))
+  key_sum = rng.normal(size=(BATCH, HEADS, D_K))
+  return q, k, v, state, d_out, d_state, key_sum
+
+
+def with_vjp(form, q, k, v, state, d_out, d_state):
+  """`(out, final_state, (dq, dk, dv, d_state_in))` of `form(q, k, v, state)` for the given cotangents."""
+  (out, final), pullback = jax.vjp(form, q, k, v, state)
+  return out, final, pullback((d_out.astype(out.dtype), d_state))
+
+
+def reference(log_decay, q, k, v, state, d_out, d_state):
+  """The parallel form in float64: values and gradients."""
+  with jax.enable_x64(True):
+    args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, state, d_out, d_state)]
+    form = lambda q, k, v, s: retention.parallel_retention(q, k, v, jnp.asarray(log_decay, jnp.float64), s)
+    out, final, grads = with_vjp(form, *args)
+    return np.asarray(out), np.asarray(final), [np.asarray(g) for g in grads]
+
+
+@functools.cache
+def kernel_vjp(chunk, config, log_decay=tuple(LOG_DECAY)):
+  form = lambda q, k, v, s: kernels.chunkwise_retention(q, k, v, np.float32(log_decay), chunk, s, config=config)
+  return jax.jit(functools.partial(with_vjp, form))
+
+
+@functools.cache
+def xla_vjp(chunk):
+  form = lambda q, k, v, s: retention.chunkwise_retention(q, k, v, LOG_DECAY, chunk, s)
+  return jax.jit(functools.partial(with_vjp, form))
+
+
+def assert_close(results, expected, tol, context):
+  out, final, grads = results
+  ref_out, ref_final, ref_grads = expected
+  errors = {"out": rel_err(out, ref_out), "state": rel_err(final, ref_final),
+            **{name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "d_state"), grads, ref_grads)}}
+  assert max(errors.values()) < tol, (context, errors)
+
+
+@pytest.mark.parametrize("length,chunk,config", [
+    (37, 16, TWO_TILES),  # a partial last chunk
+    (5, 16, TWO_TILES),  # shorter than one chunk
+    (7, 1, None),  # chunk 1, one value tile (the default config)
+    (64, 16, TWO_TILES),  # whole chunks
+    (21, 4, TWO_TILES),
+])
+def test_float32_values_and_gradients_match_float64_and_xla(length, chunk, config):
+  inputs = random_inputs(length, seed=length + chunk)
+  args = [jnp.asarray(x, jnp.float32) for x in inputs[:6]]
+  results = kernel_vjp(chunk, config)(*args)
+  assert results[0].dtype == jnp.float32 and results[0].shape == args[2].shape
+  assert results[1].dtype == jnp.float32 and results[1].shape == args[3].shape
+  assert_close(results, reference(LOG_DECAY, *inputs[:6]), F32_TOL, "float64")
+  assert_close(results, xla_vjp(chunk)(*args), F32_TOL, "xla")
+
+
+def test_bfloat16_inputs_within_bfloat16_rounding():
+  """bfloat16 q, k, v (float32 state): out in bfloat16, state float32, both and the gradients within 2e-2 of the
+  float64 reference, and as close to the XLA form's bfloat16 result."""
+  inputs = random_inputs(37, seed=11)
+  args = [jnp.asarray(x, jnp.bfloat16) for x in inputs[:3]] + [jnp.asarray(x, jnp.float32) for x in inputs[3:6]]
+  results = kernel_vjp(16, TWO_TILES)(*args)
+  assert results[0].dtype == jnp.bfloat16 and results[1].dtype == jnp.float32
+  assert [g.dtype for g in results[2]] == [jnp.bfloat16] * 3 + [jnp.float32]
+  assert_close(results, reference(LOG_DECAY, *inputs[:6]), BF16_TOL, "float64")
+  assert_close(results, xla_vjp(16)(*args), BF16_TOL, "xla")
+
+
+def test_padded_value_dim_and_extreme_decays():
+  """d_v = 12 padded to two tiles of 8; decays of 1 - 2^-20 (the state barely decays: float32's log(gamma) is
+  where the precision lies) and 0.02 (gamma^64 underflows to 0 without NaNs)."""
+  log_decay = np.log(np.array([1 - 2.0**-20, 0.02])).astype(np.float32)
+  inputs = random_inputs(70, seed=3, d_v=12)
+  args = [jnp.asarray(x, jnp.float32) for x in inputs[:6]]
+  results = kernel_vjp(16, TWO_TILES, tuple(log_decay))(*args)
+  assert_close(results, reference(log_decay, *inputs[:6]), F32_TOL, "float64")
+
+
+def test_empty_sequence_passes_the_states_through():
+  q, k, v, state, _, _, key_sum = (jnp.asarray(x, jnp.float32) for x in random_inputs(0, seed=0))
+  out, final, qz, key_sum_out = kernels.chunkwise_retention_with_key_sum(q, k, v, LOG_DECAY, 16, state, key_sum)
+  assert out.shape == v.shape and qz.shape == (BATCH, 0, HEADS)
+  np.testing.assert_array_equal(final, state)
+  np.testing.assert_array_equal(key_sum_out, key_sum)
+
+
+@functools.cache
+def kernel_with_key_sum(chunk):
+  return jax.jit(lambda q, k, v, s, z: kernels.chunkwise_retention_with_key_sum(q, k, v, LOG_DECAY, chunk, s, z,
+                                                                                config=TWO_TILES))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, BF16_TOL)])
+def test_normaliser_by_products_match_float64_and_layers(dtype, tol):
+  """qz = q_n . z_n and the final key sum, from the same pass, against the float64 retention of a ones column and
+  against `layers.py`'s second XLA call (retention of ones, rounded to the compute dtype); the divisors they give
+  agree, and out and the state are those of `chunkwise_retention`."""
+  length, chunk = 37, 16
+  q, k, v, state, _, _, key_sum = random_inputs(length, seed=5)
+  with jax.enable_x64(True):
+    ones = jnp.ones((BATCH, length, HEADS, 1), jnp.float64)
+    ref_qz, ref_key_sum = retention.parallel_retention(q, k, ones, LOG_DECAY.astype(np.float64), key_sum[..., None])
+  args = [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(x, jnp.float32) for x in (state, key_sum)]
+  out, final, qz, key_sum_out = kernel_with_key_sum(chunk)(*args)
+  assert qz.dtype == key_sum_out.dtype == jnp.float32 and qz.shape == (BATCH, length, HEADS)
+  assert rel_err(qz, ref_qz[..., 0]) < tol and rel_err(key_sum_out, ref_key_sum[..., 0]) < tol
+
+  layers_qz, layers_key_sum, _, _ = retention._chunkwise(args[0], args[1], jnp.ones((BATCH, length, HEADS, 1), dtype),
+                                                         LOG_DECAY, chunk, args[4][..., None])
+  assert rel_err(qz, layers_qz[..., 0]) < tol and rel_err(key_sum_out, layers_key_sum[..., 0]) < tol
+  positions = jnp.broadcast_to(jnp.arange(length), (BATCH, length))
+  divisors = [stability.divisor("shared", "chunkwise", x, positions, LOG_DECAY) for x in (qz, layers_qz[..., 0])]
+  assert rel_err(*divisors) < tol
+
+  plain_out, plain_final = kernel_vjp(chunk, TWO_TILES)(*args[:4], args[2], args[3])[:2]
+  np.testing.assert_array_equal(out, plain_out)
+  np.testing.assert_array_equal(final, plain_final)
+
+
+def test_key_sum_form_differentiates_like_the_plain_form():
+  """Gradients flow through out and the state only: qz and the key sum are constants, as the divisor is."""
+  q, k, v, state, d_out, d_state, key_sum = (jnp.asarray(x, jnp.float32) for x in random_inputs(21, seed=8))
+
+  def loss(form, q, k, v, s):
+    out, final = form(q, k, v, s)[:2]
+    return jnp.sum(out * d_out) + jnp.sum(final * d_state)
+
+  with_key_sum = lambda *a: kernels.chunkwise_retention_with_key_sum(*a[:3], LOG_DECAY, 4, a[3], key_sum,
+                                                                     config=TWO_TILES)
+  expected = kernel_vjp(4, TWO_TILES)(q, k, v, state, d_out, d_state)[2]
+  grads = jax.jit(jax.grad(functools.partial(loss, with_key_sum), argnums=(0, 1, 2, 3)))(q, k, v, state)
+  for g, e in zip(grads, expected):
+    np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+  qz_grad = jax.grad(lambda q: jnp.sum(with_key_sum(q, k, v, state)[2]))(q)
+  assert not np.any(np.asarray(qz_grad))
+
+
+def test_input_errors_name_the_problem():
+  q, k, v, state, _, _, key_sum = (jnp.asarray(x, jnp.float32) for x in random_inputs(5, seed=0))
+  for bad in (0, -2, 2.5):
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+      kernels.chunkwise_retention(q, k, v, LOG_DECAY, bad)
+  with pytest.raises(ValueError, match="one dtype, float32 or bfloat16"):
+    kernels.chunkwise_retention(q.astype(jnp.bfloat16), k, v, LOG_DECAY, 4)
+  with pytest.raises(ValueError, match="one dtype, float32 or bfloat16"):
+    kernels.chunkwise_retention(*(x.astype(jnp.float16) for x in (q, k, v)), LOG_DECAY, 4)
+  with pytest.raises(ValueError, match="state must be"):
+    kernels.chunkwise_retention(q, k, v, LOG_DECAY, 4, state[..., :3])
+  with pytest.raises(ValueError, match="key_sum must be"):
+    kernels.chunkwise_retention_with_key_sum(q, k, v, LOG_DECAY, 4, state, key_sum[..., :3])
+  with pytest.raises(ValueError, match="log_decay must be <= 0"):
+    kernels.chunkwise_retention(q, k, v, -LOG_DECAY, 4)
+  with pytest.raises(ValueError, match="retention_impl='pallas': .* backend is 'cpu'.*retention_impl='xla'"):
+    kernels.chunkwise_retention(q, k, v, LOG_DECAY, 4, interpret=False)
+
+
+def test_support_limits_name_the_limit_and_the_fix():
+  assert support.resolve_interpret(None) is (jax.default_backend() != "gpu")
+  for d_k, d_v in ((256, 256), (128, 128), (256, 512), (256, 432), (16, 32)):
+    assert kernels.is_supported(d_k, d_v, jnp.bfloat16, 64, "gpu")
+    kernels.check_supported(d_k, d_v, "float32", 64, "gpu")
+  for args, match in [((256, 512, jnp.bfloat16, 64, "cpu"), "GPUs only .* backend is 'cpu'"),
+                      ((256, 512, jnp.bfloat16, 64, "tpu"), "backend is 'tpu'"),
+                      ((256, 512, jnp.float16, 64, "gpu"), "dtype float16"),
+                      ((256, 512, jnp.bfloat16, 100, "gpu"), r"chunk_size 100 is not one of .*\(16, 32, 64, 128\)"),
+                      ((256, 512, jnp.bfloat16, 8, "gpu"), "chunk_size 8"),
+                      ((512, 512, jnp.bfloat16, 64, "gpu"), "key head dim 512"),
+                      ((96, 512, jnp.bfloat16, 64, "gpu"), "key head dim 96")]:
+    assert not kernels.is_supported(*args)
+    with pytest.raises(ValueError, match=match) as error:
+      kernels.check_supported(*args)
+    assert "retention_impl='xla'" in str(error.value) and "'auto'" in str(error.value)
