@@ -42,8 +42,7 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, 
               + xi_S[:, None] * common.dot(do_SxV, state_KxV.astype(do_SxV.dtype), common.NT, precision))
     dq_ref[rows, :] = dq_SxK.astype(dq_ref.dtype)
     zeta_S, decay = common.state_decays(log_decay, c * size, size, length)
-    k_decayed = (k_SxK * zeta_S[:, None]).astype(k_SxK.dtype)
-    return decay * state_KxV + common.dot(k_decayed, v_SxV, common.TN, precision)
+    return common.advance(state_KxV, k_SxK, v_SxV, zeta_S, decay, precision)
 
   def reverse_step(i, d_state_KxV):
     c = num_chunks - 1 - i
@@ -57,8 +56,7 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, 
               + zeta_S[:, None] * common.dot(k_SxK, d_state_KxV.astype(k_SxK.dtype), common.NN, precision))
     dk_ref[rows, :] = dk_SxK.astype(dk_ref.dtype)
     dv_ref[rows, :] = dv_SxV.astype(dv_ref.dtype)
-    q_decayed = (q_SxK * xi_S[:, None]).astype(q_SxK.dtype)
-    return decay * d_state_KxV + common.dot(q_decayed, do_SxV, common.TN, precision)
+    return common.advance(d_state_KxV, q_SxK, do_SxV, xi_S, decay, precision)
 
   lax.fori_loop(0, num_chunks, forward_step, state_ref[...])
   d_state_ref[...] = lax.fori_loop(0, num_chunks, reverse_step, d_final_ref[...])

@@ -74,6 +74,14 @@ def state_decays(log_decay: jax.Array, start: jax.Array, size: int, length: int)
   return zeta_S, jnp.exp(log_decay * n.astype(jnp.float32))
 
 
+def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, weights_S: jax.Array, decay: jax.Array,
+            precision) -> jax.Array:
+  """`decay * state + (weights * keys)^T values`, the weighted keys rounded to their dtype for the product: the state
+  after a chunk (keys k, weights zeta), or in reverse the state's gradient before it (keys q, weights xi, values do)."""
+  weighted = (keys_SxK * weights_S[:, None]).astype(keys_SxK.dtype)
+  return decay * state_KxV + dot(weighted, values_SxV, TN, precision)
+
+
 def chunk_rows(c: jax.Array, size: int) -> pl.Slice:
   """The rows of chunk `c` in a `[length, ...]` ref."""
   return pl.ds(pl.multiple_of(c * size, size), size)

@@ -44,8 +44,7 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, 
     cross_SxV = common.dot(q_SxK, state_KxV.astype(q_SxK.dtype), common.NN, precision)
     out_ref[rows, :] = (inner_SxV + xi_S[:, None] * cross_SxV).astype(out_ref.dtype)
     zeta_S, decay = common.state_decays(log_decay, c * size, size, length)
-    k_decayed = (k_SxK * zeta_S[:, None]).astype(k_SxK.dtype)
-    state_KxV = decay * state_KxV + common.dot(k_decayed, v_SxV, common.TN, precision)
+    state_KxV = common.advance(state_KxV, k_SxK, v_SxV, zeta_S, decay, precision)
     if not with_key_sum:
       return state_KxV, z_K
     qz_S = jnp.sum(scores_SxS, axis=1) + xi_S * jnp.sum(q_SxK.astype(jnp.float32) * z_K[None, :], axis=1)
