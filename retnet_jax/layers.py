@@ -106,6 +106,11 @@ class Embed(nnx.Module):
     return logits.reshape(x_BxLxD.shape[:-1] + (-1,))
 
 
+def kv_heads(cfg: ml_collections.ConfigDict) -> int:
+  """The key/value heads of a model config: `num_kv_heads`, or `num_heads` where it is None."""
+  return cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads
+
+
 def init_layer_state(cfg: ml_collections.ConfigDict, batch_size: int) -> dict[str, jax.Array]:
   """Zero retention state of one layer: `kv [B, H, d_k, d_v]`, plus `key_sum [B, H, d_k]` if normalised."""
   heads = cfg.num_heads
@@ -119,17 +124,22 @@ def init_layer_state(cfg: ml_collections.ConfigDict, batch_size: int) -> dict[st
 class MultiScaleRetention(nnx.Module):
   """Multi-scale retention: rotated q/k, per-head decay, per-head RMSNorm, swish gate, output projection.
 
-  With `stability_norm`, each head's raw output is divided by the `stability_norm_style` scalars of
-  `retnet_jax.stability`. Positions below 0 are left padding: their keys are zeroed, so they add nothing to the
-  state, and as retention depends on relative positions only, a left-padded prompt gives the outputs it gives alone.
+  With `num_kv_heads` < `num_heads`, each group of num_heads / num_kv_heads query heads shares one key/value head
+  (query head j reads key/value head j // group size); `head_norm_scale` gives the per-head RMSNorm a learned
+  scale that all heads share. With `stability_norm`, each head's raw output is divided by the
+  `stability_norm_style` scalars of `retnet_jax.stability`. Positions below 0 are left padding: their keys are
+  zeroed, so they add nothing to the state, and as retention depends on relative positions only, a left-padded
+  prompt gives the outputs it gives alone.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
     d, heads = cfg.d_model, cfg.num_heads
     self.num_heads = heads
+    self.num_kv_heads = kv_heads(cfg)
     self.key_dim = d // heads
     self.value_dim = cfg.value_dim // heads
     self.dtype = dtype
+    self.rotation_pairs = cfg.rotation_pairs
     self.head_norm_eps = cfg.head_norm_eps
     self.stability_norm = cfg.stability_norm
     self.stability_norm_style = cfg.stability_norm_style
@@ -138,10 +148,12 @@ class MultiScaleRetention(nnx.Module):
     qkvg_init = xavier_uniform(2**-2.5)
     dense = lambda i, o, axes, init: Dense(i, o, axes, init=init, dtype=dtype, rngs=rngs)
     self.q_proj = dense(d, d, ("embed", "heads"), qkvg_init)
-    self.k_proj = dense(d, d, ("embed", "heads"), qkvg_init)
-    self.v_proj = dense(d, cfg.value_dim, ("embed", "heads"), qkvg_init)
+    self.k_proj = dense(d, self.key_dim * self.num_kv_heads, ("embed", "heads"), qkvg_init)
+    self.v_proj = dense(d, self.value_dim * self.num_kv_heads, ("embed", "heads"), qkvg_init)
     self.g_proj = dense(d, cfg.value_dim, ("embed", "heads"), qkvg_init)
     self.out_proj = dense(cfg.value_dim, d, ("heads", "embed"), xavier_uniform(2**-1))
+    self.head_norm_scale = (_param(rngs, nnx.initializers.ones, (self.value_dim,), (None,))
+                            if cfg.head_norm_scale else None)
 
   def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False):
     """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only."""
@@ -155,15 +167,17 @@ class MultiScaleRetention(nnx.Module):
                mode: str) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`x [B, L, D]` at `positions [B, L]` with the layer's incoming state (None: empty) -> (y, new state).
 
-    `rotation_tables`: `rotation.rotation_tables(positions, d_model // num_heads, rotation_base)`.
+    `rotation_tables`: `rotation.rotation_tables(positions, d_model // num_heads, rotation_base, rotation_freqs)`.
     """
     batch, length, _ = x_BxLxD.shape
     heads = self.num_heads
-    split = lambda y: y.reshape(batch, length, heads, -1)
-    q = split(self.q_proj(x_BxLxD))
-    k = split(self.k_proj(x_BxLxD)) * jnp.asarray(self.key_dim**-0.5, self.dtype)
-    v = split(self.v_proj(x_BxLxD))
-    q, k = rotation.rotate(q, rotation_tables), rotation.rotate(k, rotation_tables)
+    split = lambda y, num_heads: y.reshape(batch, length, num_heads, -1)
+    q = split(self.q_proj(x_BxLxD), heads)
+    k = split(self.k_proj(x_BxLxD), self.num_kv_heads) * jnp.asarray(self.key_dim**-0.5, self.dtype)
+    v = split(self.v_proj(x_BxLxD), self.num_kv_heads)
+    q, k = (rotation.rotate(y, rotation_tables, self.rotation_pairs) for y in (q, k))
+    if self.num_kv_heads < heads:  # each key/value head serves a group of consecutive query heads
+      k, v = (jnp.repeat(y, heads // self.num_kv_heads, axis=2) for y in (k, v))
     k = jnp.where((positions_BxL >= 0)[..., None, None], k, 0)  # negative positions are left padding
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
@@ -188,7 +202,10 @@ class MultiScaleRetention(nnx.Module):
         divisor = stability.divisor(self.stability_norm_style, mode, qz[..., 0], positions_BxL, log_decay_H)
       out_BxLxHxV = out_BxLxHxV / jax.lax.stop_gradient(divisor)[..., None]
 
-    y = rms_norm(out_BxLxHxV, self.head_norm_eps).reshape(batch, length, -1)
+    y = rms_norm(out_BxLxHxV, self.head_norm_eps)
+    if self.head_norm_scale is not None:
+      y = y * self.head_norm_scale[...]
+    y = y.reshape(batch, length, -1)
     gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))
     return self.out_proj((gate * y).astype(self.dtype)), new_state
 

@@ -49,7 +49,7 @@ def block_caller(remat: str, static_argnums: tuple[int, ...]):
 def rotation_tables_for(cfg: ml_collections.ConfigDict, positions_BxL: jax.Array):
   """The q/k rotation tables of a model config at `positions [B, L]`, shared by every layer of one call: their
   sines and cosines would cost more than the rotations."""
-  return rotation.rotation_tables(positions_BxL, cfg.d_model // cfg.num_heads, cfg.rotation_base)
+  return rotation.rotation_tables(positions_BxL, cfg.d_model // cfg.num_heads, cfg.rotation_base, cfg.rotation_freqs)
 
 
 def check_model_config(cfg: ml_collections.ConfigDict) -> None:
@@ -63,7 +63,11 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.value_dim % cfg.num_heads:
     raise ValueError(f"model.value_dim={cfg.value_dim} is not divisible by model.num_heads={cfg.num_heads}; "
                      "choose value_dim as a multiple of num_heads.")
+  if cfg.num_kv_heads is not None and (cfg.num_kv_heads < 1 or cfg.num_heads % cfg.num_kv_heads):
+    raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} must be a positive divisor of model.num_heads="
+                     f"{cfg.num_heads} (or None: one key/value head per query head).")
   rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
+  rotation.check_rotation(cfg.rotation_pairs, cfg.rotation_freqs)
   if not math.isfinite(cfg.rotation_base) or cfg.rotation_base <= 0:
     raise ValueError(f"model.rotation_base must be a positive finite number; got {cfg.rotation_base}.")
   for name in ("norm_eps", "head_norm_eps"):

@@ -106,6 +106,17 @@ def torchscale_preset(size: TorchscaleSize) -> Preset:
 
 PRESETS.update({f"torchscale_{name}": torchscale_preset(size) for name, size in TORCHSCALE_SIZES.items()})
 
+# flash-linear-attention's RetNet (scripts/convert_fla.py): half-split rotation pairs at RoPE frequencies, no
+# stability normaliser, a learned per-head norm scale shared by the heads, swish GLU.
+FLA_OPTIONS: Mapping[str, Any] = MappingProxyType(dict(
+    ffn_activation="swish", stability_norm=False, rotation_pairs="half", rotation_freqs="rope",
+    head_norm_scale=True))
+# fla's RetNetConfig defaults (1.3B): value width 2 x d_model, FFN from hidden_ratio=2, a 32000-token vocabulary.
+PRESETS["fla"] = Preset(
+    model=ModelPreset(d_model=2048, num_layers=24, num_heads=8, value_dim=4096, ffn_dim=2816, vocab_size=32000,
+                      tie_embeddings=False, chunk_size=256, dtype="bfloat16", options=FLA_OPTIONS),
+    train=paper_train(6e-4))
+
 
 def preset(name: str) -> Preset:
   """The preset called `name`; ValueError naming the choices for an unknown one."""
@@ -123,6 +134,8 @@ def model_config(name: str) -> config_dict.ConfigDict:
       d_model=sizes.d_model,
       num_layers=sizes.num_layers,
       num_heads=sizes.num_heads,
+      # key/value heads, each shared by num_heads / num_kv_heads query heads; None: num_heads
+      num_kv_heads=config_dict.placeholder(int),
       value_dim=sizes.value_dim,  # total value width (all heads); the paper uses 2 x d_model
       ffn_dim=sizes.ffn_dim,
       ffn_activation="gelu",  # gelu (exact) | gelu_tanh | swish | relu
@@ -131,11 +144,14 @@ def model_config(name: str) -> config_dict.ConfigDict:
       decay_schedule="retnet",  # retnet: 1 - 2^(-5-h) | logspace: the paper's experiments | explicit
       decay_gammas=config_dict.placeholder(tuple),  # one gamma per head, for decay_schedule="explicit"
       rotation_base=10000.0,
+      rotation_pairs="interleaved",  # interleaved: features (2j, 2j+1) (torchscale) | half: (j, j + d_k/2) (fla)
+      rotation_freqs="linspace",  # linspace: base^(-j/(d_k/2-1)) (torchscale) | rope: base^(-2j/d_k) (fla)
       stability_norm=True,  # divide raw retention by sqrt(sum of decays) and the clamped score sum
       # shared: one scalar that every form computes alike (forms agree exactly) | torchscale: the official
       # code's per-form scalars (its outputs reproduced form by form; forms agree up to head_norm_eps)
       stability_norm_style="shared",
-      head_norm_eps=1e-6,  # per-head RMSNorm (no affine) epsilon
+      head_norm_eps=1e-6,  # per-head RMSNorm epsilon
+      head_norm_scale=False,  # a learned scale in the per-head RMSNorm, shared by all heads (fla)
       norm_eps=1e-6,  # block, final and embedding RMSNorm epsilon
       scale_embedding=False,  # multiply token embeddings by sqrt(d_model)
       embed_norm=False,  # RMSNorm on the embeddings before the first block
