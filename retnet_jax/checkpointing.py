@@ -11,9 +11,14 @@ loads on any other.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
+import shutil
+import sys
+import traceback
 from typing import Any
 
 import jax
@@ -24,22 +29,49 @@ _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + o
 _METRIC = "eval_loss"
 
 
+# Orbax warnings that say what is intended: a reader's directory is read-only; a save between evaluations has
+# no eval_loss for keep_best to rank it by.
+_EXPECTED_WARNINGS = ("Given directory is read only", "Requested `tracked_metric`")
+
+
 class _OrbaxWarningsOnly(logging.Filter):
-  """Drops orbax's info and debug records, which otherwise flood training logs at every save, and its warning
-  that a reader's directory is read-only (what readers ask for)."""
+  """Drops orbax's info and debug records, which otherwise flood training logs at every save, its warnings about
+  what is intended, and its error records that carry a traceback: the error itself reaches the caller, who
+  reports it once (`CheckpointWriteError`)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and any(frame.filename.startswith(_ORBAX_DIR)
+                               for frame in traceback.extract_tb(record.exc_info[2])):
+      return False  # also asyncio's report of a failed orbax write whose future nobody awaited
     if not record.pathname.startswith(_ORBAX_DIR):
       return True
-    return record.levelno >= logging.WARNING and not record.getMessage().startswith("Given directory is read only")
+    return record.levelno >= logging.WARNING and not record.getMessage().startswith(_EXPECTED_WARNINGS)
 
 
 _ORBAX_FILTER = _OrbaxWarningsOnly()
 
 
 def _quiet_orbax() -> None:
-  """Filters orbax's records out of absl's log (orbax logs through absl.logging); adding it again is a no-op."""
-  logging.getLogger("absl").addFilter(_ORBAX_FILTER)
+  """Filters orbax's records out of absl's log (orbax logs through absl.logging) and asyncio's, and TensorStore's
+  reports of writes that end after a failed save closed orbax's event loop; doing it again is a no-op."""
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_ORBAX_FILTER)
+  if not isinstance(sys.unraisablehook, _LateWriteCallbacksDropped):
+    sys.unraisablehook = _LateWriteCallbacksDropped(sys.unraisablehook)
+
+
+class _LateWriteCallbacksDropped:
+  """`sys.unraisablehook` without TensorStore's callbacks into an event loop that orbax closed after a failed save
+  (each would print 'Event loop is closed' with its traceback); everything else goes on to `hook`."""
+
+  def __init__(self, hook):
+    self.hook = hook
+
+  def __call__(self, unraisable) -> None:
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    if not (unraisable.exc_type is RuntimeError and frames and frames[0].name == "call_soon_threadsafe"
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      self.hook(unraisable)
 
 
 class DamagedCheckpointError(ValueError):
@@ -76,6 +108,22 @@ def _verify(saved: dict[str, int] | None, restored: Any, what: str) -> None:
                                  f"saved, first {damaged[0]}.")
 
 
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written (disk full, read-only, vanished directory...); earlier steps are intact.
+
+  `errno` is the cause's, also where TensorStore reports it inside its message (`os_error_code='28'`).
+  """
+
+  def __init__(self, step: int | None, directory: str, cause: BaseException):
+    code = getattr(cause, "errno", None)
+    if code is None and (match := re.search(r"os_error_code='(\d+)'", str(cause))):
+      code = int(match.group(1))
+    reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else
+              os.strerror(code) if code else (str(cause).splitlines() or [type(cause).__name__])[0])
+    super().__init__(f"could not write checkpoint {step} in {directory}: {reason}")
+    self.errno, self.step = code, step
+
+
 class IncompatibleCheckpointError(ValueError):
   """The checkpoint's arrays do not fit the model config's (it was written with another config)."""
 
@@ -109,6 +157,17 @@ def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) 
       "or start a fresh directory.")
 
 
+def _check_free_space(directory: str, state: Any) -> None:
+  """OSError(ENOSPC) unless the disk of `directory` has room for this process's part of `state` uncompressed:
+  a save that starts on a full disk fails inside orbax's threads, half-written."""
+  needed = sum(shard.data.nbytes for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
+               for shard in leaf.addressable_shards if shard.replica_id == 0)
+  free = shutil.disk_usage(directory).free
+  if free < needed:
+    raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free / 2**20:.1f} MiB free, the checkpoint "
+                                f"needs up to {needed / 2**20:.1f} MiB")
+
+
 class Checkpointer:
   """Keeps the last `keep` training checkpoints (plus the lowest `eval_loss` one with `keep_best`).
 
@@ -128,6 +187,7 @@ class Checkpointer:
     registry = ocp.handlers.create_default_handler_registry(
         state=ocp.handlers.StandardCheckpointHandler(), meta=ocp.handlers.JsonCheckpointHandler())
     self._pending_step = None
+    self._error: CheckpointWriteError | None = None
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                              enable_async_checkpointing=False, save_interval_steps=0)
@@ -145,6 +205,14 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+    self._identity = os.stat(self.directory)
+
+  def vanished(self) -> bool:
+    """Whether the directory was deleted, or replaced by another, since this writer opened it."""
+    try:
+      return not os.path.samestat(self._identity, os.stat(self.directory))
+    except FileNotFoundError:
+      return True
 
   def save(self, step: int, state: Any, meta: dict, *, eval_loss: float | None = None,
            force: bool = False) -> bool:
@@ -154,14 +222,24 @@ class Checkpointer:
     step raises ValueError rather than being overwritten.
     """
     self._check_writable("save")
+    self.wait()  # a failed background save of the previous step is reported as that step's
     meta = {**meta, "checksums": checksums(state)}  # verified by `restore`
     metrics = None if eval_loss is None else {_METRIC: float(eval_loss)}
-    started = self._manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-        metrics=metrics, force=force)
+    try:
+      _check_free_space(self.directory, state)
+      started = self._manager.save(
+          step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+          metrics=metrics, force=force)
+    except OSError as e:
+      raise self._failed(step, e) from e
     if started:
       self._pending_step = step
     return started
+
+  def check_for_errors(self) -> None:
+    """Raises CheckpointWriteError if a background save has failed; does not wait for one in progress."""
+    if not self._manager.is_saving_in_progress():
+      self.wait()
 
   def all_steps(self) -> list[int]:
     """Committed steps, ascending."""
@@ -221,15 +299,36 @@ class Checkpointer:
     self._manager.reload()
 
   def wait(self) -> None:
-    """Blocks until background saves are committed (and old steps deleted)."""
-    self._manager.wait_until_finished()
+    """Blocks until background saves are committed (and old steps deleted); CheckpointWriteError if one failed."""
+    if self._error is not None:
+      raise self._error
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # orbax's background save re-raises whatever failed in it
+      raise self._failed(self._pending_step, e) from e
+
+  def _failed(self, step: int | None, cause: BaseException) -> CheckpointWriteError:
+    """Records the first failed write; every later call that would write reports it again."""
+    self._error = CheckpointWriteError(step, self.directory, cause)
+    return self._error
 
   def _check_writable(self, action: str) -> None:
     if self.read_only:
       raise ValueError(f"cannot {action} in {self.directory}: this Checkpointer is read-only.")
 
   def close(self) -> None:
-    """Waits for pending saves and releases orbax's threads."""
+    """Waits for pending saves and releases orbax's threads; a failed save is raised here unless it already was."""
+    reported = self._error is not None
+    try:
+      self.wait()
+    except CheckpointWriteError:
+      try:
+        self._manager.close()  # re-raises the failed save before releasing what it can
+      except Exception:  # pylint: disable=broad-exception-caught
+        pass
+      if not reported:
+        raise
+      return
     self._manager.close()
 
   def __enter__(self) -> Checkpointer:

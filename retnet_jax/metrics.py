@@ -30,13 +30,27 @@ def to_json(values: dict[str, Any]) -> str:
   return json.dumps({**cleaned, "nonfinite": nonfinite} if nonfinite else cleaned, allow_nan=False)
 
 
+def _drop_partial_line(path: str) -> None:
+  """Cuts a last line that a failed write (a full disk) left unfinished, so the file stays valid JSON lines."""
+  try:
+    file = open(path, "rb+")
+  except FileNotFoundError:
+    return
+  with file:
+    content = file.read()
+    if content and not content.endswith(b"\n"):
+      file.truncate(content.rfind(b"\n") + 1)
+
+
 class MetricsWriter:
   """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard; only process 0 writes."""
 
   def __init__(self, workdir: str | os.PathLike):
     self.enabled = jax.process_index() == 0
     if self.enabled:
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+      path = os.path.join(workdir, "metrics.jsonl")
+      _drop_partial_line(path)
+      self._jsonl = open(path, "a", encoding="utf-8")
       self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
@@ -49,10 +63,25 @@ class MetricsWriter:
       self._tensorboard.add_scalar(name, value, step)
     self._tensorboard.flush()
 
-  def close(self) -> None:
-    if self.enabled:
+  def close(self, *, after_error: bool = False) -> None:
+    """Flushes and closes both files; `after_error` (another error is being reported) drops what cannot be written
+    (a full disk) instead of raising."""
+    if not self.enabled:
+      return
+    try:
       self._jsonl.close()
       self._tensorboard.close()
+    except OSError:
+      if not after_error:
+        raise
+      for writer in (self._tensorboard.all_writers or {}).values():
+        writer.event_writer._closed = True  # pylint: disable=protected-access  (else retried at exit, noisily)
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, exc_type, *_) -> None:
+    self.close(after_error=exc_type is not None)
 
 
 def format_duration(seconds: float) -> str:

@@ -9,6 +9,7 @@ SIGTERM / SIGINT finish the current step, write a checkpoint and return.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -84,18 +85,71 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   data.eval_batches(valid_sequences, train_cfg.batch_size // train_cfg.grad_accum_steps, 1)  # enough to evaluate?
 
   workdir.mkdir(parents=True, exist_ok=True)
-  with workdir_lock.WriterLock(workdir, jax.process_index()):  # one training process writes the workdir
-    if jax.process_index() == 0:
-      (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  with workdir_lock.WriterLock(workdir, jax.process_index()) as lock:  # one training process writes the workdir
     checkpointer = checkpointing.Checkpointer(ckpt_dir, keep=config.checkpoint.keep,
                                               keep_best=config.checkpoint.keep_best,
                                               async_save=config.checkpoint.async_save)
-    writer = metrics.MetricsWriter(workdir)
     try:
-      return _train_loop(config, run, batches, valid_sequences, checkpointer, writer, workdir)
-    finally:
-      checkpointer.close()
-      writer.close()
+      with checkpointer, metrics.MetricsWriter(workdir) as writer:
+        if jax.process_index() == 0:
+          (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        return _train_loop(config, run, batches, valid_sequences, checkpointer, writer, lock)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      fault = _workdir_fault(e, lock, checkpointer)
+      if fault is None:
+        raise
+      raise fault from e
+
+
+# errno -> (what went wrong with the workdir's disk, the fix)
+_DISK_FAULTS = {
+    errno.ENOSPC: ("its disk is full", "free space there (or move the workdir to a disk with room)"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space or raise the quota"),
+    errno.EROFS: ("its file system is read-only", "remount it read-write (or copy the workdir to a writable disk)"),
+    errno.EACCES: ("permission is denied", "make the workdir writable for this user"),
+    errno.EPERM: ("permission is denied", "make the workdir writable for this user"),
+    errno.EIO: ("its disk reported an I/O error", "check the disk"),
+}
+
+
+def _workdir_fault(error: Exception, lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpointer
+                   ) -> OSError | None:
+  """`error` as one message naming the workdir's fault, what is committed and the fix; None if not a disk fault."""
+  vanished = _vanished(lock, checkpointer)
+  if vanished is None and isinstance(error, OSError) and error.errno not in _DISK_FAULTS:
+    time.sleep(1)  # a workdir being deleted can fail a save before the deletion reaches the lock file
+    vanished = _vanished(lock, checkpointer)
+  if vanished is not None:
+    return workdir_lock.WorkdirVanishedError(
+        f"{vanished}. Restore it (or remount its disk) and run the same command again to resume from its latest "
+        "checkpoint, or choose a new --workdir to start afresh.")
+  if not isinstance(error, OSError):
+    return None
+  what, fix = _DISK_FAULTS.get(error.errno, ("a write failed", "remove the cause"))
+  try:
+    checkpointer.reload()
+    committed = checkpointer.latest_step()
+  except Exception:  # pylint: disable=broad-exception-caught  (the listing may fail for the same cause)
+    committed = None
+  detail = error if isinstance(error, checkpointing.CheckpointWriteError) else error.strerror or error
+  kept = (f"checkpoint {committed} is committed and intact; {fix}, then run the same command again to resume "
+          f"from step {committed}" if committed is not None else
+          f"no checkpoint was committed yet; {fix}, then run the same command again to start over")
+  fault = OSError(f"cannot write to the workdir {lock.workdir}: {what} ({detail}). The training stopped; {kept}.")
+  fault.errno = error.errno
+  return fault
+
+
+def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpointer) -> str | None:
+  """How the workdir vanished (its lock file or checkpoint directory is gone or replaced), or None."""
+  try:
+    lock.check_held()
+  except workdir_lock.WorkdirVanishedError as e:
+    return str(e)
+  if checkpointer.vanished():
+    return (f"the workdir {lock.workdir} vanished while training (deleted, moved or its disk unmounted): "
+            f"{checkpointer.directory} is gone")
+  return None
 
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
@@ -145,8 +199,9 @@ def _check_finite(state: train_state.TrainState, policy: str, checkpointer: chec
 
 def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator, valid_sequences: np.ndarray,
                 checkpointer: checkpointing.Checkpointer, writer: metrics.MetricsWriter,
-                workdir: Path) -> dict[str, float]:
+                lock: workdir_lock.WriterLock) -> dict[str, float]:
   train_cfg = config.train
+  workdir = lock.workdir
   eval_batch, batch_sharding = train_cfg.batch_size // train_cfg.grad_accum_steps, run.placement.batch_sharding
   state = _restore_or_init(config, run, checkpointer, batches)
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
@@ -156,8 +211,14 @@ def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator, 
   profile = tuple(train_cfg.profile_steps or ())
   saved_step = int(state["step"])
 
+  def check_workdir():
+    """Stops at a vanished workdir or a failed background save rather than at the next save or at exit."""
+    lock.check_held()
+    checkpointer.check_for_errors()
+
   def save(eval_loss=None):
     nonlocal saved_step
+    check_workdir()
     checkpointer.save(step, state, {"data": batches.get_state(), "config": config.to_dict()}, eval_loss=eval_loss)
     saved_step = step
 
@@ -184,6 +245,7 @@ def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator, 
         compiled, interval_start = True, time.perf_counter()
 
       if step % train_cfg.log_every_steps == 0 or step == train_cfg.steps:
+        check_workdir()
         _check_finite(state, train_cfg.nonfinite, checkpointer)
         values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
         values["perplexity"] = math.exp(min(values["loss"], 50.0))

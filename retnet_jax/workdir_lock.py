@@ -22,6 +22,10 @@ class WorkdirBusyError(RuntimeError):
   """Another live process is training in this workdir."""
 
 
+class WorkdirVanishedError(OSError):
+  """The workdir's lock file is no longer the one locked: the workdir was deleted, moved or its disk unmounted."""
+
+
 class WriterLock:
   """The exclusive lock `WORKDIR/train_<process_index>.lock`; the file records its holder for the message."""
 
@@ -32,7 +36,14 @@ class WriterLock:
 
   def acquire(self) -> None:
     """Takes the lock at once, or raises WorkdirBusyError naming the process that holds it."""
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      unwritable = OSError(f"cannot create the lock file {self.path} ({e.strerror}): training writes its checkpoints "
+                           "and metrics into the workdir, so it must be writable; choose a writable --workdir "
+                           "(evaluate.py and generate.py read a read-only one)")
+      unwritable.errno = e.errno
+      raise unwritable from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -46,6 +57,16 @@ class WriterLock:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode(), 0)
     self._fd = fd
+
+  def check_held(self) -> None:
+    """Raises WorkdirVanishedError unless `path` is still the file this process locked (cheap: two stat calls)."""
+    try:
+      held = self._fd is not None and os.path.samestat(os.fstat(self._fd), os.stat(self.path))
+    except FileNotFoundError:
+      held = False
+    if not held:
+      raise WorkdirVanishedError(f"the workdir {self.workdir} vanished while training (deleted, moved or its disk "
+                                 f"unmounted): its lock file {self.path} is gone")
 
   def release(self) -> None:
     """Releases the lock (the file stays: it is free once no process holds it)."""

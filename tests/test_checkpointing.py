@@ -1,8 +1,12 @@
 """Checkpointer and params export: round trips, retention, resharding on restore, and the error messages."""
 
+import asyncio
+import errno
+import gc
 import logging
 import os
 import shutil
+import time
 
 import absl.logging
 import jax
@@ -14,7 +18,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.retnet import get_config
-from retnet_jax.checkpointing import Checkpointer, DamagedCheckpointError, export_params, load_params
+from retnet_jax.checkpointing import (Checkpointer, CheckpointWriteError, DamagedCheckpointError, export_params,
+                                     load_params)
 from retnet_jax.model import RetNet
 
 META = {"data_position": [3, 1024], "config": {"preset": "tiny", "lr": 3e-3, "files": []}, "note": None}
@@ -204,3 +209,43 @@ def test_orbax_logs_only_warnings(tmp_path, state, caplog):
   finally:
     absl.logging.set_verbosity(verbosity)
   assert not [r for r in caplog.records if f"{os.sep}orbax{os.sep}" in r.pathname and r.levelno < logging.WARNING]
+
+
+def test_a_save_on_a_full_disk_is_one_error_naming_the_step(tmp_path, state, monkeypatch):
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, state, META)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 10, 10))
+    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint 2 in .*: No space left on device: "
+                                                   r"0.0 MiB free, the checkpoint needs up to [0-9.]+ MiB") as error:
+      ckpt.save(2, state, META)
+    assert error.value.errno == errno.ENOSPC and error.value.step == 2
+    with pytest.raises(CheckpointWriteError):  # reported again to any later write, not at close
+      ckpt.save(3, state, META)
+    assert ckpt.all_steps() == [1]
+  # TensorStore reports the errno inside its message.
+  tensorstore_error = ValueError("RESOURCE_EXHAUSTED: Error writing local file \"x\": Failed to write 25135 bytes to "
+                                 "file 16: No space left on device [os_error_code='28']")
+  assert CheckpointWriteError(4, "d", tensorstore_error).errno == errno.ENOSPC
+
+
+def test_late_tensorstore_callbacks_into_a_closed_event_loop_print_nothing(tmp_path, capfd, caplog):
+  """Orbax closes its event loop when a save fails; TensorStore writes still pending then call into it and would
+  each print a traceback."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  with Checkpointer(tmp_path / "ckpt"):  # installs the filter
+    pass
+  array = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "array")}}, create=True,
+                  dtype=ts.float32, shape=[4_000_000]).result()
+  loop = asyncio.new_event_loop()
+  waiting = loop.create_task(_awaited(array.write(np.ones(4_000_000, np.float32))))
+  loop.run_until_complete(asyncio.sleep(0))  # TensorStore now holds a callback into the loop
+  loop.close()  # the write is still in flight
+  time.sleep(1)
+  assert "Event loop is closed" not in capfd.readouterr().err
+  with caplog.at_level(logging.CRITICAL, logger="asyncio"):  # asyncio's note on the task left pending
+    del waiting
+    gc.collect()
+
+
+async def _awaited(future):
+  await future

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,6 +158,65 @@ def test_a_second_training_in_a_live_workdir_is_refused(tmp_path, corpus, refere
   assert second.returncode != 0 and f"is being trained by process {first.pid} on" in output, output[-3000:]
   finish(first)
   assert losses(workdir) == reference  # metrics.jsonl holds the first run alone
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 1,200 KiB tmpfs (room for two checkpoints of the tiny model), remountable; skipped unless root can mount."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(disk)],
+                                         capture_output=True).returncode != 0:
+    pytest.skip("mounting a small tmpfs needs root")
+  yield disk
+  subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def one_error(output):
+  """The error line a failed script ends with, after checking that nothing printed a traceback."""
+  assert "Traceback" not in output, output[-3000:]
+  return output.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_full_then_read_only_disk_give_one_message_each_and_the_run_resumes_exactly(tmp_path, corpus, reference,
+                                                                                    small_disk):
+  """A disk that fills up stops the training with one message naming it, the committed checkpoint and the fix;
+  read-only, training is refused and evaluation still prints its results; with room again the run resumes and
+  every step equals an uninterrupted run's."""
+  workdir = small_disk / "run"
+  process = launch(workdir, corpus, every_steps=5, async_save=True)
+  output, _ = process.communicate(timeout=300)
+  error = one_error(output)
+  assert process.returncode == 1 and error.startswith(f"error: cannot write to the workdir {workdir}: its disk is "
+                                                      "full"), output[-3000:]
+  committed = int(error.split("resume from step ")[1].split(".")[0])
+  assert f"checkpoint {committed} is committed and intact" in error and committed >= 5
+  losses(workdir)  # metrics.jsonl is still valid JSON lines
+
+  subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+  process = launch(workdir, corpus, every_steps=5, async_save=True)
+  output, _ = process.communicate(timeout=300)
+  assert process.returncode == 1 and "Read-only file system" in one_error(output) and "writable --workdir" in output
+  result = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), *script_flags(workdir, corpus),
+                           "--max_batches=1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0 and json.loads(result.stdout.splitlines()[-1])["step"] == committed
+  assert "could not write" in result.stderr and "Traceback" not in result.stderr
+
+  subprocess.run(["mount", "-o", "remount,rw,size=20m", str(small_disk)], check=True)
+  finish(launch(workdir, corpus, every_steps=5, async_save=True))
+  assert losses(workdir) == reference
+
+
+@pytest.mark.slow
+def test_a_workdir_deleted_while_training_stops_it_promptly_with_one_message(tmp_path, corpus):
+  workdir = tmp_path / "run"
+  process = launch(workdir, corpus, every_steps=5, async_save=True)
+  wait_for(lambda: logged_steps(workdir) >= 20, process)
+  while workdir.exists():  # the training keeps writing into it meanwhile
+    shutil.rmtree(workdir, ignore_errors=True)
+  output, _ = process.communicate(timeout=60)
+  assert process.returncode == 1 and f"error: the workdir {workdir} vanished while training" in one_error(output)
 
 
 def test_writer_lock_is_exclusive_and_released(tmp_path):
