@@ -1,4 +1,5 @@
-"""Import of official RetNet checkpoints: torchscale's `RetNetDecoder` (late-2023 layout) as a `RetNet`.
+"""Import of RetNet checkpoints: torchscale's `RetNetDecoder` (late-2023 layout) as a `RetNet`; fla's RetNet in
+both directions (`load_fla`, `write_fla`, from retnet_jax.convert_fla); the workdir a converted model goes to.
 
     model, config = load_torchscale(state_dict, torchscale_config)  # names -> arrays; RetNetConfig kwargs
     logits, _ = model(tokens, mode="parallel")                     # or "chunkwise", "recurrent"
@@ -26,6 +27,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from retnet_jax import checkpointing, decay, presets, sharding, train_state
+from retnet_jax.convert_fla import listing, load_fla, write_fla  # noqa: F401  (load_fla, write_fla: re-exported)
 from retnet_jax.model import RetNet
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read
@@ -160,22 +162,17 @@ def config_from_torchscale(torchscale_config: Mapping[str, Any], vocab_size: int
   return config
 
 
-def _listing(names: list[str], limit: int = 12) -> str:
-  shown = ", ".join(names[:limit])
-  return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
 def _check_names(given: set[str], expected: set[str]) -> None:
   """Refuses unsupported layouts by their tensors, then any tensor missing or left over, naming them all."""
   for fragment, what in UNSUPPORTED_TENSORS.items():
     found = sorted(name for name in given if fragment in name)
     if found:
-      raise ValueError(f"the state_dict holds {what}, which RetNet does not implement: {_listing(found)}. "
+      raise ValueError(f"the state_dict holds {what}, which RetNet does not implement: {listing(found)}. "
                        "Only torchscale's late-2023 RetNet layout converts (RMSNorm, no biases, GLU FFN).")
   missing, extra = sorted(expected - given), sorted(given - expected - set(BUFFERS))
   if missing or extra:
     raise ValueError("the state_dict does not match a torchscale RetNetDecoder of this config: "
-                     f"missing tensors: [{_listing(missing)}]; unexpected tensors: [{_listing(extra)}].")
+                     f"missing tensors: [{listing(missing)}]; unexpected tensors: [{listing(extra)}].")
 
 
 def _check_buffers(state_dict: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> None:
@@ -196,16 +193,29 @@ def _check_buffers(state_dict: Mapping[str, Any], cfg: ml_collections.ConfigDict
                        "RetNet computes; a checkpoint of modified torchscale code cannot be converted.")
 
 
+def unwrap_fairseq(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+  """The decoder's own names of a fairseq checkpoint (`{"model": {"decoder.layers.0...": ...}, "cfg": ...}`) or
+  of its `model` dict; any other state_dict as it is."""
+  if isinstance(state_dict.get("model"), Mapping):
+    state_dict = state_dict["model"]
+  prefix = "decoder."
+  if any(name.startswith(prefix) for name in state_dict):
+    state_dict = {name[len(prefix):] if name.startswith(prefix) else name: value for name, value in state_dict.items()}
+  return state_dict
+
+
 def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[str, Any]
                     ) -> tuple[RetNet, ml_collections.ConfigDict]:
   """A torchscale RetNetDecoder as a RetNet: `model(tokens, mode=...)` gives torchscale's logits in each form.
 
   Args:
-    state_dict: the decoder's names -> numpy arrays or torch tensors (float32 or bfloat16).
+    state_dict: the decoder's names -> numpy arrays or torch tensors (float32 or bfloat16), or a fairseq
+      checkpoint holding them (`{"model": {"decoder.NAME": ...}, ...}`).
     torchscale_config: its RetNetConfig keyword values; unsupported options are refused by name.
   Returns:
     (model, config): the model and the full config (the torchscale preset of its size, with its model fields).
   """
+  state_dict = unwrap_fairseq(state_dict)
   embed = state_dict.get("embed_tokens.weight")
   if embed is None:
     raise ValueError("the state_dict has no embed_tokens.weight (the token embedding); pass the state_dict of a "
@@ -242,6 +252,23 @@ def model_overrides(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return {name: value for name, value in config.model.items() if value != preset[name]}
 
 
+def load_flags(config: ml_collections.ConfigDict, workdir: str | Path) -> str:
+  """The flags with which scripts/evaluate.py and scripts/generate.py load a converted `config` from `workdir`:
+  its preset, the model overrides and a tokenizer other than the byte one."""
+  flags = [f"--config=configs/retnet.py:{config.preset}"]
+  flags += [f"--config.model.{name}={value}" for name, value in model_overrides(config).items()]
+  if config.data.tokenizer != "byte":
+    flags.append(f"--config.data.tokenizer={config.data.tokenizer}")
+  return " ".join(flags + [f"--workdir={workdir}"])
+
+
+def check_empty_workdir(workdir: str | Path) -> None:
+  """Raises FileExistsError if `workdir` already holds checkpoints (a conversion writes step 0 of a new one)."""
+  ckpt_dir = Path(workdir) / "checkpoints"
+  if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+    raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into an empty --workdir.")
+
+
 def write_checkpoint(model: RetNet, config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
   """Writes `model` into `workdir` as training does: a step-0 checkpoint and config.json, which
   `train_state.restore_model`, the scripts and training's resume load.
@@ -250,9 +277,8 @@ def write_checkpoint(model: RetNet, config: ml_collections.ConfigDict, workdir: 
     The checkpoint directory. Everything but the parameters is a fresh train state.
   """
   workdir = Path(workdir)
+  check_empty_workdir(workdir)
   ckpt_dir = workdir / "checkpoints"
-  if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-    raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into an empty --workdir.")
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
   state = train_state.from_params(config, layout, nnx.state(model, nnx.Param))
   workdir.mkdir(parents=True, exist_ok=True)

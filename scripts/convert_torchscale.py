@@ -3,9 +3,10 @@
     python scripts/convert_torchscale.py --state_dict=retnet.pt --torchscale_config=retnet.json --workdir=runs/ts
 
 `--state_dict` is a `torch.save`d state_dict of torchscale's RetNetDecoder (late-2023 layout, its own names:
-`layers.0.retention.q_proj.weight`, ..., `embed_tokens.weight`); `--torchscale_config` a JSON object of its
-RetNetConfig keyword values. Writes WORKDIR/checkpoints/0 and WORKDIR/config.json, then prints the flags that
-load the result. Reading the .pt file needs torch: `pip install -e '.[torch]'`.
+`layers.0.retention.q_proj.weight`, ..., `embed_tokens.weight`) or a fairseq checkpoint of one (its `model` dict,
+names under `decoder.`); `--torchscale_config` a JSON object of its RetNetConfig keyword values. Writes
+WORKDIR/checkpoints/0 and WORKDIR/config.json, then prints the flags that load the result. Reading the .pt file
+needs torch: `pip install -e '.[torch]'`.
 """
 
 import json
@@ -25,6 +26,7 @@ _WORKDIR = cli.workdir_flag("Directory to write checkpoints/0 and config.json in
 
 
 def main():
+  convert.check_empty_workdir(_WORKDIR.value)
   try:
     import torch  # only to read the .pt file
   except ImportError:
@@ -45,9 +47,7 @@ def main():
              "of RetNetConfig keyword values.")
   model, config = convert.load_torchscale(state_dict, torchscale_config)
   checkpoints = convert.write_checkpoint(model, config, _WORKDIR.value)
-  load_flags = " ".join([f"--config=configs/retnet.py:{config.preset}"]
-                        + [f"--config.model.{name}={value}" for name, value in convert.model_overrides(config).items()]
-                        + [f"--workdir={_WORKDIR.value}"])
+  load_flags = convert.load_flags(config, _WORKDIR.value)
   print(f"wrote {checkpoints / '0'} and {Path(_WORKDIR.value) / 'config.json'}; load it with (plus "
         f"--config.data.tokenizer=PATH for the checkpoint's tokenizer):\n"
         f"  python scripts/evaluate.py {load_flags}\n  python scripts/generate.py {load_flags}", flush=True)

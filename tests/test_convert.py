@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,6 +130,21 @@ def small_state_dict():
   return options, {name: tensor.numpy() for name, tensor in torchscale_decoder(options).state_dict().items()}
 
 
+def fairseq_checkpoint(state_dict):
+  """`state_dict` as fairseq saves a torchscale language model: under `model`, named `decoder.NAME`, with the
+  training state beside it."""
+  return {"model": {f"decoder.{name}": value for name, value in state_dict.items()},
+          "cfg": {"model": {"_name": "retnet_base"}}, "extra_state": {"epoch": 1}}
+
+
+def test_fairseq_checkpoints_are_unwrapped():
+  options, state_dict = small_state_dict()
+  wrapped, _ = convert.load_torchscale(fairseq_checkpoint(state_dict), options)
+  plain, _ = convert.load_torchscale(state_dict, options)
+  assert jax.tree.all(jax.tree.map(np.array_equal, nnx.to_pure_dict(nnx.state(wrapped)),
+                                   nnx.to_pure_dict(nnx.state(plain))))
+
+
 @pytest.mark.parametrize("remove,add,message", [
     ("layers.1.ffn.gate.weight", {"layers.2.ffn.gate.weight": (48, 32)},
      r"missing tensors: \[layers\.1\.ffn\.gate\.weight\]; unexpected tensors: \[layers\.2\.ffn\.gate\.weight\]"),
@@ -172,10 +188,11 @@ def test_unsupported_options_are_refused(override, message):
 
 @pytest.mark.slow
 def test_script_writes_a_checkpoint_that_restore_model_loads(tmp_path):
-  """torch.save'd state_dict + JSON config -> scripts/convert_torchscale.py -> evaluate.restore_model: same logits."""
+  """torch.save'd fairseq checkpoint + JSON config -> scripts/convert_torchscale.py -> evaluate.restore_model: same
+  logits."""
   options, length = SHAPES["recipe"]
   decoder = torchscale_decoder(options)
-  torch.save(decoder.state_dict(), tmp_path / "retnet.pt")
+  torch.save(fairseq_checkpoint(decoder.state_dict()), tmp_path / "retnet.pt")
   (tmp_path / "retnet.json").write_text(json.dumps(options))
   workdir = tmp_path / "converted"
   convert_script = lambda state_dict, torchscale_config: subprocess.run(

@@ -1,0 +1,350 @@
+"""flash-linear-attention's (fla 0.6.0) RetNet in its Hugging Face format, read and written without torch.
+
+    model, config = load_fla("checkpoints/retnet")   # config.json, model.safetensors (or shards), tokenizer.json
+    write_fla(model, config, "exported")             # a folder fla's RetNetForCausalLM.from_pretrained loads
+
+fla's RetNet is RetNet with: half-split rotation pairs at RoPE frequencies (`rotation_pairs="half"`,
+`rotation_freqs="rope"`), no stability normaliser (`stability_norm=False`), a learned per-head norm scale shared
+by the heads (`head_norm_scale`, its `elementwise_affine`), one epsilon for every norm, shared key/value heads
+(`num_kv_heads`) and a swish GLU of width `intermediate_size`. fla scales queries by d_k^-1/2 where RetNet scales
+keys: the same function, with the retention state 1/sqrt(d_k) times fla's. fla builds its decays in float32, where
+1 - 2^(-5-h) is exactly 1 for heads h >= 20; RetNet keeps them below 1 (it matters only past 20 heads).
+
+Tensors are read one at a time from the safetensors files (float32, bfloat16 or float16) and placed at once, so
+the peak host memory stays near the float32 parameters' size; every name, shape and dtype is checked first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx, traverse_util
+from jax.experimental import multihost_utils
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from retnet_jax import data, presets, sharding
+from retnet_jax.model import RetNet, check_model_config
+
+# fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
+# these). Its other options act only in training (initializer_range, fuse_cross_entropy, use_l2warp, ...),
+# choose a kernel (attn_mode, fuse_swiglu) or are generation settings (token ids, use_cache).
+FLA_DEFAULTS = {
+    "hidden_size": 2048, "num_hidden_layers": 24, "num_heads": 8, "num_kv_heads": None, "expand_k": 1.0,
+    "expand_v": 2.0, "hidden_ratio": 2, "intermediate_size": None, "vocab_size": 32000, "norm_eps": 1e-6,
+    "elementwise_affine": True, "tie_word_embeddings": False, "fuse_norm": True, "hidden_act": "swish",
+    "use_short_conv": False, "feature_map": None, "use_output_gate": True, "attn": None, "attnres_block_size": None,
+}
+# Option -> (the value RetNet implements, what another value means).
+UNSUPPORTED_OPTIONS = {
+    "expand_k": (1, "a key width other than hidden_size"),
+    "use_short_conv": (False, "short convolutions on q, k and v"),
+    "feature_map": (None, "a feature map on q and k"),
+    "use_output_gate": (True, "retention without its swish output gate"),
+    "attn": (None, "hybrid models with standard attention layers"),
+    "attnres_block_size": (None, "attention residuals across layers"),
+    "hidden_act": ("swish", "another activation in the FFN and the output gate"),
+}
+# config.model field -> the value fla computes; other values cannot be exported.
+EXPORTABLE = {"stability_norm": False, "rotation_pairs": "half", "rotation_freqs": "rope", "rotation_base": 10000.0,
+              "decay_schedule": "retnet", "scale_embedding": False, "embed_norm": False, "ffn_activation": "swish"}
+MAX_KEY_HEAD_DIM = 256  # fla's MultiScaleRetention asserts head_k_dim <= 256 (its rotary kernel)
+DTYPES = {"F32", "BF16", "F16"}
+INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+# Our parameter path inside block i -> fla's name inside `model.layers.{i}.`.
+BLOCK_NAMES = {
+    ("retention_norm", "scale"): "attn_norm.weight",
+    ("retention", "q_proj", "kernel"): "attn.q_proj.weight",
+    ("retention", "k_proj", "kernel"): "attn.k_proj.weight",
+    ("retention", "v_proj", "kernel"): "attn.v_proj.weight",
+    ("retention", "g_proj", "kernel"): "attn.g_proj.weight",
+    ("retention", "out_proj", "kernel"): "attn.o_proj.weight",
+    ("ffn_norm", "scale"): "mlp_norm.weight",
+    ("ffn", "fc1", "kernel"): "mlp.gate_proj.weight",
+    ("ffn", "gate", "kernel"): "mlp.up_proj.weight",
+    ("ffn", "fc2", "kernel"): "mlp.down_proj.weight",
+}
+# The head norm: fla's fused norm-and-gate module when fuse_norm is on (its default), its plain RMSNorm otherwise.
+HEAD_NORM_NAMES = {True: "attn.g_norm_swish_gate.weight", False: "attn.g_norm.weight"}
+TOP_NAMES = {
+    ("embed", "embedding"): "model.embeddings.weight",
+    ("final_norm", "scale"): "model.norm.weight",
+    ("head", "kernel"): "lm_head.weight",
+}
+
+
+def listing(names: list[str], limit: int = 12) -> str:
+  """`names` joined for an error message, the first `limit` of them."""
+  shown = ", ".join(names[:limit])
+  return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def fla_name(path: tuple, fuse_norm: bool = True) -> str:
+  """fla's tensor name of our parameter at `path` (e.g. ("blocks", 0, "ffn", "fc1", "kernel"))."""
+  if path[0] != "blocks":
+    return TOP_NAMES[tuple(path)]
+  inner = tuple(path[2:])
+  name = HEAD_NORM_NAMES[fuse_norm] if inner == ("retention", "head_norm_scale") else BLOCK_NAMES[inner]
+  return f"model.layers.{path[1]}.{name}"
+
+
+def ffn_width(options: Mapping[str, Any]) -> int:
+  """fla's GatedMLP width: intermediate_size, else 2/3 x hidden_ratio (None: 4) x hidden_size rounded up to 256."""
+  if options["intermediate_size"] is not None:
+    return int(options["intermediate_size"])
+  width = int(options["hidden_size"] * (4 if options["hidden_ratio"] is None else options["hidden_ratio"]) * 2 / 3)
+  return 256 * -(-width // 256)
+
+
+def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The full config (the `fla` preset with the checkpoint's model) of fla's config.json values.
+
+  Raises ValueError for another model_type and, by name, for options RetNet does not implement.
+  """
+  if fla_config.get("model_type") != "retnet":
+    raise ValueError(f"config.json has model_type={fla_config.get('model_type')!r}; only fla's RetNet "
+                     "(model_type 'retnet') converts.")
+  options = {**FLA_DEFAULTS, **{name: fla_config[name] for name in FLA_DEFAULTS if name in fla_config}}
+  options["attn"] = options["attn"] or None  # an empty list of attention layers is no hybrid
+  problems = [f"{name}={options[name]!r} ({what}; supported: {supported!r})"
+              for name, (supported, what) in UNSUPPORTED_OPTIONS.items() if options[name] != supported]
+  if problems:
+    raise ValueError("the fla config uses what RetNet does not implement: " + "; ".join(problems) + ".")
+  d_model = int(options["hidden_size"])
+  value_dim = round(d_model * options["expand_v"])
+  if not math.isclose(d_model * options["expand_v"], value_dim):
+    raise ValueError(f"hidden_size * expand_v = {d_model * options['expand_v']} is not an integer (fla refuses it "
+                     "too).")
+  num_heads, num_kv_heads = int(options["num_heads"]), options["num_kv_heads"]
+  config = presets.get_config("fla")
+  config.model.update(presets.FLA_OPTIONS)
+  config.model.update(
+      vocab_size=int(options["vocab_size"]), d_model=d_model, num_layers=int(options["num_hidden_layers"]),
+      num_heads=num_heads, num_kv_heads=None if num_kv_heads in (None, num_heads) else int(num_kv_heads),
+      value_dim=value_dim, ffn_dim=ffn_width(options), tie_embeddings=bool(options["tie_word_embeddings"]),
+      norm_eps=float(options["norm_eps"]), head_norm_eps=float(options["norm_eps"]),
+      head_norm_scale=bool(options["elementwise_affine"]), decay_schedule="retnet", rotation_base=10000.0,
+      dtype="float32")
+  check_model_config(config.model)
+  return config
+
+
+class SafetensorsFolder:
+  """The tensors of a Hugging Face checkpoint folder (`model.safetensors`, or the shards its index names), as
+  numpy: names, shapes and dtypes from the file headers; each tensor read on request, its file opened for it
+  alone so that no file stays mapped."""
+
+  def __init__(self, folder: Path):
+    self.folder = folder
+    if (folder / INDEX_FILE).is_file():
+      index = json.loads((folder / INDEX_FILE).read_text())
+      weight_map = index.get("weight_map") if isinstance(index, dict) else None
+      if not isinstance(weight_map, dict):
+        raise ValueError(f"{folder / INDEX_FILE} has no weight_map (tensor name -> shard file).")
+      files = sorted(set(weight_map.values()))
+    elif (folder / SINGLE_FILE).is_file():
+      weight_map, files = None, [SINGLE_FILE]
+    else:
+      other = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+      raise FileNotFoundError(f"{folder} holds no {SINGLE_FILE} nor {INDEX_FILE}" + (
+          f" (only {listing(other)}: load it with transformers and save_pretrained it as safetensors)" if other
+          else "; point --checkpoint at the folder of an fla RetNet checkpoint."))
+    self.specs: dict[str, tuple[str, tuple[int, ...], str]] = {}  # name -> (file, shape, dtype)
+    for file in files:
+      if not (folder / file).is_file():
+        raise FileNotFoundError(f"{folder / file}, a shard that {INDEX_FILE} names, is missing.")
+      with safe_open(folder / file, framework="np") as f:
+        for name in f.keys():
+          tensor = f.get_slice(name)
+          self.specs[name] = (file, tuple(tensor.get_shape()), tensor.get_dtype())
+    if weight_map is not None:
+      misplaced = sorted(name for name, file in weight_map.items() if self.specs.get(name, (file,))[0] != file)
+      if misplaced:
+        raise ValueError(f"{INDEX_FILE} places tensors in shards that do not hold them: {listing(misplaced)}.")
+
+  def read(self, name: str) -> np.ndarray:
+    """The tensor `name` as float32 (bfloat16 via ml_dtypes, which jax provides)."""
+    with safe_open(self.folder / self.specs[name][0], framework="np") as f:
+      return np.asarray(f.get_tensor(name), np.float32)
+
+
+def _check_tensors(specs: Mapping[str, tuple], expected: Mapping[str, tuple[int, ...]], ignored: set[str]) -> None:
+  """Names every tensor missing, left over, of another shape or of an unsupported dtype."""
+  missing, extra = sorted(set(expected) - set(specs)), sorted(set(specs) - set(expected) - ignored)
+  if missing or extra:
+    raise ValueError("the safetensors do not match an fla RetNet of this config.json: "
+                     f"missing tensors: [{listing(missing)}]; unexpected tensors: [{listing(extra)}].")
+  for name, shape in expected.items():
+    if specs[name][1] != shape:
+      raise ValueError(f"{name} has shape {specs[name][1]} but config.json needs {shape}.")
+    if specs[name][2] not in DTYPES:
+      raise ValueError(f"{name} is stored as {specs[name][2]}; supported: {sorted(DTYPES)}.")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} is missing; point at the folder of an fla RetNet checkpoint (config.json, "
+                            "model.safetensors).")
+  try:
+    value = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}).") from e
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object.")
+  return value
+
+
+def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = None
+             ) -> tuple[RetNet, ml_collections.ConfigDict]:
+  """An fla RetNet checkpoint folder as a RetNet: `model(tokens, mode=...)` gives fla's logits in every form.
+
+  Args:
+    checkpoint_dir: the folder: config.json (model_type retnet), model.safetensors or the shards of
+      model.safetensors.index.json, and optionally tokenizer.json (then `config.data.tokenizer`).
+    placement: the mesh and rules to place each parameter on as it is read (None: the default device).
+  Returns:
+    (model, config): the model and the full config (the `fla` preset with the checkpoint's model fields).
+  """
+  folder = Path(checkpoint_dir)
+  fla_config = _read_json(folder / "config.json")
+  config = config_from_fla(fla_config)
+  if (folder / "tokenizer.json").is_file():
+    config.data.tokenizer = str((folder / "tokenizer.json").resolve())
+    data.check_vocab_size(data.load_tokenizer(config.data.tokenizer), config.model.vocab_size)
+  tensors = SafetensorsFolder(folder)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
+  targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+  fuse_norm = bool(fla_config.get("fuse_norm", FLA_DEFAULTS["fuse_norm"]))
+  names = {path: fla_name(path, fuse_norm) for path in targets}
+  # fla ties lm_head to the embeddings whatever a stored lm_head.weight holds.
+  ignored = {TOP_NAMES[("head", "kernel")]} if config.model.tie_embeddings else set()
+  _check_tensors(tensors.specs, {names[p]: tuple(t.shape)[::-1] if p[-1] == "kernel" else tuple(t.shape)
+                                 for p, t in targets.items()}, ignored)
+  if placement is None:
+    shardings = {path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for path in targets}
+  else:
+    shardings = traverse_util.flatten_dict(nnx.to_pure_dict(
+        sharding.tree_shardings(state, placement.mesh, placement.rules)))
+  arrays = {}
+  for path, target in targets.items():
+    host = tensors.read(names[path])
+    host = host.T if path[-1] == "kernel" else host  # torch Linear weights are [out, in]; our kernels [in, out]
+    arrays[path] = jax.make_array_from_callback(target.shape, shardings[path], host.__getitem__)
+    del host
+  nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(arrays))
+  return nnx.merge(graphdef, state), config
+
+
+def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
+  """The model fields of `cfg` that fla's RetNet cannot express, each with the value it needs."""
+  problems = [f"model.{name}={cfg[name]!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
+              if cfg[name] != value]
+  if cfg.head_norm_eps != cfg.norm_eps:
+    problems.append(f"model.head_norm_eps={cfg.head_norm_eps} differs from model.norm_eps={cfg.norm_eps} (fla has "
+                    "one norm_eps)")
+  if cfg.d_model // cfg.num_heads > MAX_KEY_HEAD_DIM:
+    problems.append(f"key head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} (fla allows at most "
+                    f"{MAX_KEY_HEAD_DIM})")
+  return problems
+
+
+def fla_config_of(cfg: ml_collections.ConfigDict, eos_id: int | None) -> dict[str, Any]:
+  """fla's config.json values for a model config that `export_problems` accepts."""
+  return {
+      "model_type": "retnet", "architectures": ["RetNetForCausalLM"], "hidden_size": cfg.d_model,
+      "num_hidden_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+      "expand_k": 1, "expand_v": cfg.value_dim / cfg.d_model, "intermediate_size": cfg.ffn_dim,
+      "hidden_act": "swish", "norm_eps": cfg.norm_eps, "elementwise_affine": cfg.head_norm_scale,
+      "fuse_norm": True, "use_output_gate": True, "use_short_conv": False, "feature_map": None,
+      "tie_word_embeddings": cfg.tie_embeddings, "vocab_size": cfg.vocab_size, "bos_token_id": None,
+      "eos_token_id": eos_id, "pad_token_id": None, "dtype": "float32",
+  }
+
+
+def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
+  """Tensor names in order, grouped into consecutive shards of at most `max_bytes` (a larger tensor alone)."""
+  shards, used = [[]], 0
+  for name, size in sizes.items():
+    if shards[-1] and used + size > max_bytes:
+      shards.append([])
+      used = 0
+    shards[-1].append(name)
+    used += size
+  return shards
+
+
+def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple]) -> Iterator[tuple[tuple, np.ndarray]]:
+  """float32 numpy copies of `params[path]` in torch's layout ([out, in] for kernels), gathered across processes."""
+  for path in paths:
+    value = np.asarray(multihost_utils.process_allgather(params[path], tiled=True), np.float32)
+    yield path, np.ascontiguousarray(value.T if path[-1] == "kernel" else value)
+
+
+def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> data.Tokenizer:
+  """Raises before anything is written if `out_dir` is not new or empty, if fla cannot express the model
+  (ValueError naming the fields), or if the tokenizer does not fit the vocabulary; returns the tokenizer."""
+  out = Path(out_dir)
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise FileExistsError(f"{out} exists and is not an empty folder; export into a new --checkpoint folder.")
+  problems = export_problems(config.model)
+  if problems:
+    raise ValueError("fla's RetNet cannot express this model: " + "; ".join(problems) + ".")
+  tokenizer = data.load_tokenizer(config.data.tokenizer)
+  if config.data.tokenizer != "byte":
+    data.check_vocab_size(tokenizer, config.model.vocab_size)
+  return tokenizer
+
+
+def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | Path,
+              max_shard_bytes: int = 2 * 2**30) -> Path:
+  """Writes `model` as an fla RetNet checkpoint folder that `RetNetForCausalLM.from_pretrained` loads.
+
+  Args:
+    model: the model; its parameters may be sharded.
+    config: its full config; `check_export` must accept it. A `data.tokenizer` tokenizer.json is copied, with the
+      tokenizer files beside it.
+    out_dir: a new or empty folder.
+    max_shard_bytes: the float32 bytes of one safetensors file; more make shards with an index.
+  Returns:
+    The folder: config.json, model.safetensors (or shards and model.safetensors.index.json), tokenizer files.
+  """
+  out = Path(out_dir)
+  tokenizer = check_export(config, out)
+  tokenizer_file = None if config.data.tokenizer == "byte" else Path(config.data.tokenizer)
+  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  names = {path: fla_name(path) for path in params}
+  shards = _shards({path: 4 * math.prod(value.shape) for path, value in params.items()}, max_shard_bytes)
+  files = ([SINGLE_FILE] if len(shards) == 1 else
+           [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+  writer = jax.process_index() == 0
+  if writer:
+    out.mkdir(parents=True, exist_ok=True)
+  for file, paths in zip(files, shards):
+    tensors = {names[path]: value for path, value in _host_arrays(params, paths)}
+    if writer:
+      save_file(tensors, out / file, metadata={"format": "pt"})
+    del tensors
+  if writer:
+    if len(shards) > 1:
+      weight_map = {names[path]: file for file, paths in zip(files, shards) for path in paths}
+      total = sum(4 * math.prod(value.shape) for value in params.values())
+      (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                               indent=2))
+    (out / "config.json").write_text(json.dumps(fla_config_of(config.model, tokenizer.eos_id), indent=2))
+    if tokenizer_file is not None:
+      shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+      siblings = TOKENIZER_FILES[1:] if tokenizer_file.name == "tokenizer.json" else ()
+      for name in siblings:
+        if (tokenizer_file.parent / name).is_file():
+          shutil.copyfile(tokenizer_file.parent / name, out / name)
+  return out

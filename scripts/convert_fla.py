@@ -1,0 +1,60 @@
+"""Converts flash-linear-attention's (fla) RetNet checkpoints into workdirs that scripts/evaluate.py, generate.py and
+training load, and workdirs back into fla checkpoints:
+
+    python scripts/convert_fla.py --checkpoint=retnet-checkpoint --workdir=runs/fla
+    python scripts/convert_fla.py --to_fla --workdir=runs/fla --checkpoint=exported
+
+Import: `--checkpoint` is an fla RetNet folder (config.json with model_type retnet, model.safetensors or the shards
+of model.safetensors.index.json, optionally tokenizer.json); writes WORKDIR/checkpoints/0 and WORKDIR/config.json
+(data.tokenizer: the checkpoint's tokenizer.json) and prints the flags that load the result. Export (`--to_fla`):
+the workdir's latest checkpoint (or `--step`) with its config.json, written as a folder that fla's
+`RetNetForCausalLM.from_pretrained` loads. Neither direction needs torch.
+"""
+
+import json
+from pathlib import Path
+
+from absl import flags
+
+from retnet_jax import cli, convert, convert_fla, presets, sharding, train_state
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fla RetNet checkpoint folder: read, or written with --to_fla.",
+                                  required=True)
+_WORKDIR = cli.workdir_flag("Workdir: written (checkpoints/0, config.json), or read with --to_fla.")
+_TO_FLA = flags.DEFINE_boolean("to_fla", False, "Export the workdir's model as an fla checkpoint instead.")
+_STEP = cli.step_flag("With --to_fla: the checkpoint step to export (default: the latest).")
+
+
+def workdir_config(workdir: Path):
+  """The full config a workdir was written with: its preset, with the model and tokenizer of its config.json."""
+  path = workdir / "config.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} is missing; --to_fla exports a workdir written by scripts/train.py or a "
+                            "conversion.")
+  saved = json.loads(path.read_text())
+  config = presets.get_config(saved["preset"])
+  config.model.update(saved["model"])
+  config.data.tokenizer = saved["data"]["tokenizer"]
+  return config
+
+
+def main():
+  workdir, checkpoint = Path(_WORKDIR.value), Path(_CHECKPOINT.value)
+  if _TO_FLA.value:
+    config = workdir_config(workdir)
+    convert_fla.check_export(config, checkpoint)
+    model, step = train_state.restore_model(config, workdir, _STEP.value)
+    convert.write_fla(model, config, checkpoint)
+    print(f"wrote step {step} of {workdir} to {checkpoint}; load it with "
+          f"fla.models.RetNetForCausalLM.from_pretrained({str(checkpoint)!r})", flush=True)
+    return
+  convert.check_empty_workdir(workdir)
+  model, config = convert.load_fla(checkpoint, sharding.placement(presets.get_config("fla").mesh))
+  checkpoints = convert.write_checkpoint(model, config, workdir)
+  load_flags = convert.load_flags(config, workdir)
+  print(f"wrote {checkpoints / '0'} and {workdir / 'config.json'}; load it with:\n"
+        f"  python scripts/evaluate.py {load_flags}\n  python scripts/generate.py {load_flags}", flush=True)
+
+
+if __name__ == "__main__":
+  cli.run(main)

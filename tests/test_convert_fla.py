@@ -1,0 +1,380 @@
+"""Conversion of flash-linear-attention's (fla 0.6.0) RetNet: logits against fla's own model in each form and across
+a prefill hand-off, the round trip, refused options, bad input, the script.
+
+Needs the `fla` extra (`pip install -e '.[fla]'`: torch, fla, transformers and triton, which fla imports); skipped
+without it. fla's Triton kernels do not run on a CPU: the `fla_reference` fixture puts fla's own pure-PyTorch
+reference functions in their place (naive retention in its chunk, recurrent and parallel forms, the rotary, RMSNorm
+and gated-RMSNorm references, SwiGLU), so the reference is fla's modeling code around its reference math.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+from flax import nnx, traverse_util
+from safetensors.numpy import load_file, save_file
+
+from configs import retnet as retnet_config
+from retnet_jax import convert, convert_fla, presets, sharding, train_state
+from retnet_jax.model import RetNet
+
+torch = pytest.importorskip("torch")
+fla_models = pytest.importorskip("fla.models")  # fla imports triton, which installs but does not run here
+import fla.modules.mlp as fla_mlp  # noqa: E402
+import fla.modules.norm.fused_norm_gate as fla_norm_gate  # noqa: E402
+import fla.modules.norm.layernorm as fla_layernorm  # noqa: E402
+import fla.modules.rotary.ops as fla_rotary  # noqa: E402
+import fla.ops.retention.chunk as fla_chunk  # noqa: E402
+import fla.ops.retention.fused_recurrent as fla_recurrent  # noqa: E402
+import fla.ops.retention.parallel as fla_parallel  # noqa: E402
+from fla.modules.norm.layernorm_gated import rms_norm_ref as gated_rms_norm_ref  # noqa: E402
+from fla.ops.simple_gla.naive import (naive_chunk_simple_gla, naive_parallel_simple_gla,  # noqa: E402
+                                      naive_recurrent_simple_gla)
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("parallel", "chunkwise", "recurrent")
+FLA_KERNELS = {"parallel": "parallel", "chunkwise": "chunk", "recurrent": "fused_recurrent"}  # ours -> fla's
+# Random tiny fla configs: untied head with fla's fused norm-and-gate; tied head, two key/value heads for four query
+# heads, unfused norms and another epsilon; one key/value head for four and no per-head norm scale. Each with the
+# forms of our prefill and continuation in the hand-off test.
+CONFIGS = {
+    "untied": (dict(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=61, intermediate_size=48),
+               ("chunkwise", "recurrent")),
+    "tied_shared_kv": (dict(hidden_size=48, num_hidden_layers=1, num_heads=4, num_kv_heads=2, expand_v=1.5,
+                            hidden_ratio=3, vocab_size=53, tie_word_embeddings=True, fuse_norm=False, norm_eps=1e-5),
+                       ("parallel", "chunkwise")),
+    "one_kv_head_no_scale": (dict(hidden_size=32, num_hidden_layers=1, num_heads=4, num_kv_heads=1, vocab_size=40,
+                                  intermediate_size=40, elementwise_affine=False), ("recurrent", "parallel")),
+}
+LENGTH = 70  # past 64, so that fla runs its chunk or parallel form rather than the recurrent one
+
+
+def _per_step(g_gamma, q):
+  return g_gamma.view(1, 1, -1).expand(q.shape[0], q.shape[1], -1)
+
+
+def _rotary_ref(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                chunk_indices=None):
+  assert cu_seqlens is None and isinstance(seqlen_offsets, int)
+  rows = slice(seqlen_offsets, seqlen_offsets + x.shape[1])
+  return fla_rotary.rotary_embedding_ref(x, cos[rows], sin[rows], interleaved)
+
+
+def _weight(weight, x):
+  return torch.ones(x.shape[-1]) if weight is None else weight
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fla_reference():
+  """fla's reference functions in place of its Triton kernels, where fla's modules call them."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(fla_chunk, "chunk_simple_gla", lambda q, k, v, scale, g_gamma, initial_state, output_final_state,
+                  cu_seqlens, chunk_size: naive_chunk_simple_gla(q, k, v, _per_step(g_gamma, q), initial_state,
+                                                                 output_final_state, chunk_size or 64, scale))
+    patch.setattr(fla_recurrent, "fused_recurrent_simple_gla", lambda q, k, v, g_gamma, scale, initial_state,
+                  output_final_state, reverse, cu_seqlens, state_v_first: naive_recurrent_simple_gla(
+                      q, k, v, _per_step(g_gamma, q), scale, initial_state, output_final_state))
+    patch.setattr(fla_parallel, "parallel_simple_gla", lambda q, k, v, scale, g, output_attentions, cu_seqlens: (
+        naive_parallel_simple_gla(q, k, v, g, scale)[0], None))
+    patch.setattr(fla_rotary, "rotary_embedding", _rotary_ref)
+    patch.setattr(fla_layernorm, "rms_norm", lambda x, weight, bias, residual=None, eps=1e-6, prenorm=False,
+                  residual_in_fp32=False: fla_layernorm.rms_norm_ref(x, _weight(weight, x), bias, residual, eps,
+                                                                     prenorm))
+    patch.setattr(fla_norm_gate, "rms_norm_gated", lambda x, g, weight, bias, activation, residual, prenorm,
+                  residual_in_fp32, eps: gated_rms_norm_ref(x, _weight(weight, x), bias, g, eps))
+    patch.setattr(fla_mlp, "swiglu_linear", lambda x, y, weight, bias: torch.nn.functional.linear(
+        torch.nn.functional.silu(x) * y, weight, bias))
+    patch.setattr(fla_mlp, "swiglu", lambda x, y: torch.nn.functional.silu(x) * y)
+    yield
+
+
+def fla_model(options, seed=0):
+  """fla's RetNetForCausalLM in eval mode with random weights: matrices ~ N(0, 1/fan_in), norm weights 1 + noise."""
+  torch.manual_seed(seed)
+  model = fla_models.RetNetForCausalLM(fla_models.RetNetConfig(**options))
+  with torch.no_grad():
+    for param in model.parameters():
+      param.copy_(1 + 0.3 * torch.randn_like(param) if param.ndim == 1 else
+                  torch.randn_like(param) / param.shape[-1]**0.5)
+  return model.eval()
+
+
+def fla_logits(model, tokens, kernel="chunk", past=None):
+  """fla's logits from its `kernel` form (with no gradient and at most 64 tokens it always runs fused_recurrent),
+  and its cache."""
+  for layer in model.model.layers:
+    layer.attn.mode = kernel
+  with torch.no_grad():
+    out = model(torch.as_tensor(tokens), past_key_values=past, use_cache=True)
+  return out.logits.numpy(), out.past_key_values
+
+
+def random_tokens(vocab_size, length, seed=0):
+  return np.random.default_rng(seed).integers(0, vocab_size, (2, length)).astype(np.int64)
+
+
+@nnx.jit(static_argnames="mode")
+def forward(model, tokens, mode, state=None):
+  return model(tokens, mode=mode, state=state)
+
+
+def relative_error(ours, theirs):
+  theirs = np.asarray(theirs, np.float64)
+  return float(np.max(np.abs(np.asarray(ours, np.float64) - theirs)) / np.max(np.abs(theirs)))
+
+
+def saved_fla(tmp_path, options, seed=0):
+  """An fla model and the folder its save_pretrained wrote."""
+  model = fla_model(options, seed)
+  model.save_pretrained(tmp_path / "fla")
+  return model, tmp_path / "fla"
+
+
+def with_chunk_size(model, config, chunk_size):
+  """`model` with the chunkwise form's chunk length set to `chunk_size` (the fla preset's 256 exceeds LENGTH)."""
+  config.model.chunk_size = chunk_size
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_fla_in_each_form_and_across_a_handoff(tmp_path, name):
+  """Each of our forms gives the logits of fla's matching form, and a prefill in one of our forms continued in
+  another gives fla's chunk prefill continued recurrently (relative to the largest logit; measured ~1e-6)."""
+  options, (first, then) = CONFIGS[name]
+  model, folder = saved_fla(tmp_path, options)
+  ours = with_chunk_size(*convert.load_fla(folder), 16)
+  tokens = random_tokens(options["vocab_size"], LENGTH)
+  errors = {}
+  for mode in MODES:
+    theirs, _ = fla_logits(model, tokens, FLA_KERNELS[mode])
+    errors[mode] = relative_error(forward(ours, jnp.asarray(tokens), mode)[0], theirs)
+  split = 29
+  with torch.enable_grad():  # fla's chunk form: it runs whenever gradients are on
+    prefill, cache = fla_logits(model, tokens[:, :split])
+  rest, _ = fla_logits(model, tokens[:, split:], past=cache)
+  theirs = np.concatenate([prefill, rest], axis=1)
+  logits, state = forward(ours, jnp.asarray(tokens[:, :split]), first)
+  more, _ = forward(ours, jnp.asarray(tokens[:, split:]), then, state)
+  errors[f"{first}->{then}"] = relative_error(np.concatenate([logits, more], axis=1), theirs)
+  assert all(error < 1e-4 for error in errors.values()), errors
+
+
+def test_load_places_parameters_on_a_mesh(tmp_path):
+  """With a placement, each parameter is read straight onto the mesh with its logical axes' sharding."""
+  options = {**CONFIGS["untied"][0], "vocab_size": 64}
+  _, folder = saved_fla(tmp_path, options)
+  config = presets.get_config("fla")
+  config.mesh.shape = (2, 2, 2)
+  placed, _ = convert.load_fla(folder, sharding.placement(config.mesh))
+  plain, _ = convert.load_fla(folder)
+  kernel = placed.blocks[0].retention.q_proj.kernel[...]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor") and len(kernel.devices()) == 8
+  assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(placed), flat_params(plain)))
+  tokens = jnp.asarray(random_tokens(64, 9))  # sharded matmuls sum in another order
+  assert relative_error(forward(placed, tokens, "parallel")[0], forward(plain, tokens, "parallel")[0]) < 1e-5
+
+
+def write_tokenizer(path, size):
+  """A word-level tokenizer.json of `size` tokens, `</s>` (id 0) among them."""
+  vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, size)}}
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="</s>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tokenizer.save(str(path))
+  return path
+
+
+def our_fla_model(seed=3, **overrides):
+  """A RetNet of fla's variant (the fla preset, tiny) with random weights, its norm scales too, and its config."""
+  config = presets.get_config("fla")
+  config.model.update(vocab_size=47, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, value_dim=48, ffn_dim=40,
+                      chunk_size=16, dtype="float32", **overrides)
+  model = RetNet(config.model, rngs=nnx.Rngs(seed))
+  params = nnx.state(model, nnx.Param)
+  rng = np.random.default_rng(seed)
+  flat = {path: value + 0.3 * rng.standard_normal(value.shape, np.float32) if value.ndim == 1 else value
+          for path, value in traverse_util.flatten_dict(nnx.to_pure_dict(params)).items()}
+  nnx.replace_by_pure_dict(params, traverse_util.unflatten_dict(flat))
+  nnx.update(model, params)
+  return model, config
+
+
+def flat_params(model):
+  return traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize("tie,max_shard_bytes", [(False, 2**30), (True, 30_000)])
+def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes):
+  """JAX -> fla folder (one file, or shards with an index) -> fla's from_pretrained gives our logits; -> JAX again
+  gives the same parameters and model config; the tokenizer travels with it."""
+  model, config = our_fla_model(tie_embeddings=tie)
+  config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
+  out = convert.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
+  sharded = (out / convert_fla.INDEX_FILE).is_file()
+  assert sharded == (max_shard_bytes < 2**30) and (out / "tokenizer.json").is_file()
+  assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+  theirs = fla_models.RetNetForCausalLM.from_pretrained(out).eval()
+  tokens = random_tokens(47, LENGTH)
+  assert relative_error(forward(model, jnp.asarray(tokens), "chunkwise")[0], fla_logits(theirs, tokens)[0]) < 1e-4
+  back, back_config = convert.load_fla(out)
+  assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(back), flat_params(model)))
+  config.model.chunk_size = back_config.model.chunk_size  # a choice of computation, not stored by fla
+  assert back_config.model == config.model and back_config.data.tokenizer == str((out / "tokenizer.json").resolve())
+
+
+FLA_CONFIG = {"model_type": "retnet", "hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2, "vocab_size": 61}
+
+
+@pytest.mark.parametrize("option,value", [
+    ("expand_k", 2.0), ("use_short_conv", True), ("feature_map", "relu"), ("use_output_gate", False),
+    ("attn", {"layers": [0], "num_heads": 2}), ("attnres_block_size", 2), ("hidden_act", "powlu"),
+])
+def test_unsupported_fla_options_are_refused(tmp_path, option, value):
+  (tmp_path / "config.json").write_text(json.dumps({**FLA_CONFIG, option: value}))
+  with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
+    convert.load_fla(tmp_path)
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(stability_norm=True), "model.stability_norm=True"),
+    (dict(rotation_pairs="interleaved"), "model.rotation_pairs='interleaved'"),
+    (dict(rotation_freqs="linspace"), "model.rotation_freqs='linspace'"),
+    (dict(rotation_base=500.0), "model.rotation_base=500.0"),
+    (dict(decay_schedule="logspace"), "model.decay_schedule='logspace'"),
+    (dict(scale_embedding=True), "model.scale_embedding=True"),
+    (dict(embed_norm=True), "model.embed_norm=True"),
+    (dict(ffn_activation="gelu"), "model.ffn_activation='gelu'"),
+    (dict(head_norm_eps=1e-5), "model.head_norm_eps=1e-05 differs from model.norm_eps=1e-06"),
+    (dict(d_model=1024, num_heads=2), "key head dim d_model / num_heads = 512"),
+])
+def test_models_fla_cannot_express_are_refused(tmp_path, override, message):
+  config = presets.get_config("fla")
+  config.model.update(override)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    convert_fla.check_export(config, tmp_path / "out")
+
+
+def test_export_refuses_before_writing(tmp_path):
+  """A model fla cannot express, a tokenizer larger than the vocabulary, a folder in use: nothing is written."""
+  model, config = our_fla_model(stability_norm=True)
+  with pytest.raises(ValueError, match="model.stability_norm=True"):
+    convert.write_fla(model, config, tmp_path / "out")
+  model, config = our_fla_model()
+  config.data.tokenizer = str(write_tokenizer(tmp_path / "tokenizer.json", 60))
+  with pytest.raises(ValueError, match="the tokenizer has 60 tokens but model.vocab_size=47"):
+    convert.write_fla(model, config, tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "config.json").write_text("{}")
+  config.data.tokenizer = "byte"
+  with pytest.raises(FileExistsError, match="is not an empty folder"):
+    convert.write_fla(model, config, tmp_path / "out")
+
+
+def edited_checkpoint(tmp_path, edit):
+  """An untied fla checkpoint folder whose tensors `edit(tensors)` changed in place."""
+  _, folder = saved_fla(tmp_path, CONFIGS["untied"][0])
+  tensors = {name: np.asarray(value) for name, value in load_file(folder / "model.safetensors").items()}
+  edit(tensors)
+  save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+  return folder
+
+
+def _misshape(tensors):
+  tensors["model.layers.1.attn.v_proj.weight"] = np.zeros((40, 32), np.float32)
+
+
+def _retype(tensors):
+  tensors["model.norm.weight"] = np.zeros(32, np.int8)
+
+
+def _move(tensors):
+  tensors["model.layers.2.mlp.up_proj.weight"] = tensors.pop("model.layers.0.mlp.up_proj.weight")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_move, r"missing tensors: \[model\.layers\.0\.mlp\.up_proj\.weight\]; unexpected tensors: "
+            r"\[model\.layers\.2\.mlp\.up_proj\.weight\]"),
+    (_misshape, r"model\.layers\.1\.attn\.v_proj\.weight has shape \(40, 32\) but config\.json needs \(64, 32\)"),
+    (_retype, r"model\.norm\.weight is stored as I8"),
+])
+def test_missing_extra_misshapen_and_mistyped_tensors_are_named(tmp_path, edit, message):
+  with pytest.raises(ValueError, match=message):
+    convert.load_fla(edited_checkpoint(tmp_path, edit))
+
+
+def test_bad_folders_are_refused(tmp_path):
+  """No config.json, no weights (or only a torch .bin), another model_type, a missing shard, a tokenizer larger than
+  the vocabulary."""
+  folder = edited_checkpoint(tmp_path, lambda tensors: None)
+  config_json = (folder / "config.json").read_text()
+  (folder / "config.json").unlink()
+  with pytest.raises(FileNotFoundError, match="config.json is missing"):
+    convert.load_fla(folder)
+  (folder / "config.json").write_text(json.dumps({**json.loads(config_json), "model_type": "gla"}))
+  with pytest.raises(ValueError, match="model_type='gla'; only fla's RetNet"):
+    convert.load_fla(folder)
+  (folder / "config.json").write_text(config_json)
+  write_tokenizer(folder / "tokenizer.json", 80)
+  with pytest.raises(ValueError, match="the tokenizer has 80 tokens but model.vocab_size=61"):
+    convert.load_fla(folder)
+  (folder / "tokenizer.json").unlink()
+  (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+  with pytest.raises(FileNotFoundError, match=r"holds no model\.safetensors nor .* \(only pytorch_model\.bin"):
+    convert.load_fla(folder)
+  index = {"weight_map": {"lm_head.weight": "model-00002.safetensors"}}
+  (folder / convert_fla.INDEX_FILE).write_text(json.dumps(index))
+  with pytest.raises(FileNotFoundError, match="model-00002.safetensors, a shard that"):
+    convert.load_fla(folder)
+
+
+def run_script(*flags):
+  return subprocess.run([sys.executable, *flags], capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""),
+                        cwd=REPO, timeout=300)
+
+
+@pytest.mark.slow
+def test_script_converts_both_ways(tmp_path):
+  """fla folder -> scripts/convert_fla.py -> scripts/generate.py with the flags it prints: fla's greedy tokens;
+  the workdir -> --to_fla -> fla's from_pretrained: fla's logits. A tokenizer larger than the vocabulary is refused
+  before anything is written."""
+  options = CONFIGS["untied"][0]
+  model, folder = saved_fla(tmp_path, options)
+  write_tokenizer(folder / "tokenizer.json", 80)
+  workdir = tmp_path / "converted"
+  convert_script = str(REPO / "scripts" / "convert_fla.py")
+  result = run_script(convert_script, f"--checkpoint={folder}", f"--workdir={workdir}")
+  assert result.returncode == 1 and "the tokenizer has 80 tokens but model.vocab_size=61" in result.stderr
+  assert not workdir.exists()
+  write_tokenizer(folder / "tokenizer.json", 61)
+  result = run_script(convert_script, f"--checkpoint={folder}", f"--workdir={workdir}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  load_flags = next(line for line in result.stdout.splitlines() if "scripts/generate.py" in line).split()[2:]
+  assert load_flags[0] == "--config=configs/retnet.py:fla"
+
+  prompt = "w3 w14 w15 w9"
+  result = run_script(str(REPO / "scripts" / "generate.py"), *load_flags, f"--prompt={prompt}",
+                      "--max_new_tokens=6", "--temperature=0", "--stream=false")
+  assert result.returncode == 0, result.stderr[-3000:]
+  completion = json.loads(result.stdout.splitlines()[-1])["samples"][0]["completion"]
+  tokens = [[int(word[1:]) for word in prompt.split()]]
+  for _ in range(6):
+    tokens[0].append(int(fla_logits(model, tokens, "fused_recurrent")[0][0, -1].argmax()))
+  assert completion.split() == [f"w{i}" if i else "</s>" for i in tokens[0][4:]]
+
+  exported = tmp_path / "exported"
+  result = run_script(convert_script, "--to_fla", f"--workdir={workdir}", f"--checkpoint={exported}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (exported / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+  theirs = fla_models.RetNetForCausalLM.from_pretrained(exported).eval()
+  tokens = random_tokens(options["vocab_size"], LENGTH)
+  assert relative_error(fla_logits(theirs, tokens)[0], fla_logits(model, tokens)[0]) < 1e-6
