@@ -1,19 +1,22 @@
 """Compiles the Pallas retention kernels on a GPU, checks them against the XLA chunkwise form, and times both.
 
     python scripts/kernel_check.py --out=runs/kernel_check.json
-    python scripts/kernel_check.py --head_dims=256x512 --lengths=16384 --configs=64:8:2,128:8:1  # tuning
+    python scripts/kernel_check.py --head_dims=256x512 --lengths=16384 --forward_tilings=64:8:2,32:8:3  # tuning
     python scripts/kernel_check.py --interpret  # a tiny CPU smoke run in Pallas interpret mode
 
 For each per-head size d_k x d_v and length T (batch 4, 8 heads, bfloat16, chunk 64 by default): up to
 `--check_max_len`, the kernels' out, final state, normaliser by-products and gradients (q, k, v, state) against the
 XLA form in float32 at `precision=highest` from the same bfloat16 values, beside the XLA form's own bfloat16 error;
-then forward and forward+backward times of the kernels (each `--configs` entry) and of the XLA form in bfloat16,
+then forward and forward+backward times of the kernels (each tiling given) and of the XLA form in bfloat16,
 interleaved. FLOPs per head: forward 2 T (C (d_k + d_v) + 2 d_k d_v) for chunk C, forward+backward 3 times that.
-The JSON (device, versions, one entry per case) is rewritten after every case, so a run cut short keeps its results.
+Times are named `pallas_<tiling>/forward` (that forward tiling) and `pallas_<tiling>/forward_backward` (that backward
+tiling, after the first forward one). The JSON (device, versions, one entry per case) is rewritten after every case,
+so a run cut short keeps its results.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -33,8 +36,10 @@ _CHUNK = flags.DEFINE_integer("chunk", 64, "Chunk size.", lower_bound=1)
 _HEAD_DIMS = flags.DEFINE_list("head_dims", ["256x256", "128x128", "256x512"], "Per-head sizes d_k x d_v.")
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096", "8192", "16384", "32768"], "Sequence lengths T.")
 _CHECK_MAX_LEN = flags.DEFINE_integer("check_max_len", 8192, "Check numerics at lengths up to this one.")
-_CONFIGS = flags.DEFINE_list("configs", [], "Kernel tilings block_v:num_warps:num_stages to time (default: "
-                             "kernels.default_config).")
+_FORWARD_TILINGS = flags.DEFINE_list("forward_tilings", [], "Forward kernel tilings block_v:num_warps:num_stages "
+                                      "to time, e.g. 64:8:2,32:8:3 (default: kernels.default_config's).")
+_BACKWARD_TILINGS = flags.DEFINE_list("backward_tilings", [], "Backward kernel tilings to time forward+backward "
+                                       "with, beside the first forward tiling (default: kernels.default_config's).")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case and round.", lower_bound=1)
 _INTERPRET = flags.DEFINE_boolean("interpret", False, "Pallas interpret mode at a tiny size (no GPU needed): "
@@ -86,25 +91,38 @@ def _check(log_decay, chunk, args, interpret) -> dict:
   return errors
 
 
+def _configs(default: kernels.KernelConfig) -> list[kernels.KernelConfig]:
+  """The configs to time: each forward tiling with the first backward one, and the reverse."""
+  forwards = [kernels.Tiling.parse(t) for t in _FORWARD_TILINGS.value] or [default.forward]
+  backwards = [kernels.Tiling.parse(t) for t in _BACKWARD_TILINGS.value] or [default.backward]
+  return ([kernels.KernelConfig(f, backwards[0]) for f in forwards]
+          + [kernels.KernelConfig(forwards[0], b) for b in backwards[1:]])
+
+
 def _time(log_decay, chunk, args, configs) -> dict:
   """Forward and forward+backward seconds and rates of the kernels (per config) and of the XLA form."""
   q, k, v, d_out, _, _ = args
-  forms = {"xla": lambda q, k, v: retention.chunkwise_retention(q, k, v, log_decay, chunk)}
-  for config in configs:
-    name = f"pallas_{config.block_v}:{config.num_warps}:{config.num_stages}"
-    forms[name] = lambda q, k, v, config=config: kernels.chunkwise_retention(q, k, v, log_decay, chunk, config=config)
+  tiling_name = lambda t: f"{t.block_v}:{t.num_warps}:{t.num_stages}"
+  runs = [("xla/forward", None), ("xla/forward_backward", None)]
+  first = configs[0]
+  runs += [(f"pallas_{tiling_name(c.forward)}/forward", c) for c in configs if c.backward == first.backward]
+  runs += [(f"pallas_{tiling_name(c.backward)}/forward_backward", c) for c in configs if c.forward == first.forward]
   cases, results = {}, {}
-  for name, form in forms.items():
-    forward = jax.jit(lambda q, k, v, form=form: form(q, k, v)[0])
-    grads = jax.jit(lambda q, k, v, d_out, form=form: jax.vjp(lambda *x: form(*x)[0], q, k, v)[1](d_out))
-    for mode, fn, fn_args in (("forward", forward, (q, k, v)), ("forward_backward", grads, (q, k, v, d_out))):
-      try:
-        compiled, compile_s, _ = harness.compile_timed(fn, *fn_args)
-      except Exception as e:  # pylint: disable=broad-except  (a shape that does not compile or fit is a result)
-        results[f"{name}/{mode}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-        continue
-      run = lambda compiled=compiled, fn_args=fn_args: jax.block_until_ready(compiled(*fn_args))
-      cases[f"{name}/{mode}"] = harness.Case(harness.timed(run, _REPEATS.value), {"compile_s": compile_s})
+  for name, config in runs:
+    form = (functools.partial(retention.chunkwise_retention, log_decay=log_decay, chunk_size=chunk) if config is None
+            else functools.partial(kernels.chunkwise_retention, log_decay=log_decay, chunk_size=chunk, config=config))
+    if name.endswith("/forward"):
+      fn, fn_args = jax.jit(lambda q, k, v, form=form: form(q, k, v)[0]), (q, k, v)
+    else:
+      fn = jax.jit(lambda q, k, v, d_out, form=form: jax.vjp(lambda *x: form(*x)[0], q, k, v)[1](d_out))
+      fn_args = (q, k, v, d_out)
+    try:
+      compiled, compile_s, _ = harness.compile_timed(fn, *fn_args)
+    except Exception as e:  # pylint: disable=broad-except  (a tiling that does not compile or fit is a result)
+      results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+      continue
+    run = lambda compiled=compiled, fn_args=fn_args: jax.block_until_ready(compiled(*fn_args))
+    cases[name] = harness.Case(harness.timed(run, _REPEATS.value), {"compile_s": compile_s})
   harness.interleave(cases, _ROUNDS.value, harness.memory_source())
   batch, length, heads, d_k = q.shape
   flops = batch * heads * 2 * length * (chunk * (d_k + v.shape[-1]) + 2 * d_k * v.shape[-1])
@@ -131,8 +149,7 @@ def main():
   out = Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   for d_k, d_v in head_dims:
-    configs = [kernels.KernelConfig(*map(int, c.split(":"))) for c in _CONFIGS.value]
-    configs = configs or [kernels.default_config(d_k, d_v)]
+    configs = _configs(kernels.default_config(d_k, d_v))
     for length in lengths:
       if not interpret:
         kernels.check_supported(d_k, d_v, jnp.bfloat16, chunk)

@@ -18,7 +18,7 @@ from retnet_jax.kernels import backward, forward, support
 
 BATCH, HEADS, D_K, D_V = 2, 2, 8, 16
 LOG_DECAY = np.log(np.array([0.6, 0.995])).astype(np.float32)
-TWO_TILES = kernels.KernelConfig(block_v=8)  # two value tiles: dq and dk are partial sums over them
+TWO_TILES = kernels.KernelConfig(kernels.Tiling(8), kernels.Tiling(8))  # dq and dk: partial sums over the tiles
 F32_TOL, BF16_TOL = 1e-6, 2e-2  # relative to the largest magnitude; bfloat16 keeps 8 bits of mantissa
 
 
@@ -101,13 +101,14 @@ def test_bfloat16_inputs_within_bfloat16_rounding():
   assert_close(results, xla_vjp(16)(*args), BF16_TOL, "xla")
 
 
-def test_padded_value_dim_and_extreme_decays():
-  """d_v = 12 padded to two tiles of 8; decays of 1 - 2^-20 (the state barely decays: float32's log(gamma) is
-  where the precision lies) and 0.02 (gamma^64 underflows to 0 without NaNs)."""
+def test_padded_value_dim_other_backward_tiling_and_extreme_decays():
+  """d_v = 12 padded to 16: one forward tile, two backward tiles; decays of 1 - 2^-20 (the state barely decays:
+  float32's log(gamma) is where the precision lies) and 0.02 (gamma^16 underflows to 0 without NaNs)."""
   log_decay = np.log(np.array([1 - 2.0**-20, 0.02])).astype(np.float32)
   inputs = random_inputs(70, seed=3, d_v=12)
   args = [jnp.asarray(x, jnp.float32) for x in inputs[:6]]
-  results = kernel_vjp(16, TWO_TILES, tuple(log_decay))(*args)
+  config = kernels.KernelConfig(forward=kernels.Tiling(16), backward=kernels.Tiling(8))
+  results = kernel_vjp(16, config, tuple(log_decay))(*args)
   assert_close(results, reference(log_decay, *inputs[:6]), F32_TOL, "float64")
 
 
@@ -219,10 +220,12 @@ def test_kernels_lower_to_triton_for_gpus(dtype, d_k, d_v, chunk, precision):
   q, v, state, key_sum, log_decay = arrays(((batch, length, heads, d_k), dtype), ((batch, length, heads, d_v), dtype),
                                            ((batch, heads, d_k, d_v), jnp.float32), ((batch, heads, d_k), jnp.float32),
                                            ((heads,), jnp.float32))
-  static = dict(size=chunk, length=length - 3, precision=precision, config=config, interpret=False)
+  static = dict(size=chunk, length=length - 3, precision=precision, interpret=False)
   try:
-    for fn, args in [(functools.partial(forward.forward, **static), (q, q, v, log_decay, state, key_sum)),
-                     (functools.partial(backward.backward, **static), (q, q, v, log_decay, state, v, state))]:
+    for fn, args in [(functools.partial(forward.forward, tiling=config.forward, **static),
+                      (q, q, v, log_decay, state, key_sum)),
+                     (functools.partial(backward.backward, tiling=config.backward, **static),
+                      (q, q, v, log_decay, state, v, state))]:
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("xla.gpu.triton") == 1
   except RuntimeError as e:  # newer JAX lowers Triton kernels only where it can see a GPU (or an abstract one)

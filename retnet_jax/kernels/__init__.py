@@ -10,7 +10,7 @@ normaliser needs from the same pass. Modules: `support` (limits, block sizes, in
 """
 
 from retnet_jax.kernels.chunkwise import chunkwise_retention, chunkwise_retention_with_key_sum
-from retnet_jax.kernels.support import KernelConfig, check_supported, default_config, is_supported
+from retnet_jax.kernels.support import KernelConfig, Tiling, check_supported, default_config, is_supported
 
-__all__ = ["KernelConfig", "check_supported", "chunkwise_retention", "chunkwise_retention_with_key_sum",
+__all__ = ["KernelConfig", "Tiling", "check_supported", "chunkwise_retention", "chunkwise_retention_with_key_sum",
            "default_config", "is_supported"]

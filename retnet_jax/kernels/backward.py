@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from retnet_jax.kernels import common
-from retnet_jax.kernels.support import KernelConfig
+from retnet_jax.kernels.support import Tiling
 
 
 def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, dq_ref, dk_ref, dv_ref, d_state_ref,
@@ -63,14 +63,14 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, 
 
 
 def backward(q, k, v, log_decay, state, d_out, d_final_state, *, size: int, length: int, precision,
-             config: KernelConfig, interpret: bool):
+             tiling: Tiling, interpret: bool):
   """Gradients over padded inputs (as in `forward.forward`) from the cotangents of out and the final state.
 
   Returns:
     `(dq, dk, dv, d_state)`: dq and dk in q's dtype, dv in v's, d_state float32.
   """
   batch, padded, heads, key_dim = q.shape
-  block_v = config.block_v
+  block_v = tiling.block_v
   num_tiles = v.shape[-1] // block_v
   partial_dtype = q.dtype if num_tiles == 1 else jnp.float32
   partial_spec = pl.BlockSpec((None, None, padded, None, key_dim), lambda t, b, h: (t, b, 0, h, 0))
@@ -84,7 +84,7 @@ def backward(q, k, v, log_decay, state, d_out, d_final_state, *, size: int, leng
       grid=common.grid(num_tiles, batch, heads),
       in_specs=[common.head_spec(), common.rows_spec(padded, key_dim), common.rows_spec(padded, key_dim), tile, tile,
                 state_tile, state_tile],
-      out_specs=[partial_spec, partial_spec, tile, state_tile], compiler_params=common.compiler_params(config),
+      out_specs=[partial_spec, partial_spec, tile, state_tile], compiler_params=common.compiler_params(tiling),
       interpret=interpret, name="retention_backward")(log_decay, q, k, v, d_out.astype(v.dtype), state, d_final_state)
   dq, dk = (x.sum(axis=0).astype(q.dtype) for x in (dq, dk))
   return dq, dk, dv, d_state

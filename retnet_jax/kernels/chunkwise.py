@@ -30,7 +30,8 @@ class _Static(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fused(q, k, v, log_decay, state, key_sum, static: _Static):
-  return forward(q, k, v, log_decay, state, key_sum, **static._asdict())
+  return forward(q, k, v, log_decay, state, key_sum, size=static.size, length=static.length,
+                 precision=static.precision, tiling=static.config.forward, interpret=static.interpret)
 
 
 def _fused_fwd(q, k, v, log_decay, state, key_sum, static: _Static):
@@ -41,7 +42,9 @@ def _fused_bwd(static: _Static, residuals, cotangents):
   """Gradients for q, k, v and the state; zeros for log_decay and the key sum, which the callers stop."""
   q, k, v, log_decay, state, key_sum = residuals
   d_out, d_final_state, _, _ = cotangents
-  dq, dk, dv, d_state = backward(q, k, v, log_decay, state, d_out, d_final_state, **static._asdict())
+  dq, dk, dv, d_state = backward(q, k, v, log_decay, state, d_out, d_final_state, size=static.size,
+                                 length=static.length, precision=static.precision, tiling=static.config.backward,
+                                 interpret=static.interpret)
   return dq, dk, dv, jnp.zeros_like(log_decay), d_state, None if key_sum is None else jnp.zeros_like(key_sum)
 
 
@@ -85,7 +88,7 @@ def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, precision
     return jnp.zeros(v.shape, v.dtype), state, qz, key_sum
 
   q, k, v = (_pad_axis(x, 1, size) for x in (q, k, v))
-  v, state_padded = _pad_axis(v, 3, config.block_v), _pad_axis(state, 3, config.block_v)
+  v, state_padded = _pad_axis(v, 3, config.value_multiple), _pad_axis(state, 3, config.value_multiple)
   static = _Static(size, length, precision, config, interpret)
   log_decay = lax.stop_gradient(jnp.asarray(log_decay, jnp.float32))
   out, final_state, qz, final_key_sum = _fused(q, k, v, log_decay, state_padded, key_sum, static)
@@ -106,7 +109,7 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, precision
     state: the carried-in state `[batch, heads, d_k, d_v]`, or None for an empty one.
     precision: the `lax.Precision` of every product in the kernels (on GPUs, float32 inputs multiply in TF32
       unless `HIGHEST`); products accumulate in float32 whatever it is.
-    config: block sizes (default `support.default_config`). interpret: Pallas interpret mode; None: interpreted
+    config: the kernels' tilings (default `support.default_config`). interpret: Pallas interpret mode; None: interpreted
       unless JAX's default backend is a GPU.
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` float32).

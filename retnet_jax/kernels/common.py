@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from retnet_jax.kernels.support import KernelConfig
+from retnet_jax.kernels.support import Tiling
 
 # lax.dot_general contractions of two matrices: a @ b, a @ b^T, a^T @ b.
 NN = ((1,), (0,))
@@ -49,8 +49,8 @@ def state_tile_spec(key_dim: int, block_v: int) -> pl.BlockSpec:
   return pl.BlockSpec((None, None, key_dim, block_v), lambda t, b, h: (b, h, 0, t))
 
 
-def compiler_params(config: KernelConfig) -> plgpu.CompilerParams:
-  return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+def compiler_params(tiling: Tiling) -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
 
 def in_chunk_decays(log_decay: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:

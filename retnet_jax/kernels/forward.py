@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from retnet_jax.kernels import common
-from retnet_jax.kernels.support import KernelConfig
+from retnet_jax.kernels.support import Tiling
 
 
 def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, precision, with_key_sum):
@@ -64,9 +64,9 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, 
       key_sum_out_ref[...] = z_K
 
 
-def forward(q, k, v, log_decay, state, key_sum, *, size: int, length: int, precision, config: KernelConfig,
+def forward(q, k, v, log_decay, state, key_sum, *, size: int, length: int, precision, tiling: Tiling,
             interpret: bool):
-  """The kernel over padded inputs (length a multiple of `size`, d_v of `config.block_v`).
+  """The kernel over padded inputs (length a multiple of `size`, d_v of `tiling.block_v`).
 
   Args:
     q, k: `[batch, Lp, heads, d_k]`. v: `[batch, Lp, heads, d_v]`, same dtype. log_decay: float32 `[heads]`.
@@ -76,7 +76,7 @@ def forward(q, k, v, log_decay, state, key_sum, *, size: int, length: int, preci
     `(out` in v's dtype, `final_state, qz [batch, Lp, heads], final_key_sum)`, the last two float32 or None.
   """
   batch, padded, heads, key_dim = q.shape
-  block_v = config.block_v
+  block_v = tiling.block_v
   with_key_sum = key_sum is not None
   in_specs = [common.head_spec(), common.rows_spec(padded, key_dim), common.rows_spec(padded, key_dim),
               common.rows_tile_spec(padded, block_v), common.state_tile_spec(key_dim, block_v)]
@@ -93,6 +93,6 @@ def forward(q, k, v, log_decay, state, key_sum, *, size: int, length: int, preci
   kernel = functools.partial(_kernel, size=size, length=length, precision=precision, with_key_sum=with_key_sum)
   results = pl.pallas_call(
       kernel, out_shape=out_shape, grid=common.grid(v.shape[-1] // block_v, batch, heads), in_specs=in_specs,
-      out_specs=out_specs, compiler_params=common.compiler_params(config), interpret=interpret,
+      out_specs=out_specs, compiler_params=common.compiler_params(tiling), interpret=interpret,
       name="retention_forward")(*inputs)
   return tuple(results) if with_key_sum else (*results, None, None)

@@ -8,6 +8,7 @@ asking for `retention_impl=pallas` fails before training starts, naming the limi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +20,37 @@ _FIX = "use retention_impl='xla' (or 'auto', which picks the XLA form wherever t
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Tiling of the kernels: `block_v` value columns per program (d_v is zero-padded to a multiple), and Triton's
-  `num_warps` / `num_stages` (software pipelining depth of the chunk loop)."""
+class Tiling:
+  """One kernel's tiling: `block_v` value columns per program, and Triton's `num_warps` and `num_stages` (how many
+  chunks ahead the chunk loop's loads are pipelined)."""
   block_v: int
-  num_warps: int = 4
+  num_warps: int = 8
   num_stages: int = 2
+
+  @classmethod
+  def parse(cls, text: str) -> Tiling:
+    """From `block_v:num_warps:num_stages`, e.g. `64:8:2`."""
+    return cls(*(int(x) for x in text.split(":")))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """The forward and the backward kernel's tilings; d_v is zero-padded to a multiple of both block sizes."""
+  forward: Tiling
+  backward: Tiling
+
+  @property
+  def value_multiple(self) -> int:
+    return math.lcm(self.forward.block_v, self.backward.block_v)
 
 
 def default_config(key_dim: int, value_dim: int) -> KernelConfig:
-  """A starting point per head size, to be tuned on the GPU: 64 value columns (fewer for narrow values)."""
-  block_v = min(64, max(16, 1 << (value_dim - 1).bit_length()))
-  return KernelConfig(block_v=block_v, num_warps=4 if key_dim <= 64 else 8)
+  """Starting points from compiling the kernels for sm_90 (H100) ahead of time, to be tuned on the GPU: 8 warps, 2
+  pipeline stages (3 overflow the backward kernel's shared memory at d_k 256), 64 value columns per program, 128 in
+  the forward kernel where d_k <= 128 and d_v is a multiple of 128, fewer for narrow values."""
+  narrow = max(16, 1 << (value_dim - 1).bit_length())
+  wide_forward = key_dim <= 128 and value_dim % 128 == 0
+  return KernelConfig(forward=Tiling(min(128 if wide_forward else 64, narrow)), backward=Tiling(min(64, narrow)))
 
 
 def _unsupported_reason(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> str | None:
@@ -53,7 +73,7 @@ def check_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backen
   """Raises ValueError naming the limit and the fix unless the compiled kernels support these sizes.
 
   Args:
-    key_dim, value_dim: the per-head dims d_k and d_v (any d_v: it is padded to a multiple of `block_v`).
+    key_dim, value_dim: the per-head dims d_k and d_v (any d_v: it is padded to whole value tiles).
     dtype: the compute dtype of q, k and v. chunk_size: the chunk length.
     backend: a JAX backend name (`gpu`, `cpu`, `tpu`); default `jax.default_backend()`.
   """
