@@ -87,8 +87,8 @@ def forward(q, k, v, log_decay, state, key_sum, *, size: int, length: int, preci
     key_sum_spec = pl.BlockSpec((None, None, key_dim), lambda t, b, h: (b, h, 0))
     in_specs.append(key_sum_spec)
     out_specs += [pl.BlockSpec((None, padded, None), lambda t, b, h: (b, 0, h)), key_sum_spec]
-    out_shape += [jax.ShapeDtypeStruct((batch, padded, heads), jnp.float32), jax.ShapeDtypeStruct(key_sum.shape,
-                                                                                                  jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct((batch, padded, heads), jnp.float32),
+                  jax.ShapeDtypeStruct(key_sum.shape, jnp.float32)]
     inputs.append(key_sum)
   kernel = functools.partial(_kernel, size=size, length=length, precision=precision, with_key_sum=with_key_sum)
   results = pl.pallas_call(
