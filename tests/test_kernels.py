@@ -198,7 +198,8 @@ def test_support_limits_name_the_limit_and_the_fix():
   for args, match in [((256, 512, jnp.bfloat16, 64, "cpu"), "GPUs only .* backend is 'cpu'"),
                       ((256, 512, jnp.bfloat16, 64, "tpu"), "backend is 'tpu'"),
                       ((256, 512, jnp.float16, 64, "gpu"), "dtype float16"),
-                      ((256, 512, jnp.bfloat16, 100, "gpu"), r"chunk_size 100 is not one of .*\(16, 32, 64, 128\)"),
+                      ((256, 512, jnp.bfloat16, 100, "gpu"), r"chunk_size 100 is not one of .*\(16, 32, 64\)"),
+                      ((256, 512, jnp.bfloat16, 128, "gpu"), "chunk_size 128"),
                       ((256, 512, jnp.bfloat16, 8, "gpu"), "chunk_size 8"),
                       ((512, 512, jnp.bfloat16, 64, "gpu"), "key head dim 512"),
                       ((96, 512, jnp.bfloat16, 64, "gpu"), "key head dim 96")]:
