@@ -50,6 +50,35 @@ def _powers(log_decay_H: jax.Array, exponent: jax.Array) -> jax.Array:
   return jnp.exp(log_decay_H.reshape((-1,) + (1,) * exponent.ndim) * exponent)
 
 
+def _decay_and_add(state, expm1_decay, kv):
+  """`gamma S + kv` written `S + ((gamma - 1) S + kv)`, with `expm1_decay = gamma - 1` broadcast against S.
+
+  gamma itself would round to the float nearest 1 (exactly 1 for gamma > 1 - 2^-25 in float32), a bias that
+  compounds at every step, while gamma - 1 keeps its precision: each step then rounds once, as any float state must.
+  """
+  return state + (expm1_decay * state + kv)
+
+
+def _decayed_state(spec: str, k, zeta, v, acc) -> jax.Array:
+  """`einsum(spec, k * zeta, v)` accumulated in `acc`, with the decayed keys kept to `acc` precision when k is narrower.
+
+  Rounding k * zeta to bfloat16 would cost the state 16 of float32's 24 bits. It is split instead into three parts in
+  k's dtype (8 bits each in bfloat16), each multiplied exactly into `acc` on every backend, where a float32 product
+  runs at reduced precision by default on accelerators (TF32, bfloat16 passes). Gradients flow through the first part
+  only, as they did through the rounded product, so the backward pass is unchanged.
+  """
+  product = lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=acc)
+  k_decayed = k.astype(acc) * zeta
+  if k.dtype == acc:
+    return product(k_decayed, v)
+  hi = k_decayed.astype(k.dtype)
+  rest = jax.lax.stop_gradient(k_decayed - hi.astype(acc))
+  mid = rest.astype(k.dtype)
+  lo = (rest - mid.astype(acc)).astype(k.dtype)
+  v_const = jax.lax.stop_gradient(v)
+  return product(hi, v) + product(mid, v_const) + product(lo, v_const)
+
+
 def _decay_mask(log_decay_H: jax.Array, length: int, dtype) -> jax.Array:
   """D[h, n, m] = gamma_h^(n - m) for n >= m, else 0. Shape `[heads, length, length]`."""
   pos = jnp.arange(length, dtype=dtype)
@@ -84,8 +113,7 @@ def parallel_retention(q, k, v, log_decay, state=None):
   out_BxHxLxV = jnp.einsum("bhnm,bhmv->bhnv", scores_BxHxLxL.astype(v.dtype), v_h, preferred_element_type=acc)
 
   zeta_HxL = _powers(log_decay_H, length - 1 - pos_L)  # gamma^(L-1-m): decay from m to the end
-  k_decayed = (k_h * zeta_HxL[None, :, :, None]).astype(k.dtype)
-  state_out = jnp.einsum("bhmk,bhmv->bhkv", k_decayed, v_h, preferred_element_type=acc)
+  state_out = _decayed_state("bhmk,bhmv->bhkv", k_h, zeta_HxL[None, :, :, None], v_h, acc)
   if state is not None:
     state = state.astype(acc)
     xi_HxL = _powers(log_decay_H, pos_L + 1)  # gamma^(n+1): decay from the carried state to n
@@ -104,12 +132,12 @@ def recurrent_retention(q, k, v, log_decay, state=None):
   """
   _check_inputs(q, k, v, log_decay, state)
   acc = _acc_dtype(q)
-  gamma_H = jnp.exp(log_decay.astype(acc))
+  expm1_decay = jnp.expm1(log_decay.astype(acc))[None, :, None, None]
   state = _zeros_state(q, v, acc) if state is None else state.astype(acc)
 
   def step(s_BxHxKxV, inputs):
     q_BxHxK, k_BxHxK, v_BxHxV = (x.astype(acc) for x in inputs)
-    s_BxHxKxV = gamma_H[None, :, None, None] * s_BxHxKxV + k_BxHxK[..., :, None] * v_BxHxV[..., None, :]
+    s_BxHxKxV = _decay_and_add(s_BxHxKxV, expm1_decay, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
     return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q_BxHxK, s_BxHxKxV)
 
   time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
@@ -155,22 +183,22 @@ def _chunk_states(k, v, log_decay_H, size, state):
   num_chunks = -(-length // size)
   k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (k, v))  # [B, C, H, S, *]
 
-  # Each chunk's contribution to the state at its own last real position, and its true length.
-  pos_CxS = jnp.arange(num_chunks * size, dtype=acc).reshape(num_chunks, size)
-  chunk_len_C = jnp.minimum(length - size * jnp.arange(num_chunks), size).astype(acc)
-  chunk_end_C = size * jnp.arange(num_chunks, dtype=acc) + chunk_len_C
+  # Each chunk's contribution to the state at its own last real position, and its true length; integer positions,
+  # so that the exponents stay exact at any length.
+  pos_CxS = jnp.arange(num_chunks * size).reshape(num_chunks, size)
+  chunk_len_C = jnp.minimum(length - size * jnp.arange(num_chunks), size)
   valid = pos_CxS < length
-  zeta_HxCxS = jnp.where(valid, _powers(log_decay_H, jnp.where(valid, chunk_end_C[:, None] - 1 - pos_CxS, 0)), 0)
-  k_decayed = (k_c * jnp.moveaxis(zeta_HxCxS, 0, 1)[None, ..., None]).astype(k.dtype)
-  kv_CxBxHxKxV = jnp.einsum("bchmk,bchmv->cbhkv", k_decayed, v_c, preferred_element_type=acc)
-  chunk_decay_CxH = _powers(log_decay_H, chunk_len_C).T
+  to_end_CxS = jnp.where(valid, (size * jnp.arange(num_chunks) + chunk_len_C)[:, None] - 1 - pos_CxS, 0)
+  zeta_HxCxS = jnp.where(valid, _powers(log_decay_H, to_end_CxS.astype(acc)), 0)
+  kv_CxBxHxKxV = _decayed_state("bchmk,bchmv->cbhkv", k_c, jnp.moveaxis(zeta_HxCxS, 0, 1)[None, ..., None], v_c, acc)
+  expm1_decay_CxH = jnp.expm1(log_decay_H[None, :] * chunk_len_C[:, None].astype(acc))
 
   def step(state_BxHxKxV, inputs):
-    kv, decay_H = inputs
-    return decay_H[None, :, None, None] * state_BxHxKxV + kv, state_BxHxKxV
+    kv, expm1_decay_H = inputs
+    return _decay_and_add(state_BxHxKxV, expm1_decay_H[None, :, None, None], kv), state_BxHxKxV
 
   state = _zeros_state(k, v, acc) if state is None else state.astype(acc)
-  state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (kv_CxBxHxKxV, chunk_decay_CxH))
+  state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (kv_CxBxHxKxV, expm1_decay_CxH))
   return before_CxBxHxKxV, state_out
 
 
