@@ -3,7 +3,7 @@ for dk, dv and the incoming state's gradient, each carrying a float32 `[d_k, blo
 
 With dS = (do v^T) * mask and R_c the state after chunk c (R_-1 the state carried in):
 
-    dq_c = dS k + xi * (do R_(c-1)^T)                    (forward: R recomputed as in the forward pass)
+    dq_c = dS k + xi * (do R_(c-1)^T)                    (forward: R recomputed exactly as in the forward pass)
     dk_c = dS^T q + zeta * (v dR_c^T)
     dv_c = ((q k^T) * mask)^T do + zeta * (k dR_c)       (reverse: dR_(c-1) = gamma^n dR_c + (xi * q)^T do)
 
@@ -41,13 +41,13 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, 
     dq_SxK = (common.dot(d_scores_SxS.astype(k_SxK.dtype), k_SxK, common.NN, precision)
               + xi_S[:, None] * common.dot(do_SxV, state_KxV.astype(do_SxV.dtype), common.NT, precision))
     dq_ref[rows, :] = dq_SxK.astype(dq_ref.dtype)
-    zeta_S, decay = common.state_decays(log_decay, c * size, size, length)
-    return common.advance(state_KxV, k_SxK, v_SxV, zeta_S, decay, precision)
+    zeta_S, expm1_decay = common.state_decays(log_decay, c * size, size, length)
+    return common.advance(state_KxV, k_SxK, v_SxV, zeta_S, expm1_decay, precision, exact_weights=True)
 
   def reverse_step(i, d_state_KxV):
     c = num_chunks - 1 - i
     rows, q_SxK, k_SxK, v_SxV, do_SxV = load(c)
-    zeta_S, decay = common.state_decays(log_decay, c * size, size, length)
+    zeta_S, expm1_decay = common.state_decays(log_decay, c * size, size, length)
     d_scores_SxS = common.dot(do_SxV, v_SxV, common.NT, precision) * mask_SxS
     scores_SxS = common.dot(q_SxK, k_SxK, common.NT, precision) * mask_SxS
     dk_SxK = (common.dot(d_scores_SxS.astype(q_SxK.dtype), q_SxK, common.TN, precision)
@@ -56,7 +56,7 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, 
               + zeta_S[:, None] * common.dot(k_SxK, d_state_KxV.astype(k_SxK.dtype), common.NN, precision))
     dk_ref[rows, :] = dk_SxK.astype(dk_ref.dtype)
     dv_ref[rows, :] = dv_SxV.astype(dv_ref.dtype)
-    return common.advance(d_state_KxV, q_SxK, do_SxV, xi_S, decay, precision)
+    return common.advance(d_state_KxV, q_SxK, do_SxV, xi_S, expm1_decay, precision, exact_weights=False)
 
   lax.fori_loop(0, num_chunks, forward_step, state_ref[...])
   d_state_ref[...] = lax.fori_loop(0, num_chunks, reverse_step, d_final_ref[...])

@@ -66,20 +66,32 @@ def in_chunk_decays(log_decay: jax.Array, size: int) -> tuple[jax.Array, jax.Arr
 
 def state_decays(log_decay: jax.Array, start: jax.Array, size: int, length: int) -> tuple[jax.Array, jax.Array]:
   """For the chunk at `start`, with n = min(length - start, size) its true length: zeta `[S]` = gamma^(n-1-j) for
-  j < n (else 0), the decay of key j to the chunk's last real position, and gamma^n, the state's decay over it."""
+  j < n (else 0), the decay of key j to the chunk's last real position, and gamma^n - 1, the state's decay over it
+  less one (`advance` adds it to the state: gamma^n itself would round towards 1)."""
   n = jnp.minimum(length - start, size)
   pos_S = lax.broadcasted_iota(jnp.int32, (size,), 0)
   real = pos_S < n
   zeta_S = jnp.where(real, jnp.exp(log_decay * jnp.where(real, n - 1 - pos_S, 0).astype(jnp.float32)), 0.0)
-  return zeta_S, jnp.exp(log_decay * n.astype(jnp.float32))
+  return zeta_S, jnp.expm1(log_decay * n.astype(jnp.float32))
 
 
-def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, weights_S: jax.Array, decay: jax.Array,
-            precision) -> jax.Array:
-  """`decay * state + (weights * keys)^T values`, the weighted keys rounded to their dtype for the product: the state
-  after a chunk (keys k, weights zeta), or in reverse the state's gradient before it (keys q, weights xi, values do)."""
-  weighted = (keys_SxK * weights_S[:, None]).astype(keys_SxK.dtype)
-  return decay * state_KxV + dot(weighted, values_SxV, TN, precision)
+def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, weights_S: jax.Array,
+            expm1_decay: jax.Array, precision, *, exact_weights: bool) -> jax.Array:
+  """`state + ((gamma^n - 1) state + (weights * keys)^T values)`: the state after a chunk (keys k, weights zeta), or
+  in reverse the state's gradient before it (keys q, weights xi, values do).
+
+  The weighted keys are rounded to their dtype for the product; with `exact_weights`, narrower than float32, they
+  are split into three parts in that dtype (bfloat16: 8 bits each) whose products add up to the float32 one, as
+  `retention._decayed_state` does for the XLA form's states.
+  """
+  weighted_SxK = keys_SxK.astype(jnp.float32) * weights_S[:, None]
+  part_SxK = weighted_SxK.astype(keys_SxK.dtype)
+  update_KxV = dot(part_SxK, values_SxV, TN, precision)
+  for _ in range(2 if exact_weights and keys_SxK.dtype != jnp.float32 else 0):
+    weighted_SxK = weighted_SxK - part_SxK.astype(jnp.float32)
+    part_SxK = weighted_SxK.astype(keys_SxK.dtype)
+    update_KxV = update_KxV + dot(part_SxK, values_SxV, TN, precision)
+  return state_KxV + (expm1_decay * state_KxV + update_KxV)
 
 
 def chunk_rows(c: jax.Array, size: int) -> pl.Slice:

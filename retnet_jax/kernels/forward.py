@@ -4,8 +4,9 @@ Per chunk c (rows of q, k `[S, d_k]`, of v `[S, block_v]`), with R the state ent
 
     out_c = ((q k^T) * mask) v + xi * (q R)          R <- gamma^n R + (zeta * k)^T v
 
-and, with the key sum, the normaliser's by-products in the same pass (the key sum is retention's state for a ones
-value column: q . z is the row sum of the masked scores plus xi * (q . z_in)):
+(the decayed keys zeta * k in three parts of their dtype for the product, as in the XLA form, so that the state of
+bfloat16 inputs keeps float32's precision), and, with the key sum, the normaliser's by-products in the same pass
+(the key sum is retention's state for a ones value column: q . z is the row sum of the masked scores plus xi * (q . z)):
 
     qz_c = rowsum((q k^T) * mask) + xi * (q . z)     z <- gamma^n z + sum_j zeta_j k_j
 
@@ -43,8 +44,8 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, 
     inner_SxV = common.dot(scores_SxS.astype(v_SxV.dtype), v_SxV, common.NN, precision)
     cross_SxV = common.dot(q_SxK, state_KxV.astype(q_SxK.dtype), common.NN, precision)
     out_ref[rows, :] = (inner_SxV + xi_S[:, None] * cross_SxV).astype(out_ref.dtype)
-    zeta_S, decay = common.state_decays(log_decay, c * size, size, length)
-    state_KxV = common.advance(state_KxV, k_SxK, v_SxV, zeta_S, decay, precision)
+    zeta_S, expm1_decay = common.state_decays(log_decay, c * size, size, length)
+    state_KxV = common.advance(state_KxV, k_SxK, v_SxV, zeta_S, expm1_decay, precision, exact_weights=True)
     if not with_key_sum:
       return state_KxV, z_K
     qz_S = jnp.sum(scores_SxS, axis=1) + xi_S * jnp.sum(q_SxK.astype(jnp.float32) * z_K[None, :], axis=1)
@@ -53,7 +54,7 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, 
     def _():
       qz_ref[rows] = qz_S
 
-    return state_KxV, decay * z_K + jnp.sum(k_SxK.astype(jnp.float32) * zeta_S[:, None], axis=0)
+    return state_KxV, z_K + (expm1_decay * z_K + jnp.sum(k_SxK.astype(jnp.float32) * zeta_S[:, None], axis=0))
 
   z_K = key_sum_ref[...] if with_key_sum else None
   state_KxV, z_K = lax.fori_loop(0, q_ref.shape[0] // size, step, (state_ref[...], z_K))
