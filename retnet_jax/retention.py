@@ -202,18 +202,11 @@ def _chunk_states(k, v, log_decay_H, size, state):
   return before_CxBxHxKxV, state_out
 
 
-def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False):
-  """`chunkwise_retention` with two by-products of its pass, for normalisers built on it.
-
-  Returns `(out, final_state, entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
-  entering each chunk; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless `score_abs_sums`), the
-  in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums of the masked scores.
-  """
-  _check_inputs(q, k, v, log_decay, state)
-  acc = _acc_dtype(q)
+def _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums):
+  """The chunkwise form's outputs given the state entering each chunk (`_chunk_states`), and the in-chunk |score| row
+  sums (None unless `score_abs_sums`); as in `_chunkwise`."""
+  acc = log_decay_H.dtype
   length = q.shape[1]
-  size = _chunk_len(chunk_size, length)
-  log_decay_H = log_decay.astype(acc)
   # Head-major inside chunks, as in parallel_retention.
   q_c, k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (q, k, v))  # [B, C, H, S, *]
 
@@ -224,12 +217,26 @@ def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False)
   abs_sums = _from_chunks(jnp.sum(jnp.abs(scores), axis=-1), length) if score_abs_sums else None
 
   # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position.
-  before_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state)
   xi_HxS = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc))
   # Chunk-major states: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for the batch-major dot.
-  cross = jnp.einsum("bchnk,cbhkv->bchnv", q_c, before_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
+  cross = jnp.einsum("bchnk,cbhkv->bchnv", q_c, entry_states_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
   out = _from_chunks(inner + cross * xi_HxS[None, None, :, :, None], length)
-  return out.astype(v.dtype), state_out, before_CxBxHxKxV, abs_sums
+  return out.astype(v.dtype), abs_sums
+
+
+def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False):
+  """`chunkwise_retention` with two by-products of its pass, for normalisers built on it.
+
+  Returns `(out, final_state, entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
+  entering each chunk; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless `score_abs_sums`), the
+  in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums of the masked scores.
+  """
+  _check_inputs(q, k, v, log_decay, state)
+  size = _chunk_len(chunk_size, q.shape[1])
+  log_decay_H = log_decay.astype(_acc_dtype(q))
+  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state)
+  out, abs_sums = _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums)
+  return out, state_out, entry_states_CxBxHxKxV, abs_sums
 
 
 def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):

@@ -1,0 +1,122 @@
+"""Sequence-parallel chunkwise retention: one sequence split over the devices of a mesh axis.
+
+With R devices along the axis, device r holds the slice of L_s = L / R tokens starting at r L_s and runs the
+chunkwise form on it from a zero state. The slices' final states S_loc(j) are small (`[batch, heads, d_k, d_v]`,
+whatever the length), and each head decays by a constant gamma, so one all-gather of them gives every device the
+state entering its slice (as LASP-2 does for linear attention), and one sum over the devices the final state:
+
+    S_in(r) = sum_{j<r} gamma^(L_s (r-1-j)) S_loc(j) + gamma^(r L_s) S_carried,    S_out = S_in(R).
+
+The state entering chunk c of a slice is its local one plus gamma^(c S) S_in(r) (chunks of S tokens), and each chunk's
+outputs follow from it as in the single-device form, at no extra matrix product. Autodiff runs backward through the
+collectives.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from retnet_jax import retention
+
+
+def check_length(length: int, devices: int, chunk_size, axis_name: str) -> None:
+  """ValueError unless `length` splits into `devices` slices of whole chunks."""
+  size = retention.check_chunk_size(chunk_size)
+  if length % (devices * size):
+    raise ValueError(f"sequence-parallel retention splits the sequence over the {devices} devices of mesh axis "
+                     f"{axis_name!r} in whole chunks, so its length {length} must be a multiple of {devices} x "
+                     f"chunk_size {size} = {devices * size}: pad or cut the sequences to such a length, or choose a "
+                     "chunk_size that divides length / devices.")
+
+
+def _decay(log_decay_H, steps):
+  """gamma^steps per head, shaped to scale states: `steps [...]` -> `[..., 1, heads, 1, 1]`."""
+  powers = retention._powers(log_decay_H, jnp.asarray(steps).astype(log_decay_H.dtype))
+  return jnp.moveaxis(powers, 0, -1)[..., None, :, None, None]
+
+
+def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, score_abs_sums=False):
+  """Per-device body, to call inside `jax.shard_map` over mesh axis `axis_name`: `retention._chunkwise` of this
+  device's slice of the sequence, with the states of the slices before it combined in.
+
+  Args:
+    q, k: this device's slice `[batch, seq / R, heads, d_k]`. v: `[batch, seq / R, heads, d_v]`. log_decay: `[heads]`,
+      the same on every device. chunk_size: a positive integer dividing seq / R.
+    axis_name: the mesh axis (of R devices) that splits the sequence, slice r on the r-th device along it.
+    state: the state carried into the whole sequence, `[batch, heads, d_k, d_v]`, the same on every device; or None.
+    score_abs_sums: as in `retention._chunkwise`.
+  Returns:
+    `(out [batch, seq / R, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` (the whole sequence's,
+    the same on every device), `entry_states [chunks / R, batch, heads, d_k, d_v]` (this slice's chunks), `abs_sums`
+    `[batch, seq / R, heads]` or None), as `retention._chunkwise` gives for the whole sequence.
+  """
+  retention._check_inputs(q, k, v, log_decay, state)
+  devices, slice_len = jax.lax.axis_size(axis_name), q.shape[1]
+  check_length(slice_len * devices, devices, chunk_size, axis_name)
+  size = retention.check_chunk_size(chunk_size)
+  log_decay_H = log_decay.astype(retention._acc_dtype(q))
+
+  # From a zero state that varies over the axis, as the scan's keys and values do.
+  zero = jax.lax.pcast(retention._zeros_state(q, v, log_decay_H.dtype), axis_name, to="varying")
+  local_entry_CxBxHxKxV, local_state = retention._chunk_states(k, v, log_decay_H, size, zero)
+
+  # The state entering this slice from the slices before it (one all-gather), and the final state from all of them
+  # (one sum, the same on every device): sum_j gamma^(L_s (r-1-j)) S_loc(j) over j < r, and over j < R.
+  r = jax.lax.axis_index(axis_name)
+  j_R = jnp.arange(devices)
+  earlier_R = j_R < r
+  weights_Rx1xHx1x1 = jnp.where(earlier_R[:, None, None, None, None],
+                                _decay(log_decay_H, jnp.where(earlier_R, (r - 1 - j_R) * slice_len, 0)), 0)
+  state_in = jnp.sum(weights_Rx1xHx1x1 * jax.lax.all_gather(local_state, axis_name), axis=0)
+  state_out = jax.lax.psum(_decay(log_decay_H, (devices - 1 - r) * slice_len) * local_state, axis_name)
+  if state is not None:
+    state = state.astype(log_decay_H.dtype)
+    state_in = state_in + _decay(log_decay_H, r * slice_len) * state
+    state_out = state_out + _decay(log_decay_H, devices * slice_len) * state
+  chunk_start_C = size * jnp.arange(local_entry_CxBxHxKxV.shape[0])
+  entry_CxBxHxKxV = local_entry_CxBxHxKxV + _decay(log_decay_H, chunk_start_C) * state_in
+  out, abs_sums = retention._chunk_outputs(q, k, v, log_decay_H, size, entry_CxBxHxKxV, score_abs_sums)
+  return out, state_out, entry_CxBxHxKxV, abs_sums
+
+
+def sharded_chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, *, axis_name="sequence",
+                      mesh=None):
+  """`retention._chunkwise` (with its by-products) with the sequence split over mesh axis `axis_name`.
+
+  A `jax.shard_map` of `chunkwise_slice`, manual over `axis_name` only: the other mesh axes stay automatic, so arrays
+  split over them (batch over `data`, heads over `tensor`) stay split. Arguments and returns as in
+  `chunkwise_retention`, plus `score_abs_sums` and the two by-products of `retention._chunkwise`, split over
+  `axis_name` along their chunk and sequence axes.
+  """
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"sequence-parallel retention needs a mesh with an axis {axis_name!r}; the mesh has "
+                     f"{tuple(mesh.axis_names)} (set one with jax.set_mesh or pass mesh=).")
+  check_length(q.shape[1], mesh.shape[axis_name], chunk_size, axis_name)
+  seq = P(None, axis_name)
+  out_specs = (seq, P(), P(axis_name), seq if score_abs_sums else None)
+  in_specs = (seq, seq, seq, P()) + ((P(),) if state is not None else ())
+
+  def body(q, k, v, log_decay, *carried):
+    return chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name, *carried, score_abs_sums=score_abs_sums)
+
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name})
+  return mapped(q, k, v, log_decay, *(() if state is None else (state,)))
+
+
+def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, axis_name="sequence", mesh=None):
+  """`retention.chunkwise_retention` with the sequence split over the devices of mesh axis `axis_name`.
+
+  Args:
+    q, k, v, log_decay, chunk_size, state: as in `retention.chunkwise_retention`; the length must be a multiple of
+      (devices along `axis_name`) x chunk_size.
+    axis_name: the mesh axis that splits the sequence.
+    mesh: the mesh (default: the one `jax.set_mesh` made current).
+  Returns:
+    `(out [batch, seq, heads, d_v]` in v's dtype, split over `axis_name` along seq, `final_state [batch, heads, d_k,
+    d_v]` in the accumulation dtype, replicated over `axis_name`).
+  """
+  out, state_out, _, _ = sharded_chunkwise(q, k, v, log_decay, chunk_size, state, axis_name=axis_name, mesh=mesh)
+  return out, state_out
