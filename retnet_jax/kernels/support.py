@@ -48,11 +48,12 @@ class KernelConfig:
 
 def default_config(key_dim: int, value_dim: int) -> KernelConfig:
   """Starting points from compiling the kernels for sm_90 (H100) ahead of time, to be tuned on the GPU: 8 warps, 2
-  pipeline stages (3 overflow the backward kernel's shared memory at d_k 256), 64 value columns per program, 128 in
-  the forward kernel where d_k <= 128 and d_v is a multiple of 128, fewer for narrow values."""
+  pipeline stages (3 overflow the backward kernel's shared memory at d_k 256); value columns per program: 64 in the
+  backward kernel, in the forward kernel 32 where d_k > 128 (its registers spill at 64), 128 where d_k <= 128 and d_v
+  is a multiple of 128, else 64; fewer for narrow values."""
   narrow = max(16, 1 << (value_dim - 1).bit_length())
-  wide_forward = key_dim <= 128 and value_dim % 128 == 0
-  return KernelConfig(forward=Tiling(min(128 if wide_forward else 64, narrow)), backward=Tiling(min(64, narrow)))
+  forward_block = 32 if key_dim > 128 else 128 if value_dim % 128 == 0 else 64
+  return KernelConfig(forward=Tiling(min(forward_block, narrow)), backward=Tiling(min(64, narrow)))
 
 
 def _unsupported_reason(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> str | None:
