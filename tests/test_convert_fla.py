@@ -148,7 +148,7 @@ def with_chunk_size(model, config, chunk_size):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_fla_in_each_form_and_across_a_handoff(tmp_path, name):
   """Each of our forms gives the logits of fla's matching form, and a prefill in one of our forms continued in
-  another gives fla's chunk prefill continued recurrently (relative to the largest logit; measured ~1e-6)."""
+  another gives fla's chunk prefill continued recurrently (relative to the largest logit; measured 5e-7 to 1e-5)."""
   options, (first, then) = CONFIGS[name]
   model, folder = saved_fla(tmp_path, options)
   ours = with_chunk_size(*convert.load_fla(folder), 16)
