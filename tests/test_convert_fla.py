@@ -183,6 +183,17 @@ def test_load_places_parameters_on_a_mesh(tmp_path):
   assert relative_error(forward(placed, tokens, "parallel")[0], forward(plain, tokens, "parallel")[0]) < 1e-5
 
 
+def test_bfloat16_shards_written_by_transformers_load(tmp_path):
+  """A bfloat16 checkpoint that transformers split into shards with an index: each tensor is its float32 value."""
+  model = fla_model(CONFIGS["tied_shared_kv"][0]).to(torch.bfloat16)
+  model.save_pretrained(tmp_path / "fla", max_shard_size="20KB")
+  assert (tmp_path / "fla" / convert_fla.INDEX_FILE).is_file()
+  ours, config = convert.load_fla(tmp_path / "fla")
+  theirs = {name: value.float().numpy() for name, value in model.state_dict().items()}
+  assert all(np.array_equal(value.T if path[-1] == "kernel" else value, theirs[convert_fla.fla_name(path, False)])
+             for path, value in flat_params(ours).items())
+
+
 def write_tokenizer(path, size):
   """A word-level tokenizer.json of `size` tokens, `</s>` (id 0) among them."""
   vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, size)}}
