@@ -22,8 +22,7 @@ import tokenizers
 from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
-from configs import retnet as retnet_config
-from retnet_jax import convert, convert_fla, presets, sharding, train_state
+from retnet_jax import convert, convert_fla, presets, sharding
 from retnet_jax.model import RetNet
 
 torch = pytest.importorskip("torch")
