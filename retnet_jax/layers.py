@@ -15,9 +15,14 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from retnet_jax import decay, retention, rotation, sharding, stability
+from retnet_jax import decay, kernels, retention, rotation, sharding, stability
 
 MODES = ("parallel", "chunkwise", "recurrent")
+# model.retention_impl: the chunkwise form as XLA einsums, as the fused Pallas kernels, or the kernels where they
+# compile (GPU) and XLA elsewhere.
+RETENTION_IMPLS = ("xla", "pallas", "auto")
+# model.matmul_precision -> jax.default_matmul_precision (on GPUs `default` lets float32 matmuls run in TF32).
+MATMUL_PRECISIONS = {"default": None, "high": "high", "highest": "highest"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -45,6 +50,39 @@ def check_activation(name: str) -> None:
   """Raises ValueError for an `ffn_activation` not in ACTIVATIONS."""
   if name not in ACTIVATIONS:
     raise ValueError(f"unknown model.ffn_activation {name!r}; choose one of {tuple(ACTIVATIONS)}.")
+
+
+def check_matmul_precision(name: str) -> None:
+  """Raises ValueError for a `matmul_precision` not in MATMUL_PRECISIONS."""
+  if name not in MATMUL_PRECISIONS:
+    raise ValueError(f"unknown model.matmul_precision {name!r}; choose one of {tuple(MATMUL_PRECISIONS)}.")
+
+
+def _kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None) -> str | None:
+  """Why the compiled Pallas kernels cannot run this model's chunkwise retention on `backend`, or None."""
+  if cfg.stability_norm and cfg.stability_norm_style == "torchscale":
+    return ("the torchscale normaliser's chunkwise scalars need by-products only the XLA form computes; use "
+            "retention_impl='xla' (or 'auto'), or stability_norm_style='shared'")
+  try:
+    kernels.check_supported(cfg.d_model // cfg.num_heads, cfg.value_dim // cfg.num_heads, compute_dtype(cfg.dtype),
+                            cfg.chunk_size, backend)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def check_retention_impl(cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+  """Raises ValueError naming the limit and the fix where `retention_impl=pallas` cannot compile on `backend`
+  (default: JAX's) for this model: before any work, as training and evaluation call it. (A model built directly
+  runs the kernels interpreted where they do not compile: slow, for tests.)"""
+  if cfg.retention_impl == "pallas" and (reason := _kernel_unfit(cfg, backend)):
+    raise ValueError(f"model.retention_impl='pallas' cannot run here: {reason}")
+
+
+def uses_kernel(cfg: ml_collections.ConfigDict, backend: str | None = None) -> bool:
+  """Whether the chunkwise form runs as the Pallas kernels: `pallas` (interpreted where they do not compile: for
+  tests), or `auto` where they compile."""
+  return cfg.retention_impl == "pallas" or (cfg.retention_impl == "auto" and _kernel_unfit(cfg, backend) is None)
 
 
 def compute_dtype(name: str):
@@ -144,6 +182,8 @@ class MultiScaleRetention(nnx.Module):
     self.stability_norm = cfg.stability_norm
     self.stability_norm_style = cfg.stability_norm_style
     self.chunk_size = cfg.chunk_size
+    self.kernel = uses_kernel(cfg)
+    self.precision = MATMUL_PRECISIONS[cfg.matmul_precision]
     self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, heads, cfg.decay_gammas))
     qkvg_init = xavier_uniform(2**-2.5)
     dense = lambda i, o, axes, init: Dense(i, o, axes, init=init, dtype=dtype, rngs=rngs)
@@ -182,6 +222,42 @@ class MultiScaleRetention(nnx.Module):
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
     # No state (training from the start of a sequence): the forms skip the cross term with a zero state.
+    if mode == "chunkwise" and self.kernel:
+      out_BxLxHxV, new_state = self._fused(q, k, v, log_decay_H, state, positions_BxL)
+    else:
+      out_BxLxHxV, new_state = self._unfused(mode, q, k, v, log_decay_H, state, positions_BxL)
+    y = rms_norm(out_BxLxHxV, self.head_norm_eps)
+    if self.head_norm_scale is not None:
+      y = y * self.head_norm_scale[...]
+    y = y.reshape(batch, length, -1)
+    gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))
+    return self.out_proj((gate * y).astype(self.dtype)), new_state
+
+  def _fused(self, q, k, v, log_decay_H, state, positions_BxL):
+    """The chunkwise form and the shared normaliser's q . z from one pass of the Pallas kernels, on each device's
+    batch and head shards: (normalised float32 output, new state)."""
+    qkv_axes, state_axes = ("batch", None, "heads", None), ("batch", "heads", None, None)
+    kv_in = None if state is None else state["kv"]
+    if not self.stability_norm:
+      kernel = lambda q, k, v, log_decay, kv: kernels.chunkwise_retention(
+          q, k, v, log_decay, self.chunk_size, kv, precision=self.precision)
+      out, kv = sharding.per_shard(kernel, [qkv_axes] * 3 + [("heads",), state_axes],
+                                   [qkv_axes, state_axes])(q, k, v, log_decay_H, kv_in)
+      return out.astype(jnp.float32), {"kv": kv}
+    kernel = lambda q, k, v, log_decay, kv, z: kernels.chunkwise_retention_with_key_sum(
+        q, k, v, log_decay, self.chunk_size, kv, z, precision=self.precision)
+    z_in = None if state is None else state["key_sum"]
+    out, kv, qz, key_sum = sharding.per_shard(
+        kernel, [qkv_axes] * 3 + [("heads",), state_axes, ("batch", "heads", None)],
+        [qkv_axes, state_axes, ("batch", None, "heads"), ("batch", "heads", None)],
+    )(q, k, v, log_decay_H, kv_in, z_in)
+    divisor = stability.divisor(self.stability_norm_style, "chunkwise", qz, positions_BxL, log_decay_H)
+    return out.astype(jnp.float32) / divisor[..., None], {"kv": kv, "key_sum": key_sum}
+
+  def _unfused(self, mode: str, q, k, v, log_decay_H, state, positions_BxL):
+    """The XLA form of `mode`, then the normaliser from a second call on a ones value column: (normalised float32
+    output, new state)."""
+    batch, length, heads = q.shape[:3]
     kv_in = None if state is None else state["kv"]
     out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in)
     new_state = {"kv": kv}
@@ -201,13 +277,7 @@ class MultiScaleRetention(nnx.Module):
       else:
         divisor = stability.divisor(self.stability_norm_style, mode, qz[..., 0], positions_BxL, log_decay_H)
       out_BxLxHxV = out_BxLxHxV / jax.lax.stop_gradient(divisor)[..., None]
-
-    y = rms_norm(out_BxLxHxV, self.head_norm_eps)
-    if self.head_norm_scale is not None:
-      y = y * self.head_norm_scale[...]
-    y = y.reshape(batch, length, -1)
-    gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))
-    return self.out_proj((gate * y).astype(self.dtype)), new_state
+    return out_BxLxHxV, new_state
 
 
 class GLUFeedForward(nnx.Module):

@@ -10,6 +10,7 @@ tokens as left padding (they do not enter the state): prompts of different lengt
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -77,6 +78,9 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   layers.compute_dtype(cfg.dtype)
   decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
   layers.check_activation(cfg.ffn_activation)
+  layers.check_matmul_precision(cfg.matmul_precision)
+  if cfg.retention_impl not in layers.RETENTION_IMPLS:
+    raise ValueError(f"unknown model.retention_impl {cfg.retention_impl!r}; choose one of {layers.RETENTION_IMPLS}.")
   if cfg.stability_norm_style not in stability.NORM_STYLES:
     raise ValueError(f"unknown model.stability_norm_style {cfg.stability_norm_style!r}; "
                      f"choose one of {stability.NORM_STYLES}.")
@@ -158,6 +162,11 @@ class RetNet(nnx.Module):
     """
     if mode not in layers.MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")
+    precision = layers.MATMUL_PRECISIONS[self.config.matmul_precision]
+    with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
+      return self._forward(tokens_BxL, mode, state, remat)
+
+  def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str) -> tuple[jax.Array, State]:
     call_block = block_caller(remat, static_argnums=(5,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape

@@ -156,6 +156,10 @@ def model_config(name: str) -> config_dict.ConfigDict:
       scale_embedding=False,  # multiply token embeddings by sqrt(d_model)
       embed_norm=False,  # RMSNorm on the embeddings before the first block
       dtype=sizes.dtype,  # compute dtype: float32 | bfloat16; parameters are always float32
+      # every matmul's precision: default (on GPUs float32 runs in TF32) | high | highest (exact float32)
+      matmul_precision="default",
+      # the chunkwise form: xla (einsums) | pallas (fused kernels, GPU) | auto (pallas where it compiles, else xla)
+      retention_impl="xla",
   ))
   model.update(dict(sizes.options))
   return model

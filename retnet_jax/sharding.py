@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -79,6 +79,37 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   if mesh.empty or not flax_spmd.get_logical_axis_rules():
     return x
   return jax.lax.with_sharding_constraint(x, mesh_spec(mesh, x.shape, axes))
+
+
+def per_shard(fn: Callable[..., Any], in_axes: Sequence[Sequence[str | None] | None],
+              out_axes: Sequence[Sequence[str | None]]) -> Callable[..., Any]:
+  """`fn` run on each device's shards of its arguments (`jax.shard_map` under the active mesh and rules; `fn`
+  itself outside them): for kernels, which have no partitioning rule.
+
+  Args:
+    fn: takes arrays (or None) and returns a tuple of arrays; it must act on each shard independently along the
+      axes that are split.
+    in_axes: the logical axes of each argument (None for an argument passed as None). out_axes: of each output.
+  """
+  def call(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not flax_spmd.get_logical_axis_rules():
+      return fn(*args)
+    given = [i for i, arg in enumerate(args) if arg is not None]
+
+    def on_shards(*arrays):
+      full = list(args)
+      for i, array in zip(given, arrays):
+        full[i] = array
+      return fn(*full)
+
+    outs = jax.eval_shape(fn, *args)
+    return jax.shard_map(
+        on_shards, check_vma=False,
+        in_specs=tuple(mesh_spec(mesh, args[i].shape, in_axes[i]) for i in given),
+        out_specs=tuple(mesh_spec(mesh, out.shape, axes) for out, axes in zip(outs, out_axes)),
+    )(*(args[i] for i in given))
+  return call
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Sequence[tuple[str, Any]], ndim: int = 2) -> NamedSharding:

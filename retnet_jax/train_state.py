@@ -23,17 +23,22 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import checkpointing, optimizer, sharding
+from retnet_jax import checkpointing, layers, optimizer, sharding
 from retnet_jax.model import RetNet, check_model_config
 
 TrainState = dict[str, Any]
-# Model fields that may change between a checkpoint and its resumption: they do not change the parameters.
-RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size")
+# Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes.
+RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl")
+# Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
+# with (the model's behaviour before the field existed).
+ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",
+                      "head_norm_scale": False}
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks what the state and its batches need (model, optimizer, mesh and batch split) before any work."""
   check_model_config(config.model)
+  layers.check_retention_impl(config.model)
   train = config.train
   for name in ("batch_size", "seq_len", "grad_accum_steps"):
     if int(train[name]) < 1:
@@ -95,6 +100,7 @@ def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workd
   """Refuses a checkpoint written with another model config, naming the fields (before anything is overwritten)."""
   workdir = Path(workdir)
   current = config.model.to_dict()
+  saved_model = {**ADDED_MODEL_FIELDS, **saved_model}
   differs = sorted(k for k in set(saved_model) | set(current)
                    if k not in RESUMABLE_MODEL_CHANGES
                    and json.dumps(saved_model.get(k)) != json.dumps(current.get(k)))
