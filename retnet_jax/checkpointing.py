@@ -82,19 +82,20 @@ _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 @jax.jit
-def _checksums(tree: Any) -> Any:
-  """Per array, a uint32 sum of its bit patterns times odd position weights: any one changed element changes it."""
-  def checksum(x):
-    bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
-    weights = (2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1) * jnp.uint32(2654435761)  # odd: no cancelling
-    return jnp.sum(bits * weights, dtype=jnp.uint32)
-  return jax.tree.map(checksum, tree)
+def _checksum(x: jax.Array) -> jax.Array:
+  """A uint32 sum of the array's bit patterns times odd position weights: any one changed element changes it."""
+  bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
+  weights = (2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1) * jnp.uint32(2654435761)  # odd: no cancelling
+  return jnp.sum(bits * weights, dtype=jnp.uint32)
 
 
 def checksums(tree: Any) -> dict[str, int]:
-  """`_checksums` of a pytree of arrays by key path, as JSON-able ints (a collective on multi-process runs)."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(_checksums(tree)))
-  return {jax.tree_util.keystr(path): int(value) for path, value in flat}
+  """`_checksum` of each array of a pytree by key path, as JSON-able ints (a collective on multi-process runs).
+
+  One array at a time, so the memory it needs beyond the tree is one array's temporaries, not the whole tree's.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(path): int(_checksum(value)) for path, value in flat}
 
 
 def _verify(saved: dict[str, int] | None, restored: Any, what: str) -> None:

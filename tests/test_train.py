@@ -217,6 +217,18 @@ def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
   assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
 
 
+def test_checkpoints_written_before_a_model_field_existed_stay_compatible(tmp_path):
+  """A checkpoint's config without the fields added since (its model had their old behaviour) resumes under
+  today's defaults and is refused under another value; how the model computes may change on resume."""
+  config = tiny_config(tmp_path)
+  old = {k: v for k, v in config.model.to_dict().items() if k not in train_state.ADDED_MODEL_FIELDS}
+  config.model.update(matmul_precision="highest", retention_impl="auto", chunk_size=4)
+  train_state.check_compatible(old, config, tmp_path)
+  config.model.rotation_pairs = "half"
+  with pytest.raises(ValueError, match="model.rotation_pairs: checkpoint 'interleaved' vs config 'half'"):
+    train_state.check_compatible(old, config, tmp_path)
+
+
 def test_profile_trace_and_tensorboard_events_are_written(tmp_path):
   config = tiny_config(tmp_path, steps=4, profile_steps=(2, 3))
   train.train_and_evaluate(config, tmp_path / "run")
