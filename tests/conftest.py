@@ -1,9 +1,28 @@
-"""Gives the tests 8 CPU devices (this must run before jax is imported) and shared fixtures."""
+"""Runs the tests on 8 CPU devices (set before jax is imported), or on the accelerator with RETNET_TEST_BACKEND=gpu;
+shared fixtures.
+
+On an accelerator, float32 matmuls run at full precision (`highest`: the forms' agreement tolerances assume exact
+float32 products, which TF32 would not give) and tests marked `devices(n)` are skipped where fewer devices are
+present: run them on the CPU as usual.
+"""
 import os
 
+BACKEND = os.environ.get("RETNET_TEST_BACKEND", "cpu")
+if BACKEND == "cpu":
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if BACKEND != "cpu":
+  jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_runtest_setup(item):
+  marker = item.get_closest_marker("devices")
+  if marker is not None and jax.device_count() < marker.args[0]:
+    pytest.skip(f"needs {marker.args[0]} devices; {jax.device_count()} on {jax.default_backend()}")
 
 
 class Crash(Exception):

@@ -206,6 +206,7 @@ def test_remat_policies_give_the_same_gradients():
     model(tokens, remat="some")
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("shape,names", [((1,), ("data",)), ((2, 2, 2), ("data", "fsdp", "tensor"))])
 @pytest.mark.parametrize("with_rules", [False, True])
 def test_model_builds_under_a_user_mesh(shape, names, with_rules):
@@ -233,6 +234,7 @@ def test_model_builds_under_a_user_mesh(shape, names, with_rules):
       assert leaf[...].addressable_shards[0].data.size < leaf[...].size, path  # split indeed
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("stability_norm", [True, False])
 def test_pallas_retention_impl_matches_xla_in_values_states_and_gradients(stability_norm):
   """retention_impl='pallas' (the kernels interpreted on the CPU) against the XLA form: logits and states with a

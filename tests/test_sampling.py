@@ -149,6 +149,7 @@ def test_each_sampler_streams_to_its_own_calls(model):
   assert not sampler._streams and not sampling._SAMPLER._streams  # done calls leave no stream behind
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 2), (2, 1, 1)])
 def test_sharded_model_decodes_the_same_tokens(model, mesh_shape):
   """A model on a tensor-parallel (heads, FFN and vocabulary split) or data-parallel mesh prefills, samples

@@ -64,6 +64,7 @@ def test_tiny_learns_shakespeare(tmp_path):
   assert final["eval_loss"] < 3.31 - 0.7, final
 
 
+@pytest.mark.devices(8)
 def test_sharded_step_matches_single_device():
   """One step on a (2 data, 2 fsdp, 2 tensor) mesh of 8 devices equals the same step on one device."""
   config = retnet_config.get_config("tiny")
@@ -96,6 +97,7 @@ def test_sharded_step_matches_single_device():
   assert mu.sharding.spec == P("fsdp", "tensor")  # optimizer moments are sharded like their parameters
 
 
+@pytest.mark.devices(4)
 def test_gradient_accumulation_equals_one_big_batch():
   config = retnet_config.get_config("tiny")
   config.mesh.shape = (4, 1, 1)
@@ -127,6 +129,7 @@ def test_resume_is_exact(tmp_path, run_crashing_at_batch):
   assert max_tree_diff(*params) == 0
 
 
+@pytest.mark.devices(8)
 def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
   config = tiny_config(tmp_path, steps=4)
   config.mesh.shape = (8, 1, 1)
@@ -181,6 +184,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
     (lambda c: c.mesh.update(shape=(1, 1, 8)) or c.model.update(ffn_dim=36),
      r"\['ffn'\]\['fc1'\]\['kernel'\].* cannot be split over mesh axes \('tensor',\) \(8 devices\): 36 is not"),
 ])
+@pytest.mark.devices(8)
 def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
   config = tiny_config(tmp_path)
   change(config)
@@ -189,6 +193,7 @@ def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.devices(8)
 def test_batch_must_be_split_over_the_processes(tmp_path, monkeypatch):
   """Each process loads only its own rows, so a batch replicated over processes (all devices on `tensor`) would
   hand each one half of what it needs."""
