@@ -53,8 +53,11 @@ def _powers(log_decay_H: jax.Array, exponent: jax.Array) -> jax.Array:
 def _decay_and_add(state, expm1_decay, kv):
   """`gamma S + kv` written `S + ((gamma - 1) S + kv)`, with `expm1_decay = gamma - 1` broadcast against S.
 
-  gamma itself would round to the float nearest 1 (exactly 1 for gamma > 1 - 2^-25 in float32), a bias that
+  gamma itself would round to the float nearest 1 (exactly 1 from gamma = 1 - 2^-25 on in float32), a bias that
   compounds at every step, while gamma - 1 keeps its precision: each step then rounds once, as any float state must.
+  Where kv lies on a coarse grid (products of bfloat16 keys and values), a decay step below half a unit in the
+  state's last place (gamma within a few 2^-24 of 1) can round away at every token; such a head drifts by at most
+  n (1 - gamma) of its state after n tokens, as if gamma were 1.
   """
   return state + (expm1_decay * state + kv)
 
