@@ -52,25 +52,29 @@ _ORBAX_FILTER = _OrbaxWarningsOnly()
 
 
 def _quiet_orbax() -> None:
-  """Filters orbax's records out of absl's log (orbax logs through absl.logging) and asyncio's, and TensorStore's
-  reports of writes that end after a failed save closed orbax's event loop; doing it again is a no-op."""
+  """Filters orbax's records out of absl's log (orbax logs through absl.logging) and asyncio's, and the leftovers of
+  a failed orbax read or write from `sys.unraisablehook`; doing it again is a no-op."""
   for name in ("absl", "asyncio"):
     logging.getLogger(name).addFilter(_ORBAX_FILTER)
-  if not isinstance(sys.unraisablehook, _LateWriteCallbacksDropped):
-    sys.unraisablehook = _LateWriteCallbacksDropped(sys.unraisablehook)
+  if not isinstance(sys.unraisablehook, _OrbaxLeftoversDropped):
+    sys.unraisablehook = _OrbaxLeftoversDropped(sys.unraisablehook)
 
 
-class _LateWriteCallbacksDropped:
-  """`sys.unraisablehook` without TensorStore's callbacks into an event loop that orbax closed after a failed save
-  (each would print 'Event loop is closed' with its traceback); everything else goes on to `hook`."""
+class _OrbaxLeftoversDropped:
+  """`sys.unraisablehook` without what a failed orbax read or write leaves behind, each of which would print a
+  traceback after the error itself was raised to the caller: its other coroutines, never awaited once the first
+  failed, and TensorStore's callbacks into the event loop orbax closed. Everything else goes on to `hook`."""
 
   def __init__(self, hook):
     self.hook = hook
 
   def __call__(self, unraisable) -> None:
     frames = traceback.extract_tb(unraisable.exc_traceback)
-    if not (unraisable.exc_type is RuntimeError and frames and frames[0].name == "call_soon_threadsafe"
-            and str(unraisable.exc_value) == "Event loop is closed"):
+    late_callback = (unraisable.exc_type is RuntimeError and frames and frames[0].name == "call_soon_threadsafe"
+                     and str(unraisable.exc_value) == "Event loop is closed")
+    code = getattr(unraisable.object, "cr_code", None)
+    orbax_coroutine = code is not None and code.co_filename.startswith(_ORBAX_DIR)
+    if not (late_callback or orbax_coroutine):
       self.hook(unraisable)
 
 
