@@ -40,8 +40,8 @@ def transformer_config(cfg: ml_collections.ConfigDict, max_len: int) -> ml_colle
   return ml_collections.ConfigDict(dict(
       vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
       ffn_dim=max(8, 8 * round(ffn_dim / 8)), ffn_activation=cfg.ffn_activation,
-      tie_embeddings=cfg.tie_embeddings, rotation_base=cfg.rotation_base, norm_eps=cfg.norm_eps,
-      dtype=cfg.dtype, max_len=max_len))
+      tie_embeddings=cfg.tie_embeddings, rotation_base=cfg.rotation_base, rotation_freqs=cfg.rotation_freqs,
+      norm_eps=cfg.norm_eps, dtype=cfg.dtype, max_len=max_len))
 
 
 def matmul_params(cfg: ml_collections.ConfigDict) -> int:
