@@ -121,8 +121,8 @@ def _workdir_fault(error: Exception, lock: workdir_lock.WriterLock, checkpointer
     vanished = _vanished(lock, checkpointer)
   if vanished is not None:
     return workdir_lock.WorkdirVanishedError(
-        f"{vanished}. Restore it (or remount its disk) and run the same command again to resume from its latest "
-        "checkpoint, or choose a new --workdir to start afresh.")
+        lock.workdir, f"{vanished}. Restore it (or remount its disk) and run the same command again to resume from "
+        "its latest checkpoint, or choose a new --workdir to start afresh.")
   if not isinstance(error, OSError):
     return None
   what, fix = _DISK_FAULTS.get(error.errno, ("a write failed", "remove the cause"))
@@ -141,15 +141,12 @@ def _workdir_fault(error: Exception, lock: workdir_lock.WriterLock, checkpointer
 
 
 def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpointer) -> str | None:
-  """How the workdir vanished (its lock file or checkpoint directory is gone or replaced), or None."""
+  """What of the workdir is gone or replaced (its lock file or checkpoint directory), or None."""
   try:
     lock.check_held()
   except workdir_lock.WorkdirVanishedError as e:
-    return str(e)
-  if checkpointer.vanished():
-    return (f"the workdir {lock.workdir} vanished while training (deleted, moved or its disk unmounted): "
-            f"{checkpointer.directory} is gone")
-  return None
+    return e.gone
+  return f"{checkpointer.directory} is gone" if checkpointer.vanished() else None
 
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
@@ -218,7 +215,7 @@ def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator, 
 
   def save(eval_loss=None):
     nonlocal saved_step
-    check_workdir()
+    lock.check_held()  # a failed background save is reported by the save itself
     checkpointer.save(step, state, {"data": batches.get_state(), "config": config.to_dict()}, eval_loss=eval_loss)
     saved_step = step
 

@@ -25,6 +25,10 @@ class WorkdirBusyError(RuntimeError):
 class WorkdirVanishedError(OSError):
   """The workdir's lock file is no longer the one locked: the workdir was deleted, moved or its disk unmounted."""
 
+  def __init__(self, workdir: str | os.PathLike, gone: str):
+    super().__init__(f"the workdir {workdir} vanished while training (deleted, moved or its disk unmounted): {gone}")
+    self.gone = gone
+
 
 class WriterLock:
   """The exclusive lock `WORKDIR/train_<process_index>.lock`; the file records its holder for the message."""
@@ -65,8 +69,7 @@ class WriterLock:
     except FileNotFoundError:
       held = False
     if not held:
-      raise WorkdirVanishedError(f"the workdir {self.workdir} vanished while training (deleted, moved or its disk "
-                                 f"unmounted): its lock file {self.path} is gone")
+      raise WorkdirVanishedError(self.workdir, f"its lock file {self.path} is gone")
 
   def release(self) -> None:
     """Releases the lock (the file stays: it is free once no process holds it)."""
