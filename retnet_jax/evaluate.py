@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import data, losses, sharding
+from retnet_jax import data, losses, sharding, train_state
 from retnet_jax.layers import MODES
 from retnet_jax.model import RetNet
 from retnet_jax.train_state import restore_model  # noqa: F401  (evaluate.restore_model: the documented entry)
@@ -46,6 +47,7 @@ def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("par
   unknown = [m for m in modes if m not in MODES]
   if unknown:
     raise ValueError(f"unknown mode {unknown[0]!r}; choose one of {MODES} or all.")
+  train_state.check_sequence_split(config, jax.device_count(), config.train.seq_len, modes)
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   tokenizer = data.load_tokenizer(config.data.tokenizer)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from retnet_jax import decay, kernels, retention, rotation, sharding, stability
+from retnet_jax import decay, kernels, retention, rotation, sequence_parallel, sharding, stability
 
 MODES = ("parallel", "chunkwise", "recurrent")
 # model.retention_impl: the chunkwise form as XLA einsums, as the fused Pallas kernels, or the kernels where they
@@ -195,8 +195,14 @@ class MultiScaleRetention(nnx.Module):
     self.head_norm_scale = (_param(rngs, nnx.initializers.ones, (self.value_dim,), (None,))
                             if cfg.head_norm_scale else None)
 
-  def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False):
-    """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only."""
+  def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False, split_over=None):
+    """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only.
+
+    `split_over`: the (mesh axis, size) that splits the sequence (`sharding.sequence_split`), where the parallel and
+    chunkwise modes both run the chunkwise form per slice (`sequence_parallel`), or None."""
+    if split_over is not None:
+      return sequence_parallel.sharded_chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums,
+                                                 axis_name=split_over[0])
     if mode == "parallel":
       return *retention.parallel_retention(q, k, v, log_decay_H, state), None, None
     if mode == "chunkwise":
@@ -222,10 +228,11 @@ class MultiScaleRetention(nnx.Module):
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
     # No state (training from the start of a sequence): the forms skip the cross term with a zero state.
-    if mode == "chunkwise" and self.kernel:
+    split_over = None if mode == "recurrent" else sharding.sequence_split()
+    if mode == "chunkwise" and self.kernel and split_over is None:
       out_BxLxHxV, new_state = self._fused(q, k, v, log_decay_H, state, positions_BxL)
     else:
-      out_BxLxHxV, new_state = self._unfused(mode, q, k, v, log_decay_H, state, positions_BxL)
+      out_BxLxHxV, new_state = self._unfused(mode, q, k, v, log_decay_H, state, positions_BxL, split_over)
     y = rms_norm(out_BxLxHxV, self.head_norm_eps)
     if self.head_norm_scale is not None:
       y = y * self.head_norm_scale[...]
@@ -254,12 +261,12 @@ class MultiScaleRetention(nnx.Module):
     divisor = stability.divisor(self.stability_norm_style, "chunkwise", qz, positions_BxL, log_decay_H)
     return out.astype(jnp.float32) / divisor[..., None], {"kv": kv, "key_sum": key_sum}
 
-  def _unfused(self, mode: str, q, k, v, log_decay_H, state, positions_BxL):
-    """The XLA form of `mode`, then the normaliser from a second call on a ones value column: (normalised float32
-    output, new state)."""
+  def _unfused(self, mode: str, q, k, v, log_decay_H, state, positions_BxL, split_over=None):
+    """The XLA form of `mode` (split over `split_over`, as in `_retention`), then the normaliser from a second call
+    on a ones value column: (normalised float32 output, new state)."""
     batch, length, heads = q.shape[:3]
     kv_in = None if state is None else state["kv"]
-    out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in)
+    out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in, split_over=split_over)
     new_state = {"kv": kv}
     out_BxLxHxV = out_BxLxHxV.astype(jnp.float32)
     if self.stability_norm:
@@ -270,7 +277,8 @@ class MultiScaleRetention(nnx.Module):
       q_sg, k_sg = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
       ones = jnp.ones((batch, length, heads, 1), q.dtype)
       z_in = None if state is None else state["key_sum"][..., None]
-      qz, key_sum, _, abs_sums = self._retention(mode, q_sg, k_sg, ones, log_decay_H, z_in, torchscale_chunks)
+      qz, key_sum, _, abs_sums = self._retention(mode, q_sg, k_sg, ones, log_decay_H, z_in, torchscale_chunks,
+                                                 split_over)
       new_state["key_sum"] = key_sum[..., 0]
       if torchscale_chunks:
         divisor = stability.torchscale_chunkwise_divisor(abs_sums, entry_states, self.chunk_size, log_decay_H)

@@ -181,11 +181,11 @@ class RetNet(nnx.Module):
       x = x * jnp.asarray(self.embed_scale, x.dtype)
     if self.embed_norm is not None:
       x = self.embed_norm(x)
-    x = sharding.constrain(x, ("batch", None, None))
+    x = sharding.constrain(x, ("batch", "length", None))
     layer_states = []
     for block, layer_state in zip(self.blocks, state["layers"]):
       x, layer_state = call_block(block, x, positions_BxL, tables, layer_state, mode)
-      x = sharding.constrain(x, ("batch", None, None))
+      x = sharding.constrain(x, ("batch", "length", None))
       layer_states.append(layer_state)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)

@@ -219,11 +219,15 @@ def get_config(name: str) -> config_dict.ConfigDict:
   ))
 
   config.mesh = config_dict.ConfigDict(dict(
-      shape=(-1, 1, 1),  # sizes of the (data, fsdp, tensor) axes; -1 takes the remaining devices
-      axis_names=("data", "fsdp", "tensor"),
-      # logical axis -> mesh axis (or None); swap these to change the parallelism without code changes
+      # sizes of the (data, fsdp, tensor, sequence) axes; -1 takes the remaining devices. A shape with fewer
+      # entries than axis_names (e.g. an older (data, fsdp, tensor) one) gives the axes left out size 1.
+      shape=(-1, 1, 1, 1),
+      axis_names=("data", "fsdp", "tensor", "sequence"),
+      # logical axis -> mesh axis (or None); swap these to change the parallelism without code changes. `length`
+      # (the token axis of activations) over `sequence` > 1 splits each sequence over those devices
+      # (sequence-parallel retention, retnet_jax.sequence_parallel).
       rules=(("batch", ("data", "fsdp")), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
-             ("mlp", "tensor")),
+             ("mlp", "tensor"), ("length", "sequence")),
   ))
   config.lock()
   return config

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from retnet_jax import sharding
 from retnet_jax.model import RetNet, check_tokens
 
 PREFILL_MODES = ("chunkwise", "parallel")
@@ -143,7 +144,8 @@ class Sampler:
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
     _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
-    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode)
+    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode,
+                                 getattr(model.config, "chunk_size", None))
 
   def decode(self, model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -183,11 +185,15 @@ class Sampler:
                                stream, stream_every)
     keys = _check_key(key, batch)  # every argument checked before the prefill runs
     graphdef, params = nnx.split(model)
-    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode)
+    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode,
+                                      getattr(model.config, "chunk_size", None))
     return self._decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
 
-  def _prefill_checked(self, graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> Prefilled:
+  def _prefill_checked(self, graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
+                       chunk_size: int | None) -> Prefilled:
     prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
+    if extra := _split_padding(prompts_BxP.shape[1], chunk_size):
+      prompts_BxP = jnp.pad(prompts_BxP, ((0, 0), (extra, 0)), constant_values=PAD_ID)
     state = self._prefill_jit(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
                               prefill_mode=prefill_mode)
     return Prefilled(state, prompts_BxP[:, -1])
@@ -269,16 +275,26 @@ _SAMPLER = Sampler()
 prefill, decode, generate = _SAMPLER.prefill, _SAMPLER.decode, _SAMPLER.generate
 
 
+def _split_padding(prompt_len: int, chunk_size: int | None) -> int:
+  """Columns of left padding that let the P - 1 prefilled tokens split into whole chunks over the devices of the
+  active mesh's `sequence` axis (`sharding.sequence_split`); 0 where no axis splits sequences."""
+  split = sharding.sequence_split()
+  if split is None or chunk_size is None:
+    return 0
+  return -(prompt_len - 1) % (split[1] * chunk_size)
+
+
 def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> int:
   """The batch size, after checking the prompts, their lengths and the prefill mode."""
   if prefill_mode not in PREFILL_MODES:
     raise ValueError(f"unknown prefill_mode {prefill_mode!r}; choose one of {PREFILL_MODES}.")
   batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   cfg = model.config
+  width = prompts_BxP.shape[1] + _split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
   if (prefill_mode == "chunkwise" and cfg.stability_norm and cfg.stability_norm_style == "torchscale"
-      and np.any(np.asarray(lengths_B) != prompts_BxP.shape[1])):
-    raise ValueError(f"prompts of lengths {np.asarray(lengths_B).tolist()} are left-padded to {prompts_BxP.shape[1]} "
-                     "tokens, but with model.stability_norm_style='torchscale' the chunkwise normaliser depends on "
+      and np.any(np.asarray(lengths_B) != width)):
+    raise ValueError(f"prompts of lengths {np.asarray(lengths_B).tolist()} are left-padded to {width} tokens (the "
+                     "longest, and on a mesh that splits sequences to whole chunks per device), but with model.stability_norm_style='torchscale' the chunkwise normaliser depends on "
                      "where chunks start, so a padded row would not decode as if alone; use prefill_mode='parallel' "
                      "(--prefill_mode=parallel) or prompts of one length.")
   return batch

@@ -20,10 +20,16 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
-  """`config.mesh.shape` with a single -1 replaced by the devices left over; checked against the count."""
+  """`config.mesh.shape` with a single -1 replaced by the devices left over; checked against the count.
+
+  A shape with fewer entries than `axis_names` gives the trailing axes size 1, so a (data, fsdp, tensor) shape
+  from before the `sequence` axis keeps its meaning.
+  """
   shape = tuple(int(s) for s in mesh_cfg.shape)
-  if len(shape) != len(mesh_cfg.axis_names):
-    raise ValueError(f"mesh.shape={shape} needs one size per axis of mesh.axis_names={tuple(mesh_cfg.axis_names)}.")
+  if len(shape) > len(mesh_cfg.axis_names) or not shape:
+    raise ValueError(f"mesh.shape={shape} needs one size per axis of mesh.axis_names={tuple(mesh_cfg.axis_names)} "
+                     "(trailing axes left out have size 1).")
+  shape += (1,) * (len(mesh_cfg.axis_names) - len(shape))
   if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
     raise ValueError(f"mesh.shape={shape} must hold positive sizes and at most one -1; e.g. (-1, 1, 1).")
   known = math.prod(s for s in shape if s != -1)
@@ -79,6 +85,35 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   if mesh.empty or not flax_spmd.get_logical_axis_rules():
     return x
   return jax.lax.with_sharding_constraint(x, mesh_spec(mesh, x.shape, axes))
+
+
+def _length_axis(rules: Sequence[tuple[str, Any]] | None = None) -> str | None:
+  """The mesh axis the logical `length` axis maps to under `rules` (default: the active ones), or None."""
+  axes = logical_spec(("length",), rules)[0]
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  if len(axes) > 1:
+    raise ValueError(f"mesh.rules maps the logical axis 'length' to {axes}; sequence-parallel retention splits "
+                     "sequences over one mesh axis: map it to one (e.g. ('length', 'sequence')).")
+  return axes[0] if axes else None
+
+
+def sequence_split() -> tuple[str, int] | None:
+  """(axis name, devices) of the active mesh's axis that splits sequences (the `length` rule's, of size > 1), or
+  None: where retention runs sequence-parallel."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not flax_spmd.get_logical_axis_rules():
+    return None
+  axis = _length_axis()
+  if axis is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+    return None
+  return axis, mesh.shape[axis]
+
+
+def sequence_devices(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> int:
+  """How many devices `config.mesh` splits each sequence over (1: none)."""
+  axis = _length_axis(logical_rules(mesh_cfg))
+  shape = dict(zip(mesh_cfg.axis_names, mesh_shape(mesh_cfg, num_devices)))
+  return shape.get(axis, 1)
 
 
 def per_shard(fn: Callable[..., Any], in_axes: Sequence[Sequence[str | None] | None],

@@ -45,6 +45,27 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
       raise ValueError(f"train.{name} must be a positive integer; got {train[name]}.")
   optimizer.check_config(train)
   sharding.check_batch_split(config.mesh, train.batch_size, train.grad_accum_steps, num_devices)
+  segment = train.segment_len if 0 < train.segment_len < train.seq_len else train.seq_len
+  check_sequence_split(config, num_devices, segment, (train.mode,))
+
+
+def check_sequence_split(config: ml_collections.ConfigDict, num_devices: int, length: int, modes=()) -> None:
+  """Where `config.mesh` splits each sequence over several devices: checks that calls of `length` tokens in
+  `modes` can be split so (whole chunks per device, not the recurrent form, not the kernels)."""
+  devices = sharding.sequence_devices(config.mesh, num_devices)
+  if devices == 1:
+    return
+  where = f"config.mesh splits each sequence over {devices} devices (mesh.shape={tuple(config.mesh.shape)})"
+  if "recurrent" in modes:
+    raise ValueError(f"{where}, which the recurrent form (one token after another) cannot use: use the parallel "
+                     "or chunkwise mode, or a mesh whose sequence axis has size 1.")
+  if config.model.retention_impl == "pallas":
+    raise ValueError(f"{where}, but the Pallas kernels run whole sequences only: use model.retention_impl='xla' "
+                     "(or 'auto', which runs XLA's form where sequences are split).")
+  if length % (devices * config.model.chunk_size):
+    raise ValueError(f"{where} in whole chunks, so the {length} tokens of each call must be a multiple of "
+                     f"{devices} x model.chunk_size {config.model.chunk_size} = {devices * config.model.chunk_size}: "
+                     "change train.seq_len (or train.segment_len), the chunk size or the sequence axis's size.")
 
 
 @dataclasses.dataclass(frozen=True)

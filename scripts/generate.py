@@ -4,8 +4,9 @@
       --prompt="ROMEO:" --max_new_tokens=300 --temperature=0.8 --top_p=0.95
 
 Prompts are prefilled in the chunkwise form, then decoded token by token in the recurrent form inside one
-compiled loop (memory per sequence constant in the context length). The last line of stdout is one JSON
-object with every prompt's completion.
+compiled loop (memory per sequence constant in the context length). On a mesh that splits sequences
+(`--config.mesh.shape=(1,1,1,8)`), the prompts are prefilled split over those devices. The last line of stdout is
+one JSON object with every prompt's completion.
 """
 
 from retnet_jax import cli
@@ -13,12 +14,13 @@ from retnet_jax import cli
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
 
+import contextlib
 import json
 
 from absl import app, flags
 import jax
 
-from retnet_jax import data, sampling, train_state
+from retnet_jax import data, sampling, sharding, train_state
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -50,10 +52,12 @@ def main():
   if _STREAM.value:
     print(prompts[0], end="", flush=True)
   stop = tuple(_STOP.value) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
-  completions = sampling.generate_text(
-      model, tokenizer, prompts, print_row=0 if _STREAM.value else None, max_new_tokens=_MAX_NEW.value,
-      key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-      stop_tokens=stop, prefill_mode=_PREFILL.value, stream_every=_STREAM_EVERY.value)
+  split = sharding.sequence_devices(config.mesh, jax.device_count()) > 1
+  with sharding.placement(config.mesh).active() if split else contextlib.nullcontext():
+    completions = sampling.generate_text(
+        model, tokenizer, prompts, print_row=0 if _STREAM.value else None, max_new_tokens=_MAX_NEW.value,
+        key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+        stop_tokens=stop, prefill_mode=_PREFILL.value, stream_every=_STREAM_EVERY.value)
   for prompt, completion in zip(prompts[1:] if _STREAM.value else prompts,
                                 completions[1:] if _STREAM.value else completions):
     print("-" * 40 + "\n" + prompt + completion)
