@@ -14,6 +14,10 @@ then timed once per round, round after round, because this machine's speed drift
 Compilation is timed on its own (ahead of time) and never inside a timed run. Decoding times whole
 `sampling.decode` calls (no stream callback) from a prompt prefilled once, per token: the prefill is not part
 of a token's latency.
+
+`--suite=sequence` measures sequence-parallel training instead (`retnet_jax.bench.sequence`): per-device XLA
+buffers and step time of one long sequence split over 1, 2, 4 and 8 devices (simulated on a CPU), written to
+OUT/sequence_parallel.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -31,15 +35,16 @@ from pathlib import Path
 from absl import app, flags
 import jax
 
-from retnet_jax.bench import cases, sections
-from retnet_jax.bench.suites import SIZE_FIELDS, SUITES
+from retnet_jax.bench import cases, sections, sequence
+from retnet_jax.bench.suites import SEQUENCE_SUITE, SIZE_FIELDS, SUITES
 
 _CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
 # Config fields each case sets itself: overriding them with --config.X would be silently undone.
 SUITE_CONFIG_FLAGS = tuple(f"--config.model.{name}" for name in SIZE_FIELDS) + (
     "--config.model.dtype", "--config.train.mode", "--config.train.seq_len", "--config.train.batch_size",
     "--config.train.grad_accum_steps")
-_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES), "quick: tiny sizes; full: the full-size preset "
+_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence"], "quick: tiny sizes; full: the "
+                           "full-size preset; sequence: sequence-parallel training, the full suite's model "
                            "(retnet_jax/bench/suites.py).")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
@@ -67,8 +72,9 @@ def main():
   if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    jax.config.update("jax_num_cpu_devices", cores)  # before any device is created
-  suite = SUITES[_SUITE.value]
+    devices = max(SEQUENCE_SUITE.splits) if _SUITE.value == "sequence" else cores
+    jax.config.update("jax_num_cpu_devices", devices)  # before any device is created
+  suite = SEQUENCE_SUITE.suite if _SUITE.value == "sequence" else SUITES[_SUITE.value]
   size = {name: flag.value if flag.value is not None else suite.size[name] for name, flag in _SIZE.items()}
   suite = dataclasses.replace(
       suite, size=size, seq_len=suite.seq_len if _SEQ_LEN.value is None else _SEQ_LEN.value,
@@ -80,6 +86,11 @@ def main():
   out = Path(_OUT.value)
   if out.exists() and not out.is_dir():
     raise app.UsageError(f"--out={out} is a file; give a folder for results.json, results.md and the plots.")
+  if _SUITE.value == "sequence":
+    lengths = SEQUENCE_SUITE.lengths if _SEQ_LEN.value is None else (_SEQ_LEN.value,)
+    sweep = dataclasses.replace(SEQUENCE_SUITE, suite=suite, lengths=lengths)
+    sequence.run(_CONFIG.value, sweep, out, " ".join(["python"] + sys.argv))
+    return
   _check_inference_mesh(_CONFIG.value, size)
   sections.run(_CONFIG.value, suite, _SUITE.value, out, " ".join(["python"] + sys.argv), _INFERENCE_DEVICES.value)
 

@@ -231,3 +231,21 @@ def test_quick_suite_writes_every_result(tmp_path):
   assert "## Training step" in (tmp_path / "results.md").read_text()
   for name in results["meta"]["plots"]:
     assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.devices(8)
+def test_sequence_suite_splits_one_sequence_over_devices(tmp_path):
+  """The sequence suite at the quick size: per split, buffers per device falling with the split, the same first
+  loss as on one device, and the JSON, table and plot written."""
+  from retnet_jax.bench import sequence, suites
+  sweep = suites.SequenceSweep(suite=suites.SUITES["quick"], splits=(1, 8), lengths=(256,),
+                               compile_only_lengths=(1024,), rounds=1)
+  results = sequence.run(retnet_config.get_config("small"), sweep, tmp_path, "test")
+  run, compiled = results["run"], results["compiled_only"]
+  assert [p["devices"] for p in run] == [1, 8] and [p["devices"] for p in compiled] == [1, 8]
+  assert run[0]["buffer_fraction"] == 1 and run[1]["buffer_fraction"] < 0.5, run
+  assert compiled[1]["buffer_fraction"] < 0.25, compiled
+  assert run[1]["loss_rel_diff"] < 1e-5, run
+  assert json.loads((tmp_path / "sequence_parallel.json").read_text())["meta"]["splits"] == [1, 8]
+  assert "| 1,024 | 8 |" in (tmp_path / "sequence_parallel.md").read_text()
+  assert (tmp_path / "sequence_parallel.png").stat().st_size > 0

@@ -235,7 +235,7 @@ def check_targets(results) -> list[dict[str, Any]]:
   return [{"target": name, "value": value, "met": bool(test(value))} for name, value, test in targets]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
   """The CPU's model name, else the machine type."""
   for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
     if line.startswith("model name"):
@@ -260,7 +260,7 @@ def run(base, suite: Suite, suite_name: str, out: Path, command: str, inference_
   results: dict[str, Any] = {"meta": {
       "suite": suite_name, "command": command,
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-      "machine": f"{_cpu_name()}, {os.cpu_count()} cores", "jax": jax.__version__,
+      "machine": f"{cpu_name()}, {os.cpu_count()} cores", "jax": jax.__version__,
       "device": str(jax.devices()[0]), "size": suite.size, "params": int(params), "seq_len": suite.seq_len,
       "batch_size": suite.batch_size, "rounds": suite.rounds, "memory_source": source,
       "inference_devices": inference.mesh.size,

@@ -1,4 +1,4 @@
-"""The benchmark suites (quick, full) and the model fields they set."""
+"""The benchmark suites (quick, full, sequence) and the model fields they set."""
 
 from __future__ import annotations
 
@@ -42,3 +42,17 @@ SUITES = {
                   quadratic_max_len=4096, prompt_len=2048, decode_batch=32, new_tokens=64,
                   contexts=(128, 512, 2048, 8192), long_train_len=16384, segment_len=2048, matmul_size=2048),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSweep:
+  """What the sequence suite measures (`retnet_jax.bench.sequence`): the model, the splits and the lengths."""
+  suite: Suite  # its size is the model; the rest is unused
+  splits: tuple[int, ...]  # devices of the `sequence` mesh axis; the first is the reference (1)
+  lengths: tuple[int, ...]  # compiled, run and timed at every split
+  compile_only_lengths: tuple[int, ...]
+  rounds: int
+
+
+SEQUENCE_SUITE = SequenceSweep(suite=SUITES["full"], splits=(1, 2, 4, 8), lengths=(2048, 4096, 8192, 16384),
+                               compile_only_lengths=(65536,), rounds=1)
