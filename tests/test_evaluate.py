@@ -248,3 +248,14 @@ def test_evaluate_script_by_position_writes_json_and_plot(trained, tmp_path):
                           timeout=300)
   assert result.returncode == 1 and "error: --by_position=5 buckets do not split the 64 positions" in result.stderr
 
+
+def test_passkey_script_writes_json_and_heatmap(trained):
+  _, workdir, flags = trained
+  stdout = run_script("passkey.py", flags + ["--lengths=192", "--depths=0,1", "--samples=2"])
+  assert stdout.startswith("passkey accuracy (2 samples per cell; greedy decoding")
+  results = json.loads(stdout.strip().splitlines()[-1])
+  assert {k: results[k] for k in ("step", "mode", "samples", "lengths", "depths")} == dict(
+      step=8, mode="chunkwise", samples=2, lengths=[192], depths=[0.0, 1.0])
+  assert np.shape(results["accuracy"]) == (1, 2) and all(a in (0.0, 0.5, 1.0) for a in results["accuracy"][0])
+  assert json.loads((workdir / "passkey_step_8.json").read_text()) == results
+  assert (workdir / "passkey_step_8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
