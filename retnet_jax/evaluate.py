@@ -1,12 +1,17 @@
-"""Evaluation of a trained model: loss, perplexity, bits per token and per byte, in one or all forms.
+"""Evaluation of a trained model: loss, perplexity, bits per token and per byte, in one or all forms, and the loss
+per position bucket at any length (the length-extrapolation curve).
 
     model, step = restore_model(config, workdir)  # latest checkpoint, on the devices present
     results = evaluate_model(model, config, modes=("parallel", "chunkwise", "recurrent"))
+    results = evaluate_model(model, config, modes=("chunkwise",), seq_len=4096, position_buckets=16)
+    plot_loss_by_position(results, "loss_by_position.png", train_seq_len=config.train.seq_len)
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -31,18 +36,48 @@ def count_bytes(tokenizer: data.Tokenizer, targets_NxL: np.ndarray) -> int:
   return sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets_NxL)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "buckets"))
+def bucket_nll(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str, buckets: int
+               ) -> tuple[jax.Array, jax.Array]:
+  """Summed next-token NLL per sequence and position bucket `[B, buckets]` (float32; bucket k holds the inputs'
+  positions `[k L / buckets, (k + 1) L / buckets)`) and the logits of the last position `[B, V]`."""
+  logits, _ = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1], mode=mode)
+  nll_BxL = losses.token_nll(logits, tokens_BxL1[:, 1:])
+  return nll_BxL.reshape(nll_BxL.shape[0], buckets, -1).sum(axis=-1), logits[:, -1]
+
+
+def check_position_buckets(seq_len: int, buckets: int) -> None:
+  """Refuses an evaluation length that is not a positive integer, or a bucket count that does not split it into
+  equal buckets, naming the nearest count that does."""
+  if seq_len < 1:
+    raise ValueError(f"--eval_seq_len={seq_len} must be a positive number of tokens (default: train.seq_len).")
+  if buckets < 0:
+    raise ValueError(f"--by_position={buckets} must be a number of position buckets (0: off).")
+  if buckets and seq_len % buckets:
+    fits = min((d for d in range(1, seq_len + 1) if seq_len % d == 0), key=lambda d: (abs(d - buckets), d))
+    raise ValueError(f"--by_position={buckets} buckets do not split the {seq_len} positions of --eval_seq_len into "
+                     f"equal buckets; choose a bucket count that divides {seq_len} (e.g. {fits}), or another "
+                     "--eval_seq_len.")
+
+
 def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("parallel",),
-                   max_batches: int | None = None) -> dict[str, Any]:
+                   max_batches: int | None = None, seq_len: int | None = None,
+                   position_buckets: int = 0) -> dict[str, Any]:
   """Validation metrics of `model` per mode, and with several modes their largest differences.
 
   Args:
     model: a RetNet (e.g. from `restore_model`).
     config: its config; `data` gives the validation split, `train.seq_len` and the micro-batch the batches.
-    modes: retention forms to evaluate.
+    modes: retention forms to evaluate. The parallel form holds `[L, L]` scores per head: at long `seq_len`
+      evaluate the chunkwise or recurrent form, whose memory grows linearly with the length.
     max_batches: evaluate this many batches spread over the split (`data.eval_rows`); None: all.
+    seq_len: tokens per validation sequence (None: `train.seq_len`); it may exceed the training length.
+    position_buckets: 0, or a count K dividing `seq_len`: each mode also reports the mean loss of the positions
+      `[k L / K, (k + 1) L / K)` of every sequence (position p predicts token p + 1 from tokens 0 to p).
   Returns:
-    `{"tokens", "bytes", "sequences", "modes": {mode: {loss, perplexity, bits_per_token, bits_per_byte}}}`
-    plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`, `modes_agree`.
+    `{"seq_len", "tokens", "bytes", "sequences", "modes": {mode: {loss, perplexity, bits_per_token,
+    bits_per_byte}}}` plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`,
+    `modes_agree`; with `position_buckets`, each mode's `loss_by_position`: a list of `{"start", "end", "loss"}`.
   """
   unknown = [m for m in modes if m not in MODES]
   if unknown:
@@ -50,28 +85,42 @@ def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("par
   train_state.check_sequence_split(config, jax.device_count(), config.train.seq_len, modes)
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
+  seq_len = config.train.seq_len if seq_len is None else seq_len
+  check_position_buckets(seq_len, position_buckets)
   tokenizer = data.load_tokenizer(config.data.tokenizer)
   data.check_vocab_size(tokenizer, config.model.vocab_size)
   _, valid_tokens = data.load_splits(config.data, tokenizer)
-  sequences = data.pack(valid_tokens, config.train.seq_len, "validation split")
   batch_size = config.train.batch_size // config.train.grad_accum_steps
+  if len(valid_tokens) // (seq_len + 1) < batch_size and seq_len != config.train.seq_len:
+    raise ValueError(f"the validation split holds {len(valid_tokens)} tokens: {len(valid_tokens) // (seq_len + 1)} "
+                     f"sequences of --eval_seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of {batch_size} "
+                     "(train.batch_size / train.grad_accum_steps); use a shorter --eval_seq_len, a smaller "
+                     "--config.train.batch_size, or more validation data (--config.data.validation_files).")
+  sequences = data.pack(valid_tokens, seq_len, "validation split")
   placement = sharding.placement(config.mesh)
   batches = list(data.eval_batches(sequences, batch_size, max_batches, placement.batch_sharding))
   targets = sequences[data.eval_rows(len(sequences), batch_size, max_batches).reshape(-1), 1:]
   num_sequences, num_tokens, num_bytes = len(targets), int(targets.size), count_bytes(tokenizer, targets)
 
   graphdef, params = nnx.split(model)
-  results: dict[str, Any] = {"tokens": num_tokens, "bytes": num_bytes, "sequences": num_sequences, "modes": {}}
-  per_mode_nll, per_mode_logits = {}, {}
+  results: dict[str, Any] = {"seq_len": seq_len, "tokens": num_tokens, "bytes": num_bytes,
+                             "sequences": num_sequences, "modes": {}}
+  per_mode_logits = {}
+  nll_fn = functools.partial(bucket_nll, buckets=position_buckets) if position_buckets else losses.sequence_nll
   with placement.active():
     for mode in modes:
-      outputs = [losses.sequence_nll(graphdef, params, batch, mode) for batch in batches]
-      nll = np.concatenate([np.asarray(o[0], np.float64) for o in outputs])
-      per_mode_nll[mode], per_mode_logits[mode] = nll, np.concatenate([np.asarray(o[1]) for o in outputs])
+      outputs = [nll_fn(graphdef, params, batch, mode) for batch in batches]
+      nll = np.concatenate([np.asarray(o[0], np.float64) for o in outputs])  # [N] or [N, buckets]
+      per_mode_logits[mode] = np.concatenate([np.asarray(o[1]) for o in outputs])
       loss = float(nll.sum() / num_tokens)
       results["modes"][mode] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
                                 "bits_per_token": loss / math.log(2),
                                 "bits_per_byte": float(nll.sum()) / math.log(2) / num_bytes}
+      if position_buckets:
+        width = seq_len // position_buckets
+        results["modes"][mode]["loss_by_position"] = [
+            {"start": k * width, "end": (k + 1) * width, "loss": float(total / (num_sequences * width))}
+            for k, total in enumerate(nll.sum(axis=0))]
   if len(modes) > 1:
     first = modes[0]
     loss_diff = max(abs(results["modes"][m]["loss"] - results["modes"][first]["loss"]) for m in modes)
@@ -93,4 +142,38 @@ def format_table(results: dict[str, Any]) -> str:
     lines.append(f"largest difference between modes: loss {results['max_loss_difference']:.2e} "
                  f"(tolerance {results['tolerance']:.1e}), last-position logits "
                  f"{results['max_logit_difference']:.2e}: {'agree' if results['modes_agree'] else 'DISAGREE'}")
+  by_position = {mode: m["loss_by_position"] for mode, m in results["modes"].items() if "loss_by_position" in m}
+  if by_position:
+    lines.append(f"loss by position ({results['seq_len']} tokens per sequence):")
+    lines.append(f"{'positions':>15} " + " ".join(f"{mode:>10}" for mode in by_position))
+    for k, bucket in enumerate(next(iter(by_position.values()))):
+      lines.append(f"{bucket['start']}-{bucket['end']}".rjust(15) + " " +
+                   " ".join(f"{buckets[k]['loss']:>10.4f}" for buckets in by_position.values()))
   return "\n".join(lines)
+
+
+def plot_loss_by_position(results: dict[str, Any], path: str | os.PathLike, train_seq_len: int | None = None) -> None:
+  """Writes a PNG of each mode's loss against position (`evaluate_model` with `position_buckets`).
+
+  Args:
+    results: `evaluate_model`'s results (with `loss_by_position`), optionally with `step`.
+    path: the PNG file.
+    train_seq_len: the training length, marked when the evaluation runs past it.
+  """
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel  (Agg canvas, no pyplot state)
+
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.subplots()
+  for i, (mode, m) in enumerate(results["modes"].items()):
+    buckets = m["loss_by_position"]
+    ax.plot([(b["start"] + b["end"]) / 2 for b in buckets], [b["loss"] for b in buckets], label=mode,
+            marker="os^"[i % 3], linestyle=("-", "--", ":")[i % 3], markersize=4)
+  if train_seq_len is not None and train_seq_len < results["seq_len"]:
+    ax.axvline(train_seq_len, color="gray", linestyle="-.", label=f"training length ({train_seq_len})")
+  step = f" at step {results['step']}" if "step" in results else ""
+  ax.set(xlabel="position (tokens of context)", ylabel="loss (nats per token)", xlim=(0, results["seq_len"]),
+         title=f"Validation loss by position{step}, {results['sequences']} sequences of {results['seq_len']} tokens")
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)

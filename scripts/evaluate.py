@@ -3,6 +3,10 @@
 Prints a table and, as the last line of stdout, one JSON object, also written to WORKDIR/eval_step_STEP.json.
 `--mode=all` evaluates the parallel, chunkwise and recurrent forms and checks that they agree. Data flags are
 the training config's (`--config.data.files=...`, `--config.data.validation_files=...`).
+
+Long context: `--eval_seq_len=4096 --by_position=16 --mode=chunkwise` evaluates sequences of 4096 tokens (longer
+than training: the length-extrapolation curve) and adds each mode's loss in 16 equal position buckets
+(`loss_by_position`), plotted to WORKDIR/eval_step_STEP_by_position.png.
 """
 
 from retnet_jax import cli
@@ -26,22 +30,32 @@ _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
 _MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "Retention form, or all three.")
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many batches, their rows spread over the "
                                     "validation split (default: all).")
+_EVAL_SEQ_LEN = flags.DEFINE_integer("eval_seq_len", None, "Tokens per validation sequence (default: the training "
+                                     "train.seq_len); may be longer than training. The parallel form's memory grows "
+                                     "with its square: use --mode=chunkwise or recurrent for long sequences.")
+_BY_POSITION = flags.DEFINE_integer("by_position", 0, "Number of equal position buckets (dividing the evaluation "
+                                    "length) to report the loss of, and plot (0: off).")
 
 
 def main():
   config = _CONFIG.value
+  seq_len = config.train.seq_len if _EVAL_SEQ_LEN.value is None else _EVAL_SEQ_LEN.value
+  evaluate.check_position_buckets(seq_len, _BY_POSITION.value)
   model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
   modes = MODES if _MODE.value == "all" else (_MODE.value,)
   results = {"step": step, "workdir": str(_WORKDIR.value),
-             **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value)}
+             **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value)}
   print(evaluate.format_table(results))
   line = metrics.to_json(results)
   if jax.process_index() == 0:
     path = Path(_WORKDIR.value) / f"eval_step_{step}.json"
     try:
       path.write_text(line + "\n")
+      if _BY_POSITION.value:
+        evaluate.plot_loss_by_position(results, path.with_name(f"eval_step_{step}_by_position.png"),
+                                       config.train.seq_len)
     except OSError as e:  # a read-only or full workdir: the results still reach stdout
-      logging.error(f"could not write {path} ({e.strerror}); the results are the JSON line below only")
+      logging.error(f"could not write {e.filename or path} ({e.strerror}); the results are the JSON line below only")
   print(line, flush=True)
   nonfinite = json.loads(line).get("nonfinite")
   if nonfinite:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
@@ -16,7 +17,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from conftest import flip_bytes
-from retnet_jax import checkpointing, evaluate, metrics, train
+from retnet_jax import checkpointing, data, evaluate, metrics, sharding, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,3 +185,77 @@ def test_errors_name_what_was_found(trained, tmp_path):
   config.data.tokenizer = str(bigger)
   with pytest.raises(ValueError, match="the tokenizer has 300 tokens but model.vocab_size=256"):
     evaluate.evaluate_model(None, config)
+
+
+def test_loss_by_position_is_each_buckets_mean_per_token_nll(trained):
+  """At twice the training length, each bucket's loss is the mean of the per-token NLL computed here with numpy."""
+  config, workdir, _ = trained
+  model, _ = evaluate.restore_model(config, workdir)
+  results = evaluate.evaluate_model(model, config, modes=("chunkwise", "recurrent"), max_batches=1, seq_len=64,
+                                    position_buckets=4)
+  _, valid = data.load_splits(config.data, data.ByteTokenizer())
+  sequences = data.pack(valid, 64)
+  rows_NxL1 = sequences[data.eval_rows(len(sequences), 8, 1).reshape(-1)]
+  with sharding.placement(config.mesh).active():
+    logits_NxLxV = np.asarray(model(jnp.asarray(rows_NxL1[:, :-1]), mode="parallel")[0], np.float64)
+  shifted = logits_NxLxV - logits_NxLxV.max(axis=-1, keepdims=True)
+  log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+  nll_NxL = -np.take_along_axis(log_probs, rows_NxL1[:, 1:, None], axis=-1)[..., 0]
+  assert results["seq_len"] == 64 and results["tokens"] == 8 * 64 and results["modes_agree"]
+  for mode in ("chunkwise", "recurrent"):
+    buckets = results["modes"][mode]["loss_by_position"]
+    assert [(b["start"], b["end"]) for b in buckets] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    np.testing.assert_allclose([b["loss"] for b in buckets], [nll_NxL[:, 16 * k:16 * (k + 1)].mean() for k in range(4)],
+                               rtol=1e-5)
+    assert results["modes"][mode]["loss"] == pytest.approx(nll_NxL.mean(), rel=1e-5)
+  table = evaluate.format_table(results).splitlines()
+  assert table[-6:-4] == ["loss by position (64 tokens per sequence):", f"{'positions':>15} {'chunkwise':>10} "
+                                                                         f"{'recurrent':>10}"]
+  assert table[-4].split()[0] == "0-16" and len(table[-1].split()) == 3
+
+
+def test_by_position_errors_name_the_fix(trained):
+  config, _, _ = trained
+  with pytest.raises(ValueError, match=r"--by_position=5 buckets do not split the 64 positions .* divides 64 "
+                                       r"\(e.g. 4\)"):
+    evaluate.check_position_buckets(64, 5)
+  with pytest.raises(ValueError, match=r"--by_position=100 .* \(e.g. 64\)"):
+    evaluate.check_position_buckets(64, 100)
+  with pytest.raises(ValueError, match="--by_position=-1 must be a number of position buckets"):
+    evaluate.check_position_buckets(64, -1)
+  with pytest.raises(ValueError, match="--eval_seq_len=0 must be a positive number of tokens"):
+    evaluate.evaluate_model(None, config, seq_len=0, position_buckets=4)
+  # 6,000 validation tokens (10% of 60 KB) hold 5 sequences of 1,001 tokens: fewer than a batch of 8.
+  with pytest.raises(ValueError, match=r"the validation split holds 6000 tokens: 5 sequences of --eval_seq_len \+ 1 = "
+                                       r"1001 tokens, fewer than one batch of 8 .*a shorter --eval_seq_len"):
+    evaluate.evaluate_model(None, config, seq_len=1000)
+
+
+def test_evaluate_script_by_position_writes_json_and_plot(trained, tmp_path):
+  _, workdir, flags = trained
+  stdout = run_script("evaluate.py", flags + ["--mode=chunkwise", "--max_batches=1", "--eval_seq_len=64",
+                                              "--by_position=4"])
+  results = json.loads(stdout.strip().splitlines()[-1])
+  assert results["seq_len"] == 64 and results["sequences"] == 8
+  assert [(b["start"], b["end"]) for b in results["modes"]["chunkwise"]["loss_by_position"]] == [
+      (0, 16), (16, 32), (32, 48), (48, 64)]
+  assert json.loads((workdir / "eval_step_8.json").read_text()) == results
+  assert (workdir / "eval_step_8_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # Buckets that do not fit are refused before the checkpoint is looked for (this workdir has none).
+  env = dict(os.environ, XLA_FLAGS="")
+  result = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), *flags, f"--workdir={tmp_path}",
+                           "--eval_seq_len=64", "--by_position=5"], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+  assert result.returncode == 1 and "error: --by_position=5 buckets do not split the 64 positions" in result.stderr
+
+
+def test_passkey_script_writes_json_and_heatmap(trained):
+  _, workdir, flags = trained
+  stdout = run_script("passkey.py", flags + ["--lengths=192", "--depths=0,1", "--samples=2"])
+  assert stdout.startswith("passkey accuracy (2 samples per cell; greedy decoding")
+  results = json.loads(stdout.strip().splitlines()[-1])
+  assert {k: results[k] for k in ("step", "mode", "samples", "lengths", "depths")} == dict(
+      step=8, mode="chunkwise", samples=2, lengths=[192], depths=[0.0, 1.0])
+  assert np.shape(results["accuracy"]) == (1, 2) and all(a in (0.0, 0.5, 1.0) for a in results["accuracy"][0])
+  assert json.loads((workdir / "passkey_step_8.json").read_text()) == results
+  assert (workdir / "passkey_step_8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,70 @@
+"""Passkey retrieval of a checkpoint against context length and needle depth:
+
+    python scripts/passkey.py --config=configs/retnet.py:small --workdir=runs/shakespeare \\
+      --lengths=256,512,1024,2048 --depths=0,0.25,0.5,0.75,1 --samples=16
+
+Each cell hides `--samples` random 5-digit keys at one depth of filler text of one length, asks for the key and
+scores greedy decoding (prefilled in `--mode`, decoded recurrently) by exact match of every answer token. Prints a
+table and, as the last line of stdout, one JSON object, also written to WORKDIR/passkey_step_STEP.json with a
+heatmap in WORKDIR/passkey_step_STEP.png.
+"""
+
+from retnet_jax import cli
+
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
+
+from pathlib import Path
+
+from absl import flags, logging
+import jax
+
+from retnet_jax import data, metrics, passkey, sampling, train_state
+
+_CONFIG = cli.config_flag("Config file and preset.")
+_WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
+_STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
+_LENGTHS = flags.DEFINE_list("lengths", None, "Context lengths in tokens, answer included (default: 1, 2 and 4 "
+                             "times train.seq_len).")
+_DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "Needle depths: the fraction of the "
+                            "filler before the needle, in [0, 1].")
+_SAMPLES = flags.DEFINE_integer("samples", 8, "Examples (keys) per length and depth.", lower_bound=1)
+_MODE = flags.DEFINE_enum("mode", "chunkwise", sampling.PREFILL_MODES, "Form of the prefill (decoding is "
+                          "recurrent); the parallel form's memory grows with the square of the length.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sample s of every cell hides the key of seed + s.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Examples per compiled call (default: a cell's samples).",
+                                   lower_bound=1)
+
+
+def _numbers(values: list[str], kind: type, flag: str) -> list:
+  try:
+    return [kind(value) for value in values]
+  except ValueError:
+    raise ValueError(f"--{flag}={','.join(values)} must be comma-separated {kind.__name__} values.") from None
+
+
+def main():
+  config = _CONFIG.value
+  lengths = (_numbers(_LENGTHS.value, int, "lengths") if _LENGTHS.value is not None
+             else [config.train.seq_len * k for k in (1, 2, 4)])
+  tokenizer = data.load_tokenizer(config.data.tokenizer)
+  data.check_vocab_size(tokenizer, config.model.vocab_size)
+  grid = passkey.make_grid(tokenizer, lengths, _numbers(_DEPTHS.value, float, "depths"), _SAMPLES.value,
+                           _SEED.value)  # every example checked before the checkpoint is read
+  model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
+  results = {"step": step, "workdir": str(_WORKDIR.value), "mode": _MODE.value, "seed": _SEED.value,
+             **passkey.evaluate(passkey.greedy_generate(model, _MODE.value), grid, _BATCH_SIZE.value)}
+  print(passkey.format_table(results))
+  line = metrics.to_json(results)
+  if jax.process_index() == 0:
+    path = Path(_WORKDIR.value) / f"passkey_step_{step}.json"
+    try:
+      path.write_text(line + "\n")
+      passkey.plot_heatmap(results, path.with_suffix(".png"))
+    except OSError as e:  # a read-only or full workdir: the results still reach stdout
+      logging.error(f"could not write {e.filename or path} ({e.strerror}); the results are the JSON line below only")
+  print(line, flush=True)
+
+
+if __name__ == "__main__":
+  cli.run(main)

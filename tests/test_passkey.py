@@ -1,0 +1,152 @@
+"""Passkey examples checked by hand (byte tokenizer) and by decoding (a tokenizers BPE), the accuracy of oracles whose
+right answers are known, and greedy generation against a greedy loop of whole-sequence forward passes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+from flax import nnx
+
+from configs import retnet as retnet_config
+from retnet_jax import data, passkey
+from retnet_jax.model import RetNet
+
+BYTES = data.ByteTokenizer()
+# Byte tokens of an example besides the filler: the introduction (64), the needle with two 6-token keys
+# (16 + 6 + 14 + 6 + 17), the question (38) and the answer (" " and 5 digits).
+OVERHEAD = 64 + 59 + 38 + 6
+
+
+def key_of(seed):
+  return str(np.random.default_rng(seed).integers(10_000, 100_000))
+
+
+def text_of(example, tokenizer=BYTES):
+  return tokenizer.decode(example.tokens)
+
+
+def needle(key):
+  return f" The pass key is {key}. Remember it. {key} is the pass key."
+
+
+def test_byte_example_by_hand():
+  example = passkey.make_example(BYTES, 300, 0.5, seed=3)
+  key = key_of(3)
+  filler = (passkey.FILLER * 2)[:300 - OVERHEAD]  # 133 filler bytes, round(66.5) = 67 of them before the needle
+  assert example.tokens.dtype == np.int32 and example.tokens.shape == (300,)
+  assert text_of(example) == (passkey.INTRO + filler[:67] + needle(key) + filler[67:] +
+                              f" What is the pass key? The pass key is {key}")  # the question written out
+  assert example.needle_start == 64 + 67 and text_of(example)[131:].startswith(" The pass key is")
+  np.testing.assert_array_equal(example.answer_positions, np.arange(294, 300))
+  assert BYTES.decode(example.tokens[example.answer_positions]) == " " + key
+  first, last = passkey.make_example(BYTES, 300, 0.0, seed=3), passkey.make_example(BYTES, 300, 1.0, seed=3)
+  question = f"{passkey.QUESTION} {key}"
+  assert first.needle_start == 64 and text_of(first) == passkey.INTRO + needle(key) + filler + question
+  assert last.needle_start == 300 - 6 - 38 - 59 and text_of(last) == passkey.INTRO + filler + needle(key) + question
+  np.testing.assert_array_equal(passkey.make_example(BYTES, 300, 0.5, seed=3).tokens, example.tokens)  # pure
+  assert key_of(4) != key and key in text_of(example)
+  assert BYTES.decode(passkey.make_example(BYTES, 300, 0.5, seed=4).tokens[-5:]) == key_of(4)
+  assert len(passkey.make_example(BYTES, OVERHEAD, 0.5, seed=0).tokens) == OVERHEAD  # no filler at all
+
+
+@pytest.fixture(scope="module")
+def bpe():
+  """A byte-level BPE trained on the template, whose keys take 3 to 6 tokens."""
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = tokenizers.decoders.ByteLevel()
+  text = [passkey.INTRO, passkey.FILLER * 3, " ".join(passkey.NEEDLE), passkey.QUESTION, " 12 345 67 890 1234 56"]
+  tokenizer.train_from_iterator(text, tokenizers.trainers.BpeTrainer(
+      vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  return data.HFTokenizer(tokenizer)
+
+
+def test_bpe_examples_hold_the_needle_at_their_depth(bpe):
+  intro_tokens = len(bpe.encode(passkey.INTRO))
+  for seed in range(4):
+    key, answer = key_of(seed), bpe.encode(" " + key_of(seed))
+    for depth in (0.0, 0.5, 1.0):
+      example = passkey.make_example(bpe, 120, depth, seed)
+      text = text_of(example, bpe)
+      assert len(example.tokens) == 120 and text.startswith(passkey.INTRO) and text.count(needle(key)) == 1
+      assert text.endswith(f"{passkey.QUESTION} {key}")
+      np.testing.assert_array_equal(example.answer_positions, np.arange(120 - len(answer), 120))
+      np.testing.assert_array_equal(example.tokens[example.answer_positions], answer)
+      assert bpe.decode(example.tokens[example.needle_start:]).startswith(needle(key))
+      filler_tokens = 120 - len(answer) - len(bpe.encode(passkey.QUESTION)) - intro_tokens - (
+          2 * len(answer) + sum(len(bpe.encode(piece)) for piece in passkey.NEEDLE))
+      assert example.needle_start - intro_tokens == int(depth * filler_tokens + 0.5)
+  assert len({len(bpe.encode(" " + key_of(seed))) for seed in range(4)}) > 1  # answers of several lengths
+
+
+def test_bad_arguments_are_refused():
+  with pytest.raises(ValueError, match=r"depth=1.5 must lie in \[0, 1\]"):
+    passkey.make_example(BYTES, 300, 1.5, seed=0)
+  with pytest.raises(ValueError, match=f"example of 100 tokens is too short.*a length of at least {OVERHEAD}"):
+    passkey.make_grid(BYTES, [300, 100], [0.5], samples=2)
+  with pytest.raises(ValueError, match="samples=0 must be a positive number"):
+    passkey.make_grid(BYTES, [300], [0.5], samples=0)
+  with pytest.raises(ValueError, match="give at least one length and one depth"):
+    passkey.make_grid(BYTES, [], [0.5], samples=1)
+
+
+def window_oracle(tokenizer, window, calls):
+  """A GenerateFn that answers right exactly when the whole key sentence lies in the last `window` prompt tokens."""
+  def generate(prompts_NxP, lengths_N, num_tokens):
+    calls.append(len(prompts_NxP))
+    out = np.zeros((len(prompts_NxP), num_tokens), np.int32)
+    for row, (prompt, length) in enumerate(zip(prompts_NxP, lengths_N)):
+      assert not prompt[:len(prompt) - length].any()  # left-padded with id 0
+      found = re.search(r"The pass key is (\d+)\.", tokenizer.decode(prompt[len(prompt) - length:][-window:]))
+      if found:
+        answer = tokenizer.encode(" " + found.group(1))
+        out[row, :len(answer)] = answer
+    return out
+  return generate
+
+
+def test_accuracy_of_an_oracle_that_sees_a_window():
+  """Prompts end 6 tokens before each example; a needle starts at 64 + round(depth (length - 167)): within the last
+  150 prompt tokens at every depth of length 200 (needles at 64, 81, 97 of prompts of 194) but only at depth 1 of
+  length 400 (64, 181, 297 of 394)."""
+  calls = []
+  grid = passkey.make_grid(BYTES, [200, 400], [0.0, 0.5, 1.0], samples=3, seed=7)
+  results = passkey.evaluate(window_oracle(BYTES, 150, calls), grid, batch_size=2)
+  assert results["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]] and results["mean_accuracy"] == pytest.approx(4 / 6)
+  assert {k: results[k] for k in ("samples", "lengths", "depths")} == dict(samples=3, lengths=[200, 400],
+                                                                          depths=[0.0, 0.5, 1.0])
+  assert calls == [2, 1] * 6
+  table = passkey.format_table(results).splitlines()
+  assert table[1].split() == ["depth", "200", "400"] and table[2].split() == ["0.00", "1.00", "0.00"]
+
+
+def test_exact_match_and_padded_prompts_of_a_bpe(bpe):
+  grid = passkey.make_grid(bpe, [150], [0.25, 0.75], samples=4)
+  assert passkey.evaluate(window_oracle(bpe, 150, []), grid)["accuracy"] == [[1.0, 1.0]]
+  examples = grid.examples[0][0]
+  answers = [ex.tokens[ex.answer_positions] for ex in examples]
+  width = max(map(len, answers))
+  right = np.stack([np.pad(a, (0, width - len(a)), constant_values=7) for a in answers])
+  np.testing.assert_array_equal(passkey.exact_match(right, examples), [True] * 4)
+  wrong = right.copy()
+  wrong[1, len(answers[1]) - 1] += 1  # the last answer token of example 1
+  np.testing.assert_array_equal(passkey.exact_match(wrong, examples), [True, False, True, True])
+  assert not passkey.exact_match(right[:, :1], examples).any()  # too few tokens
+
+
+def test_greedy_generate_continues_the_prompt_as_teacher_forced_argmax_does():
+  """Greedy decoding (chunkwise prefill, recurrent steps) makes the tokens that a parallel forward pass over the prompt
+  and those tokens predicts by argmax: the scoring is both."""
+  config = retnet_config.get_config("tiny")
+  config.model.update(d_model=16, num_layers=1, num_heads=2, value_dim=32, ffn_dim=32)
+  model = RetNet(config.model, rngs=nnx.Rngs(0))
+  grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
+  prompts_NxP = np.stack([ex.tokens[:ex.answer_positions[0]] for ex in grid.examples[0][0]])  # 174 tokens
+  generated_NxT = passkey.greedy_generate(model, "chunkwise")(prompts_NxP, np.full(2, 174), 3)
+  graphdef, params = nnx.split(model)
+  logits_NxLxV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, mode="parallel")[0])(
+      params, jnp.asarray(np.concatenate([prompts_NxP, generated_NxT], axis=1)))
+  np.testing.assert_array_equal(np.argmax(logits_NxLxV[:, 173:176], axis=-1), generated_NxT)
