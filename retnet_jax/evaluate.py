@@ -82,11 +82,11 @@ def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("par
   unknown = [m for m in modes if m not in MODES]
   if unknown:
     raise ValueError(f"unknown mode {unknown[0]!r}; choose one of {MODES} or all.")
-  train_state.check_sequence_split(config, jax.device_count(), config.train.seq_len, modes)
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   seq_len = config.train.seq_len if seq_len is None else seq_len
   check_position_buckets(seq_len, position_buckets)
+  train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
   tokenizer = data.load_tokenizer(config.data.tokenizer)
   data.check_vocab_size(tokenizer, config.model.vocab_size)
   _, valid_tokens = data.load_splits(config.data, tokenizer)
