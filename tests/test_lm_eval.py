@@ -173,6 +173,7 @@ def test_a_transformer_continues_from_its_kv_cache(tmp_path):
   assert text == greedy.split(stop, 1)[0]
 
 
+@pytest.mark.slow
 def test_script_prints_the_table_and_writes_json(trained, tasks_dir, tmp_path):
   _, workdir = trained
   output = tmp_path / "results.json"
