@@ -193,8 +193,9 @@ def test_script_prints_the_table_and_writes_json(trained, tasks_dir, tmp_path):
   assert written["n-samples"]["tiny_mc"] == {"original": 3, "effective": 2}
 
 
-def test_bad_input_is_refused_naming_the_value_and_the_fix(trained, tmp_path):
-  _, workdir = trained
+def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
+  """Each before the checkpoint is read (this workdir holds none)."""
+  workdir = tmp_path / "run"
   args = dict(workdir=str(workdir), config=CONFIG)
   with pytest.raises(ValueError, match=r"model_args \['pretrained'\] are not options of the retnet_jax model"):
     harness.RetNetLM(**args, pretrained="gpt2")
