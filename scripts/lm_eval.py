@@ -1,0 +1,79 @@
+"""Runs lm-evaluation-harness tasks on a checkpoint:
+
+    python scripts/lm_eval.py --config=configs/retnet.py:small --workdir=runs/shakespeare \\
+      --tasks=lambada_openai,hellaswag --num_fewshot=0 --limit=100 --batch_size=16
+
+Prints the harness's results table and, as the last line of stdout, one JSON object (the step, the results and
+where they were written); the harness's full results go to `--output_path` (a `.json` file, or a folder:
+`FOLDER/lm_eval_step_STEP.json`; default: the workdir). `--model_args` takes the adapter's options
+(`mode=chunkwise,max_length=1024`; see `retnet_jax.lm_eval`). Needs the `eval` extra: pip install -e '.[eval]'.
+"""
+
+import sys
+from pathlib import Path
+
+# This file bears the harness's package name: its folder, first on the path, would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from retnet_jax import cli  # noqa: E402
+
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
+
+import json  # noqa: E402
+
+from absl import flags, logging  # noqa: E402
+import jax  # noqa: E402
+import lm_eval  # noqa: E402
+from lm_eval import utils as harness_utils  # noqa: E402
+
+from retnet_jax import lm_eval as harness  # noqa: E402
+
+_CONFIG = cli.config_flag("Config file and preset.")
+_WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
+_STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
+_TASKS = flags.DEFINE_list("tasks", None, "Comma-separated task, group or tag names, or task YAML files.",
+                           required=True)
+_NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples per prompt (default: each task's).")
+_LIMIT = flags.DEFINE_float("limit", None, "Examples per task: a count, or below 1 a fraction (for testing).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Contexts prefilled, continuations scored and prompts decoded "
+                                   "per batch.", lower_bound=1)
+_OUTPUT_PATH = flags.DEFINE_string("output_path", None, "A .json file, or a folder for lm_eval_step_STEP.json "
+                                   "(default: the workdir).")
+_INCLUDE_PATH = flags.DEFINE_string("include_path", None, "A folder of more task YAML files.")
+_MODEL_ARGS = flags.DEFINE_string("model_args", "", "The adapter's options, e.g. mode=chunkwise,max_length=1024 "
+                                  "(the checkpoint comes from --config, --workdir and --step).")
+
+
+def main():
+  options = harness_utils.simple_parse_args_string(_MODEL_ARGS.value)
+  misplaced = sorted(set(options) & {"workdir", "config", "step", "batch_size"} | {k for k in options if "." in k})
+  if misplaced:
+    raise ValueError(f"--model_args={_MODEL_ARGS.value!r} sets {misplaced}; give them as --workdir, --config, "
+                     "--config.x.y, --step and --batch_size.")
+  task_manager, tasks = harness.load_tasks(_TASKS.value, _INCLUDE_PATH.value)
+  lm = harness.RetNetLM(_WORKDIR.value, _CONFIG.value, _STEP.value, batch_size=_BATCH_SIZE.value, **options)
+  limit = _LIMIT.value
+  results = lm_eval.simple_evaluate(
+      model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=_NUM_FEWSHOT.value,
+      limit=int(limit) if limit is not None and limit >= 1 else limit, batch_size=_BATCH_SIZE.value,
+      log_samples=False)
+  print(harness_utils.make_table(results))
+  if "groups" in results:
+    print(harness_utils.make_table(results, "groups"))
+  path = Path(_OUTPUT_PATH.value or _WORKDIR.value)
+  if path.suffix != ".json":
+    path = path / f"lm_eval_step_{lm.step}.json"
+  if jax.process_index() == 0:
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(harness.results_json(results) + "\n")
+    except OSError as e:  # a read-only or full disk: the results still reach stdout
+      logging.error(f"could not write {path} ({e.strerror}); the results are the table and the JSON line only")
+  summary = {"step": lm.step, "results": results["results"], "groups": results.get("groups", {}),
+             "output_path": str(path)}
+  print(harness.results_json(summary), flush=True)
+
+
+if __name__ == "__main__":
+  cli.run(main)
