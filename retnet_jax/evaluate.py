@@ -13,9 +13,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import data, losses, sharding
-from retnet_jax.layers import MODES
-from retnet_jax.model import RetNet
+from retnet_jax import architectures, data, losses, sharding
 from retnet_jax.train_state import restore_model  # noqa: F401  (evaluate.restore_model: the documented entry)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
@@ -30,22 +28,23 @@ def count_bytes(tokenizer: data.Tokenizer, targets_NxL: np.ndarray) -> int:
   return sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets_NxL)
 
 
-def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("parallel",),
+def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict, modes=("parallel",),
                    max_batches: int | None = None) -> dict[str, Any]:
   """Validation metrics of `model` per mode, and with several modes their largest differences.
 
   Args:
-    model: a RetNet (e.g. from `restore_model`).
+    model: a RetNet or Transformer (e.g. from `restore_model`).
     config: its config; `data` gives the validation split, `train.seq_len` and the micro-batch the batches.
-    modes: retention forms to evaluate.
+    modes: forms to evaluate, of `architectures.modes(config.model)`.
     max_batches: evaluate this many batches spread over the split (`data.eval_rows`); None: all.
   Returns:
     `{"tokens", "bytes", "sequences", "modes": {mode: {loss, perplexity, bits_per_token, bits_per_byte}}}`
     plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`, `modes_agree`.
   """
-  unknown = [m for m in modes if m not in MODES]
+  own = architectures.modes(config.model)
+  unknown = [m for m in modes if m not in own]
   if unknown:
-    raise ValueError(f"unknown mode {unknown[0]!r}; choose one of {MODES} or all.")
+    raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   tokenizer = data.load_tokenizer(config.data.tokenizer)

@@ -1,7 +1,8 @@
 """Evaluates a checkpoint: `python scripts/evaluate.py --config=configs/retnet.py:small --workdir=runs/shakespeare`.
 
 Prints a table and, as the last line of stdout, one JSON object, also written to WORKDIR/eval_step_STEP.json.
-`--mode=all` evaluates the parallel, chunkwise and recurrent forms and checks that they agree. Data flags are
+`--mode=all` evaluates every form of the model (RetNet: parallel, chunkwise, recurrent; Transformer: parallel,
+recurrent) and checks that they agree. Data flags are
 the training config's (`--config.data.files=...`, `--config.data.validation_files=...`).
 """
 
@@ -17,13 +18,14 @@ from pathlib import Path
 from absl import flags, logging
 import jax
 
-from retnet_jax import evaluate, metrics
+from retnet_jax import architectures, evaluate, metrics
 from retnet_jax.layers import MODES
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
-_MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "Retention form, or all three.")
+_MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "The form to evaluate (a Transformer has no "
+                          "chunkwise form), or all the model's forms.")
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many batches, their rows spread over the "
                                     "validation split (default: all).")
 
@@ -31,7 +33,7 @@ _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many bat
 def main():
   config = _CONFIG.value
   model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
-  modes = MODES if _MODE.value == "all" else (_MODE.value,)
+  modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
   results = {"step": step, "workdir": str(_WORKDIR.value),
              **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value)}
   print(evaluate.format_table(results))
