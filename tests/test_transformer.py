@@ -101,7 +101,8 @@ def test_resume_is_exact(tmp_path, trained, run_crashing_at_batch):
   config.checkpoint.every_steps = 20
   assert config.model == straight_config.model and config.train == straight_config.train
   run_crashing_at_batch(30, train.train_and_evaluate, config, tmp_path / "resumed")
-  assert checkpointing.Checkpointer(tmp_path / "resumed" / "checkpoints", read_only=True).all_steps() == [20]
+  with checkpointing.Checkpointer(tmp_path / "resumed" / "checkpoints", read_only=True) as checkpointer:
+    assert checkpointer.all_steps() == [20]
   train.train_and_evaluate(config, tmp_path / "resumed")
   assert read_metrics(tmp_path / "resumed") == read_metrics(straight)  # bitwise on CPU, data order included
   assert read_metrics(tmp_path / "resumed", "eval_loss") == read_metrics(straight, "eval_loss")
