@@ -19,7 +19,7 @@ from collections.abc import Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-from retnet_jax import host_memory, workdir_lock
+from retnet_jax import host_memory, presets, workdir_lock
 
 DEFAULT_CONFIG = "configs/retnet.py:small"
 
@@ -98,4 +98,9 @@ def _unknown_field(argv: list[str], error: BaseException) -> str:
   detail = " ".join(str(error.args[0] if error.args else error).split())
   overrides = [arg.split("=", 1)[0] for arg in argv[1:] if arg.startswith("--config.")]
   culprit = next((name for name in overrides if f"'{name.rsplit('.', 1)[-1]}'" in detail), "a --config override")
+  field = culprit.removeprefix("--config.model.")
+  owners = [name for name, fields in presets.MODEL_FIELDS.items() if field in fields]
+  if field != culprit and owners:  # another architecture's option
+    detail += (f" (model.{field} is a {owners[0]} option, which this config's architecture does not have: drop it, "
+               f"or use --config=configs/{owners[0]}.py:NAME)")
   return f"error: {culprit} names no config field: {detail}"

@@ -19,9 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import data, losses, sharding, train_state
-from retnet_jax.layers import MODES
-from retnet_jax.model import RetNet
+from retnet_jax import architectures, data, losses, sharding, train_state
 from retnet_jax.train_state import restore_model  # noqa: F401  (evaluate.restore_model: the documented entry)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
@@ -60,16 +58,16 @@ def check_position_buckets(seq_len: int, buckets: int) -> None:
                      "--eval_seq_len.")
 
 
-def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("parallel",),
+def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict, modes=("parallel",),
                    max_batches: int | None = None, seq_len: int | None = None,
                    position_buckets: int = 0) -> dict[str, Any]:
   """Validation metrics of `model` per mode, and with several modes their largest differences.
 
   Args:
-    model: a RetNet (e.g. from `restore_model`).
+    model: a RetNet or Transformer (e.g. from `restore_model`).
     config: its config; `data` gives the validation split, `train.seq_len` and the micro-batch the batches.
-    modes: retention forms to evaluate. The parallel form holds `[L, L]` scores per head: at long `seq_len`
-      evaluate the chunkwise or recurrent form, whose memory grows linearly with the length.
+    modes: forms to evaluate, of `architectures.modes(config.model)`. The parallel form holds `[L, L]` scores
+      per head: at long `seq_len` evaluate the chunkwise or recurrent form, whose memory grows linearly.
     max_batches: evaluate this many batches spread over the split (`data.eval_rows`); None: all.
     seq_len: tokens per validation sequence (None: `train.seq_len`); it may exceed the training length.
     position_buckets: 0, or a count K dividing `seq_len`: each mode also reports the mean loss of the positions
@@ -79,9 +77,10 @@ def evaluate_model(model: RetNet, config: ml_collections.ConfigDict, modes=("par
     bits_per_byte}}}` plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`,
     `modes_agree`; with `position_buckets`, each mode's `loss_by_position`: a list of `{"start", "end", "loss"}`.
   """
-  unknown = [m for m in modes if m not in MODES]
+  own = architectures.modes(config.model)
+  unknown = [m for m in modes if m not in own]
   if unknown:
-    raise ValueError(f"unknown mode {unknown[0]!r}; choose one of {MODES} or all.")
+    raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   seq_len = config.train.seq_len if seq_len is None else seq_len

@@ -12,9 +12,17 @@ import numpy as np
 
 
 def matmul_params(cfg: ml_collections.ConfigDict) -> int:
-  """Parameters used in matmuls per token: every projection and the output head (not the embedding lookup)."""
-  d, v, f = cfg.d_model, cfg.value_dim, cfg.ffn_dim
-  per_layer = 2 * d * d + 2 * d * v + v * d + 3 * d * f
+  """Parameters used in matmuls per token: every projection and the output head (not the embedding lookup).
+
+  RetNet: q, k (d^2 each), v, g (d d_v each), out (d_v d) and the GLU FFN (3 d f) per layer; the Transformer:
+  q, k, v, o (d^2 each) and the GLU FFN.
+  """
+  d, f = cfg.d_model, cfg.ffn_dim
+  if cfg.architecture == "transformer":
+    per_layer = 4 * d * d + 3 * d * f
+  else:
+    v = cfg.value_dim
+    per_layer = 2 * d * d + 2 * d * v + v * d + 3 * d * f
   return cfg.num_layers * per_layer + d * cfg.vocab_size
 
 
@@ -38,9 +46,19 @@ def retention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode
   return cfg.num_layers * per_layer
 
 
+def attention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int) -> int:
+  """Forward FLOPs per token of a Transformer's attention products (all layers): the full [L, L] score matrix and
+  its product with V, 4 L d per token."""
+  return cfg.num_layers * 4 * seq_len * cfg.d_model
+
+
 def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
-  """Forward + backward: 3 x (2 x matmul params + retention products)."""
-  return 3 * (2 * matmul_params(cfg) + retention_flops_per_token(cfg, seq_len, mode))
+  """Forward + backward: 3 x (2 x matmul params + retention products in `mode`, or a Transformer's attention)."""
+  if cfg.architecture == "transformer":
+    mixing = attention_flops_per_token(cfg, seq_len)
+  else:
+    mixing = retention_flops_per_token(cfg, seq_len, mode)
+  return 3 * (2 * matmul_params(cfg) + mixing)
 
 
 @functools.cache

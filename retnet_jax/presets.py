@@ -1,4 +1,5 @@
-"""RetNet presets as named data, and the locked config (every field with its default) built from one."""
+"""Presets as named data, and the locked config (every field with its default) built from one, for either
+architecture: RetNet, or the Transformer of the same size (`transformer_config`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ml_collections import config_dict
+
+ARCHITECTURES = ("retnet", "transformer")  # config.model.architecture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,7 @@ def model_config(name: str) -> config_dict.ConfigDict:
   """The `model` section for a preset."""
   sizes = preset(name).model
   model = config_dict.ConfigDict(dict(
+      architecture="retnet",  # retnet | transformer (configs/transformer.py)
       vocab_size=sizes.vocab_size,
       d_model=sizes.d_model,
       num_layers=sizes.num_layers,
@@ -165,13 +169,44 @@ def model_config(name: str) -> config_dict.ConfigDict:
   return model
 
 
-def get_config(name: str) -> config_dict.ConfigDict:
-  """The full locked config of the preset called `name`."""
+def transformer_config(retnet_model: config_dict.ConfigDict, max_len: int) -> config_dict.ConfigDict:
+  """The `model` section of the Transformer of RetNet model section `retnet_model`'s size, with a KV cache of
+  `max_len` tokens.
+
+  Attention holds 4 d^2 parameters against retention's 2 d^2 + 3 d d_v (gate and wider values); as in the
+  paper, the difference goes to the FFN: ffn_dim + d_v - 2 d / 3, rounded to a multiple of 8. Embedding,
+  activation, tying, rotation frequencies, norm epsilon, dtype and matmul precision are RetNet's.
+  """
+  ffn_dim = retnet_model.ffn_dim + retnet_model.value_dim - 2 * retnet_model.d_model / 3
+  return config_dict.ConfigDict(dict(
+      architecture="transformer",
+      vocab_size=retnet_model.vocab_size,
+      d_model=retnet_model.d_model,
+      num_layers=retnet_model.num_layers,
+      num_heads=retnet_model.num_heads,
+      ffn_dim=max(8, 8 * round(ffn_dim / 8)),
+      ffn_activation=retnet_model.ffn_activation,
+      tie_embeddings=retnet_model.tie_embeddings,
+      rotation_base=retnet_model.rotation_base,
+      rotation_freqs=retnet_model.rotation_freqs,  # interleaved pairs at these frequencies
+      norm_eps=retnet_model.norm_eps,
+      dtype=retnet_model.dtype,
+      matmul_precision=retnet_model.matmul_precision,
+      max_len=max_len,  # KV-cache length: the longest prompt + generation a decoding state holds
+  ))
+
+
+def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDict:
+  """The full locked config of the preset called `name`, for `architecture` (retnet | transformer)."""
+  if architecture not in ARCHITECTURES:
+    raise ValueError(f"unknown architecture {architecture!r}; choose one of {ARCHITECTURES}.")
   config = config_dict.ConfigDict()
   config.preset = name
   config.seed = 0
   config.model = model_config(name)
   run = preset(name).train
+  if architecture == "transformer":  # a cache for the training length, at least 1024 tokens
+    config.model = transformer_config(config.model, max(run.seq_len, 1024))
 
   config.data = config_dict.ConfigDict(dict(
       files=(),  # local .txt / .jsonl / .json / .parquet files; empty: the shipped corpus data/tinyshakespeare.txt
@@ -188,7 +223,8 @@ def get_config(name: str) -> config_dict.ConfigDict:
       batch_size=run.batch_size,  # global batch, in sequences
       seq_len=run.seq_len,
       grad_accum_steps=1,  # micro-batches per step (batch_size must divide evenly)
-      mode="chunkwise" if run.seq_len > 512 else "parallel",  # retention form used for training
+      # the form used for training: parallel | chunkwise (RetNet only)
+      mode="chunkwise" if architecture == "retnet" and run.seq_len > 512 else "parallel",
       learning_rate=run.learning_rate,
       lr_schedule="cosine",  # cosine | linear decay after warm-up
       warmup_steps=run.warmup_steps,
@@ -201,7 +237,8 @@ def get_config(name: str) -> config_dict.ConfigDict:
       # dots_with_no_batch_dims_saveable
       remat="none",
       # > 0: backpropagate through segments of this many tokens carrying the state, recomputing one segment
-      # at a time (memory grows with the segment, not seq_len, for one more forward pass); 0: whole sequences
+      # at a time (memory grows with the segment, not seq_len, for one more forward pass); 0: whole sequences.
+      # RetNet only
       segment_len=0,
       nonfinite="stop",  # a NaN/Inf loss or gradient: stop (naming the step) | skip (the update, counted)
       inject_nonfinite_steps=(),  # steps whose loss is forced to NaN, to exercise the guard
@@ -231,3 +268,8 @@ def get_config(name: str) -> config_dict.ConfigDict:
   ))
   config.lock()
   return config
+
+
+# The model section's fields per architecture.
+MODEL_FIELDS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "retnet": frozenset(model_config("tiny")), "transformer": frozenset(transformer_config(model_config("tiny"), 1))})

@@ -1,4 +1,4 @@
-"""Text generation with memory constant in the context length: prefill in chunkwise form, then decode recurrently.
+"""Text generation: prefill in the chunkwise (or parallel) form, then decode recurrently, for either architecture.
 
     tokens_BxP, lengths_B = pad_prompts(prompts)
     out = generate(model, tokens_BxP, lengths_B, max_new_tokens=64, key=jax.random.key(0), top_p=0.9)
@@ -7,11 +7,13 @@
 
 `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs every prompt token but the last in the
 chunkwise (or parallel) form in one compiled call; `decode` feeds one token at a time through the recurrent form in
-one compiled `lax.while_loop`, which stops once every row has emitted a stop token. Left-padded rows start at
-position -pad, so each decodes as if alone. The module functions share one `Sampler`: its prefill compiles once per
-(model structure, batch, prompt length, prefill_mode), its loop once per (model structure, batch, max_new_tokens,
-stop tokens, greedy or not, top_k, whether top_p is set, stream_every); new prompts, keys, temperatures and top_p
-do not recompile (one key and one key per row are different shapes).
+one compiled `lax.while_loop`, which stops once every row has emitted a stop token. RetNet's memory is constant in
+the context length; a Transformer prefills in the parallel form into a KV cache of `model.max_len` tokens, which
+must hold the prompt and the new tokens. Left-padded rows start at position -pad, so each decodes as if alone. The
+module functions share one `Sampler`: its prefill compiles once per (model structure, batch, prompt length,
+prefill_mode), its loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not, top_k, whether
+top_p is set, stream_every); new prompts, keys, temperatures and top_p do not recompile (one key and one key per
+row are different shapes).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from retnet_jax import sharding
-from retnet_jax.model import RetNet, check_tokens
+from retnet_jax import architectures, sharding, transformer
+from retnet_jax.model import check_tokens
 
-PREFILL_MODES = ("chunkwise", "parallel")
+PREFILL_MODES = ("chunkwise", "parallel")  # None chooses the first the model has
 PAD_ID = 0
 
 Stream = Callable[[np.ndarray, int], None]
@@ -133,21 +135,22 @@ class Sampler:
         options = None
     return jax.jit(self._loop, static_argnames=("graphdef", "settings"), compiler_options=options)
 
-  def prefill(self, model: RetNet, prompts_BxP: Any, lengths_B: Any, *, prefill_mode: str = "chunkwise"
-              ) -> Prefilled:
+  def prefill(self, model: architectures.Model, prompts_BxP: Any, lengths_B: Any, *,
+              prefill_mode: str | None = None) -> Prefilled:
     """Runs left-padded prompts in the chunkwise or parallel form, one compiled call.
 
     Args:
       prompts_BxP: int token ids `[B, P]`, each row left-padded to P (`pad_prompts`).
       lengths_B: the true prompt lengths `[B]`, in [1, P].
-      prefill_mode: one of PREFILL_MODES.
+      prefill_mode: one of PREFILL_MODES that the model has; None: chunkwise for RetNet, parallel for a Transformer.
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
-    _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    _, prefill_mode = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    _check_cache(model, prompts_BxP.shape[1])
     return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode,
                                  getattr(model.config, "chunk_size", None))
 
-  def decode(self, model: RetNet, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
+  def decode(self, model: architectures.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_tokens: Sequence[int] = (), stream: Stream | None = None, stream_every: int = 8) -> Generation:
     """Samples `max_new_tokens` tokens after prefilled prompts in one compiled loop.
@@ -160,11 +163,13 @@ class Sampler:
     settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
     keys = _check_key(key, prefilled.last_tokens.shape[0])
+    if model.config.architecture == "transformer":
+      transformer.check_state_room(prefilled.state, settings.max_new_tokens)
     return self._decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
 
-  def generate(self, model: RetNet, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int, key: jax.Array,
-               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-               stop_tokens: Sequence[int] = (), prefill_mode: str = "chunkwise",
+  def generate(self, model: architectures.Model, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int,
+               key: jax.Array, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+               stop_tokens: Sequence[int] = (), prefill_mode: str | None = None,
                stream: Stream | None = None, stream_every: int = 8) -> Generation:
     """Samples `max_new_tokens` tokens after each left-padded prompt: `decode(model, prefill(model, ...), ...)`.
 
@@ -180,10 +185,11 @@ class Sampler:
         it comes, at that cost per token.
     Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
     """
-    batch = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    batch, prefill_mode = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
     settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
     keys = _check_key(key, batch)  # every argument checked before the prefill runs
+    _check_cache(model, prompts_BxP.shape[1], settings.max_new_tokens)
     graphdef, params = nnx.split(model)
     prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode,
                                       getattr(model.config, "chunk_size", None))
@@ -284,20 +290,39 @@ def _split_padding(prompt_len: int, chunk_size: int | None) -> int:
   return -(prompt_len - 1) % (split[1] * chunk_size)
 
 
-def _check_prefill(model: RetNet, prompts_BxP: Any, lengths_B: Any, prefill_mode: str) -> int:
-  """The batch size, after checking the prompts, their lengths and the prefill mode."""
-  if prefill_mode not in PREFILL_MODES:
-    raise ValueError(f"unknown prefill_mode {prefill_mode!r}; choose one of {PREFILL_MODES}.")
+def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
+                   ) -> tuple[int, str]:
+  """(The batch size, the prefill mode) after checking the prompts, their lengths and the prefill mode (None: the
+  first of PREFILL_MODES that the model has)."""
+  own = [mode for mode in PREFILL_MODES if mode in architectures.modes(model.config)]
+  if prefill_mode is None:
+    prefill_mode = own[0]
+  if prefill_mode not in own:
+    raise ValueError(f"unknown prefill_mode {prefill_mode!r} for a {model.config.architecture}; choose one of "
+                     f"{tuple(own)} (or None: {own[0]}).")
   batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   cfg = model.config
   width = prompts_BxP.shape[1] + _split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
   if (prefill_mode == "chunkwise" and cfg.stability_norm and cfg.stability_norm_style == "torchscale"
       and np.any(np.asarray(lengths_B) != width)):
     raise ValueError(f"prompts of lengths {np.asarray(lengths_B).tolist()} are left-padded to {width} tokens (the "
-                     "longest, and on a mesh that splits sequences to whole chunks per device), but with model.stability_norm_style='torchscale' the chunkwise normaliser depends on "
-                     "where chunks start, so a padded row would not decode as if alone; use prefill_mode='parallel' "
+                     "longest, and on a mesh that splits sequences to whole chunks per device), but with "
+                     "model.stability_norm_style='torchscale' the chunkwise normaliser depends on where chunks start, "
+                     "so a padded row would not decode as if alone; use prefill_mode='parallel' "
                      "(--prefill_mode=parallel) or prompts of one length.")
-  return batch
+  return batch, prefill_mode
+
+
+def _check_cache(model: architectures.Model, prompt_len: int, max_new_tokens: int = 0) -> None:
+  """A Transformer's KV cache (model.max_len tokens) must hold every prompt token but the last, then one token per
+  decoding step."""
+  if model.config.architecture != "transformer":
+    return
+  needed, size = prompt_len - 1 + max_new_tokens, model.config.max_len
+  if needed > size:
+    what = f"prompts padded to {prompt_len} tokens" + (f" and {max_new_tokens} new tokens" if max_new_tokens else "")
+    raise ValueError(f"{what} need a KV cache of {needed} tokens, but model.max_len={size}; raise model.max_len "
+                     f"(--config.model.max_len={needed}), or shorten the prompts or max_new_tokens.")
 
 
 def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> jax.Array:
@@ -414,7 +439,7 @@ class TextPrinter:
     self.printed = text
 
 
-def generate_text(model: RetNet, tokenizer: Any, prompts: Sequence[str], *, print_row: int | None = None,
+def generate_text(model: architectures.Model, tokenizer: Any, prompts: Sequence[str], *, print_row: int | None = None,
                   **kwargs) -> list[str]:
   """Encodes `prompts`, generates (keyword arguments as `generate`; stop tokens default to the tokenizer's `eos_id`)
   and decodes each row up to its stop token; with `print_row`, that row's text is printed as it is produced."""

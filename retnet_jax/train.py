@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (checkpointing, data, flops, layers, metrics, preemption, sharding, train_state,
+from retnet_jax import (architectures, checkpointing, data, flops, layers, metrics, preemption, sharding, train_state,
                         train_step as train_step_lib, workdir_lock)
 
 
@@ -39,6 +39,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if profile is not None and (len(profile) != 2 or not 0 <= profile[0] <= profile[1] < train.steps):
     raise ValueError(f"train.profile_steps must be (first, last) with 0 <= first <= last < train.steps="
                      f"{train.steps}; got {profile}.")
+  architectures.check_training(config)
   train_step_lib.check_config(config)
 
 
@@ -53,7 +54,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
   Args:
-    config: the full config (`configs/retnet.py:NAME`), checked before anything is read or written.
+    config: the full config (`configs/retnet.py:NAME` or `configs/transformer.py:NAME`), checked before anything
+      is read or written.
     workdir: the run's directory: checkpoints, metrics, TensorBoard events, config.json, the final params.
   Returns:
     The last logged train and eval metrics (`loss`, `eval_loss`, ...).

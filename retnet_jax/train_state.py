@@ -23,22 +23,22 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import checkpointing, layers, optimizer, sharding
-from retnet_jax.model import RetNet, check_model_config
+from retnet_jax import architectures, checkpointing, layers, optimizer, sharding
 
 TrainState = dict[str, Any]
 # Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes.
-RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl")
+RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl", "max_len")
 # Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
 # with (the model's behaviour before the field existed).
 ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",
-                      "head_norm_scale": False}
+                      "head_norm_scale": False, "architecture": "retnet"}
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks what the state and its batches need (model, optimizer, mesh and batch split) before any work."""
-  check_model_config(config.model)
-  layers.check_retention_impl(config.model)
+  architectures.check_config(config.model)
+  if config.model.architecture == "retnet":
+    layers.check_retention_impl(config.model)
   train = config.train
   for name in ("batch_size", "seq_len", "grad_accum_steps"):
     if int(train[name]) < 1:
@@ -56,6 +56,9 @@ def check_sequence_split(config: ml_collections.ConfigDict, num_devices: int, le
   if devices == 1:
     return
   where = f"config.mesh splits each sequence over {devices} devices (mesh.shape={tuple(config.mesh.shape)})"
+  if config.model.architecture != "retnet":
+    raise ValueError(f"{where}, but only retention splits sequences (sequence-parallel attention is not built): "
+                     "give the Transformer a mesh whose sequence axis has size 1.")
   if "recurrent" in modes:
     raise ValueError(f"{where}, which the recurrent form (one token after another) cannot use: use the parallel "
                      "or chunkwise mode, or a mesh whose sequence axis has size 1.")
@@ -89,13 +92,13 @@ def _fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainSt
 def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
   """The pure function that creates a fresh state, parameters drawn from `config.seed`."""
   tx = optimizer.make_optimizer(config.train)
-  return lambda: _fresh_state(tx, nnx.state(RetNet(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
+  return lambda: _fresh_state(tx, nnx.state(architectures.build(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
 
 
 def make_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> Layout:
   """The state's structure and shardings for `config` on `placement`, traced abstractly (nothing runs)."""
   with placement.active():
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: architectures.build(config.model, rngs=nnx.Rngs(0))))
     abstract = jax.eval_shape(_init_fn(config))
   shardings = sharding.tree_shardings(abstract, placement.mesh, placement.rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -121,10 +124,12 @@ def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workd
   """Refuses a checkpoint written with another model config, naming the fields (before anything is overwritten)."""
   workdir = Path(workdir)
   current = config.model.to_dict()
-  saved_model = {**ADDED_MODEL_FIELDS, **saved_model}
+  saved_model = {**{k: v for k, v in ADDED_MODEL_FIELDS.items() if k in current}, **saved_model}
   differs = sorted(k for k in set(saved_model) | set(current)
                    if k not in RESUMABLE_MODEL_CHANGES
                    and json.dumps(saved_model.get(k)) != json.dumps(current.get(k)))
+  if "architecture" in differs:  # the other fields differ as a consequence
+    differs = ["architecture"]
   if differs:
     details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {current.get(k)!r}"
                         for k in differs)
@@ -133,7 +138,7 @@ def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workd
 
 
 def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
-                  ) -> tuple[RetNet, int]:
+                  ) -> tuple[architectures.Model, int]:
   """The model of `workdir` at `step` (None: the latest), placed on `config.mesh` over the devices present.
 
   Reads the training checkpoints (`checkpoints/STEP`), or, in a workdir that has none, the parameters-only

@@ -1,7 +1,8 @@
 """Evaluates a checkpoint: `python scripts/evaluate.py --config=configs/retnet.py:small --workdir=runs/shakespeare`.
 
 Prints a table and, as the last line of stdout, one JSON object, also written to WORKDIR/eval_step_STEP.json.
-`--mode=all` evaluates the parallel, chunkwise and recurrent forms and checks that they agree. Data flags are
+`--mode=all` evaluates every form of the model (RetNet: parallel, chunkwise, recurrent; Transformer: parallel,
+recurrent) and checks that they agree. Data flags are
 the training config's (`--config.data.files=...`, `--config.data.validation_files=...`).
 
 Long context: `--eval_seq_len=4096 --by_position=16 --mode=chunkwise` evaluates sequences of 4096 tokens (longer
@@ -21,13 +22,14 @@ from pathlib import Path
 from absl import flags, logging
 import jax
 
-from retnet_jax import evaluate, metrics
+from retnet_jax import architectures, evaluate, metrics
 from retnet_jax.layers import MODES
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
-_MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "Retention form, or all three.")
+_MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "The form to evaluate (a Transformer has no "
+                          "chunkwise form), or all the model's forms.")
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many batches, their rows spread over the "
                                     "validation split (default: all).")
 _EVAL_SEQ_LEN = flags.DEFINE_integer("eval_seq_len", None, "Tokens per validation sequence (default: the training "
@@ -42,7 +44,7 @@ def main():
   seq_len = config.train.seq_len if _EVAL_SEQ_LEN.value is None else _EVAL_SEQ_LEN.value
   evaluate.check_position_buckets(seq_len, _BY_POSITION.value)
   model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
-  modes = MODES if _MODE.value == "all" else (_MODE.value,)
+  modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
   results = {"step": step, "workdir": str(_WORKDIR.value),
              **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value)}
   print(evaluate.format_table(results))

@@ -3,10 +3,11 @@
     python scripts/generate.py --config=configs/retnet.py:small --workdir=runs/shakespeare \\
       --prompt="ROMEO:" --max_new_tokens=300 --temperature=0.8 --top_p=0.95
 
-Prompts are prefilled in the chunkwise form, then decoded token by token in the recurrent form inside one
-compiled loop (memory per sequence constant in the context length). On a mesh that splits sequences
-(`--config.mesh.shape=(1,1,1,8)`), the prompts are prefilled split over those devices. The last line of stdout is
-one JSON object with every prompt's completion.
+Prompts are prefilled in the chunkwise form (a Transformer's in the parallel form), then decoded token by token in
+the recurrent form inside one compiled loop (RetNet's memory per sequence is constant in the context length; a
+Transformer's KV cache holds `model.max_len` tokens). On a mesh that splits sequences
+(`--config.mesh.shape=(1,1,1,8)`), a RetNet's prompts are prefilled split over those devices. The last line of stdout
+is one JSON object with every prompt's completion.
 """
 
 from retnet_jax import cli
@@ -34,7 +35,8 @@ _TOP_K = flags.DEFINE_integer("top_k", None, "Sample from the k most likely toke
 _TOP_P = flags.DEFINE_float("top_p", None, "Sample from the smallest set of tokens whose probability reaches p.")
 _STOP = flags.DEFINE_multi_integer("stop_token", [], "Token id that ends a completion (repeatable).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
-_PREFILL = flags.DEFINE_enum("prefill_mode", "chunkwise", sampling.PREFILL_MODES, "Form used for the prompt.")
+_PREFILL = flags.DEFINE_enum("prefill_mode", None, sampling.PREFILL_MODES, "Form used for the prompt (default: "
+                             "chunkwise, or parallel for a Transformer).")
 _STREAM = flags.DEFINE_boolean("stream", True, "Print the first prompt's completion as it is produced.")
 _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the compiled loop to the console "
                                      "at a time (1: every token, one host callback each).")

@@ -14,8 +14,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import flops, sampling, sharding
-from retnet_jax.baselines import transformer
+from retnet_jax import flops, presets, sampling, sharding, transformer
 from retnet_jax.bench import harness, report
 from retnet_jax.model import RetNet
 
@@ -23,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_transformer(max_len=32, **overrides):
-  cfg = transformer.transformer_config(retnet_config.get_config("tiny").model, max_len)
+  cfg = presets.transformer_config(retnet_config.get_config("tiny").model, max_len)
   cfg.update(overrides)
   return transformer.Transformer(cfg, rngs=nnx.Rngs(0))
 
@@ -57,12 +56,12 @@ def test_flop_counter_matches_hand_count():
 def test_transformer_matches_retnet_size_and_flop_count():
   """Attention's 4 d^2 replaces retention's 2 d^2 + 3 d d_v; the FFN takes the difference (64 + 64 - 21 -> 104)."""
   retnet_cfg = retnet_config.get_config("tiny").model
-  cfg = transformer.transformer_config(retnet_cfg, 32)
+  cfg = presets.transformer_config(retnet_cfg, 32)
   assert cfg.ffn_dim == 104
   # Per layer: q/k/v/o 4 x 32 x 32 = 4096, GLU 3 x 32 x 104 = 9984; two layers and the head 32 x 256.
-  assert transformer.matmul_params(cfg) == 2 * (4096 + 9984) + 8192 == 36352
+  assert flops.matmul_params(cfg) == 2 * (4096 + 9984) + 8192 == 36352
   # Scores and their product with V at 16 tokens: 4 * 16 * 32 per token and layer.
-  assert transformer.train_flops_per_token(cfg, 16) == 3 * (2 * 36352 + 2 * 2048)
+  assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36352 + 2 * 2048)
   # All parameters (norm scales and the embedding too): the same within the rounding of the FFN width.
   count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
   assert abs(count(tiny_transformer()) / count(RetNet(retnet_cfg, rngs=nnx.Rngs(0))) - 1) < 0.02

@@ -22,7 +22,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from configs import retnet as retnet_config  # noqa: E402
 from retnet_jax import data, train, train_state  # noqa: E402
 from retnet_jax import lm_eval as harness  # noqa: E402
-from retnet_jax.baselines.transformer import Transformer, transformer_config  # noqa: E402
+from retnet_jax.presets import transformer_config  # noqa: E402
+from retnet_jax.transformer import Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = f"{REPO / 'configs' / 'retnet.py'}:tiny"

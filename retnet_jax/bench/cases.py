@@ -12,8 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax import flops, optimizer, sampling, sharding, train_state, train_step
-from retnet_jax.baselines import transformer
+from retnet_jax import flops, optimizer, presets, sampling, sharding, train_state, train_step, transformer
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
 
@@ -81,7 +80,7 @@ def compile_train_step(config, mesh) -> tuple[float, int | None]:
 
 def transformer_train_case(config, mesh) -> Case:
   """The same train step (`train_step.make_train_step`, config.train.mode parallel) around a same-size Transformer."""
-  model = transformer.Transformer(transformer.transformer_config(config.model, config.train.seq_len),
+  model = transformer.Transformer(presets.transformer_config(config.model, config.train.seq_len),
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
   tx = optimizer.make_optimizer(config.train)

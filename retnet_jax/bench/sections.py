@@ -16,8 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from retnet_jax import flops, sharding
-from retnet_jax.baselines import transformer
+from retnet_jax import flops, presets, sharding, transformer
 from retnet_jax.bench.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
                                     make_config, matmul_case, read_case, retnet_train_case, transformer_train_case)
 from retnet_jax.bench.harness import interleave, memory_source, rate
@@ -46,8 +45,8 @@ def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale
       flops_per_token[f"retnet/{mode}/{dtype}"] = flops.train_flops_per_token(config.model, suite.seq_len, mode)
     config = make_config(base, suite, dtype, "parallel", suite.seq_len, suite.batch_size)
     cases[f"transformer/parallel/{dtype}"] = transformer_train_case(config, mesh)
-    flops_per_token[f"transformer/parallel/{dtype}"] = transformer.train_flops_per_token(
-        transformer.transformer_config(config.model, suite.seq_len), suite.seq_len)
+    flops_per_token[f"transformer/parallel/{dtype}"] = flops.train_flops_per_token(
+        presets.transformer_config(config.model, suite.seq_len), suite.seq_len, "parallel")
   if torchscale.available:
     for mode in ("parallel", "chunkwise"):
       config = make_config(base, suite, "float32", mode, suite.seq_len, suite.batch_size)
@@ -101,7 +100,7 @@ def measure_lengths(base, suite: Suite, mesh, states: InitialStates, inference: 
           "retnet/parallel": lambda length: forward_case(retnet, "parallel", length, inference.mesh),
           "retnet/chunkwise": lambda length: forward_case(retnet, "chunkwise", length, inference.mesh),
           "transformer/parallel": lambda length: forward_case(inference.place(transformer.Transformer(
-              transformer.transformer_config(config.model, length), rngs=nnx.Rngs(config.seed))), "parallel", length,
+              presets.transformer_config(config.model, length), rngs=nnx.Rngs(config.seed))), "parallel", length,
               inference.mesh)},
       "train": {f"retnet/{mode}": lambda length, mode=mode: retnet_train_case(
           make_config(base, suite, "float32", mode, length, 1), mesh, states) for mode in ("parallel", "chunkwise")}}
@@ -153,7 +152,7 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inferen
   cases, models = {"memory_read": read_case(param_bytes // 4)}, {"retnet": lambda context: retnet}
   # A preallocated KV cache as long as the prompt and the new tokens: attention reads what the context needs.
   models["transformer"] = lambda context: inference.place(transformer.Transformer(
-      transformer.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed)))
+      presets.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed)))
   for name, model_at in models.items():
     prefill = "chunkwise" if name == "retnet" else "parallel"
     for context in contexts:

@@ -1,19 +1,22 @@
-"""A Transformer baseline of a RetNet's size: causal softmax attention with rotary positions and a KV cache.
+"""The Transformer decoder language model: causal softmax attention with rotary positions and a KV cache.
 
-    model = Transformer(transformer_config(retnet_model_config, max_len=4096), rngs=nnx.Rngs(0))
+    model = Transformer(config.model, rngs=nnx.Rngs(seed))  # configs/transformer.py, or presets.transformer_config
     logits_BxLxV, state = model(tokens_BxL, mode="parallel" | "recurrent", state=None)
 
 Embedding, RMSNorm, GLU feed-forward and projections are RetNet's layers (`retnet_jax.layers`), queries and
-keys are rotated by `retnet_jax.rotation`, and the call signature is RetNet's. `state` is a preallocated KV
+keys are rotated by `retnet_jax.rotation` (interleaved pairs), and the call signature is RetNet's, so training,
+evaluation, checkpoints and sampling take either (`retnet_jax.architectures`). `state` is a preallocated KV
 cache: per layer `key` and `value` `[B, max_len, H, d]` in the compute dtype, the next free slot `next_slot`
 (shared by the batch) and each row's `position`. `parallel` processes all tokens at once (attending over the
 cached prefix too when a state is given); `recurrent` decodes incrementally, one token at a time through the
 cache. As in RetNet, a state starting at position -p treats its first p tokens as left padding, so
-`sampling.generate(model, ..., prefill_mode="parallel")` decodes with this model unchanged.
+`sampling.generate` decodes with this model unchanged (prefilling in the parallel form).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Any
 
 import jax
@@ -30,41 +33,23 @@ State = dict[str, Any]
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
 
 
-def transformer_config(cfg: ml_collections.ConfigDict, max_len: int) -> ml_collections.ConfigDict:
-  """The Transformer with RetNet model config `cfg`'s size and a KV cache of `max_len` slots.
-
-  Attention holds 4 d^2 parameters against retention's 2 d^2 + 3 d d_v (gate and wider values); as in the
-  paper, the difference goes to the FFN: ffn_dim + d_v - 2 d / 3, rounded to a multiple of 8.
-  """
-  ffn_dim = cfg.ffn_dim + cfg.value_dim - 2 * cfg.d_model / 3
-  return ml_collections.ConfigDict(dict(
-      vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-      ffn_dim=max(8, 8 * round(ffn_dim / 8)), ffn_activation=cfg.ffn_activation,
-      tie_embeddings=cfg.tie_embeddings, rotation_base=cfg.rotation_base, rotation_freqs=cfg.rotation_freqs,
-      norm_eps=cfg.norm_eps, dtype=cfg.dtype, max_len=max_len))
-
-
-def matmul_params(cfg: ml_collections.ConfigDict) -> int:
-  """Parameters used in matmuls per token: q/k/v/o, the GLU FFN and the output head."""
-  d = cfg.d_model
-  return cfg.num_layers * (4 * d * d + 3 * d * cfg.ffn_dim) + d * cfg.vocab_size
-
-
-def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int) -> int:
-  """Forward + backward: 3 x (2 x matmul params + the full [L, L] scores and their product with V, 4 L d)."""
-  return 3 * (2 * matmul_params(cfg) + cfg.num_layers * 4 * seq_len * cfg.d_model)
-
-
 def check_config(cfg: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the bad value for a config that cannot be built."""
+  """Raises ValueError naming the bad value and the fix for a model config that cannot be built."""
   for name in ("d_model", "num_layers", "num_heads", "ffn_dim", "vocab_size", "max_len"):
     if int(cfg[name]) < 1:
       raise ValueError(f"model.{name} must be a positive integer; got {cfg[name]}.")
   if cfg.d_model % cfg.num_heads:
-    raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}.")
+    raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}; "
+                     "choose num_heads dividing d_model.")
   rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
+  rotation.check_rotation("interleaved", cfg.rotation_freqs)
+  if not math.isfinite(cfg.rotation_base) or cfg.rotation_base <= 0:
+    raise ValueError(f"model.rotation_base must be a positive finite number; got {cfg.rotation_base}.")
+  if not math.isfinite(cfg.norm_eps) or cfg.norm_eps < 0:
+    raise ValueError(f"model.norm_eps must be a finite number >= 0; got {cfg.norm_eps}.")
   layers.compute_dtype(cfg.dtype)
   layers.check_activation(cfg.ffn_activation)
+  layers.check_matmul_precision(cfg.matmul_precision)
 
 
 def attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, visible_BxLxS: jax.Array
@@ -149,16 +134,18 @@ class TransformerBlock(nnx.Module):
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), cache
 
 
-def _check_room(state: State, length: int) -> None:
-  """For a concrete state (outside jit): the cache must hold `length` more tokens."""
+def check_state_room(state: State, length: int) -> None:
+  """For a concrete state (outside jit): its cache must hold `length` more tokens (a traced one is not checked:
+  inside jit, tokens past the cache's end would overwrite its last slots)."""
   try:
     used = int(np.asarray(state["next_slot"]))
   except jax.errors.TracerArrayConversionError:
     return
   size = state["layers"][0]["key"].shape[1]
   if used + length > size:
-    raise ValueError(f"the KV cache holds {size} tokens; {used} are used and {length} more do not fit. "
-                     "Raise model.max_len or pass a state from init_state(batch, max_len).")
+    raise ValueError(f"the KV cache holds {size} tokens; {used} are used and {length} more do not fit. Raise "
+                     f"model.max_len to at least {used + length} (--config.model.max_len={used + length}), or use "
+                     "fewer tokens.")
 
 
 class Transformer(nnx.Module):
@@ -188,10 +175,22 @@ class Transformer(nnx.Module):
                remat: str = "none") -> tuple[jax.Array, State]:
     """Logits `[batch, seq, vocab]` (float32) for `tokens [batch, seq]`, and the state after the last token.
 
-    Without a state, a cache of max(max_len, seq) slots is returned; `remat` as in RetNet.
+    Args:
+      tokens_BxL: integer token ids `[batch, seq]`.
+      mode: parallel (all tokens at once) or recurrent (one token at a time through the cache) (MODES).
+      state: the state a previous call or `init_state` returned, or None to start at position 0 (the returned
+        cache then has max(max_len, seq) slots).
+      remat: `none`, or a key of `model.REMAT_POLICIES` to recompute each block in the backward pass.
+    Returns:
+      `(logits [batch, seq, vocab]` float32, the state after the last token).
     """
     if mode not in MODES:
-      raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
+      raise ValueError(f"unknown mode {mode!r}; a Transformer has {MODES} (chunkwise is a retention form).")
+    precision = layers.MATMUL_PRECISIONS[self.config.matmul_precision]
+    with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
+      return self._forward(tokens_BxL, mode, state, remat)
+
+  def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str) -> tuple[jax.Array, State]:
     call_block = block_caller(remat, static_argnums=(6,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
@@ -199,7 +198,7 @@ class Transformer(nnx.Module):
     if state is None:
       state = self.init_state(batch, max(self.config.max_len, length))
       form = "self" if mode == "parallel" else form
-    _check_room(state, length)
+    check_state_room(state, length)
     positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
     tables = rotation_tables_for(self.config, positions_BxL)
     x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))

@@ -1,1 +1,0 @@
-"""Baselines RetNet is compared against (same layers, same call signature)."""
