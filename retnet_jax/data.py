@@ -6,7 +6,9 @@
     tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
 
 Files are read and tokenized with HF `datasets`; batches are a deterministic function of (seed, epoch, index),
-so a run resumed from `get_state()` sees exactly the batches an uninterrupted run would.
+so a run resumed from `get_state()` sees exactly the batches an uninterrupted run would. With `data.synthetic`
+set, `SyntheticBatches` and `synthetic_eval_batches` give a synthetic task's `(tokens, loss weights)` batches
+instead (`retnet_jax.synthetic`), a function of (seed, index).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import pyarrow.compute as pc
 import tokenizers
 from absl import logging
 from huggingface_hub.errors import HfHubHTTPError
+
+from retnet_jax import synthetic
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 # File suffix -> `datasets` builder that reads it.
@@ -270,7 +274,7 @@ def process_rows(global_batch: int, process_index: int, process_count: int) -> s
 
 def _global_array(sequences: np.ndarray, rows: np.ndarray,
                   sharding: jax.sharding.NamedSharding | None) -> jax.Array:
-  """`[len(rows), seq_len + 1]` int32 batch of `sequences[rows]`; each process reads only its own block."""
+  """The batch `sequences[rows]` (`[len(rows), ...]`, its dtype); each process reads only its own block."""
   if sharding is None:
     return jnp.asarray(sequences[rows])
   local = process_rows(len(rows), jax.process_index(), jax.process_count())
@@ -339,6 +343,7 @@ class BatchIterator:
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues from a `get_state()` position (values may be numpy or jax scalars from a checkpoint)."""
+    _check_state_keys(state, ("epoch", "index"))
     epoch, index = int(state["epoch"]), int(state["index"])
     if epoch < 0 or not 0 <= index < self.num_batches_per_epoch:
       raise ValueError(f"data iterator state {dict(epoch=epoch, index=index)} is out of range (epoch >= 0, "
@@ -368,3 +373,60 @@ def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int
   _check_batch(sequences, global_batch_size, "validation")
   rows_NxB = eval_rows(len(sequences), global_batch_size, max_batches)
   return (_global_array(sequences, rows, sharding) for rows in rows_NxB)
+
+
+def _check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:
+  if set(state) != set(keys):
+    raise ValueError(f"data iterator state {dict(state)} was saved by another kind of data source (text data "
+                     "saves epoch and index, a synthetic task the batch index); set data.synthetic as in the run "
+                     "that wrote the checkpoint, or use another --workdir.")
+
+
+class SyntheticBatches:
+  """Endless global batches `(tokens [B, seq_len + 1] int32, loss weights [B, seq_len] float32)` of the task
+  `config.data.synthetic`: batch i is `synthetic.batch(config, "train", i, B)`, so the position is i alone, saved by
+  `get_state` and restored by `set_state`. With `sharding`, each process places only its own rows."""
+
+  def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int,
+               sharding: jax.sharding.NamedSharding | None = None):
+    synthetic.check_config(config)
+    process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fail early, not at next()
+    self.config, self.global_batch_size, self.sharding = config, global_batch_size, sharding
+    self.index = 0
+
+  def __iter__(self) -> Iterator[tuple[jax.Array, jax.Array]]:
+    return self
+
+  def __next__(self) -> tuple[jax.Array, jax.Array]:
+    batch = synthetic.batch(self.config, "train", self.index, self.global_batch_size)
+    self.index += 1
+    return _global_batch(batch, self.sharding)
+
+  def get_state(self) -> dict[str, int]:
+    """Index of the next batch, for checkpoints."""
+    return dict(index=self.index)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from a `get_state()` position."""
+    _check_state_keys(state, ("index",))
+    if int(state["index"]) < 0:
+      raise ValueError(f"data iterator state {dict(state)} is out of range (index >= 0).")
+    self.index = int(state["index"])
+
+
+def synthetic_eval_batches(config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int,
+                           sharding: jax.sharding.NamedSharding | None = None
+                           ) -> Iterator[tuple[jax.Array, jax.Array]]:
+  """The first `num_batches` validation batches `(tokens, loss weights)` of the task `config.data.synthetic` (the
+  same every time, drawn apart from the training batches). Checks run on the call, not on the first `next()`."""
+  synthetic.check_config(config)
+  process_rows(global_batch_size, jax.process_index(), jax.process_count())
+  return (_global_batch(synthetic.batch(config, "valid", index, global_batch_size), sharding)
+          for index in range(num_batches))
+
+
+def _global_batch(batch: tuple[np.ndarray, np.ndarray], sharding: jax.sharding.NamedSharding | None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Global (tokens, weights) arrays of a whole batch that every process generated; each places its own rows."""
+  rows = np.arange(len(batch[0]))
+  return tuple(_global_array(array, rows, sharding) for array in batch)

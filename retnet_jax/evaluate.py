@@ -1,5 +1,6 @@
-"""Evaluation of a trained model: loss, perplexity, bits per token and per byte, in one or all forms, and the loss
-per position bucket at any length (the length-extrapolation curve).
+"""Evaluation of a trained model: loss, perplexity, bits per token and per byte (or a synthetic task's answer
+loss and accuracy), in one or all forms, and the loss per position bucket at any length (the length-extrapolation
+curve).
 
     model, step = restore_model(config, workdir)  # latest checkpoint, on the devices present
     results = evaluate_model(model, config, modes=("parallel", "chunkwise", "recurrent"))
@@ -15,6 +16,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -58,6 +60,19 @@ def check_position_buckets(seq_len: int, buckets: int) -> None:
                      "--eval_seq_len.")
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode"))
+def answer_stats(graphdef: nnx.GraphDef, params, batch: tuple[jax.Array, jax.Array], mode: str
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per sequence of a `(tokens [B, L + 1], weights [B, L])` batch: the weighted NLL sum `[B]`, the logits of the
+  last position `[B, V]`, and the weighted count of targets whose logits' argmax is the target `[B]`."""
+  tokens_BxL1, weights_BxL = batch
+  logits_BxLxV, _ = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1], mode=mode)
+  targets_BxL = tokens_BxL1[:, 1:]
+  nll_B = jnp.sum(losses.token_nll(logits_BxLxV, targets_BxL) * weights_BxL, axis=-1)
+  hits_B = jnp.sum((jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL) * weights_BxL, axis=-1)
+  return nll_B, logits_BxLxV[:, -1], hits_B
+
+
 def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict, modes=("parallel",),
                    max_batches: int | None = None, seq_len: int | None = None,
                    position_buckets: int = 0) -> dict[str, Any]:
@@ -68,14 +83,18 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     config: its config; `data` gives the validation split, `train.seq_len` and the micro-batch the batches.
     modes: forms to evaluate, of `architectures.modes(config.model)`. The parallel form holds `[L, L]` scores
       per head: at long `seq_len` evaluate the chunkwise or recurrent form, whose memory grows linearly.
-    max_batches: evaluate this many batches spread over the split (`data.eval_rows`); None: all.
-    seq_len: tokens per validation sequence (None: `train.seq_len`); it may exceed the training length.
+    max_batches: evaluate this many batches spread over the split (`data.eval_rows`); None: all. With
+      `data.synthetic`: the first batches of the task's validation stream; None: `train.eval_batches`.
+    seq_len: tokens per validation sequence (None: `train.seq_len`); it may exceed the training length. Text only.
     position_buckets: 0, or a count K dividing `seq_len`: each mode also reports the mean loss of the positions
-      `[k L / K, (k + 1) L / K)` of every sequence (position p predicts token p + 1 from tokens 0 to p).
+      `[k L / K, (k + 1) L / K)` of every sequence (position p predicts token p + 1 from tokens 0 to p). Text only.
   Returns:
     `{"seq_len", "tokens", "bytes", "sequences", "modes": {mode: {loss, perplexity, bits_per_token,
     bits_per_byte}}}` plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`,
     `modes_agree`; with `position_buckets`, each mode's `loss_by_position`: a list of `{"start", "end", "loss"}`.
+    With `data.synthetic` (e.g. `mqar`): `{"task", "answers", "sequences", "modes": {mode: {loss, perplexity,
+    bits_per_token, mqar_accuracy}}}`, the loss over the answers only and `TASK_accuracy` the fraction of answers
+    whose logits' argmax is the answer (exact recall), plus the same agreement keys.
   """
   own = architectures.modes(config.model)
   unknown = [m for m in modes if m not in own]
@@ -86,26 +105,38 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
   seq_len = config.train.seq_len if seq_len is None else seq_len
   check_position_buckets(seq_len, position_buckets)
   train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
-  tokenizer = data.load_tokenizer(config.data.tokenizer)
-  data.check_vocab_size(tokenizer, config.model.vocab_size)
-  _, valid_tokens = data.load_splits(config.data, tokenizer)
-  batch_size = config.train.batch_size // config.train.grad_accum_steps
-  if len(valid_tokens) // (seq_len + 1) < batch_size and seq_len != config.train.seq_len:
-    raise ValueError(f"the validation split holds {len(valid_tokens)} tokens: {len(valid_tokens) // (seq_len + 1)} "
-                     f"sequences of --eval_seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of {batch_size} "
-                     "(train.batch_size / train.grad_accum_steps); use a shorter --eval_seq_len, a smaller "
-                     "--config.train.batch_size, or more validation data (--config.data.validation_files).")
-  sequences = data.pack(valid_tokens, seq_len, "validation split")
+  task, batch_size = config.data.synthetic, config.train.batch_size // config.train.grad_accum_steps
+  if task and (seq_len != config.train.seq_len or position_buckets):
+    raise ValueError(f"--eval_seq_len and --by_position evaluate text; the synthetic task {task!r} "
+                     "(data.synthetic) is evaluated at train.seq_len over its answers: drop those flags.")
   placement = sharding.placement(config.mesh)
-  batches = list(data.eval_batches(sequences, batch_size, max_batches, placement.batch_sharding))
-  targets = sequences[data.eval_rows(len(sequences), batch_size, max_batches).reshape(-1), 1:]
-  num_sequences, num_tokens, num_bytes = len(targets), int(targets.size), count_bytes(tokenizer, targets)
+  if task:
+    batches = list(data.synthetic_eval_batches(config, batch_size, max_batches or config.train.eval_batches,
+                                               placement.batch_sharding))
+    num_sequences, num_tokens = batch_size * len(batches), int(sum(float(weights.sum()) for _, weights in batches))
+    results: dict[str, Any] = {"task": task, "answers": num_tokens, "sequences": num_sequences, "modes": {}}
+  else:
+    tokenizer = data.load_tokenizer(config.data.tokenizer)
+    data.check_vocab_size(tokenizer, config.model.vocab_size)
+    _, valid_tokens = data.load_splits(config.data, tokenizer)
+    if len(valid_tokens) // (seq_len + 1) < batch_size and seq_len != config.train.seq_len:
+      raise ValueError(f"the validation split holds {len(valid_tokens)} tokens: {len(valid_tokens) // (seq_len + 1)} "
+                       f"sequences of --eval_seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of {batch_size} "
+                       "(train.batch_size / train.grad_accum_steps); use a shorter --eval_seq_len, a smaller "
+                       "--config.train.batch_size, or more validation data (--config.data.validation_files).")
+    sequences = data.pack(valid_tokens, seq_len, "validation split")
+    batches = list(data.eval_batches(sequences, batch_size, max_batches, placement.batch_sharding))
+    targets = sequences[data.eval_rows(len(sequences), batch_size, max_batches).reshape(-1), 1:]
+    num_sequences, num_tokens, num_bytes = len(targets), int(targets.size), count_bytes(tokenizer, targets)
+    results = {"seq_len": seq_len, "tokens": num_tokens, "bytes": num_bytes, "sequences": num_sequences,
+               "modes": {}}
 
   graphdef, params = nnx.split(model)
-  results: dict[str, Any] = {"seq_len": seq_len, "tokens": num_tokens, "bytes": num_bytes,
-                             "sequences": num_sequences, "modes": {}}
   per_mode_logits = {}
-  nll_fn = functools.partial(bucket_nll, buckets=position_buckets) if position_buckets else losses.sequence_nll
+  if task:
+    nll_fn = answer_stats
+  else:
+    nll_fn = functools.partial(bucket_nll, buckets=position_buckets) if position_buckets else losses.sequence_nll
   with placement.active():
     for mode in modes:
       outputs = [nll_fn(graphdef, params, batch, mode) for batch in batches]
@@ -113,8 +144,11 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
       per_mode_logits[mode] = np.concatenate([np.asarray(o[1]) for o in outputs])
       loss = float(nll.sum() / num_tokens)
       results["modes"][mode] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-                                "bits_per_token": loss / math.log(2),
-                                "bits_per_byte": float(nll.sum()) / math.log(2) / num_bytes}
+                                "bits_per_token": loss / math.log(2)}
+      if task:
+        results["modes"][mode][f"{task}_accuracy"] = sum(float(o[2].sum()) for o in outputs) / num_tokens
+      else:
+        results["modes"][mode]["bits_per_byte"] = float(nll.sum()) / math.log(2) / num_bytes
       if position_buckets:
         width = seq_len // position_buckets
         results["modes"][mode]["loss_by_position"] = [
@@ -132,11 +166,14 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
 
 def format_table(results: dict[str, Any]) -> str:
   """A plain-text table of the per-mode metrics."""
-  lines = [f"{'mode':<10} {'loss':>8} {'ppl':>8} {'bits/token':>11} {'bits/byte':>10}"]
+  task = results.get("task")
+  last, title = (f"{task}_accuracy", "accuracy") if task else ("bits_per_byte", "bits/byte")
+  lines = [f"{'mode':<10} {'loss':>8} {'ppl':>8} {'bits/token':>11} {title:>10}"]
   for mode, m in results["modes"].items():
     lines.append(f"{mode:<10} {m['loss']:>8.4f} {m['perplexity']:>8.3f} {m['bits_per_token']:>11.4f} "
-                 f"{m['bits_per_byte']:>10.4f}")
-  lines.append(f"{results['sequences']} sequences, {results['tokens']:,} tokens, {results['bytes']:,} bytes")
+                 f"{m[last]:>10.4f}")
+  lines.append(f"{results['sequences']} sequences of {task}, {results['answers']:,} answers" if task else
+               f"{results['sequences']} sequences, {results['tokens']:,} tokens, {results['bytes']:,} bytes")
   if "modes_agree" in results:
     lines.append(f"largest difference between modes: loss {results['max_loss_difference']:.2e} "
                  f"(tolerance {results['tolerance']:.1e}), last-position logits "

@@ -1,4 +1,8 @@
-"""Next-token losses shared by training and evaluation: the mean token loss, its segmented form, per-sequence NLL."""
+"""Next-token losses shared by training and evaluation: the mean token loss, its segmented form, per-sequence NLL.
+
+A batch is `tokens [B, L + 1]` (text: every target counts alike) or `(tokens [B, L + 1], weights [B, L])` (synthetic
+tasks: float32 weights over the targets, 1 at the answers and 0 elsewhere).
+"""
 
 from __future__ import annotations
 
@@ -15,13 +19,21 @@ def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
 
 
-def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str, remat: str = "none",
+Batch = jax.Array | tuple[jax.Array, jax.Array]
+
+
+def split_batch(batch: Batch) -> tuple[jax.Array, jax.Array | None]:
+  """(tokens `[B, L + 1]`, weights `[B, L]` or None for text) of a batch."""
+  return batch if isinstance(batch, tuple) else (batch, None)
+
+
+def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: str = "none",
                segment_len: int = 0) -> jax.Array:
   """Mean next-token cross-entropy (nats) of `tokens [B, L + 1]`: inputs `[:, :-1]`, targets `[:, 1:]`.
 
   Args:
     graphdef, params: the model, as `nnx.split` gives them.
-    tokens_BxL1: int32 `[B, L + 1]`.
+    batch: int32 tokens `[B, L + 1]`, or (tokens, weights `[B, L]`): then the weighted mean over the targets.
     mode: the retention form (`parallel`, `chunkwise`, `recurrent`).
     remat: `none` or a `model.REMAT_POLICIES` key: each block recomputed in the backward pass.
     segment_len: in (0, L): backpropagate through segments of this many tokens that carry the state, each
@@ -30,16 +42,18 @@ def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str
   Returns:
     The scalar mean loss, float32.
   """
+  tokens_BxL1, weights_BxL = split_batch(batch)
   inputs_BxL, targets_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
-  batch, length = inputs_BxL.shape
+  batch_size, length = inputs_BxL.shape
   if not 0 < segment_len < length:
     logits, _ = nnx.merge(graphdef, params)(inputs_BxL, mode=mode, remat=remat)
-    return token_nll(logits, targets_BxL).mean()
+    nll_BxL = token_nll(logits, targets_BxL)
+    return nll_BxL.mean() if weights_BxL is None else jnp.sum(nll_BxL * weights_BxL) / jnp.sum(weights_BxL)
   num_segments = -(-length // segment_len)
   # Padding goes after the last token, so (causal) it changes no real position's output; its loss is masked.
   pad = num_segments * segment_len - length
   segments = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (0, pad))).reshape(
-      batch, num_segments, segment_len).swapaxes(0, 1)
+      batch_size, num_segments, segment_len).swapaxes(0, 1)
 
   # params enter as an argument, not a closure: a block's own `remat` must see them at this trace level.
   @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the recomputation
@@ -48,9 +62,10 @@ def token_loss(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str
     logits, state = nnx.merge(graphdef, params)(inputs, mode=mode, state=state, remat=remat)
     return state, jnp.sum(token_nll(logits, targets) * weights)
 
-  xs = (segments(inputs_BxL), segments(targets_BxL), segments(jnp.ones((batch, length), jnp.float32)))
-  _, sums = jax.lax.scan(functools.partial(segment, params), nnx.merge(graphdef, params).init_state(batch), xs)
-  return sums.sum() / (batch * length)
+  weights = jnp.ones((batch_size, length), jnp.float32) if weights_BxL is None else weights_BxL
+  xs = (segments(inputs_BxL), segments(targets_BxL), segments(weights))
+  _, sums = jax.lax.scan(functools.partial(segment, params), nnx.merge(graphdef, params).init_state(batch_size), xs)
+  return sums.sum() / (batch_size * length if weights_BxL is None else jnp.sum(weights_BxL))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode"))

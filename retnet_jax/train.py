@@ -14,15 +14,15 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (architectures, checkpointing, data, flops, layers, metrics, preemption, sharding, train_state,
-                        train_step as train_step_lib, workdir_lock)
+from retnet_jax import (architectures, checkpointing, data, flops, layers, losses, metrics, preemption, sharding,
+                        synthetic, train_state, train_step as train_step_lib, workdir_lock)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -41,13 +41,14 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
                      f"{train.steps}; got {profile}.")
   architectures.check_training(config)
   train_step_lib.check_config(config)
+  synthetic.check_config(config)
 
 
-def evaluate(run: train_step_lib.Setup, params, batches: Iterable[jax.Array]) -> float:
+def evaluate(run: train_step_lib.Setup, params, batches: Iterable[losses.Batch]) -> float:
   """Mean validation loss (nats per token) over `batches`."""
   with run.placement.active():
-    losses = [run.eval_step(params, batch) for batch in batches]
-  return float(np.mean(jax.device_get(losses)))
+    batch_losses = [run.eval_step(params, batch) for batch in batches]
+  return float(np.mean(jax.device_get(batch_losses)))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
@@ -64,8 +65,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   check_config(config, jax.device_count())
   if workdir.exists() and not workdir.is_dir():
     raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
-  tokenizer = data.load_tokenizer(config.data.tokenizer)
-  data.check_vocab_size(tokenizer, config.model.vocab_size)
+  tokenizer = None
+  if not config.data.synthetic:  # a synthetic task makes its own token ids (checked against the vocabulary)
+    tokenizer = data.load_tokenizer(config.data.tokenizer)
+    data.check_vocab_size(tokenizer, config.model.vocab_size)
   ckpt_dir = workdir / "checkpoints"
   if ckpt_dir.is_dir():
     with checkpointing.Checkpointer(ckpt_dir, read_only=True) as existing:
@@ -76,15 +79,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           continue
         train_state.check_compatible(saved_model, config, workdir)
         break
-  train_cfg = config.train
-  train_tokens, valid_tokens = data.load_splits(config.data, tokenizer)
-  train_sequences = data.pack(train_tokens, train_cfg.seq_len, "training split")
-  valid_sequences = data.pack(valid_tokens, train_cfg.seq_len, "validation split")
-
   mesh = sharding.make_mesh(config.mesh)
   run = train_step_lib.setup(config, mesh)
-  batches = data.BatchIterator(train_sequences, train_cfg.batch_size, config.seed, run.placement.batch_sharding)
-  data.eval_batches(valid_sequences, train_cfg.batch_size // train_cfg.grad_accum_steps, 1)  # enough to evaluate?
+  batches, valid_batches = _data_sources(config, tokenizer, run.placement.batch_sharding)
 
   workdir.mkdir(parents=True, exist_ok=True)
   with workdir_lock.WriterLock(workdir, jax.process_index()) as lock:  # one training process writes the workdir
@@ -95,12 +92,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       with checkpointer, metrics.MetricsWriter(workdir) as writer:
         if jax.process_index() == 0:
           (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-        return _train_loop(config, run, batches, valid_sequences, checkpointer, writer, lock)
+        return _train_loop(config, run, batches, valid_batches, checkpointer, writer, lock)
     except Exception as e:  # pylint: disable=broad-exception-caught
       fault = _workdir_fault(e, lock, checkpointer)
       if fault is None:
         raise
       raise fault from e
+
+
+def _data_sources(config: ml_collections.ConfigDict, tokenizer: data.Tokenizer | None,
+                  batch_sharding: jax.sharding.NamedSharding
+                  ) -> tuple[data.BatchIterator | data.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
+  """The training batches, and a function giving the `train.eval_batches` validation batches: packed text, or
+  the synthetic task's `(tokens, loss weights)` with `data.synthetic`. Fails here if either cannot be made."""
+  train_cfg = config.train
+  eval_batch, num_eval = train_cfg.batch_size // train_cfg.grad_accum_steps, train_cfg.eval_batches
+  if config.data.synthetic:
+    return (data.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
+            lambda: data.synthetic_eval_batches(config, eval_batch, num_eval, batch_sharding))
+  train_tokens, valid_tokens = data.load_splits(config.data, tokenizer)
+  train_sequences = data.pack(train_tokens, train_cfg.seq_len, "training split")
+  valid_sequences = data.pack(valid_tokens, train_cfg.seq_len, "validation split")
+  batches = data.BatchIterator(train_sequences, train_cfg.batch_size, config.seed, batch_sharding)
+  data.eval_batches(valid_sequences, eval_batch, 1)  # enough to evaluate?
+  return batches, lambda: data.eval_batches(valid_sequences, eval_batch, num_eval, batch_sharding)
 
 
 # errno -> (what went wrong with the workdir's disk, the fix)
@@ -152,7 +167,7 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
 
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
-                     checkpointer: checkpointing.Checkpointer, batches: data.BatchIterator):
+                     checkpointer: checkpointing.Checkpointer, batches: data.BatchIterator | data.SyntheticBatches):
   """The latest readable checkpoint's state (an unreadable one is set aside with a warning), else a fresh one."""
   for step in reversed(checkpointer.all_steps()):
     try:
@@ -196,12 +211,11 @@ def _check_finite(state: train_state.TrainState, policy: str, checkpointer: chec
         "train.nonfinite=skip to skip such steps.")
 
 
-def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator, valid_sequences: np.ndarray,
-                checkpointer: checkpointing.Checkpointer, writer: metrics.MetricsWriter,
-                lock: workdir_lock.WriterLock) -> dict[str, float]:
+def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator | data.SyntheticBatches,
+                valid_batches: Callable[[], Iterable[losses.Batch]], checkpointer: checkpointing.Checkpointer,
+                writer: metrics.MetricsWriter, lock: workdir_lock.WriterLock) -> dict[str, float]:
   train_cfg = config.train
   workdir = lock.workdir
-  eval_batch, batch_sharding = train_cfg.batch_size // train_cfg.grad_accum_steps, run.placement.batch_sharding
   state = _restore_or_init(config, run, checkpointer, batches)
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
   flops_per_token = flops.train_flops_per_token(config.model, train_cfg.seq_len, train_cfg.mode)
@@ -260,8 +274,7 @@ def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator, 
 
       eval_loss = None
       if step % train_cfg.eval_every_steps == 0 or step == train_cfg.steps:
-        eval_loss = evaluate(run, state["params"], data.eval_batches(valid_sequences, eval_batch,
-                                                                     train_cfg.eval_batches, batch_sharding))
+        eval_loss = evaluate(run, state["params"], valid_batches())
         values = metrics.eval_metrics(eval_loss)
         writer.write(step, values)
         metrics.log(f"step {step}: eval loss {eval_loss:.4f} | perplexity {values['eval_perplexity']:.2f}")

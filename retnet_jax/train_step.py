@@ -3,7 +3,7 @@
     run = train_step.setup(config, mesh)   # compiled once per process for equal (model, train, mesh, seed)
     with run.placement.active():
       state = run.init()
-      state, metrics = run.train_step(state, batch_BxL1)
+      state, metrics = run.train_step(state, batch)  # tokens [B, L + 1], or (tokens, loss weights [B, L])
 """
 
 from __future__ import annotations
@@ -48,32 +48,34 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: ml_collections.ConfigDict):
-  """A pure `train_step(state, batch [B, L + 1]) -> (state, metrics)`; micro-batches accumulate in a `lax.scan`.
+  """A pure `train_step(state, batch) -> (state, metrics)`; micro-batches accumulate in a `lax.scan`.
 
+  The batch is a `losses.Batch`: with loss weights, each micro-batch's loss is its weighted mean and the step's
+  loss their mean (the synthetic sources give every row as many answers, so this is the batch's weighted mean).
   A non-finite loss or gradient leaves the parameters and optimizer state as they were; the step is counted.
   """
   schedule = optimizer.learning_rate_schedule(train_cfg)
   accum = train_cfg.grad_accum_steps
   loss_and_grad = jax.value_and_grad(
-      lambda params, tokens: losses.token_loss(graphdef, params, tokens, train_cfg.mode, train_cfg.remat,
-                                               train_cfg.segment_len))
+      lambda params, batch: losses.token_loss(graphdef, params, batch, train_cfg.mode, train_cfg.remat,
+                                              train_cfg.segment_len))
 
-  def train_step(state: train_state.TrainState, batch_BxL1: jax.Array):
+  def train_step(state: train_state.TrainState, batch: losses.Batch):
     params = state["params"]
     if accum == 1:
-      loss, grads = loss_and_grad(params, batch_BxL1)
+      loss, grads = loss_and_grad(params, batch)
     else:
       # Micro-batch i takes rows i, i + accum, ...: each device keeps its own rows (no resharding).
-      batch, length = batch_BxL1.shape
-      micro_MxBxL1 = batch_BxL1.reshape(batch // accum, accum, length).swapaxes(0, 1)
+      micro_batches = jax.tree.map(
+          lambda x_BxN: x_BxN.reshape(x_BxN.shape[0] // accum, accum, *x_BxN.shape[1:]).swapaxes(0, 1), batch)
 
-      def accumulate(carry, tokens):
+      def accumulate(carry, micro_batch):
         loss_sum, grad_sum = carry
-        loss, grads = loss_and_grad(params, tokens)
+        loss, grads = loss_and_grad(params, micro_batch)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
       zeros = jax.tree.map(jnp.zeros_like, params)
-      (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_MxBxL1)
+      (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_batches)
       loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
     step = state["step"] + 1
     if train_cfg.inject_nonfinite_steps:  # a test hook for the guard below
@@ -99,8 +101,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
 class Setup(train_state.Layout):
   """A layout with its jitted functions: `init()`, `train_step(state, batch)`, `eval_step(params, batch)`."""
   init: Callable[[], train_state.TrainState]
-  train_step: Callable[[train_state.TrainState, jax.Array], tuple[train_state.TrainState, dict[str, jax.Array]]]
-  eval_step: Callable[[Any, jax.Array], jax.Array]
+  train_step: Callable[[train_state.TrainState, losses.Batch], tuple[train_state.TrainState, dict[str, jax.Array]]]
+  eval_step: Callable[[Any, losses.Batch], jax.Array]
 
 
 def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Setup:

@@ -1,0 +1,131 @@
+"""Synthetic tasks as data sources: batches of (tokens, loss weights) drawn from the seed and the batch index.
+
+    synthetic.check_config(config)                          # the task's knobs against seq_len and the vocabulary
+    tokens_BxL1, weights_BxL = synthetic.batch(config, "train", index, batch_size)
+
+`config.data.synthetic` names a task of SOURCES (None: text data). Each source makes a global batch of token rows
+`[B, seq_len + 1]` (inputs `[:, :-1]`, targets `[:, 1:]`) and float32 weights `[B, seq_len]` over the targets: 1 at
+the answers, 0 elsewhere, so the loss is taken on the answers only. Batch `index` of a split is a function of
+`(config.seed, split, index)` alone, so a resumed run sees the batches an uninterrupted run would.
+
+`mqar` is multi-query associative recall as in Zoology (Arora et al. 2023): `num_pairs` key-value pairs
+`k1 v1 ... kn vn`, then a query region of two-token slots where every key is asked once, in random order, each
+query a key followed by its value (the answer); the other slots hold the filler token 0. Keys are drawn without
+replacement from `[1, V // 2)` and values from `[V // 2, V)` (V: `data.mqar.vocab_size`, default the model's).
+`query_placement` picks the query slots: `power` (Zoology's: slot s, counted from 1 after the pairs, with
+probability proportional to `s^(power_a - 1)`, without replacement; small `power_a` favours early slots),
+`uniform`, or `packed` (the first `num_pairs` slots, right after the pairs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import ml_collections
+import numpy as np
+
+SPLITS = ("train", "valid")  # each split its own stream of examples
+QUERY_PLACEMENTS = ("power", "uniform", "packed")
+FILLER = 0  # the token of the query region's unused slots: never a key or a value
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """A synthetic task: `check(config)` raises ValueError for knobs that cannot work (before any work);
+  `generate(config, rng, batch_size)` returns int32 tokens `[B, seq_len + 1]` and float32 weights `[B, seq_len]`."""
+  check: Callable[[ml_collections.ConfigDict], None]
+  generate: Callable[[ml_collections.ConfigDict, np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+
+
+def answer_weights(answer_positions_BxA: np.ndarray, seq_len: int) -> np.ndarray:
+  """Loss weights `[B, seq_len]` float32 over the targets: 1 where the target is an answer token.
+
+  Args:
+    answer_positions_BxA: int indices of the answer tokens in each row of `[B, seq_len + 1]` tokens (>= 1: the
+      first token is never a target).
+    seq_len: L.
+  Returns:
+    Weights whose target index `j` (predicting token `j + 1`) is 1 for each answer position `j + 1`.
+  """
+  answer_positions_BxA = np.asarray(answer_positions_BxA)
+  weights_BxL = np.zeros((len(answer_positions_BxA), seq_len), np.float32)
+  np.put_along_axis(weights_BxL, answer_positions_BxA - 1, 1.0, axis=1)
+  return weights_BxL
+
+
+def mqar_vocab_size(config: ml_collections.ConfigDict) -> int:
+  """The MQAR vocabulary: `data.mqar.vocab_size`, or `model.vocab_size` when unset."""
+  vocab_size = config.data.mqar.vocab_size
+  return config.model.vocab_size if vocab_size is None else vocab_size
+
+
+def check_mqar(config: ml_collections.ConfigDict) -> None:
+  """Refuses MQAR knobs that cannot fit the sequence or the vocabularies, naming the value and the fix."""
+  mqar, seq_len, vocab_size = config.data.mqar, config.train.seq_len, mqar_vocab_size(config)
+  num_pairs = mqar.num_pairs
+  if not isinstance(num_pairs, int) or num_pairs < 1:
+    raise ValueError(f"data.mqar.num_pairs must be a positive integer; got {num_pairs!r}.")
+  if vocab_size > config.model.vocab_size:
+    raise ValueError(f"data.mqar.vocab_size={vocab_size} exceeds model.vocab_size={config.model.vocab_size}; set "
+                     f"--config.model.vocab_size={vocab_size} or more, or a smaller data.mqar.vocab_size.")
+  if vocab_size // 2 - 1 < num_pairs:
+    raise ValueError(f"the MQAR vocabulary of {vocab_size} tokens holds {max(vocab_size // 2 - 1, 0)} keys "
+                     f"([1, vocab_size // 2)), too few for data.mqar.num_pairs={num_pairs} distinct keys; set "
+                     f"data.mqar.vocab_size to {2 * num_pairs + 2} or more, or use fewer pairs.")
+  if 4 * num_pairs > seq_len + 1:
+    raise ValueError(f"data.mqar.num_pairs={num_pairs} needs {4 * num_pairs} tokens (every pair and its query, two "
+                     f"tokens each) but a row holds train.seq_len + 1 = {seq_len + 1}; set train.seq_len to "
+                     f"{4 * num_pairs - 1} or more, or use at most {(seq_len + 1) // 4} pairs.")
+  if mqar.query_placement not in QUERY_PLACEMENTS:
+    raise ValueError(f"unknown data.mqar.query_placement {mqar.query_placement!r}; choose one of {QUERY_PLACEMENTS}.")
+  if not mqar.power_a > 0:
+    raise ValueError(f"data.mqar.power_a must be positive (slot s drawn with weight s^(power_a - 1)); got "
+                     f"{mqar.power_a}. Zoology uses 0.01; 1 is uniform.")
+
+
+def mqar_batch(config: ml_collections.ConfigDict, rng: np.random.Generator, batch_size: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+  """A batch of MQAR examples: tokens `[B, seq_len + 1]` int32 and answer weights `[B, seq_len]` float32."""
+  mqar, length = config.data.mqar, config.train.seq_len + 1
+  num_pairs, vocab_size = mqar.num_pairs, mqar_vocab_size(config)
+  num_keys, num_slots = vocab_size // 2, (length - 2 * num_pairs) // 2
+  keys_BxN = rng.permuted(np.tile(np.arange(1, num_keys), (batch_size, 1)), axis=1)[:, :num_pairs]
+  values_BxN = rng.permuted(np.tile(np.arange(num_keys, vocab_size), (batch_size, 1)), axis=1)[:, :num_pairs]
+  # Query j asks pair order[j] in slot slots[j].
+  order_BxN = rng.permuted(np.tile(np.arange(num_pairs), (batch_size, 1)), axis=1)
+  if mqar.query_placement == "packed":
+    slots_BxN = np.tile(np.arange(num_pairs), (batch_size, 1))
+  else:
+    # Gumbel top-k: the first num_pairs slots by log-weight + Gumbel noise are a draw without replacement.
+    exponent = mqar.power_a - 1 if mqar.query_placement == "power" else 0.0
+    scores_BxS = exponent * np.log(np.arange(1, num_slots + 1)) + rng.gumbel(size=(batch_size, num_slots))
+    slots_BxN = np.argsort(-scores_BxS, axis=1)[:, :num_pairs]
+  tokens_BxL1 = np.full((batch_size, length), FILLER, np.int32)
+  tokens_BxL1[:, 0:2 * num_pairs:2], tokens_BxL1[:, 1:2 * num_pairs:2] = keys_BxN, values_BxN
+  query_BxN = 2 * num_pairs + 2 * slots_BxN
+  np.put_along_axis(tokens_BxL1, query_BxN, np.take_along_axis(keys_BxN, order_BxN, axis=1), axis=1)
+  np.put_along_axis(tokens_BxL1, query_BxN + 1, np.take_along_axis(values_BxN, order_BxN, axis=1), axis=1)
+  return tokens_BxL1, answer_weights(query_BxN + 1, config.train.seq_len)
+
+
+SOURCES: dict[str, Source] = {"mqar": Source(check=check_mqar, generate=mqar_batch)}
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Checks `config.data.synthetic` (a SOURCES name, or None for text data) and its task's knobs."""
+  task = config.data.synthetic
+  if task is None:
+    return
+  if task not in SOURCES:
+    raise ValueError(f"unknown data.synthetic {task!r}; choose one of {tuple(SOURCES)}, or leave it unset for text "
+                     "data.")
+  SOURCES[task].check(config)
+
+
+def batch(config: ml_collections.ConfigDict, split: str, index: int, batch_size: int
+          ) -> tuple[np.ndarray, np.ndarray]:
+  """Global batch `index` of `split` of the task `config.data.synthetic`: (tokens `[B, seq_len + 1]` int32,
+  weights `[B, seq_len]` float32), a function of `(config.seed, split, index)` and the task's config alone."""
+  rng = np.random.default_rng([config.seed, SPLITS.index(split), index])
+  return SOURCES[config.data.synthetic].generate(config, rng, batch_size)
