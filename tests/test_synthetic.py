@@ -8,10 +8,11 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
+from configs import transformer as transformer_config
 from retnet_jax import checkpointing, data, evaluate, losses, optimizer, sharding, synthetic, train, train_step
 
 # architecture -> the configs module of its presets
-CONFIGS = {"retnet": retnet_config}
+CONFIGS = {"retnet": retnet_config, "transformer": transformer_config}
 
 
 def mqar_config(vocab_size=16, num_pairs=3, seq_len=15, placement="power", seed=0, **mqar):
@@ -233,7 +234,7 @@ def test_checkpointed_data_state_of_another_source_is_refused():
 @pytest.mark.parametrize("architecture", CONFIGS)
 def test_tiny_model_learns_mqar(tmp_path, architecture):
   """400 steps of the tiny preset on 4 pairs: recall far above chance (1/8 for a guessed value, 1/4 for a guessed
-  value of the context); measured 1.0 for RetNet."""
+  value of the context); measured 1.0 for RetNet and 0.49 for the Transformer, which learns it more slowly here."""
   config = CONFIGS[architecture].get_config("tiny")
   config.model.vocab_size = 16
   config.data.synthetic = "mqar"
@@ -244,7 +245,8 @@ def test_tiny_model_learns_mqar(tmp_path, architecture):
   final = train.train_and_evaluate(config, tmp_path / "run")
   model, step = evaluate.restore_model(config, tmp_path / "run")
   results = evaluate.evaluate_model(model, config)
-  assert step == 400 and results["modes"]["parallel"]["mqar_accuracy"] > 0.8, (final, results)
+  least = {"retnet": 0.8, "transformer": 0.4}[architecture]
+  assert step == 400 and results["modes"]["parallel"]["mqar_accuracy"] > least, (final, results)
   assert results["modes"]["parallel"]["loss"] == pytest.approx(final["eval_loss"], rel=1e-5)
   with checkpointing.Checkpointer(tmp_path / "run" / "checkpoints", read_only=True) as checkpointer:
     assert checkpointer.restore_meta(400)["data"] == {"index": 400}
