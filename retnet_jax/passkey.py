@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
 
-from retnet_jax import data, sampling
+from retnet_jax import sampling
+
+if TYPE_CHECKING:  # data imports synthetic, which builds passkey training examples from this module
+  from retnet_jax import data
 
 INTRO = "A pass key is hidden in the text below. Find it and remember it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

@@ -216,13 +216,18 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
       tokenizer="byte",  # byte | path to a tokenizers tokenizer.json
       validation_files=(),  # explicit validation files; empty: hold out the last validation_fraction
       validation_fraction=0.1,
-      # a synthetic task instead of text (retnet_jax/synthetic.py), the loss on its answers only: None | mqar
+      # a synthetic task instead of text (retnet_jax/synthetic.py), the loss on its answers only: None | mqar |
+      # passkey
       synthetic=config_dict.placeholder(str),
       mqar=config_dict.ConfigDict(dict(  # multi-query associative recall (Zoology)
           vocab_size=config_dict.placeholder(int),  # keys [1, V/2), values [V/2, V); None: model.vocab_size
           num_pairs=8,  # key-value pairs per example, each queried once
           query_placement="power",  # power: Zoology's slot weights s^(power_a - 1) | uniform | packed: right after
           power_a=0.01,
+      )),
+      passkey=config_dict.ConfigDict(dict(  # a key hidden in filler text, asked for at the end (retnet_jax/passkey.py)
+          depth=config_dict.placeholder(float),  # fraction of the filler before the key; None: uniform per example
+          digits=5,
       )),
   ))
 

@@ -15,6 +15,10 @@ replacement from `[1, V // 2)` and values from `[V // 2, V)` (V: `data.mqar.voca
 `query_placement` picks the query slots: `power` (Zoology's: slot s, counted from 1 after the pairs, with
 probability proportional to `s^(power_a - 1)`, without replacement; small `power_a` favours early slots),
 `uniform`, or `packed` (the first `num_pairs` slots, right after the pairs).
+
+`passkey` is `passkey.make_example` at length `seq_len + 1` in the tokenizer of `data.tokenizer`: a
+`data.passkey.digits`-digit key hidden at `data.passkey.depth` of the filler (None: a uniform depth per example),
+asked for at the end; the answers are the key's tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import functools
+
 import ml_collections
 import numpy as np
+
+from retnet_jax import data, passkey
 
 SPLITS = ("train", "valid")  # each split its own stream of examples
 QUERY_PLACEMENTS = ("power", "uniform", "packed")
@@ -109,7 +117,42 @@ def mqar_batch(config: ml_collections.ConfigDict, rng: np.random.Generator, batc
   return tokens_BxL1, answer_weights(query_BxN + 1, config.train.seq_len)
 
 
-SOURCES: dict[str, Source] = {"mqar": Source(check=check_mqar, generate=mqar_batch)}
+@functools.cache
+def _tokenizer(spec: str) -> data.Tokenizer:
+  return data.load_tokenizer(spec)
+
+
+def check_passkey(config: ml_collections.ConfigDict) -> None:
+  """Refuses passkey knobs, tokenizers and lengths that cannot make an example, naming the value and the fix."""
+  depth, digits = config.data.passkey.depth, config.data.passkey.digits
+  if depth is not None and not 0 <= depth <= 1:
+    raise ValueError(f"data.passkey.depth={depth} must lie in [0, 1] (the fraction of the filler before the key), or "
+                     "be unset for a uniform depth per example.")
+  if not isinstance(digits, int) or digits < 1:
+    raise ValueError(f"data.passkey.digits must be a positive integer; got {digits!r}.")
+  tokenizer = _tokenizer(config.data.tokenizer)
+  data.check_vocab_size(tokenizer, config.model.vocab_size)
+  try:
+    passkey.make_example(tokenizer, config.train.seq_len + 1, 0.0, 0, digits)
+  except ValueError as e:
+    raise ValueError(f"train.seq_len={config.train.seq_len} cannot hold a passkey example (a row holds train.seq_len "
+                     f"+ 1 tokens): {e} Set train.seq_len to that length - 1 or more.") from None
+
+
+def passkey_batch(config: ml_collections.ConfigDict, rng: np.random.Generator, batch_size: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """A batch of passkey examples: tokens `[B, seq_len + 1]` int32 and answer weights `[B, seq_len]` float32."""
+  tokenizer, length = _tokenizer(config.data.tokenizer), config.train.seq_len + 1
+  depth, digits = config.data.passkey.depth, config.data.passkey.digits
+  examples = [passkey.make_example(tokenizer, length, rng.uniform() if depth is None else depth,
+                                   int(rng.integers(2**32)), digits) for _ in range(batch_size)]
+  # A key's token count can differ between examples (BPE), so the weights are set row by row.
+  weights_BxL = np.concatenate([answer_weights(ex.answer_positions[None], config.train.seq_len) for ex in examples])
+  return np.stack([ex.tokens for ex in examples]).astype(np.int32), weights_BxL
+
+
+SOURCES: dict[str, Source] = {"mqar": Source(check=check_mqar, generate=mqar_batch),
+                              "passkey": Source(check=check_passkey, generate=passkey_batch)}
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

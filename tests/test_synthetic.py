@@ -9,7 +9,8 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from configs import transformer as transformer_config
-from retnet_jax import checkpointing, data, evaluate, losses, optimizer, sharding, synthetic, train, train_step
+from retnet_jax import checkpointing, data, evaluate, losses, optimizer, passkey, sharding, synthetic, train, train_step
+from retnet_jax.model import RetNet
 
 # architecture -> the configs module of its presets
 CONFIGS = {"retnet": retnet_config, "transformer": transformer_config}
@@ -202,7 +203,7 @@ def test_mqar_accuracy_on_a_stub():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(synthetic="recall"), r"unknown data.synthetic 'recall'; choose one of \('mqar',\)"),
+    (dict(synthetic="recall"), r"unknown data.synthetic 'recall'; choose one of \('mqar', 'passkey'\)"),
     (dict(num_pairs=5), r"num_pairs=5 needs 20 tokens .* train.seq_len \+ 1 = 16; set train.seq_len to 19"),
     (dict(vocab_size=7), r"vocabulary of 7 tokens holds 2 keys .*num_pairs=3 .*vocab_size to 8 or more"),
     (dict(vocab_size=32), r"data.mqar.vocab_size=32 exceeds model.vocab_size=16; set --config.model.vocab_size=32"),
@@ -221,6 +222,54 @@ def test_bad_synthetic_config_is_refused_before_any_work(tmp_path, fields, messa
   assert not (tmp_path / "run").exists()
   with pytest.raises(ValueError, match=message):
     evaluate.evaluate_model(Recall(16), config)
+
+
+def passkey_config(seq_len=220, depth=None):
+  config = retnet_config.get_config("tiny")
+  config.train.seq_len = seq_len
+  config.data.synthetic = "passkey"
+  config.data.passkey.depth = depth
+  return config
+
+
+def test_passkey_source_weights_the_key_after_the_question():
+  """Rows are `passkey.make_example`s of seq_len + 1 tokens; the weights select the key's tokens after the question;
+  a fixed depth puts every needle at the same place; batches depend on (seed, split, index) alone."""
+  tokenizer = data.load_tokenizer("byte")
+  tokens, weights = synthetic.batch(passkey_config(), "train", 3, 4)
+  assert tokens.shape == (4, 221) and weights.shape == (4, 220) and tokens.dtype == np.int32
+  for row, row_weights in zip(tokens, weights):
+    text = tokenizer.decode(row)
+    key = text.split("The pass key is ")[1][:5]
+    assert text.endswith(f"What is the pass key? The pass key is {key}") and key.isdigit()
+    assert tokenizer.decode(row[1:][row_weights > 0]) == f" {key}"  # the answers: the last 6 tokens
+    assert row_weights.sum() == 6 and np.all(row_weights[:-6] == 0)
+  assert len({tokenizer.decode(row).index(" The pass key is") for row in tokens}) > 1  # random depths
+  fixed, _ = synthetic.batch(passkey_config(depth=0.0), "train", 3, 4)
+  assert {tokenizer.decode(row).index(" The pass key is") for row in fixed} == {len(passkey.INTRO)}
+  again, _ = synthetic.batch(passkey_config(), "train", 3, 4)
+  assert np.array_equal(again, tokens)
+  assert not np.array_equal(synthetic.batch(passkey_config(), "valid", 3, 4)[0], tokens)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(seq_len=100), r"train.seq_len=100 cannot hold a passkey example .* at least 167"),
+    (dict(depth=1.5), r"data.passkey.depth=1.5 must lie in \[0, 1\]"),
+    (dict(digits=0), r"data.passkey.digits must be a positive integer; got 0"),
+])
+def test_bad_passkey_config_is_refused(fields, message):
+  config = passkey_config(seq_len=fields.pop("seq_len", 220))
+  config.data.passkey.update(fields)
+  with pytest.raises(ValueError, match=message):
+    synthetic.check_config(config)
+
+
+def test_evaluate_reports_passkey_accuracy():
+  """The fraction of key tokens predicted by argmax: here of an untrained tiny RetNet, in [0, 1]."""
+  config = passkey_config()
+  results = evaluate.evaluate_model(RetNet(config.model, rngs=nnx.Rngs(0)), config, max_batches=1)
+  assert results["task"] == "passkey" and results["answers"] == 6 * config.train.batch_size
+  assert 0 <= results["modes"]["parallel"]["passkey_accuracy"] <= 1
 
 
 def test_checkpointed_data_state_of_another_source_is_refused():
