@@ -123,6 +123,7 @@ def plot(results: dict[str, Any], out: Path) -> str:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
   points = results["run"] + results["compiled_only"]
@@ -135,8 +136,11 @@ def plot(results: dict[str, Any], out: Path) -> str:
                  label=f"{split} device{'s' if split > 1 else ''}")
   axes[0].set(title="XLA buffers per device", ylabel="GiB")
   axes[1].set(title=f"train step time ({results['meta']['platform']})", ylabel="seconds")
+  lengths = sorted({p["seq_len"] for p in points})
   for ax in axes:
     ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence")
+    ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
   fig.tight_layout()
