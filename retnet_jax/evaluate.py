@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import architectures, data, losses, sharding, train_state
+from retnet_jax import architectures, data, losses, sharding, synthetic, train_state
 from retnet_jax.train_state import restore_model  # noqa: F401  (evaluate.restore_model: the documented entry)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
@@ -60,6 +60,22 @@ def check_position_buckets(seq_len: int, buckets: int) -> None:
                      "--eval_seq_len.")
 
 
+def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, position_buckets: int = 0) -> None:
+  """What `evaluate_model` checks before any work, for callers to check before restoring a model too: the forms,
+  the length and its buckets, the mesh's split of sequences, a synthetic task's knobs."""
+  own = architectures.modes(config.model)
+  unknown = [m for m in modes if m not in own]
+  if unknown:
+    raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
+  check_position_buckets(seq_len, position_buckets)
+  train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
+  if task := config.data.synthetic:
+    synthetic.check_config(config)
+    if seq_len != config.train.seq_len or position_buckets:
+      raise ValueError(f"--eval_seq_len and --by_position evaluate text; the synthetic task {task!r} "
+                       "(data.synthetic) is evaluated at train.seq_len over its answers: drop those flags.")
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode"))
 def answer_stats(graphdef: nnx.GraphDef, params, batch: tuple[jax.Array, jax.Array], mode: str
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -96,19 +112,11 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     bits_per_token, mqar_accuracy}}}`, the loss over the answers only and `TASK_accuracy` the fraction of answers
     whose logits' argmax is the answer (exact recall), plus the same agreement keys.
   """
-  own = architectures.modes(config.model)
-  unknown = [m for m in modes if m not in own]
-  if unknown:
-    raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   seq_len = config.train.seq_len if seq_len is None else seq_len
-  check_position_buckets(seq_len, position_buckets)
-  train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
+  check_request(config, modes, seq_len, position_buckets)
   task, batch_size = config.data.synthetic, config.train.batch_size // config.train.grad_accum_steps
-  if task and (seq_len != config.train.seq_len or position_buckets):
-    raise ValueError(f"--eval_seq_len and --by_position evaluate text; the synthetic task {task!r} "
-                     "(data.synthetic) is evaluated at train.seq_len over its answers: drop those flags.")
   placement = sharding.placement(config.mesh)
   if task:
     batches = list(data.synthetic_eval_batches(config, batch_size, max_batches or config.train.eval_batches,

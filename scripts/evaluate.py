@@ -42,9 +42,9 @@ _BY_POSITION = flags.DEFINE_integer("by_position", 0, "Number of equal position 
 def main():
   config = _CONFIG.value
   seq_len = config.train.seq_len if _EVAL_SEQ_LEN.value is None else _EVAL_SEQ_LEN.value
-  evaluate.check_position_buckets(seq_len, _BY_POSITION.value)
-  model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
   modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
+  evaluate.check_request(config, modes, seq_len, _BY_POSITION.value)  # before the checkpoint is read
+  model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
   results = {"step": step, "workdir": str(_WORKDIR.value),
              **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value)}
   print(evaluate.format_table(results))
