@@ -1,6 +1,8 @@
-"""notebooks/compare_modes.ipynb: stored without outputs, and runs end to end with tiny sizes in a fresh kernel."""
+"""The notebooks (compare_modes.ipynb, retnet_vs_transformer.ipynb): stored without outputs, and run end to end with
+tiny sizes in a fresh kernel."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -12,15 +14,19 @@ REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "compare_modes.ipynb"
 # One length each, the same for both: the decode prefill then reuses the compiled chunkwise forward.
 TINY = dict(TRAIN_STEPS="4", BATCH="1", SEQ_LENS="24", DECODE_CONTEXTS="24", REPEATS="1")
+VERSUS = REPO / "notebooks" / "retnet_vs_transformer.ipynb"
+VERSUS_TINY = dict(TRAIN_STEPS="4", EVAL_EVERY="2", EVAL_SEQ_LEN="128", POSITION_BUCKETS="4", EVAL_BATCHES="1",
+                   MQAR_STEPS="4", MQAR_BATCH="8", DECODE_CONTEXTS="16,32", DECODE_TOKENS="4", REPEATS="1")
 
 
-def test_notebook_is_stored_without_outputs():
-  nb = nbformat.read(NOTEBOOK, as_version=4)
+@pytest.mark.parametrize("path, tiny", [(NOTEBOOK, TINY), (VERSUS, VERSUS_TINY)], ids=["compare_modes", "versus"])
+def test_notebook_is_stored_without_outputs(path, tiny):
+  nb = nbformat.read(path, as_version=4)
   nbformat.validate(nb)
   code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
   assert all(not cell.outputs and cell.execution_count is None for cell in code_cells)
   assert "parameters" in code_cells[0].metadata.get("tags", [])
-  for name in TINY:  # every size the test overrides is a parameter read from the environment
+  for name in tiny:  # every size the test overrides is a parameter read from the environment
     assert f'_param("{name}"' in code_cells[0].source
 
 
@@ -52,3 +58,51 @@ def test_notebook_runs_end_to_end(tmp_path):
 
   text = "".join(output.get("text", "") for output in outputs if output.output_type == "stream")
   assert "ROMEO:" in text  # the sampled continuation is printed after its prompt
+
+
+@pytest.mark.slow
+def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
+  run_dir = tmp_path / "run"
+  env = dict(os.environ, XLA_FLAGS="",  # one CPU device, as a user has (conftest forces 8 in this process)
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+             RETNET_VS_TRANSFORMER_RUN_DIR=str(run_dir),
+             **{f"RETNET_VS_TRANSFORMER_{k}": v for k, v in VERSUS_TINY.items()})
+  nb = nbformat.read(VERSUS, as_version=4)
+  client = NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}})
+  client.execute(env=env)  # raises CellExecutionError, naming the cell, if any cell fails
+
+  for name in ("validation_loss.png", "loss_by_position.png", "mqar.png", "decoding.png"):
+    assert (run_dir / "plots" / name).stat().st_size > 1000, name
+  results = json.loads((run_dir / "results.json").read_text())
+  assert "nonfinite" not in results, results["nonfinite"]  # metrics.to_json lists any non-finite value there
+  both = {"retnet", "transformer"}
+  for section in ("parameters", "steps", "validation", "loss_by_position", "mqar"):
+    assert set(results[section]) == both, section
+  for arch in both:
+    for task in ("text", "mqar"):
+      assert (run_dir / task / arch / "checkpoints" / "4").is_dir(), (task, arch)
+    assert results["steps"][arch] == 4 and results["mqar"][arch]["step"] == 4
+    for curve in (results["validation"][arch], results["mqar"][arch]["validation"]):
+      assert curve["step"] == [2, 4]
+      assert all(math.isfinite(loss) and loss > 0 for loss in curve["eval_loss"])
+      assert 0 < curve["train_seconds"][0] < curve["train_seconds"][1]
+    by_position = results["loss_by_position"][arch]
+    assert by_position["seq_len"] == 128 > by_position["train_seq_len"] == 64
+    assert [(b["start"], b["end"]) for b in by_position["buckets"]] == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    assert all(math.isfinite(b["loss"]) for b in by_position["buckets"])
+    assert sum(b["loss"] for b in by_position["buckets"]) / 4 == pytest.approx(by_position["loss"], rel=1e-5)
+    assert 0 <= results["mqar"][arch]["accuracy"] <= 1 and math.isfinite(results["mqar"][arch]["loss"])
+  # The sizes are matched as the paper does: parameter counts within 2%.
+  assert results["parameters"]["transformer"] == pytest.approx(results["parameters"]["retnet"], rel=0.02)
+  modes = {arch: by_position["mode"] for arch, by_position in results["loss_by_position"].items()}
+  assert modes == {"retnet": "chunkwise", "transformer": "parallel"}
+
+  decoding = results["decoding"]
+  assert decoding["contexts"] == [16, 32]
+  for arch in both:
+    assert len(decoding[arch]["ms_per_token"]) == len(decoding[arch]["state_bytes"]) == 2
+    assert all(ms > 0 for ms in decoding[arch]["ms_per_token"])
+  # tiny: 2 layers, d_model 32 in float32. RetNet: per layer kv [1, 2 heads, 16, 32] and key_sum [1, 2, 16], and
+  # the position; the Transformer: keys and values [1, n, 2 heads, 16] per layer, the position and the next slot.
+  assert decoding["retnet"]["state_bytes"] == [2 * (2 * 16 * 32 + 2 * 16) * 4 + 4] * 2
+  assert decoding["transformer"]["state_bytes"] == [2 * 2 * n * 32 * 4 + 8 for n in (16, 32)]
