@@ -87,10 +87,12 @@ def _gpu_suite(name: str):
     head_dims = tuple(tuple(int(x) for x in dims.split("x", 1)) for dims in _OP_HEAD_DIMS.value or ())
     lengths = tuple(int(x) for x in _OP_LENGTHS.value or ())
   except ValueError:
-    raise app.UsageError(f"--op_head_dims={_OP_HEAD_DIMS.value} --op_lengths={_OP_LENGTHS.value}: give e.g. "
+    raise app.UsageError(f"--op_head_dims={','.join(_OP_HEAD_DIMS.value or ())} --op_lengths="
+                         f"{','.join(_OP_LENGTHS.value or ())}: give e.g. "
                          "--op_head_dims=256x256,128x128 --op_lengths=2048,4096.") from None
   if any(len(d) != 2 or min(d) < 1 for d in head_dims) or any(n < 1 for n in lengths):
-    raise app.UsageError(f"--op_head_dims={_OP_HEAD_DIMS.value} --op_lengths={_OP_LENGTHS.value}: give positive "
+    raise app.UsageError(f"--op_head_dims={','.join(_OP_HEAD_DIMS.value or ())} --op_lengths="
+                         f"{','.join(_OP_LENGTHS.value or ())}: give positive "
                          "sizes, e.g. --op_head_dims=256x256,128x128 --op_lengths=2048,4096.")
   unknown = [m for m in _TRAIN_MODELS.value or () if m not in suite.models]
   if unknown:
@@ -127,8 +129,10 @@ def main():
     out = Path(_OUT.value)
     if out.exists() and not out.is_dir():
       raise app.UsageError(f"--out={out} is a file; give a folder for the JSON and markdown files.")
-    # Before JAX starts its backend: torch (fla) shares the GPU, so JAX allocates as it goes instead of taking 75%.
+    # Before JAX starts its backend: torch (fla) shares the GPU, so JAX allocates as it goes instead of taking 75%
+    # up front, up to 90% (the train steps' limit: a step whose XLA buffers exceed it is skipped).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     gpu.run(suite, _GPU_SIZES.value, tuple(_PARTS.value), out, " ".join(["python"] + sys.argv))
     return
   if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(

@@ -301,7 +301,7 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   op = written["gpu_op_16x32"]
   assert {"device", "versions", "command", "flop_counts"} <= set(op["meta"]) and op["meta"]["versions"]["jax"]
   assert set(op["skipped"]) == {"pallas", "cudnn_attention", "fla"}
-  assert "GPUs only" in op["skipped"]["pallas"] and "CUDA" in op["skipped"]["fla"]
+  assert "GPUs only" in op["skipped"]["pallas"] and "CUDA GPU" in op["skipped"]["fla"]
   assert op["agreement"]["ok"] == {"xla": True}
   (point,) = op["points"]
   assert set(point["cases"]) == {"xla/forward", "xla/forward_backward"}
