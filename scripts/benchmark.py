@@ -45,6 +45,7 @@ import jax
 
 from retnet_jax.bench import cases, gpu, sections, sequence
 from retnet_jax.bench.suites import GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
+from retnet_jax.model import REMAT_POLICIES
 
 _CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
 # Config fields each case sets itself: overriding them with --config.X would be silently undone.
@@ -71,7 +72,9 @@ _OP_HEAD_DIMS = flags.DEFINE_list("op_head_dims", None, "--suite=gpu: the op's p
 _OP_LENGTHS = flags.DEFINE_list("op_lengths", None, "--suite=gpu: the op's lengths (default: the sizes').")
 _TRAIN_MODELS = flags.DEFINE_list("train_models", None, "--suite=gpu: the named sizes of the train part (default: "
                                   "the sizes').")
-GPU_FLAGS = ("--parts", "--gpu_sizes", "--op_head_dims", "--op_lengths", "--train_models")
+_REMAT = flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "--suite=gpu: train.remat of every train step "
+                           "(default: the sizes').")
+GPU_FLAGS = ("--parts", "--gpu_sizes", "--op_head_dims", "--op_lengths", "--train_models", "--remat")
 
 
 def _gpu_suite(name: str):
@@ -81,8 +84,8 @@ def _gpu_suite(name: str):
       arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--config")]
   if fixed:
     raise app.UsageError(f"{', '.join(fixed)}: --suite=gpu builds its models from presets (GPU_SUITES in "
-                         "retnet_jax/bench/suites.py); use --train_models, --seq_len, --batch_size, --op_head_dims "
-                         "and --op_lengths.")
+                         "retnet_jax/bench/suites.py); use --train_models, --seq_len, --batch_size, --remat, "
+                         "--op_head_dims and --op_lengths.")
   try:
     head_dims = tuple(tuple(int(x) for x in dims.split("x", 1)) for dims in _OP_HEAD_DIMS.value or ())
     lengths = tuple(int(x) for x in _OP_LENGTHS.value or ())
@@ -102,7 +105,8 @@ def _gpu_suite(name: str):
       suite, op_head_dims=head_dims or suite.op_head_dims, op_lengths=lengths or suite.op_lengths,
       train_models=train_models,
       train_seq_len=suite.train_seq_len if _SEQ_LEN.value is None else _SEQ_LEN.value,
-      train_batch=suite.train_batch if _BATCH_SIZE.value is None else {m: _BATCH_SIZE.value for m in suite.models})
+      train_batch=suite.train_batch if _BATCH_SIZE.value is None else {m: _BATCH_SIZE.value for m in suite.models},
+      train_remat=suite.train_remat if _REMAT.value is None else {m: _REMAT.value for m in suite.models})
 
 
 def _check_inference_mesh(base, size: dict[str, int]) -> None:

@@ -155,7 +155,8 @@ def _op_inputs(suite: GpuSuite, length: int, d_k: int, d_v: int, seed: int = 0) 
   output cotangents, made on the device."""
   shape = (suite.op_batch, length, suite.op_heads)
   keys = jax.random.split(jax.random.key(seed), 6)
-  normal = lambda key, dim, scale=1.0: (jax.random.normal(key, shape + (dim,), jnp.float32) * scale).astype(jnp.bfloat16)
+  normal = lambda key, dim, scale=1.0: (jax.random.normal(key, shape + (dim,), jnp.float32) * scale).astype(
+      jnp.bfloat16)
   return {"q": normal(keys[0], d_k, d_k**-0.25), "k": normal(keys[1], d_k, d_k**-0.25), "v": normal(keys[2], d_v),
           "v_attention": normal(keys[3], d_k), "d_out": normal(keys[4], d_v), "d_out_attention": normal(keys[5], d_k)}
 
@@ -300,7 +301,8 @@ def op_markdown(results: dict[str, Any]) -> list[str]:
     if ratios:
       lines.append(f"Pallas / fla tokens/s, {kind.replace('_', '+')}: {', '.join(ratios)}.")
   lines += [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]
-  lines += [f"Failed at {p['seq_len']}: {name}: {error}." for p in results["points"] for name, error in p["errors"].items()]
+  lines += [f"Failed at {p['seq_len']}: {name}: {error}." for p in results["points"]
+            for name, error in p["errors"].items()]
   return lines
 
 
@@ -373,7 +375,8 @@ def _retnet_train_cases(suite: GpuSuite, name: str, mesh, limit: int | None, ski
       if reason := _too_big(buffers, limit):
         skipped[f"retnet/{impl}"] = reason
         continue
-      holder.setdefault("state", run.init())
+      if "state" not in holder:
+        holder["state"] = run.init()
 
     def one_step(step=step, batch=batch):
       holder["state"], _ = step(holder["state"], batch)
@@ -425,7 +428,8 @@ def train_markdown(results: dict[str, Any]) -> list[str]:
            f"Batch {results['batch_size']} x {results['seq_len']} tokens, bfloat16 compute, float32 parameters, "
            f"train.remat={results['remat']}; bfloat16 GEMM ({results['matmul_size']}^2) "
            f"{fmt_range(results['bfloat16_gemm_flops_per_s'], 'FLOP/s')}.", "",
-           "| model | tokens/s | step s | compile s | peak memory | XLA buffers | MFU |", "|---|---|---|---|---|---|---|"]
+           "| model | tokens/s | step s | compile s | peak memory | XLA buffers | MFU |",
+           "|---|---|---|---|---|---|---|"]
   for name, r in results["cases"].items():
     lines.append(f"| {name} | {fmt_range(r['tokens_per_s'])} | {fmt_range(r['step_s'])} | {fmt(r['compile_s'])} | "
                  f"{fmt(r['memory']['peak_bytes'], 'B')} | {fmt(r['compiled_bytes'], 'B')} | {r['mfu']:.1%} |")
@@ -510,10 +514,11 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None) -> dict[str,
 
 def decode_markdown(results: dict[str, Any]) -> list[str]:
   lines = [f"## Decoding, {results['model']} ({results['params']:,} parameters, bfloat16 compute)", "",
-           f"Batch 1 after a {results['prompt_len']}-token prompt: {fmt_range(results['batch_1']['s_per_token'], scale=1e3)} "
-           f"ms/token. Weight-read "
+           f"Batch 1 after a {results['prompt_len']}-token prompt: "
+           f"{fmt_range(results['batch_1']['s_per_token'], scale=1e3)} ms/token. Weight-read "
            f"floor {fmt(results['param_bytes'], 'B')} (float32 parameters) / "
-           f"{fmt(results['read_bytes_per_s']['median'], 'B/s')} = {results['weight_read_floor_s'] * 1e3:.3g} ms/token: "
+           f"{fmt(results['read_bytes_per_s']['median'], 'B/s')} = {results['weight_read_floor_s'] * 1e3:.3g} "
+           "ms/token: "
            f"RetNet reaches {results['batch_1_over_floor']:.0%} of it.", "",
            "| context | RetNet batch | RetNet tokens/s | RetNet state | Transformer batch | Transformer tokens/s | "
            "KV cache | ratio |", "|---|---|---|---|---|---|---|---|"]
