@@ -350,7 +350,7 @@ def param_count(model_cfg) -> int:
 def _too_big(buffers: int | None, limit: int | None) -> str | None:
   if buffers is not None and limit is not None and buffers > limit:
     return (f"its XLA buffers ({fmt(buffers, 'B')}) exceed the device's memory ({fmt(limit, 'B')}): lower the "
-            "batch (--batch_size) or set a remat policy")
+            "batch (--batch_size) or recompute more (--remat)")
   return None
 
 
