@@ -18,6 +18,14 @@ of a token's latency.
 `--suite=sequence` measures sequence-parallel training instead (`retnet_jax.bench.sequence`): per-device XLA
 buffers and step time of one long sequence split over 1, 2, 4 and 8 devices (simulated on a CPU), written to
 OUT/sequence_parallel.json, .md and .png.
+
+`--suite=gpu` runs the GPU suite instead (`retnet_jax.bench.gpu`), on one device, its parts chosen with --parts
+(one device command may not run them all): the retention op against fla's Triton kernel and cuDNN attention, train
+steps of a ~350M RetNet and the 1.3b preset (and their Transformers) with MFU, decoding, and the deep presets'
+compile times, each written to OUT/gpu_<part>*.json and .md. Its models are presets (the --config flag is unused):
+
+    python scripts/benchmark.py --suite=gpu --parts=op --op_head_dims=256x256 --out=runs/gpu
+    python scripts/benchmark.py --suite=gpu --gpu_sizes=tiny --out=runs/gpu_smoke  # every part in seconds
 """
 
 from __future__ import annotations
@@ -35,17 +43,18 @@ from pathlib import Path
 from absl import app, flags
 import jax
 
-from retnet_jax.bench import cases, sections, sequence
-from retnet_jax.bench.suites import SEQUENCE_SUITE, SIZE_FIELDS, SUITES
+from retnet_jax.bench import cases, gpu, sections, sequence
+from retnet_jax.bench.suites import GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
+from retnet_jax.model import REMAT_POLICIES
 
 _CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
 # Config fields each case sets itself: overriding them with --config.X would be silently undone.
 SUITE_CONFIG_FLAGS = tuple(f"--config.model.{name}" for name in SIZE_FIELDS) + (
     "--config.model.dtype", "--config.train.mode", "--config.train.seq_len", "--config.train.batch_size",
     "--config.train.grad_accum_steps")
-_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence"], "quick: tiny sizes; full: the "
-                           "full-size preset; sequence: sequence-parallel training, the full suite's model "
-                           "(retnet_jax/bench/suites.py).")
+_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence", "gpu"], "quick: tiny sizes; full: the "
+                           "full-size preset; sequence: sequence-parallel training, the full suite's model; gpu: the "
+                           "GPU suite (retnet_jax/bench/suites.py).")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).", lower_bound=1)
@@ -54,6 +63,50 @@ _INFERENCE_DEVICES = flags.DEFINE_integer(
     "inference_devices", None, "Devices of the tensor-parallel mesh (heads, FFN and vocabulary split) that the "
     "forward sweep and decoding run on. Default: all, at most as many as split those evenly. On the CPU backend "
     "the benchmark makes one JAX device per core unless JAX_NUM_CPU_DEVICES or XLA_FLAGS set a count.")
+
+_PARTS = flags.DEFINE_list("parts", list(gpu.PARTS), f"--suite=gpu: the parts to run, of {', '.join(gpu.PARTS)}.")
+_GPU_SIZES = flags.DEFINE_enum("gpu_sizes", "h100", list(GPU_SUITES), "--suite=gpu: h100: one 80 GB GPU; tiny: "
+                               "seconds, a smoke run of every part.")
+_OP_HEAD_DIMS = flags.DEFINE_list("op_head_dims", None, "--suite=gpu: the op's per-head d_kxd_v, e.g. 256x512 "
+                                  "(default: the sizes').")
+_OP_LENGTHS = flags.DEFINE_list("op_lengths", None, "--suite=gpu: the op's lengths (default: the sizes').")
+_TRAIN_MODELS = flags.DEFINE_list("train_models", None, "--suite=gpu: the named sizes of the train part (default: "
+                                  "the sizes').")
+_REMAT = flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "--suite=gpu: train.remat of every train step "
+                           "(default: the sizes').")
+GPU_FLAGS = ("--parts", "--gpu_sizes", "--op_head_dims", "--op_lengths", "--train_models", "--remat")
+
+
+def _gpu_suite(name: str):
+  """GPU_SUITES[name] with the flags' overrides; UsageError naming a bad one."""
+  suite = GPU_SUITES[name]
+  fixed = [f"--{n}" for n, f in _SIZE.items() if f.value is not None] + [
+      arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--config")]
+  if fixed:
+    raise app.UsageError(f"{', '.join(fixed)}: --suite=gpu builds its models from presets (GPU_SUITES in "
+                         "retnet_jax/bench/suites.py); use --train_models, --seq_len, --batch_size, --remat, "
+                         "--op_head_dims and --op_lengths.")
+  try:
+    head_dims = tuple(tuple(int(x) for x in dims.split("x", 1)) for dims in _OP_HEAD_DIMS.value or ())
+    lengths = tuple(int(x) for x in _OP_LENGTHS.value or ())
+  except ValueError:
+    raise app.UsageError(f"--op_head_dims={','.join(_OP_HEAD_DIMS.value or ())} --op_lengths="
+                         f"{','.join(_OP_LENGTHS.value or ())}: give e.g. "
+                         "--op_head_dims=256x256,128x128 --op_lengths=2048,4096.") from None
+  if any(len(d) != 2 or min(d) < 1 for d in head_dims) or any(n < 1 for n in lengths):
+    raise app.UsageError(f"--op_head_dims={','.join(_OP_HEAD_DIMS.value or ())} --op_lengths="
+                         f"{','.join(_OP_LENGTHS.value or ())}: give positive "
+                         "sizes, e.g. --op_head_dims=256x256,128x128 --op_lengths=2048,4096.")
+  unknown = [m for m in _TRAIN_MODELS.value or () if m not in suite.models]
+  if unknown:
+    raise app.UsageError(f"--train_models={','.join(unknown)}: choose of {list(suite.models)}.")
+  train_models = tuple(_TRAIN_MODELS.value or suite.train_models)
+  return dataclasses.replace(
+      suite, op_head_dims=head_dims or suite.op_head_dims, op_lengths=lengths or suite.op_lengths,
+      train_models=train_models,
+      train_seq_len=suite.train_seq_len if _SEQ_LEN.value is None else _SEQ_LEN.value,
+      train_batch=suite.train_batch if _BATCH_SIZE.value is None else {m: _BATCH_SIZE.value for m in suite.models},
+      train_remat=suite.train_remat if _REMAT.value is None else {m: _REMAT.value for m in suite.models})
 
 
 def _check_inference_mesh(base, size: dict[str, int]) -> None:
@@ -69,6 +122,23 @@ def _check_inference_mesh(base, size: dict[str, int]) -> None:
 
 
 def main():
+  gpu_args = [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in GPU_FLAGS]
+  if _SUITE.value != "gpu" and gpu_args:
+    raise app.UsageError(f"{', '.join(gpu_args)}: only for --suite=gpu.")
+  if _SUITE.value == "gpu":
+    suite = _gpu_suite(_GPU_SIZES.value)
+    bad_parts = [p for p in _PARTS.value if p not in gpu.PARTS]
+    if bad_parts or not _PARTS.value:
+      raise app.UsageError(f"--parts={','.join(_PARTS.value)}: choose one or more of {','.join(gpu.PARTS)}.")
+    out = Path(_OUT.value)
+    if out.exists() and not out.is_dir():
+      raise app.UsageError(f"--out={out} is a file; give a folder for the JSON and markdown files.")
+    # Before JAX starts its backend: torch (fla) shares the GPU, so JAX allocates as it goes instead of taking 75%
+    # up front, up to 90% (the train steps' limit: a step whose XLA buffers exceed it is skipped).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    gpu.run(suite, _GPU_SIZES.value, tuple(_PARTS.value), out, " ".join(["python"] + sys.argv))
+    return
   if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -248,3 +248,78 @@ def test_sequence_suite_splits_one_sequence_over_devices(tmp_path):
   assert json.loads((tmp_path / "sequence_parallel.json").read_text())["meta"]["splits"] == [1, 8]
   assert "| 1,024 | 8 |" in (tmp_path / "sequence_parallel.md").read_text()
   assert (tmp_path / "sequence_parallel.png").stat().st_size > 0
+
+
+def test_gpu_suite_flop_counts_and_fla_mapping():
+  """The op's FLOP counts against hand counts, and our chunkwise form against fla's pure-PyTorch reference
+  (`fla.ops.retention.naive`, loaded without fla's package, which needs Triton) in float32 under the mapping the
+  suite times fla with: same [B, T, H, D] layout, fla's fixed decays = decay.log_decay('retnet'), no query scale."""
+  import importlib.util
+
+  import torch
+
+  from retnet_jax import decay, retention
+  from retnet_jax.bench import gpu
+  # B 2, H 3, T 128, d_k 16, d_v 32, chunk 64: per head and token 2 * 64 * 48 + 4 * 16 * 32 = 8192 FLOPs.
+  assert gpu.retention_op_flops(2, 3, 128, 16, 32, 64) == 2 * 3 * 128 * 8192
+  # Causal attention: 2 * T^2 * d per head = 2 * 128^2 * 16 = 524288.
+  assert gpu.attention_op_flops(2, 3, 128, 16) == 2 * 3 * 524288
+  np.testing.assert_allclose(gpu.fla_log_decay(4), np.log([1 - 1 / 32, 1 - 1 / 64, 1 - 1 / 128, 1 - 1 / 256]),
+                             rtol=1e-6)
+  np.testing.assert_array_equal(gpu.fla_log_decay(8), decay.log_decay("retnet", 8))
+  with pytest.raises(ValueError, match="fla's chunk_retention fixes log decays"):
+    gpu.check_fla_mapping(decay.log_decay("logspace", 4))
+
+  spec = importlib.util.find_spec("fla")
+  if spec is None:
+    pytest.skip("fla is not installed")
+  path = Path(spec.submodule_search_locations[0]) / "ops" / "retention" / "naive.py"
+  naive = importlib.util.spec_from_file_location("fla_naive_retention", path)
+  module = importlib.util.module_from_spec(naive)
+  naive.loader.exec_module(module)
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((2, 40, 3, d)).astype(np.float32) for d in (16, 16, 32))
+  log_decay = gpu.fla_log_decay(3)
+  gpu.check_fla_mapping(log_decay)
+  with jax.default_matmul_precision("highest"):
+    ours, _ = retention.chunkwise_retention(jnp.asarray(q) * 16**-0.5, k, v, log_decay, 16)  # naive scales q
+  head_first = lambda x: torch.from_numpy(x).transpose(1, 2)
+  theirs = module.naive_retention(head_first(q), head_first(k), head_first(v)).transpose(1, 2).numpy()
+  np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
+  """Every part of `--suite=gpu` at the tiny sizes on the CPU: what runs here is measured, what needs a GPU (Pallas,
+  cuDNN, fla) is recorded as skipped with its reason; each part's JSON and table are written."""
+  from retnet_jax.bench import gpu, suites
+  suite = suites.GPU_SUITES["tiny"]
+  written = gpu.run(suite, "tiny", gpu.PARTS, tmp_path, "test")
+  assert set(written) == {"gpu_op_16x32", "gpu_train_tiny", "gpu_decode", "gpu_compile"}
+  for stem, document in written.items():
+    assert json.loads((tmp_path / f"{stem}.json").read_text())["meta"]["part"] == document["meta"]["part"]
+    assert (tmp_path / f"{stem}.md").read_text().startswith("# GPU suite")
+  op = written["gpu_op_16x32"]
+  assert {"device", "versions", "command", "flop_counts"} <= set(op["meta"]) and op["meta"]["versions"]["jax"]
+  assert set(op["skipped"]) == {"pallas", "cudnn_attention", "fla"}
+  assert "GPUs only" in op["skipped"]["pallas"] and "CUDA GPU" in op["skipped"]["fla"]
+  assert op["agreement"]["ok"] == {"xla": True}
+  (point,) = op["points"]
+  assert set(point["cases"]) == {"xla/forward", "xla/forward_backward"}
+  forward, both = point["cases"]["xla/forward"], point["cases"]["xla/forward_backward"]
+  assert forward["flops"] == gpu.retention_op_flops(1, 2, 32, 16, 32, 16) and both["flops"] == 3 * forward["flops"]
+  assert forward["tflops_per_s"] == pytest.approx(forward["flops"] / forward["seconds"]["median"] / 1e12)
+  assert (tmp_path / "gpu_op_16x32.png").stat().st_size > 0
+  train = written["gpu_train_tiny"]
+  assert set(train["cases"]) == {"retnet/xla", "transformer"} and "GPUs only" in train["skipped"]["retnet/pallas"]
+  for case in train["cases"].values():
+    assert case["mfu"] == pytest.approx(case["tokens_per_s"]["median"] * case["flops_per_token"]
+                                        / train["bfloat16_gemm_flops_per_s"]["median"])
+  decode = written["gpu_decode"]
+  assert decode["param_bytes"] == 4 * decode["params"] and 0 < decode["batch_1_over_floor"]
+  (context,) = decode["contexts"]
+  assert context["retnet"]["batch"] == context["transformer"]["batch"] == 1 and context["throughput_ratio"] > 0
+  # KV cache of 32 context + 4 new slots: 2 (key, value) x 1 layer x 36 x 32 (d_model) x 2 bytes (bfloat16), and
+  # the int32 position and next slot.
+  assert context["transformer"]["state_bytes"] == 2 * 36 * 32 * 2 + 4 + 4
+  assert set(written["gpu_compile"]["models"]) == {"tiny/xla"}
+  assert written["gpu_compile"]["models"]["tiny/xla"]["compile_s"] > 0.05

@@ -1,4 +1,4 @@
-"""The benchmark suites (quick, full, sequence) and the model fields they set."""
+"""The benchmark suites (quick, full, sequence, gpu) and the model fields they set."""
 
 from __future__ import annotations
 
@@ -56,3 +56,61 @@ class SequenceSweep:
 
 SEQUENCE_SUITE = SequenceSweep(suite=SUITES["full"], splits=(1, 2, 4, 8), lengths=(2048, 4096, 8192, 16384),
                                compile_only_lengths=(65536,), rounds=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSuite:
+  """What the GPU suite (`retnet_jax.bench.gpu`) measures. Every size is a field, so that a CPU test runs it tiny.
+
+  Models are named sizes: `(preset, model fields that replace the preset's)`, with bfloat16 compute and float32
+  parameters. The RetNet chunk size depends on the retention implementation: the XLA form's preset chunk, the
+  Pallas kernels' 64 (the chunk of fla's kernels too).
+  """
+  models: dict[str, tuple[str, dict[str, int]]]
+  chunk_sizes: dict[str, int]  # per model.retention_impl (xla, pallas): the RetNet chunk length
+  op_batch: int
+  op_heads: int
+  op_head_dims: tuple[tuple[int, int], ...]  # (d_k, d_v) per head
+  op_lengths: tuple[int, ...]
+  op_check_len: int  # the implementations are compared with the XLA form at this length before timing
+  op_repeats: int  # runs per timed round of one op case
+  train_models: tuple[str, ...]
+  train_impls: tuple[str, ...]  # model.retention_impl of the RetNet train steps
+  train_seq_len: int
+  train_batch: dict[str, int]  # per model: sequences per step
+  train_remat: dict[str, str]  # per model: train.remat
+  decode_model: str
+  decode_prompt_len: int  # batch 1: a real prompt, prefilled
+  decode_batch: int
+  decode_contexts: tuple[int, ...]  # the large batch decodes after this many tokens of context
+  decode_new_tokens: int
+  compile_models: tuple[str, ...]  # train steps compiled (not run) for their compile time
+  matmul_size: int  # of the bfloat16 GEMM that measures the MFU denominator
+  rounds: int
+
+
+# The paper has no 350M size: d_model 1024 and 24 layers with its ratios (key head dim 256, value width 2 d_model,
+# GLU FFN 4/3 d_model, rounded to a multiple of 64), 50304 tokens, tied embeddings: 353M parameters.
+SIZE_350M = dict(d_model=1024, num_layers=24, num_heads=4, value_dim=2048, ffn_dim=1344)
+
+GPU_SUITES = {
+    # One 80 GB GPU (H100). Batches and remat policies are estimates (the saved projections of 16k tokens x 24
+    # layers, ~17 GB at 1.3b, beside 16 bytes per parameter of state): a step whose XLA buffers exceed the device's
+    # memory is recorded as skipped, not run.
+    "h100": GpuSuite(
+        models={"350m": ("1.3b", SIZE_350M), "1.3b": ("1.3b", {}), "2.7b": ("2.7b", {})},
+        chunk_sizes={"xla": 256, "pallas": 64}, op_batch=4, op_heads=8,
+        op_head_dims=((256, 256), (128, 128), (256, 512)), op_lengths=(2048, 4096, 8192, 16384, 32768),
+        op_check_len=1024, op_repeats=5, train_models=("350m", "1.3b"), train_impls=("xla", "pallas"),
+        train_seq_len=2048, train_batch={"350m": 16, "1.3b": 8, "2.7b": 4},
+        train_remat={name: "dots_with_no_batch_dims_saveable" for name in ("350m", "1.3b", "2.7b")},
+        decode_model="1.3b", decode_prompt_len=128, decode_batch=64, decode_contexts=(2048, 8192, 32768),
+        decode_new_tokens=32, compile_models=("1.3b", "2.7b"), matmul_size=8192, rounds=5),
+    # Seconds on a CPU: the tests, and a smoke run of every part on a GPU before the real one.
+    "tiny": GpuSuite(
+        models={"tiny": ("tiny", dict(num_layers=1))}, chunk_sizes={"xla": 16, "pallas": 16},
+        op_batch=1, op_heads=2, op_head_dims=((16, 32),), op_lengths=(32,), op_check_len=32, op_repeats=1,
+        train_models=("tiny",), train_impls=("xla", "pallas"), train_seq_len=32, train_batch={"tiny": 2},
+        train_remat={"tiny": "none"}, decode_model="tiny", decode_prompt_len=8, decode_batch=1,
+        decode_contexts=(32,), decode_new_tokens=4, compile_models=("tiny",), matmul_size=64, rounds=1),
+}
