@@ -40,10 +40,11 @@ def forward_loss_and_grads(model, tokens_BxL1, mode, state):
   return loss, logits, new_state, grads
 
 
-# (mesh shape over (data, fsdp, tensor, sequence), normaliser style, mode): the sequence alone over 2 and 8 devices,
-# and with the batch over data and the heads over tensor.
-CASES = [((1, 1, 1, 2), "shared", "chunkwise"), ((1, 1, 1, 8), "torchscale", "parallel"),
-         ((2, 1, 1, 4), "torchscale", "chunkwise"), ((2, 1, 2, 2), "shared", "parallel")]
+# (mesh shape over (data, fsdp, tensor, sequence), normaliser style, mode): the sequence alone over 8 devices, and
+# over 4 and 2 with the batch over data and the heads over tensor. (With the shared normaliser both modes run the
+# same split computation; the torchscale one's parallel and chunkwise divisors differ.)
+CASES = [((1, 1, 1, 8), "torchscale", "parallel"), ((2, 1, 1, 4), "torchscale", "chunkwise"),
+         ((2, 1, 2, 2), "shared", "chunkwise")]
 
 
 @pytest.mark.devices(8)
