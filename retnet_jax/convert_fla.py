@@ -247,6 +247,8 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
 
 def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
   """The model fields of `cfg` that fla's RetNet cannot express, each with the value it needs."""
+  if cfg.get("architecture", "retnet") != "retnet":
+    return [f"model.architecture={cfg.architecture!r} (fla's RetNet is a RetNet; export a RetNet workdir)"]
   problems = [f"model.{name}={cfg[name]!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
               if cfg[name] != value]
   if cfg.head_norm_eps != cfg.norm_eps:

@@ -14,15 +14,16 @@ import numpy as np
 def matmul_params(cfg: ml_collections.ConfigDict) -> int:
   """Parameters used in matmuls per token: every projection and the output head (not the embedding lookup).
 
-  RetNet: q, k (d^2 each), v, g (d d_v each), out (d_v d) and the GLU FFN (3 d f) per layer; the Transformer:
-  q, k, v, o (d^2 each) and the GLU FFN.
+  RetNet: q (d^2), k (d^2), v (d d_v), each of k and v scaled by num_kv_heads / num_heads, g (d d_v), out (d_v d)
+  and the GLU FFN (3 d f) per layer; the Transformer: q, k, v, o (d^2 each) and the GLU FFN.
   """
   d, f = cfg.d_model, cfg.ffn_dim
   if cfg.architecture == "transformer":
     per_layer = 4 * d * d + 3 * d * f
   else:
     v = cfg.value_dim
-    per_layer = 2 * d * d + 2 * d * v + v * d + 3 * d * f
+    kv_share = (cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads) / cfg.num_heads
+    per_layer = d * d + round(kv_share * (d * d + d * v)) + d * v + v * d + 3 * d * f
   return cfg.num_layers * per_layer + d * cfg.vocab_size
 
 

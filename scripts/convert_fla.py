@@ -32,7 +32,7 @@ def workdir_config(workdir: Path):
     raise FileNotFoundError(f"{path} is missing; --to_fla exports a workdir written by scripts/train.py or a "
                             "conversion.")
   saved = json.loads(path.read_text())
-  config = presets.get_config(saved["preset"])
+  config = presets.get_config(saved["preset"], saved["model"].get("architecture", "retnet"))
   config.model.update(saved["model"])
   config.data.tokenizer = saved["data"]["tokenizer"]
   return config

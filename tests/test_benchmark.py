@@ -42,6 +42,13 @@ def test_flop_counter_matches_hand_count():
   # Per layer: q, k 32x32 (2 x 1024); v, g 32x64 (2 x 2048); out 64x32 (2048); GLU fc1, gate 32x64, fc2 64x32
   # (3 x 2048): 2048 + 4096 + 2048 + 6144 = 14336. Two layers and the head 32x256 (8192): 36864.
   assert flops.matmul_params(cfg) == 2 * 14336 + 8192 == 36864
+  # With one key/value head for the two query heads, k and v are half as wide (32x16 and 32x32): 1536 fewer per layer;
+  # the count equals the model's projection and head kernels.
+  cfg.num_kv_heads = 1
+  kernels = [x for path, x in nnx.to_flat_state(nnx.state(RetNet(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+             if path[-1] == "kernel"]
+  assert flops.matmul_params(cfg) == 36864 - 2 * 1536 == sum(x[...].size for x in kernels)
+  cfg.num_kv_heads = None
   # Parallel at 16 tokens, per token and layer: scores 2 * 16 * 32 = 1024, scores @ V 2 * 16 * 64 = 2048.
   assert flops.retention_flops_per_token(cfg, 16, "parallel") == 2 * (1024 + 2048)
   # Chunkwise: the same in a chunk of 8 (512 + 1024), plus per head (d_k 16, d_v 32) the state read q S and

@@ -273,6 +273,11 @@ def test_models_fla_cannot_express_are_refused(tmp_path, override, message):
     convert_fla.check_export(config, tmp_path / "out")
 
 
+def test_a_transformer_is_refused(tmp_path):
+  with pytest.raises(ValueError, match=re.escape("model.architecture='transformer' (fla's RetNet is a RetNet")):
+    convert_fla.check_export(presets.get_config("tiny", "transformer"), tmp_path / "out")
+
+
 def test_export_refuses_before_writing(tmp_path):
   """A model fla cannot express, a tokenizer larger than the vocabulary, a folder in use: nothing is written."""
   model, config = our_fla_model(stability_norm=True)
