@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,6 +30,23 @@ def to_json(values: dict[str, Any]) -> str:
 
   cleaned = clean(values, "")
   return json.dumps({**cleaned, "nonfinite": nonfinite} if nonfinite else cleaned, allow_nan=False)
+
+
+def write_results(results: dict[str, Any], path: str | os.PathLike,
+                  plot: Callable[[dict[str, Any], Path], Any] | None = None) -> str:
+  """`results` as one JSON line (`to_json`), written to `path` by the first process, with `plot(results, png)` beside
+  it (`png`: `path` with the suffix `.png`); returns the line for stdout. A read-only or full workdir is logged,
+  not raised: the results still reach stdout."""
+  line = to_json(results)
+  if jax.process_index() == 0:
+    path = Path(path)
+    try:
+      path.write_text(line + "\n")
+      if plot is not None:
+        plot(results, path.with_suffix(".png"))
+    except OSError as e:
+      logging.error(f"could not write {e.filename or path} ({e.strerror}); the results are the JSON line below only")
+  return line
 
 
 def _drop_partial_line(path: str) -> None:

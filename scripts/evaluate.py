@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 from absl import flags, logging
-import jax
 
 from retnet_jax import architectures, evaluate, metrics
 from retnet_jax.layers import MODES
@@ -48,16 +47,11 @@ def main():
   results = {"step": step, "workdir": str(_WORKDIR.value),
              **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value)}
   print(evaluate.format_table(results))
-  line = metrics.to_json(results)
-  if jax.process_index() == 0:
-    path = Path(_WORKDIR.value) / f"eval_step_{step}.json"
-    try:
-      path.write_text(line + "\n")
-      if _BY_POSITION.value:
-        evaluate.plot_loss_by_position(results, path.with_name(f"eval_step_{step}_by_position.png"),
-                                       config.train.seq_len)
-    except OSError as e:  # a read-only or full workdir: the results still reach stdout
-      logging.error(f"could not write {e.filename or path} ({e.strerror}); the results are the JSON line below only")
+  plot = None
+  if _BY_POSITION.value:
+    plot = lambda results, png: evaluate.plot_loss_by_position(
+        results, png.with_name(f"eval_step_{step}_by_position.png"), config.train.seq_len)
+  line = metrics.write_results(results, Path(_WORKDIR.value) / f"eval_step_{step}.json", plot)
   print(line, flush=True)
   nonfinite = json.loads(line).get("nonfinite")
   if nonfinite:

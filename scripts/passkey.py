@@ -16,8 +16,7 @@ if __name__ == "__main__":
 
 from pathlib import Path
 
-from absl import flags, logging
-import jax
+from absl import flags
 
 from retnet_jax import architectures, data, metrics, passkey, sampling, train_state
 
@@ -60,14 +59,7 @@ def main():
   results = {"step": step, "workdir": str(_WORKDIR.value), "mode": mode, "seed": _SEED.value,
              **passkey.evaluate(passkey.greedy_generate(model, mode), grid, _BATCH_SIZE.value)}
   print(passkey.format_table(results))
-  line = metrics.to_json(results)
-  if jax.process_index() == 0:
-    path = Path(_WORKDIR.value) / f"passkey_step_{step}.json"
-    try:
-      path.write_text(line + "\n")
-      passkey.plot_heatmap(results, path.with_suffix(".png"))
-    except OSError as e:  # a read-only or full workdir: the results still reach stdout
-      logging.error(f"could not write {e.filename or path} ({e.strerror}); the results are the JSON line below only")
+  line = metrics.write_results(results, Path(_WORKDIR.value) / f"passkey_step_{step}.json", passkey.plot_heatmap)
   print(line, flush=True)
 
 
