@@ -145,10 +145,9 @@ class Sampler:
       prefill_mode: one of PREFILL_MODES that the model has; None: chunkwise for RetNet, parallel for a Transformer.
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
-    _, prefill_mode = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    _, prefill_mode, padding = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
     _check_cache(model, prompts_BxP.shape[1])
-    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode,
-                                 getattr(model.config, "chunk_size", None))
+    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding)
 
   def decode(self, model: architectures.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -185,21 +184,21 @@ class Sampler:
         it comes, at that cost per token.
     Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
     """
-    batch, prefill_mode = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    batch, prefill_mode, padding = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
     settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
     keys = _check_key(key, batch)  # every argument checked before the prefill runs
     _check_cache(model, prompts_BxP.shape[1], settings.max_new_tokens)
     graphdef, params = nnx.split(model)
-    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode,
-                                      getattr(model.config, "chunk_size", None))
+    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode, padding)
     return self._decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
 
   def _prefill_checked(self, graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
-                       chunk_size: int | None) -> Prefilled:
+                       padding: int) -> Prefilled:
+    """The prefill of prompts `_check_prefill` accepted, left-padded by `padding` more columns (`_split_padding`)."""
     prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
-    if extra := _split_padding(prompts_BxP.shape[1], chunk_size):
-      prompts_BxP = jnp.pad(prompts_BxP, ((0, 0), (extra, 0)), constant_values=PAD_ID)
+    if padding:
+      prompts_BxP = jnp.pad(prompts_BxP, ((0, 0), (padding, 0)), constant_values=PAD_ID)
     state = self._prefill_jit(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
                               prefill_mode=prefill_mode)
     return Prefilled(state, prompts_BxP[:, -1])
@@ -291,9 +290,10 @@ def _split_padding(prompt_len: int, chunk_size: int | None) -> int:
 
 
 def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
-                   ) -> tuple[int, str]:
-  """(The batch size, the prefill mode) after checking the prompts, their lengths and the prefill mode (None: the
-  first of PREFILL_MODES that the model has)."""
+                   ) -> tuple[int, str, int]:
+  """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs)
+  after checking the prompts, their lengths and the prefill mode (None: the first of PREFILL_MODES that the model
+  has)."""
   own = [mode for mode in PREFILL_MODES if mode in architectures.modes(model.config)]
   if prefill_mode is None:
     prefill_mode = own[0]
@@ -302,7 +302,8 @@ def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any,
                      f"{tuple(own)} (or None: {own[0]}).")
   batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   cfg = model.config
-  width = prompts_BxP.shape[1] + _split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
+  padding = _split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
+  width = prompts_BxP.shape[1] + padding
   if (prefill_mode == "chunkwise" and cfg.stability_norm and cfg.stability_norm_style == "torchscale"
       and np.any(np.asarray(lengths_B) != width)):
     raise ValueError(f"prompts of lengths {np.asarray(lengths_B).tolist()} are left-padded to {width} tokens (the "
@@ -310,7 +311,7 @@ def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any,
                      "model.stability_norm_style='torchscale' the chunkwise normaliser depends on where chunks start, "
                      "so a padded row would not decode as if alone; use prefill_mode='parallel' "
                      "(--prefill_mode=parallel) or prompts of one length.")
-  return batch, prefill_mode
+  return batch, prefill_mode, padding
 
 
 def _check_cache(model: architectures.Model, prompt_len: int, max_new_tokens: int = 0) -> None:

@@ -1,6 +1,7 @@
 """The `sequence` mesh axis: the model, its loss and gradients, training, evaluation and prefill with each sequence
 split over devices, against the same computation on one device; and the errors before any work."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -82,7 +83,6 @@ def corpus_config(tmp_path, mesh_shape):
 def test_training_split_over_sequence_matches_data_parallel(tmp_path):
   """A run on mesh (1, 1, 1, 8) (each 64-token sequence over 8 devices) has the losses of one on (8, 1, 1, 1);
   its checkpoint evaluates in both modes and prefills as on one device."""
-  import json
   runs = {}
   for shape in ((8, 1, 1, 1), (1, 1, 1, 8)):
     config = corpus_config(tmp_path, shape)

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from retnet_jax import flops, optimizer, presets, sampling, sharding, train_state, train_step, transformer
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
+from retnet_jax.model import RetNet
 
 # Model widths the inference mesh's `tensor` axis splits: its device count must divide each.
 TENSOR_SPLIT = ("num_heads", "ffn_dim", "vocab_size")
@@ -27,6 +28,12 @@ def make_config(base, suite: Suite, dtype: str, mode: str, seq_len: int, batch_s
   config.model.dtype = dtype
   config.train.update(dict(mode=mode, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=1))
   return config
+
+
+def param_count(model_cfg) -> int:
+  """Parameters of the RetNet of model section `model_cfg`, counted abstractly (nothing is allocated)."""
+  abstract = nnx.eval_shape(lambda: RetNet(model_cfg, rngs=nnx.Rngs(0)))
+  return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
 
 
 def _train_case(step, state, batch, compile_s: float, buffers: int | None) -> Case:

@@ -342,11 +342,6 @@ def model_config(suite: GpuSuite, name: str, impl: str = "xla"):
   return config
 
 
-def param_count(model_cfg) -> int:
-  abstract = nnx.eval_shape(lambda: RetNet(model_cfg, rngs=nnx.Rngs(0)))
-  return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
-
-
 def _too_big(buffers: int | None, limit: int | None) -> str | None:
   if buffers is not None and limit is not None and buffers > limit:
     return (f"its XLA buffers ({fmt(buffers, 'B')}) exceed the device's memory ({fmt(limit, 'B')}): lower the "
@@ -408,7 +403,7 @@ def measure_train(suite: GpuSuite, name: str, source: str, limit: int | None) ->
   interleave(train_cases, suite.rounds, source)
   gemm = rate(2 * suite.matmul_size**3, train_cases.pop("matmul/bfloat16").info["seconds"])
   results: dict[str, Any] = {
-      "model": name, "preset": suite.models[name][0], "params": param_count(config.model), "batch_size": batch,
+      "model": name, "preset": suite.models[name][0], "params": cases.param_count(config.model), "batch_size": batch,
       "seq_len": seq_len, "remat": suite.train_remat[name], "matmul_size": suite.matmul_size,
       "bfloat16_gemm_flops_per_s": gemm, "cases": {}, "skipped": skipped}
   for case_name, case in train_cases.items():
@@ -470,7 +465,7 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None) -> dict[str,
   retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
   # Its KV caches are made per context (`_context_decode_case`): max_len is unused.
   attention = transformer.Transformer(presets.transformer_config(config.model, 1), rngs=nnx.Rngs(config.seed))
-  params = param_count(config.model)
+  params = cases.param_count(config.model)
   param_bytes = 4 * params  # float32 parameters, as stored and read
   new = suite.decode_new_tokens
   batch_1 = {"memory_read": cases.read_case(params),
@@ -549,7 +544,7 @@ def measure_compile(suite: GpuSuite, limit: int | None) -> dict[str, Any]:
       jax.clear_caches()  # a step this process compiled before (the train part) would come from the cache
       compile_s, buffers = cases.compile_train_step(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
       results["models"][f"{name}/{impl}"] = {
-          "params": param_count(config.model), "num_layers": config.model.num_layers, "compile_s": compile_s,
+          "params": cases.param_count(config.model), "num_layers": config.model.num_layers, "compile_s": compile_s,
           "compiled_bytes": buffers, "fits": _too_big(buffers, limit) is None,
           "batch_size": config.train.batch_size, "seq_len": config.train.seq_len, "remat": config.train.remat}
   return results

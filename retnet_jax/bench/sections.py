@@ -18,7 +18,8 @@ from flax import nnx
 
 from retnet_jax import flops, presets, sharding, transformer
 from retnet_jax.bench.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
-                                    make_config, matmul_case, read_case, retnet_train_case, transformer_train_case)
+                                    make_config, matmul_case, param_count, read_case, retnet_train_case,
+                                    transformer_train_case)
 from retnet_jax.bench.harness import interleave, memory_source, rate
 from retnet_jax.bench.plots import plot
 from retnet_jax.bench.report import fmt, to_markdown
@@ -254,8 +255,7 @@ def run(base, suite: Suite, suite_name: str, out: Path, command: str, inference_
   torchscale = Torchscale(config.model, source)
   states = InitialStates()
   start = time.perf_counter()
-  params = sum(x.size for x in jax.tree.leaves(
-      nnx.state(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))), nnx.Param)))
+  params = param_count(config.model)
   results: dict[str, Any] = {"meta": {
       "suite": suite_name, "command": command,
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -21,16 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from retnet_jax import host_memory, sharding, train_step
-from retnet_jax.bench.cases import make_config
+from retnet_jax.bench.cases import compile_train_step, make_config, param_count
 from retnet_jax.bench.harness import Case, compile_timed, interleave, memory_source, random_tokens, rate, timed
 from retnet_jax.bench.report import fmt
 from retnet_jax.bench.sections import cpu_name
 from retnet_jax.bench.suites import SequenceSweep
-from retnet_jax.model import RetNet
 
 
 def _split_config(base, sweep: SequenceSweep, length: int, split: int):
@@ -87,11 +84,7 @@ def measure(base, sweep: SequenceSweep, source: str) -> dict[str, Any]:
   for length in sweep.compile_only_lengths:
     print(f"sequence-parallel training: {length} tokens, compiled only", flush=True)
     for split in sweep.splits:
-      config, mesh = _split_config(base, sweep, length, split)
-      run = train_step.setup(config, mesh)
-      with run.placement.active():
-        batch = jax.ShapeDtypeStruct((1, length + 1), jnp.int32, sharding=run.placement.batch_sharding)
-        _, compile_s, buffers = compile_timed(run.train_step, run.abstract_state, batch)
+      compile_s, buffers = compile_train_step(*_split_config(base, sweep, length, split))
       results["compiled_only"].append({"seq_len": length, "devices": split, "compiled_bytes_per_device": buffers,
                                        "compile_s": compile_s})
     first = results["compiled_only"][-len(sweep.splits)]["compiled_bytes_per_device"]
@@ -157,8 +150,7 @@ def run(base, sweep: SequenceSweep, out: Path, command: str) -> dict[str, Any]:
   out.mkdir(parents=True, exist_ok=True)
   start = time.perf_counter()
   config, _ = _split_config(base, sweep, sweep.lengths[0], 1)
-  abstract = nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0)))
-  params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  params = param_count(config.model)
   results: dict[str, Any] = {"meta": {
       "suite": "sequence", "command": command,
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
