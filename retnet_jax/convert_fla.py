@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from retnet_jax import data, presets, sharding
+from retnet_jax import presets, sharding, tokenizer as tokenizer_lib
 from retnet_jax.model import RetNet, check_model_config
 
 # fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
@@ -220,7 +220,7 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
   config = config_from_fla(fla_config)
   if (folder / "tokenizer.json").is_file():
     config.data.tokenizer = str((folder / "tokenizer.json").resolve())
-    data.check_vocab_size(data.load_tokenizer(config.data.tokenizer), config.model.vocab_size)
+    tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)  # refused if it outgrows V
   tensors = SafetensorsFolder(folder)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
   targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))
@@ -292,7 +292,7 @@ def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple]) -> Itera
     yield path, np.ascontiguousarray(value.T if path[-1] == "kernel" else value)
 
 
-def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> data.Tokenizer:
+def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> tokenizer_lib.Tokenizer:
   """Raises before anything is written if `out_dir` is not new or empty, if fla cannot express the model
   (ValueError naming the fields), or if the tokenizer does not fit the vocabulary; returns the tokenizer."""
   out = Path(out_dir)
@@ -301,10 +301,8 @@ def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> data
   problems = export_problems(config.model)
   if problems:
     raise ValueError("fla's RetNet cannot express this model: " + "; ".join(problems) + ".")
-  tokenizer = data.load_tokenizer(config.data.tokenizer)
-  if config.data.tokenizer != "byte":
-    data.check_vocab_size(tokenizer, config.model.vocab_size)
-  return tokenizer
+  vocab_size = None if config.data.tokenizer == "byte" else config.model.vocab_size
+  return tokenizer_lib.load(config.data.tokenizer, vocab_size=vocab_size)
 
 
 def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | Path,

@@ -1,14 +1,13 @@
 """Text files -> token stream -> packed sequences -> sharded global batches.
 
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    train_N, valid_N = load_splits(config.data, tokenizer)  # int32 token streams
+    tok = tokenizer.load(config.data.tokenizer, vocab_size=config.model.vocab_size)  # retnet_jax.tokenizer
+    train_N, valid_N = load_splits(config.data, tok)  # int32 token streams
     batches = BatchIterator(pack(train_N, seq_len), batch_size, seed, sharding)
     tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
 
 Files are read and tokenized with HF `datasets`; batches are a deterministic function of (seed, epoch, index),
-so a run resumed from `get_state()` sees exactly the batches an uninterrupted run would. With `data.synthetic`
-set, `SyntheticBatches` and `synthetic_eval_batches` give a synthetic task's `(tokens, loss weights)` batches
-instead (`retnet_jax.synthetic`), a function of (seed, index).
+so a run resumed from `get_state()` sees exactly the batches an uninterrupted run would. A synthetic task's
+batches (`data.synthetic`) come from `retnet_jax.synthetic` instead, placed by the same `global_array`.
 """
 
 from __future__ import annotations
@@ -26,89 +25,14 @@ import ml_collections
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import tokenizers
 from absl import logging
 from huggingface_hub.errors import HfHubHTTPError
 
-from retnet_jax import synthetic
+from retnet_jax.tokenizer import Tokenizer
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 # File suffix -> `datasets` builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-# Special tokens recognised as a tokenizer's end-of-document separator, in order of preference.
-EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
-
-
-class ByteTokenizer:
-  """UTF-8 bytes as tokens: vocab 256, no training, no unknown tokens, and no separator (`eos_id` None)."""
-
-  vocab_size = 256
-  eos_id = None
-
-  def encode(self, text: str) -> np.ndarray:
-    """int32 `[num_bytes]` of the UTF-8 encoding."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-    return [self.encode(text) for text in texts]
-
-  def decode(self, ids: Any) -> str:
-    """Text of a byte sequence; a multi-byte character cut by a sequence boundary, or an id outside the byte
-    range (a model with a larger vocabulary), becomes U+FFFD."""
-    ids = np.asarray(ids).reshape(-1)
-    pieces = np.split(ids, np.flatnonzero((ids < 0) | (ids > 255)))  # every piece after the first starts bad
-    return "\ufffd".join(np.asarray(piece[i > 0:], dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
-                         for i, piece in enumerate(pieces))
-
-
-class HFTokenizer:
-  """A `tokenizers.Tokenizer` from a local tokenizer.json, with ByteTokenizer's interface.
-
-  Special tokens are not added when encoding: documents are separated by `eos_id` (the first of EOS_TOKENS in
-  the vocabulary, or None) when the stream is built.
-  """
-
-  def __init__(self, tokenizer: tokenizers.Tokenizer):
-    self.tokenizer = tokenizer
-    self.vocab_size = tokenizer.get_vocab_size()
-    self.eos_id = next((tokenizer.token_to_id(token) for token in EOS_TOKENS
-                        if tokenizer.token_to_id(token) is not None), None)
-
-  def encode(self, text: str) -> np.ndarray:
-    """int32 `[num_tokens]`."""
-    return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-
-  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-    """As `encode` per text, tokenized in parallel by the Rust library."""
-    return [np.asarray(encoding.ids, dtype=np.int32)
-            for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-
-  def decode(self, ids: Any) -> str:
-    return self.tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
-
-
-Tokenizer = ByteTokenizer | HFTokenizer
-
-
-def load_tokenizer(spec: str) -> Tokenizer:
-  """`"byte"` -> ByteTokenizer; the path of a tokenizer.json -> HFTokenizer."""
-  if spec == "byte":
-    return ByteTokenizer()
-  if spec and Path(spec).is_file():
-    try:
-      return HFTokenizer(tokenizers.Tokenizer.from_file(str(spec)))
-    except Exception as e:  # the Rust library raises a bare Exception for a malformed file
-      raise ValueError(f"data.tokenizer={spec!r} could not be read as a tokenizers tokenizer.json ({e}); "
-                       "use 'byte' or the path of a tokenizer.json.") from e
-  raise ValueError(f"data.tokenizer={spec!r} is neither 'byte' nor an existing file; "
-                   "use 'byte' or the path of a tokenizer.json.")
-
-
-def check_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> None:
-  """Refuses a tokenizer whose ids would not fit the model's embedding (`model.vocab_size`)."""
-  if tokenizer.vocab_size > vocab_size:
-    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
-                     f"set --config.model.vocab_size={tokenizer.vocab_size} or more, or use the model's tokenizer.")
 
 
 def load_splits(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -272,7 +196,7 @@ def process_rows(global_batch: int, process_index: int, process_count: int) -> s
   return slice(process_index * rows, (process_index + 1) * rows)
 
 
-def _global_array(sequences: np.ndarray, rows: np.ndarray,
+def global_array(sequences: np.ndarray, rows: np.ndarray,
                   sharding: jax.sharding.NamedSharding | None) -> jax.Array:
   """The batch `sequences[rows]` (`[len(rows), ...]`, its dtype); each process reads only its own block."""
   if sharding is None:
@@ -335,7 +259,7 @@ class BatchIterator:
     self.index += 1
     if self.index == self.num_batches_per_epoch:
       self.epoch, self.index = self.epoch + 1, 0
-    return _global_array(self.sequences, rows, self.sharding)
+    return global_array(self.sequences, rows, self.sharding)
 
   def get_state(self) -> dict[str, int]:
     """Position of the next batch, for checkpoints."""
@@ -343,7 +267,7 @@ class BatchIterator:
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continues from a `get_state()` position (values may be numpy or jax scalars from a checkpoint)."""
-    _check_state_keys(state, ("epoch", "index"))
+    check_state_keys(state, ("epoch", "index"))
     epoch, index = int(state["epoch"]), int(state["index"])
     if epoch < 0 or not 0 <= index < self.num_batches_per_epoch:
       raise ValueError(f"data iterator state {dict(epoch=epoch, index=index)} is out of range (epoch >= 0, "
@@ -372,61 +296,12 @@ def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int
   sequences = np.asarray(sequences, dtype=np.int32)
   _check_batch(sequences, global_batch_size, "validation")
   rows_NxB = eval_rows(len(sequences), global_batch_size, max_batches)
-  return (_global_array(sequences, rows, sharding) for rows in rows_NxB)
+  return (global_array(sequences, rows, sharding) for rows in rows_NxB)
 
 
-def _check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:
+def check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:
+  """Refuses a saved iterator position whose keys are not `keys` (one written by another kind of data source)."""
   if set(state) != set(keys):
     raise ValueError(f"data iterator state {dict(state)} was saved by another kind of data source (text data "
                      "saves epoch and index, a synthetic task the batch index); set data.synthetic as in the run "
                      "that wrote the checkpoint, or use another --workdir.")
-
-
-class SyntheticBatches:
-  """Endless global batches `(tokens [B, seq_len + 1] int32, loss weights [B, seq_len] float32)` of the task
-  `config.data.synthetic`: batch i is `synthetic.batch(config, "train", i, B)`, so the position is i alone, saved by
-  `get_state` and restored by `set_state`. With `sharding`, each process places only its own rows."""
-
-  def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int,
-               sharding: jax.sharding.NamedSharding | None = None):
-    synthetic.check_config(config)
-    process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fail early, not at next()
-    self.config, self.global_batch_size, self.sharding = config, global_batch_size, sharding
-    self.index = 0
-
-  def __iter__(self) -> Iterator[tuple[jax.Array, jax.Array]]:
-    return self
-
-  def __next__(self) -> tuple[jax.Array, jax.Array]:
-    batch = synthetic.batch(self.config, "train", self.index, self.global_batch_size)
-    self.index += 1
-    return _global_batch(batch, self.sharding)
-
-  def get_state(self) -> dict[str, int]:
-    """Index of the next batch, for checkpoints."""
-    return dict(index=self.index)
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    """Continues from a `get_state()` position."""
-    _check_state_keys(state, ("index",))
-    if int(state["index"]) < 0:
-      raise ValueError(f"data iterator state {dict(state)} is out of range (index >= 0).")
-    self.index = int(state["index"])
-
-
-def synthetic_eval_batches(config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int,
-                           sharding: jax.sharding.NamedSharding | None = None
-                           ) -> Iterator[tuple[jax.Array, jax.Array]]:
-  """The first `num_batches` validation batches `(tokens, loss weights)` of the task `config.data.synthetic` (the
-  same every time, drawn apart from the training batches). Checks run on the call, not on the first `next()`."""
-  synthetic.check_config(config)
-  process_rows(global_batch_size, jax.process_index(), jax.process_count())
-  return (_global_batch(synthetic.batch(config, "valid", index, global_batch_size), sharding)
-          for index in range(num_batches))
-
-
-def _global_batch(batch: tuple[np.ndarray, np.ndarray], sharding: jax.sharding.NamedSharding | None
-                  ) -> tuple[jax.Array, jax.Array]:
-  """Global (tokens, weights) arrays of a whole batch that every process generated; each places its own rows."""
-  rows = np.arange(len(batch[0]))
-  return tuple(_global_array(array, rows, sharding) for array in batch)

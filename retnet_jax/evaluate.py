@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import architectures, data, losses, sharding, synthetic, train_state
+from retnet_jax import architectures, data, losses, sharding, synthetic, tokenizer as tokenizer_lib, train_state
 from retnet_jax.train_state import restore_model  # noqa: F401  (evaluate.restore_model: the documented entry)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
@@ -29,9 +29,9 @@ from retnet_jax.train_state import restore_model  # noqa: F401  (evaluate.restor
 MODE_AGREEMENT_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
-def count_bytes(tokenizer: data.Tokenizer, targets_NxL: np.ndarray) -> int:
+def count_bytes(tokenizer: tokenizer_lib.Tokenizer, targets_NxL: np.ndarray) -> int:
   """UTF-8 bytes the target tokens decode to (equal to the token count for the byte tokenizer)."""
-  if isinstance(tokenizer, data.ByteTokenizer):
+  if isinstance(tokenizer, tokenizer_lib.ByteTokenizer):
     return int(targets_NxL.size)
   return sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets_NxL)
 
@@ -119,13 +119,12 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
   task, batch_size = config.data.synthetic, config.train.batch_size // config.train.grad_accum_steps
   placement = sharding.placement(config.mesh)
   if task:
-    batches = list(data.synthetic_eval_batches(config, batch_size, max_batches or config.train.eval_batches,
-                                               placement.batch_sharding))
+    batches = list(synthetic.eval_batches(config, batch_size, max_batches or config.train.eval_batches,
+                                          placement.batch_sharding))
     num_sequences, num_tokens = batch_size * len(batches), int(sum(float(weights.sum()) for _, weights in batches))
     results: dict[str, Any] = {"task": task, "answers": num_tokens, "sequences": num_sequences, "modes": {}}
   else:
-    tokenizer = data.load_tokenizer(config.data.tokenizer)
-    data.check_vocab_size(tokenizer, config.model.vocab_size)
+    tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
     _, valid_tokens = data.load_splits(config.data, tokenizer)
     if len(valid_tokens) // (seq_len + 1) < batch_size and seq_len != config.train.seq_len:
       raise ValueError(f"the validation split holds {len(valid_tokens)} tokens: {len(valid_tokens) // (seq_len + 1)} "

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from retnet_jax import data, losses, metrics, sampling, sharding, train_state
+from retnet_jax import losses, metrics, sampling, sharding, tokenizer as tokenizer_lib, train_state
 
 try:
   import lm_eval.models  # noqa: F401  (the harness's own models first: a non-empty registry skips them)
@@ -208,7 +208,7 @@ class RetNetLM(TemplateLM):
   `tokenizer`, `max_length`); the other options as the module docstring lists them."""
 
   def __init__(self, workdir: str | None = None, config: str | ml_collections.ConfigDict | None = None,
-               step: int | None = None, *, model: Any = None, tokenizer: data.Tokenizer | None = None,
+               step: int | None = None, *, model: Any = None, tokenizer: tokenizer_lib.Tokenizer | None = None,
                batch_size: int | str = 8, mode: str = "parallel", max_length: int | None = None,
                max_gen_toks: int = 256, prefix_token: int | None = None, seed: int = 0, device: str | None = None,
                max_batch_size: int | None = None, **overrides: Any):
@@ -243,14 +243,13 @@ class RetNetLM(TemplateLM):
       elif overrides:
         raise ValueError(f"config.x.y overrides {sorted(overrides)} apply to a config file; set them on the "
                          "config object given instead.")
-      tokenizer = data.load_tokenizer(config.data.tokenizer)
-      data.check_vocab_size(tokenizer, config.model.vocab_size)
+      tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
       max_length = config.train.seq_len if max_length is None else max_length
       self._context = sharding.placement(config.mesh).active
     else:
       if tokenizer is None or max_length is None:
         raise ValueError("a model object needs its tokenizer and max_length (tokens of context per request).")
-      data.check_vocab_size(tokenizer, model.config.vocab_size)
+      tokenizer_lib.check_vocab_size(tokenizer, model.config.vocab_size)
       self._context = contextlib.nullcontext
     self.max_length = int(max_length)
     if self.max_length < 1:
@@ -267,10 +266,10 @@ class RetNetLM(TemplateLM):
     if prefix_token is None:
       if self.tokenizer.eos_id is not None:
         return int(self.tokenizer.eos_id)
-      if isinstance(self.tokenizer, data.ByteTokenizer):
+      if isinstance(self.tokenizer, tokenizer_lib.ByteTokenizer):
         return NEWLINE_BYTE
-      raise ValueError(f"the tokenizer has no end-of-document token (one of {data.EOS_TOKENS}) to start scored "
-                       "text after; give one with prefix_token=ID.")
+      raise ValueError(f"the tokenizer has no end-of-document token (one of {tokenizer_lib.EOS_TOKENS}) to start "
+                       "scored text after; give one with prefix_token=ID.")
     if not isinstance(prefix_token, int) or not 0 <= prefix_token < vocab_size:
       raise ValueError(f"prefix_token={prefix_token!r} must be a token id in [0, {vocab_size}).")
     return prefix_token

@@ -2,6 +2,8 @@
 
     synthetic.check_config(config)                          # the task's knobs against seq_len and the vocabulary
     tokens_BxL1, weights_BxL = synthetic.batch(config, "train", index, batch_size)
+    batches = synthetic.SyntheticBatches(config, batch_size, sharding)  # endless global batches, resumable
+    valid = synthetic.eval_batches(config, batch_size, num_batches, sharding)
 
 `config.data.synthetic` names a task of SOURCES (None: text data). Each source makes a global batch of token rows
 `[B, seq_len + 1]` (inputs `[:, :-1]`, targets `[:, 1:]`) and float32 weights `[B, seq_len]` over the targets: 1 at
@@ -24,14 +26,15 @@ asked for at the end; the answers are the key's tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-
 import functools
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import data, passkey
+from retnet_jax import data, passkey, tokenizer as tokenizer_lib
 
 SPLITS = ("train", "valid")  # each split its own stream of examples
 QUERY_PLACEMENTS = ("power", "uniform", "packed")
@@ -118,8 +121,8 @@ def mqar_batch(config: ml_collections.ConfigDict, rng: np.random.Generator, batc
 
 
 @functools.cache
-def _tokenizer(spec: str) -> data.Tokenizer:
-  return data.load_tokenizer(spec)
+def _tokenizer(spec: str, vocab_size: int) -> tokenizer_lib.Tokenizer:
+  return tokenizer_lib.load(spec, vocab_size=vocab_size)
 
 
 def check_passkey(config: ml_collections.ConfigDict) -> None:
@@ -130,8 +133,7 @@ def check_passkey(config: ml_collections.ConfigDict) -> None:
                      "be unset for a uniform depth per example.")
   if not isinstance(digits, int) or digits < 1:
     raise ValueError(f"data.passkey.digits must be a positive integer; got {digits!r}.")
-  tokenizer = _tokenizer(config.data.tokenizer)
-  data.check_vocab_size(tokenizer, config.model.vocab_size)
+  tokenizer = _tokenizer(config.data.tokenizer, config.model.vocab_size)
   try:
     passkey.make_example(tokenizer, config.train.seq_len + 1, 0.0, 0, digits)
   except ValueError as e:
@@ -142,7 +144,7 @@ def check_passkey(config: ml_collections.ConfigDict) -> None:
 def passkey_batch(config: ml_collections.ConfigDict, rng: np.random.Generator, batch_size: int
                   ) -> tuple[np.ndarray, np.ndarray]:
   """A batch of passkey examples: tokens `[B, seq_len + 1]` int32 and answer weights `[B, seq_len]` float32."""
-  tokenizer, length = _tokenizer(config.data.tokenizer), config.train.seq_len + 1
+  tokenizer, length = _tokenizer(config.data.tokenizer, config.model.vocab_size), config.train.seq_len + 1
   depth, digits = config.data.passkey.depth, config.data.passkey.digits
   examples = [passkey.make_example(tokenizer, length, rng.uniform() if depth is None else depth,
                                    int(rng.integers(2**32)), digits) for _ in range(batch_size)]
@@ -172,3 +174,51 @@ def batch(config: ml_collections.ConfigDict, split: str, index: int, batch_size:
   weights `[B, seq_len]` float32), a function of `(config.seed, split, index)` and the task's config alone."""
   rng = np.random.default_rng([config.seed, SPLITS.index(split), index])
   return SOURCES[config.data.synthetic].generate(config, rng, batch_size)
+
+
+class SyntheticBatches:
+  """Endless global batches `(tokens [B, seq_len + 1] int32, loss weights [B, seq_len] float32)` of the task
+  `config.data.synthetic`: batch i is `batch(config, "train", i, B)`, so the position is i alone, saved by
+  `get_state` and restored by `set_state`. With `sharding`, each process places only its own rows."""
+
+  def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int,
+               sharding: jax.sharding.NamedSharding | None = None):
+    check_config(config)
+    data.process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fail early, not at next()
+    self.config, self.global_batch_size, self.sharding = config, global_batch_size, sharding
+    self.index = 0
+
+  def __iter__(self) -> Iterator[tuple[jax.Array, jax.Array]]:
+    return self
+
+  def __next__(self) -> tuple[jax.Array, jax.Array]:
+    tokens_weights = batch(self.config, "train", self.index, self.global_batch_size)
+    self.index += 1
+    return _global_batch(tokens_weights, self.sharding)
+
+  def get_state(self) -> dict[str, int]:
+    """Index of the next batch, for checkpoints."""
+    return dict(index=self.index)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from a `get_state()` position."""
+    data.check_state_keys(state, ("index",))
+    if int(state["index"]) < 0:
+      raise ValueError(f"data iterator state {dict(state)} is out of range (index >= 0).")
+    self.index = int(state["index"])
+
+
+def eval_batches(config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int,
+                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[tuple[jax.Array, jax.Array]]:
+  """The first `num_batches` validation batches `(tokens, loss weights)` of the task `config.data.synthetic` (the
+  same every time, drawn apart from the training batches). Checks run on the call, not on the first `next()`."""
+  check_config(config)
+  data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
+  return (_global_batch(batch(config, "valid", index, global_batch_size), sharding) for index in range(num_batches))
+
+
+def _global_batch(tokens_weights: tuple[np.ndarray, np.ndarray], sharding: jax.sharding.NamedSharding | None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Global (tokens, weights) arrays of a whole batch that every process generated; each places its own rows."""
+  rows = np.arange(len(tokens_weights[0]))
+  return tuple(data.global_array(array, rows, sharding) for array in tokens_weights)

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from retnet_jax import (architectures, checkpointing, data, flops, layers, losses, metrics, preemption, sharding,
-                        synthetic, train_state, train_step as train_step_lib, workdir_lock)
+                        synthetic, tokenizer as tokenizer_lib, train_state, train_step as train_step_lib, workdir_lock)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -67,8 +67,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
   tokenizer = None
   if not config.data.synthetic:  # a synthetic task makes its own token ids (checked against the vocabulary)
-    tokenizer = data.load_tokenizer(config.data.tokenizer)
-    data.check_vocab_size(tokenizer, config.model.vocab_size)
+    tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
   ckpt_dir = workdir / "checkpoints"
   if ckpt_dir.is_dir():
     with checkpointing.Checkpointer(ckpt_dir, read_only=True) as existing:
@@ -100,16 +99,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       raise fault from e
 
 
-def _data_sources(config: ml_collections.ConfigDict, tokenizer: data.Tokenizer | None,
+def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer | None,
                   batch_sharding: jax.sharding.NamedSharding
-                  ) -> tuple[data.BatchIterator | data.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
+                  ) -> tuple[data.BatchIterator | synthetic.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
   """The training batches, and a function giving the `train.eval_batches` validation batches: packed text, or
   the synthetic task's `(tokens, loss weights)` with `data.synthetic`. Fails here if either cannot be made."""
   train_cfg = config.train
   eval_batch, num_eval = train_cfg.batch_size // train_cfg.grad_accum_steps, train_cfg.eval_batches
   if config.data.synthetic:
-    return (data.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
-            lambda: data.synthetic_eval_batches(config, eval_batch, num_eval, batch_sharding))
+    return (synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
+            lambda: synthetic.eval_batches(config, eval_batch, num_eval, batch_sharding))
   train_tokens, valid_tokens = data.load_splits(config.data, tokenizer)
   train_sequences = data.pack(train_tokens, train_cfg.seq_len, "training split")
   valid_sequences = data.pack(valid_tokens, train_cfg.seq_len, "validation split")
@@ -167,7 +166,8 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
 
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
-                     checkpointer: checkpointing.Checkpointer, batches: data.BatchIterator | data.SyntheticBatches):
+                     checkpointer: checkpointing.Checkpointer,
+                     batches: data.BatchIterator | synthetic.SyntheticBatches):
   """The latest readable checkpoint's state (an unreadable one is set aside with a warning), else a fresh one."""
   for step in reversed(checkpointer.all_steps()):
     try:
@@ -211,7 +211,7 @@ def _check_finite(state: train_state.TrainState, policy: str, checkpointer: chec
         "train.nonfinite=skip to skip such steps.")
 
 
-def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator | data.SyntheticBatches,
+def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator | synthetic.SyntheticBatches,
                 valid_batches: Callable[[], Iterable[losses.Batch]], checkpointer: checkpointing.Checkpointer,
                 writer: metrics.MetricsWriter, lock: workdir_lock.WriterLock) -> dict[str, float]:
   train_cfg = config.train

@@ -21,7 +21,7 @@ import json
 from absl import app, flags
 import jax
 
-from retnet_jax import data, sampling, sharding, train_state
+from retnet_jax import sampling, sharding, tokenizer as tokenizer_lib, train_state
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -44,7 +44,7 @@ _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the 
 
 def main():
   config = _CONFIG.value
-  tokenizer = data.load_tokenizer(config.data.tokenizer)
+  tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
   prompts = list(_PROMPT.value)
   for i, prompt in enumerate(prompts):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from absl import flags
 
-from retnet_jax import architectures, data, metrics, passkey, sampling, train_state
+from retnet_jax import architectures, metrics, passkey, passkey_eval, sampling, tokenizer as tokenizer_lib, train_state
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -47,8 +47,7 @@ def main():
   config = _CONFIG.value
   lengths = (_numbers(_LENGTHS.value, int, "lengths") if _LENGTHS.value is not None
              else [config.train.seq_len * k for k in (1, 2, 4)])
-  tokenizer = data.load_tokenizer(config.data.tokenizer)
-  data.check_vocab_size(tokenizer, config.model.vocab_size)
+  tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
   grid = passkey.make_grid(tokenizer, lengths, _numbers(_DEPTHS.value, float, "depths"), _SAMPLES.value,
                            _SEED.value)  # every example checked before the checkpoint is read
   own = [m for m in sampling.PREFILL_MODES if m in architectures.modes(config.model)]
@@ -57,9 +56,9 @@ def main():
     raise ValueError(f"--mode={mode}: a {config.model.architecture} prefills in {', '.join(own)}.")
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
   results = {"step": step, "workdir": str(_WORKDIR.value), "mode": mode, "seed": _SEED.value,
-             **passkey.evaluate(passkey.greedy_generate(model, mode), grid, _BATCH_SIZE.value)}
-  print(passkey.format_table(results))
-  line = metrics.write_results(results, Path(_WORKDIR.value) / f"passkey_step_{step}.json", passkey.plot_heatmap)
+             **passkey_eval.evaluate(passkey_eval.greedy_generate(model, mode), grid, _BATCH_SIZE.value)}
+  print(passkey_eval.format_table(results))
+  line = metrics.write_results(results, Path(_WORKDIR.value) / f"passkey_step_{step}.json", passkey_eval.plot_heatmap)
   print(line, flush=True)
 
 

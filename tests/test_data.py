@@ -1,4 +1,4 @@
-"""Tokenizers, loading, packing and batching of retnet_jax.data."""
+"""Tokenizers (retnet_jax.tokenizer), loading, packing and batching of retnet_jax.data."""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ import tokenizers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from retnet_jax import data
+from retnet_jax import data, tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,7 +56,7 @@ def write_jsonl(path, rows):
 # Tokenizers.
 
 def test_byte_tokenizer_round_trip():
-  tok = data.load_tokenizer("byte")
+  tok = tokenizer.load("byte")
   text = "Hello, wörld — 日本語 🙂\n"
   ids = tok.encode(text)
   assert tok.vocab_size == 256 and tok.eos_id is None
@@ -69,11 +69,11 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_hf_tokenizer_round_trip(bpe_path):
-  tok = data.load_tokenizer(str(bpe_path))
+  tok = tokenizer.load(str(bpe_path))
   reference = tokenizers.Tokenizer.from_file(str(bpe_path))
   text = "the lazy fox sleeps, ünïcode too"
   ids = tok.encode(text)
-  assert isinstance(tok, data.HFTokenizer)
+  assert isinstance(tok, tokenizer.HFTokenizer)
   assert tok.vocab_size == reference.get_vocab_size()
   assert tok.eos_id == reference.token_to_id("<|endoftext|>")
   assert ids.dtype == np.int32 and len(ids) < len(text.encode())  # merges apply
@@ -85,14 +85,25 @@ def test_hf_tokenizer_round_trip(bpe_path):
 @pytest.mark.parametrize("spec", ["gpt2", "no/such/tokenizer.json", ""])
 def test_unknown_tokenizer_errors(spec):
   with pytest.raises(ValueError, match="use 'byte' or the path of a tokenizer.json"):
-    data.load_tokenizer(spec)
+    tokenizer.load(spec)
 
 
 def test_malformed_tokenizer_file_errors(tmp_path):
   path = tmp_path / "tokenizer.json"
   path.write_text("{not json")
   with pytest.raises(ValueError, match="could not be read"):
-    data.load_tokenizer(str(path))
+    tokenizer.load(str(path))
+
+
+def test_load_checks_the_vocabulary_size(bpe_path):
+  size = tokenizers.Tokenizer.from_file(str(bpe_path)).get_vocab_size()
+  assert tokenizer.load(str(bpe_path), vocab_size=size).vocab_size == size
+  assert isinstance(tokenizer.load("byte", vocab_size=None), tokenizer.ByteTokenizer)  # None: unchecked
+  with pytest.raises(ValueError, match=rf"the tokenizer has {size} tokens but model.vocab_size={size - 1}; set "
+                                       rf"--config.model.vocab_size={size} or more"):
+    tokenizer.load(str(bpe_path), vocab_size=size - 1)
+  with pytest.raises(ValueError, match="the tokenizer has 256 tokens but model.vocab_size=64"):
+    tokenizer.load("byte", vocab_size=64)
 
 
 # Packing.
@@ -113,7 +124,7 @@ def test_pack_too_short_errors():
 
 def test_default_corpus_split():
   corpus = (REPO / "data" / "tinyshakespeare.txt").read_bytes()
-  train, valid = data.load_splits(data_config(), data.ByteTokenizer())
+  train, valid = data.load_splits(data_config(), tokenizer.ByteTokenizer())
   assert train.dtype == valid.dtype == np.int32
   assert len(train) + len(valid) == len(corpus)
   assert len(valid) == int(len(corpus) * 0.1)
@@ -127,7 +138,7 @@ def test_local_txt_files_in_order(tmp_path):
   second.write_text("Another document.\n", encoding="utf-8")
   valid.write_text("held out\n", encoding="utf-8")
   cfg = data_config(files=(str(first), str(second)), validation_files=(str(valid),))
-  train, held_out = data.load_splits(cfg, data.ByteTokenizer())
+  train, held_out = data.load_splits(cfg, tokenizer.ByteTokenizer())
   np.testing.assert_array_equal(train, byte_tokens("Première ligne.\nSecond line.\nAnother document.\n"))
   np.testing.assert_array_equal(held_out, byte_tokens("held out\n"))
 
@@ -135,7 +146,7 @@ def test_local_txt_files_in_order(tmp_path):
 def test_local_jsonl_field_and_validation_fraction(tmp_path):
   path = write_jsonl(tmp_path / "docs.jsonl", [{"id": i, "body": f"doc {i};"} for i in range(10)])
   cfg = data_config(files=(str(path),), text_field="body", validation_fraction=0.25)
-  train, valid = data.load_splits(cfg, data.ByteTokenizer())
+  train, valid = data.load_splits(cfg, tokenizer.ByteTokenizer())
   stream = byte_tokens("".join(f"doc {i};" for i in range(10)))
   num_valid = int(len(stream) * 0.25)
   np.testing.assert_array_equal(train, stream[:-num_valid])
@@ -146,13 +157,13 @@ def test_local_parquet(tmp_path):
   path = tmp_path / "docs.parquet"
   datasets.Dataset.from_dict({"text": ["alpha ", "", "beta ", "gamma"], "n": [1, 2, 3, 4]}).to_parquet(path)
   cfg = data_config(files=(str(path),), validation_files=(str(path),))
-  train, valid = data.load_splits(cfg, data.ByteTokenizer())
+  train, valid = data.load_splits(cfg, tokenizer.ByteTokenizer())
   np.testing.assert_array_equal(train, byte_tokens("alpha beta gamma"))
   np.testing.assert_array_equal(valid, train)
 
 
 def test_hf_tokenizer_separates_documents_with_eos(tmp_path, bpe_path):
-  tok = data.load_tokenizer(str(bpe_path))
+  tok = tokenizer.load(str(bpe_path))
   docs = ["the quick fox", "the lazy dog", "over"]
   rows = [{"text": docs[0]}, {"text": ""}, {"other": "no text"}, {"text": docs[1]}]  # empty ones: no token
   path = write_jsonl(tmp_path / "docs.jsonl", rows)
@@ -168,13 +179,13 @@ def test_globs_expand_and_rows_without_text_are_counted(tmp_path, caplog):
     (tmp_path / name).write_text(text)
   only_a = (str(tmp_path / "a.txt"),)
   train, _ = data.load_splits(data_config(files=(str(tmp_path / "*.txt"),), validation_files=only_a),
-                              data.ByteTokenizer())
+                              tokenizer.ByteTokenizer())
   np.testing.assert_array_equal(train, byte_tokens("first second "))  # sorted matches
   with pytest.raises(FileNotFoundError, match=r"data\.files: the pattern .*\*\.json' matches no file"):
-    data.load_splits(data_config(files=(str(tmp_path / "*.json"),)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(tmp_path / "*.json"),)), tokenizer.ByteTokenizer())
   rows = write_jsonl(tmp_path / "half.jsonl", [{"text": "a"}, {"other": 1}, {"text": "b"}, {"text": ""}])
   with caplog.at_level(logging.WARNING, logger="absl"):
-    data.load_splits(data_config(files=(str(rows),), validation_files=only_a), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(rows),), validation_files=only_a), tokenizer.ByteTokenizer())
   assert "half.jsonl': 2 of 4 rows have no text in field 'text'; they are skipped" in caplog.text
   with pytest.raises(ValueError, match=r"the validation split holds 5 tokens, too few"):
     data.pack(np.arange(5), 8, "validation split")
@@ -183,48 +194,48 @@ def test_globs_expand_and_rows_without_text_are_counted(tmp_path, caplog):
 def test_missing_file_errors(tmp_path):
   missing = str(tmp_path / "nope.txt")
   with pytest.raises(FileNotFoundError, match=r"data\.files.*nope\.txt.*does not exist"):
-    data.load_splits(data_config(files=(missing,)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(missing,)), tokenizer.ByteTokenizer())
   real = tmp_path / "real.txt"
   real.write_text("some text")
   with pytest.raises(FileNotFoundError, match=r"data\.validation_files.*nope\.txt"):
-    data.load_splits(data_config(files=(str(real),), validation_files=(missing,)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(real),), validation_files=(missing,)), tokenizer.ByteTokenizer())
 
 
 def test_empty_file_errors(tmp_path):
   path = tmp_path / "empty.txt"
   path.write_text("")
   with pytest.raises(ValueError, match=r"empty\.txt.*is empty"):
-    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
 def test_no_text_errors(tmp_path):
   path = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}])
   with pytest.raises(ValueError, match=r"blank\.jsonl.*holds no text in field 'text'"):
-    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
 def test_bad_extension_errors(tmp_path):
   path = tmp_path / "table.csv"
   path.write_text("text\nhello\n")
   with pytest.raises(ValueError, match=r"table\.csv.*unsupported type '\.csv'.*\.txt.*\.jsonl.*\.parquet"):
-    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
 def test_unreadable_file_errors(tmp_path):
   path = tmp_path / "broken.parquet"
   path.write_text("not a parquet file")
   with pytest.raises(ValueError, match=r"broken\.parquet' could not be read as parquet.*check the file format"):
-    data.load_splits(data_config(files=(str(path),)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
 def test_missing_text_field_errors(tmp_path):
   jsonl = write_jsonl(tmp_path / "docs.jsonl", [{"content": "hello"}])
   with pytest.raises(ValueError, match=r"no field 'text'.*content.*set data\.text_field"):
-    data.load_splits(data_config(files=(str(jsonl),)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(jsonl),)), tokenizer.ByteTokenizer())
   parquet = tmp_path / "docs.parquet"
   datasets.Dataset.from_dict({"body": ["hello"]}).to_parquet(parquet)
   with pytest.raises(ValueError, match=r"docs\.parquet' has no field 'text'.*set data\.text_field"):
-    data.load_splits(data_config(files=(str(parquet),)), data.ByteTokenizer())
+    data.load_splits(data_config(files=(str(parquet),)), tokenizer.ByteTokenizer())
 
 
 def test_unreachable_hub_errors(monkeypatch):
@@ -232,7 +243,7 @@ def test_unreachable_hub_errors(monkeypatch):
     raise ConnectionError("Couldn't reach 'some/dataset' on the Hub")
   monkeypatch.setattr(datasets, "load_dataset", offline)
   with pytest.raises(ConnectionError, match=r"'some/dataset'.*hub could not be reached.*data\.files"):
-    data.load_splits(data_config(hub_dataset="some/dataset"), data.ByteTokenizer())
+    data.load_splits(data_config(hub_dataset="some/dataset"), tokenizer.ByteTokenizer())
 
 
 # Batches.

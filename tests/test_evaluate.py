@@ -17,7 +17,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from conftest import flip_bytes
-from retnet_jax import checkpointing, data, evaluate, metrics, sharding, train
+from retnet_jax import checkpointing, data, evaluate, metrics, sharding, tokenizer, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -193,7 +193,7 @@ def test_loss_by_position_is_each_buckets_mean_per_token_nll(trained):
   model, _ = evaluate.restore_model(config, workdir)
   results = evaluate.evaluate_model(model, config, modes=("chunkwise", "recurrent"), max_batches=1, seq_len=64,
                                     position_buckets=4)
-  _, valid = data.load_splits(config.data, data.ByteTokenizer())
+  _, valid = data.load_splits(config.data, tokenizer.ByteTokenizer())
   sequences = data.pack(valid, 64)
   rows_NxL1 = sequences[data.eval_rows(len(sequences), 8, 1).reshape(-1)]
   with sharding.placement(config.mesh).active():

@@ -20,9 +20,10 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from configs import retnet as retnet_config  # noqa: E402
-from retnet_jax import data, train, train_state  # noqa: E402
+from retnet_jax import train, train_state  # noqa: E402
 from retnet_jax import lm_eval as harness  # noqa: E402
 from retnet_jax.presets import transformer_config  # noqa: E402
+from retnet_jax.tokenizer import ByteTokenizer  # noqa: E402
 from retnet_jax.transformer import Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,7 +131,7 @@ def test_simple_evaluate_by_registry_name_scores_as_the_parallel_logits(trained,
       batch_size=2, limit=3, log_samples=True, bootstrap_iters=0)
   assert results["config"]["step"] == 2 and results["config"]["mode"] == "chunkwise"
   logits = parallel_logits(train_state.restore_model(config, workdir)[0])
-  tokenizer = data.ByteTokenizer()
+  tokenizer = ByteTokenizer()
   encode = lambda text: tokenizer.encode(text).tolist()
   samples = results["samples"]
   choices_scored = 0
@@ -154,7 +155,7 @@ def test_simple_evaluate_by_registry_name_scores_as_the_parallel_logits(trained,
 def test_a_transformer_continues_from_its_kv_cache(tmp_path):
   """The adapter is generic over model(tokens, mode, state): a Transformer's KV cache carries the contexts."""
   model = Transformer(transformer_config(retnet_config.get_config("tiny").model, max_len=128), rngs=nnx.Rngs(0))
-  tokenizer = data.ByteTokenizer()
+  tokenizer = ByteTokenizer()
   lm = harness.RetNetLM(model=model, tokenizer=tokenizer, max_length=16, batch_size=3)
   logits = parallel_logits(model)
   requests = [("To be", " or not"), ("To be", ","), ("", "Hi"), ("Now is the winter of our discontent", " made"),

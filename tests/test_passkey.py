@@ -11,10 +11,11 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import data, passkey
+from retnet_jax import passkey, passkey_eval
 from retnet_jax.model import RetNet
+from retnet_jax.tokenizer import ByteTokenizer, HFTokenizer
 
-BYTES = data.ByteTokenizer()
+BYTES = ByteTokenizer()
 # Byte tokens of an example besides the filler: the introduction (64), the needle with two 6-token keys
 # (16 + 6 + 14 + 6 + 17), the question (38) and the answer (" " and 5 digits).
 OVERHEAD = 64 + 59 + 38 + 6
@@ -61,7 +62,7 @@ def bpe():
   text = [passkey.INTRO, passkey.FILLER * 3, " ".join(passkey.NEEDLE), passkey.QUESTION, " 12 345 67 890 1234 56"]
   tokenizer.train_from_iterator(text, tokenizers.trainers.BpeTrainer(
       vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-  return data.HFTokenizer(tokenizer)
+  return HFTokenizer(tokenizer)
 
 
 def test_bpe_examples_hold_the_needle_at_their_depth(bpe):
@@ -114,27 +115,27 @@ def test_accuracy_of_an_oracle_that_sees_a_window():
   length 400 (64, 181, 297 of 394)."""
   calls = []
   grid = passkey.make_grid(BYTES, [200, 400], [0.0, 0.5, 1.0], samples=3, seed=7)
-  results = passkey.evaluate(window_oracle(BYTES, 150, calls), grid, batch_size=2)
+  results = passkey_eval.evaluate(window_oracle(BYTES, 150, calls), grid, batch_size=2)
   assert results["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]] and results["mean_accuracy"] == pytest.approx(4 / 6)
   assert {k: results[k] for k in ("samples", "lengths", "depths")} == dict(samples=3, lengths=[200, 400],
                                                                           depths=[0.0, 0.5, 1.0])
   assert calls == [2, 1] * 6
-  table = passkey.format_table(results).splitlines()
+  table = passkey_eval.format_table(results).splitlines()
   assert table[1].split() == ["depth", "200", "400"] and table[2].split() == ["0.00", "1.00", "0.00"]
 
 
 def test_exact_match_and_padded_prompts_of_a_bpe(bpe):
   grid = passkey.make_grid(bpe, [150], [0.25, 0.75], samples=4)
-  assert passkey.evaluate(window_oracle(bpe, 150, []), grid)["accuracy"] == [[1.0, 1.0]]
+  assert passkey_eval.evaluate(window_oracle(bpe, 150, []), grid)["accuracy"] == [[1.0, 1.0]]
   examples = grid.examples[0][0]
   answers = [ex.tokens[ex.answer_positions] for ex in examples]
   width = max(map(len, answers))
   right = np.stack([np.pad(a, (0, width - len(a)), constant_values=7) for a in answers])
-  np.testing.assert_array_equal(passkey.exact_match(right, examples), [True] * 4)
+  np.testing.assert_array_equal(passkey_eval.exact_match(right, examples), [True] * 4)
   wrong = right.copy()
   wrong[1, len(answers[1]) - 1] += 1  # the last answer token of example 1
-  np.testing.assert_array_equal(passkey.exact_match(wrong, examples), [True, False, True, True])
-  assert not passkey.exact_match(right[:, :1], examples).any()  # too few tokens
+  np.testing.assert_array_equal(passkey_eval.exact_match(wrong, examples), [True, False, True, True])
+  assert not passkey_eval.exact_match(right[:, :1], examples).any()  # too few tokens
 
 
 def test_greedy_generate_continues_the_prompt_as_teacher_forced_argmax_does():
@@ -145,7 +146,7 @@ def test_greedy_generate_continues_the_prompt_as_teacher_forced_argmax_does():
   model = RetNet(config.model, rngs=nnx.Rngs(0))
   grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
   prompts_NxP = np.stack([ex.tokens[:ex.answer_positions[0]] for ex in grid.examples[0][0]])  # 174 tokens
-  generated_NxT = passkey.greedy_generate(model, "chunkwise")(prompts_NxP, np.full(2, 174), 3)
+  generated_NxT = passkey_eval.greedy_generate(model, "chunkwise")(prompts_NxP, np.full(2, 174), 3)
   graphdef, params = nnx.split(model)
   logits_NxLxV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, mode="parallel")[0])(
       params, jnp.asarray(np.concatenate([prompts_NxP, generated_NxT], axis=1)))

@@ -11,7 +11,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import sampling, sharding
-from retnet_jax.data import ByteTokenizer
+from retnet_jax.tokenizer import ByteTokenizer
 from retnet_jax.model import RetNet
 
 PROMPTS = [[5, 17, 200, 3, 9], [42], [7, 1, 99, 250, 13, 8, 64, 31, 2, 77, 11], [120, 6, 6, 30, 255, 0, 81, 4]]

@@ -11,6 +11,7 @@ from configs import retnet as retnet_config
 from configs import transformer as transformer_config
 from retnet_jax import checkpointing, data, evaluate, losses, optimizer, passkey, sharding, synthetic, train, train_step
 from retnet_jax.model import RetNet
+from retnet_jax.tokenizer import ByteTokenizer
 
 # architecture -> the configs module of its presets
 CONFIGS = {"retnet": retnet_config, "transformer": transformer_config}
@@ -78,27 +79,27 @@ def take(batches, count):
 
 def test_batches_are_deterministic_and_resume_exactly():
   config = mqar_config(seq_len=31, num_pairs=4)
-  uninterrupted = take(data.SyntheticBatches(config, 8), 6)
+  uninterrupted = take(synthetic.SyntheticBatches(config, 8), 6)
   np.testing.assert_array_equal(np.stack([t for t, _ in uninterrupted]),
-                                np.stack([t for t, _ in take(data.SyntheticBatches(config, 8), 6)]))
+                                np.stack([t for t, _ in take(synthetic.SyntheticBatches(config, 8), 6)]))
   for index, (tokens, weights) in enumerate(uninterrupted):  # batch i is a function of (seed, i)
     expected_tokens, expected_weights = synthetic.batch(config, "train", index, 8)
     np.testing.assert_array_equal(tokens, expected_tokens)
     np.testing.assert_array_equal(weights, expected_weights)
   assert len({t.tobytes() for t, _ in uninterrupted}) == 6
-  first = data.SyntheticBatches(config, 8)
+  first = synthetic.SyntheticBatches(config, 8)
   take(first, 4)
   assert first.get_state() == {"index": 4}
-  resumed = data.SyntheticBatches(config, 8)
+  resumed = synthetic.SyntheticBatches(config, 8)
   resumed.set_state({"index": np.int64(4)})  # as restored from a checkpoint
   for (tokens, weights), (expected_tokens, expected_weights) in zip(take(resumed, 2), uninterrupted[4:]):
     np.testing.assert_array_equal(tokens, expected_tokens)
     np.testing.assert_array_equal(weights, expected_weights)
   other_seed = mqar_config(seq_len=31, num_pairs=4, seed=1)
-  assert not np.array_equal(take(data.SyntheticBatches(other_seed, 8), 1)[0][0], uninterrupted[0][0])
-  valid = list(data.synthetic_eval_batches(config, 8, 2))
+  assert not np.array_equal(take(synthetic.SyntheticBatches(other_seed, 8), 1)[0][0], uninterrupted[0][0])
+  valid = list(synthetic.eval_batches(config, 8, 2))
   assert not np.array_equal(np.asarray(valid[0][0]), uninterrupted[0][0])  # a stream apart from training
-  np.testing.assert_array_equal(np.asarray(list(data.synthetic_eval_batches(config, 8, 2))[1][0]),
+  np.testing.assert_array_equal(np.asarray(list(synthetic.eval_batches(config, 8, 2))[1][0]),
                                 np.asarray(valid[1][0]))
 
 
@@ -106,7 +107,7 @@ def test_batches_are_deterministic_and_resume_exactly():
 def test_sharded_batches_equal_the_whole_batch():
   config = mqar_config(seq_len=31, num_pairs=4)
   batch_sharding = sharding.placement(config.mesh).batch_sharding  # rows split over the 8 devices
-  tokens, weights = next(data.SyntheticBatches(config, 16, batch_sharding))
+  tokens, weights = next(synthetic.SyntheticBatches(config, 16, batch_sharding))
   assert tokens.sharding == weights.sharding == batch_sharding
   expected_tokens, expected_weights = synthetic.batch(config, "train", 0, 16)
   np.testing.assert_array_equal(np.asarray(tokens), expected_tokens)
@@ -186,7 +187,7 @@ def test_mqar_accuracy_on_a_stub():
   config = mqar_config(vocab_size=32, num_pairs=6, seq_len=31)
   config.train.batch_size = 16
   results = evaluate.evaluate_model(Recall(32), config, modes=("parallel", "recurrent"), max_batches=3)
-  tokens, weights = (np.concatenate([np.asarray(b[i]) for b in data.synthetic_eval_batches(config, 16, 3)])
+  tokens, weights = (np.concatenate([np.asarray(b[i]) for b in synthetic.eval_batches(config, 16, 3)])
                      for i in (0, 1))
   keys = tokens[:, :-1][weights > 0]  # the query keys; the stub recalls the even ones
   hits, answers = int(np.sum(keys % 2 == 0)), len(keys)
@@ -235,7 +236,7 @@ def passkey_config(seq_len=220, depth=None):
 def test_passkey_source_weights_the_key_after_the_question():
   """Rows are `passkey.make_example`s of seq_len + 1 tokens; the weights select the key's tokens after the question;
   a fixed depth puts every needle at the same place; batches depend on (seed, split, index) alone."""
-  tokenizer = data.load_tokenizer("byte")
+  tokenizer = ByteTokenizer()
   tokens, weights = synthetic.batch(passkey_config(), "train", 3, 4)
   assert tokens.shape == (4, 221) and weights.shape == (4, 220) and tokens.dtype == np.int32
   for row, row_weights in zip(tokens, weights):
@@ -277,7 +278,7 @@ def test_checkpointed_data_state_of_another_source_is_refused():
   with pytest.raises(ValueError, match=r"another kind of data source .* set data.synthetic as in the run"):
     iterator.set_state({"index": 3})
   with pytest.raises(ValueError, match="another kind of data source"):
-    data.SyntheticBatches(mqar_config(), 2).set_state({"epoch": 0, "index": 1})
+    synthetic.SyntheticBatches(mqar_config(), 2).set_state({"epoch": 0, "index": 1})
 
 
 @pytest.mark.parametrize("architecture", CONFIGS)

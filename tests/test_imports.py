@@ -1,0 +1,86 @@
+"""The package's import structure: no circle between its modules, and the data layer loads no model code."""
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "retnet_jax"
+DATA_LAYER = ("retnet_jax.data", "retnet_jax.tokenizer", "retnet_jax.synthetic", "retnet_jax.passkey")
+MODEL_CODE = ("retnet_jax.model", "retnet_jax.sampling", "retnet_jax.layers", "retnet_jax.transformer")
+
+
+def module_names() -> dict[str, Path]:
+  """Dotted name -> source file of every module under retnet_jax (a package by its `__init__.py`)."""
+  names = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return names
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+  """The retnet_jax modules that `name` imports anywhere in its source (module level or inside functions); `from
+  package import x` counts as importing the module package.x when x is one, else the package."""
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    if isinstance(node, ast.Import):
+      found |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+      source = ".".join(base + ([node.module] if node.module else []))
+      for alias in node.names:
+        found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source)
+  return {module for module in found if module in modules and module != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """A circle of imports `[a, b, ..., a]` in `graph`, or None (depth-first search for an edge back onto the path)."""
+  state, path = {}, []  # state: 1 while on the path, 2 when done
+
+  def visit(module):
+    state[module] = 1
+    path.append(module)
+    for target in sorted(graph[module]):
+      if state.get(target) == 1:
+        return path[path.index(target):] + [target]
+      if target not in state and (cycle := visit(target)):
+        return cycle
+    state[module] = 2
+    path.pop()
+    return None
+
+  for module in sorted(graph):
+    if module not in state and (cycle := visit(module)):
+      return cycle
+  return None
+
+
+def test_find_cycle_names_the_circle():
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle():
+  modules = module_names()
+  graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+  assert "retnet_jax.model" in graph["retnet_jax.train_step"]  # the graph sees `from retnet_jax import model as ...`
+  cycle = find_cycle(graph)
+  assert cycle is None, f"import circle: {' -> '.join(cycle)}"
+
+
+@pytest.mark.slow
+def test_data_layer_loads_no_model_code():
+  """In a fresh interpreter, one after the other: the data layer, the tokenizers, the synthetic tasks and the passkey
+  examples, none of which may load the model or the sampler."""
+  code = ("import importlib, sys\n"
+          f"for name in {DATA_LAYER!r}:\n"
+          "  importlib.import_module(name)\n"
+          f"  if loaded := sorted(m for m in {MODEL_CODE!r} if m in sys.modules):\n"
+          "    sys.exit(f'import {name} loads {loaded}')")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
