@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from retnet_jax import host_memory
 
 _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
 _METRIC = "eval_loss"
@@ -83,14 +86,28 @@ class DamagedCheckpointError(ValueError):
 
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+_CHECKSUM_BLOCK = 1 << 20  # elements weighed at a time: XLA materialises the products of one block, not the array's
 
 
 @jax.jit
 def _checksum(x: jax.Array) -> jax.Array:
-  """A uint32 sum of the array's bit patterns times odd position weights: any one changed element changes it."""
-  bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
-  weights = (2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1) * jnp.uint32(2654435761)  # odd: no cancelling
-  return jnp.sum(bits * weights, dtype=jnp.uint32)
+  """A uint32 sum of the array's bit patterns times odd position weights: any one changed element changes it.
+
+  Summed block by block (uint32 sums wrap, so the order does not change the result).
+  """
+  flat, block = x.reshape(-1), _CHECKSUM_BLOCK
+
+  def weighed(start: jax.Array, values: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(values, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+    positions = start + jnp.arange(values.size, dtype=jnp.uint32)
+    return jnp.sum(bits * ((2 * positions + 1) * jnp.uint32(2654435761)), dtype=jnp.uint32)  # odd: no cancelling
+
+  def add_block(i: jax.Array, total: jax.Array) -> jax.Array:
+    return total + weighed(i.astype(jnp.uint32) * block, jax.lax.dynamic_slice(flat, (i * block,), (block,)))
+
+  whole = flat.size // block
+  total = jax.lax.fori_loop(0, whole, add_block, jnp.uint32(0)) if whole else jnp.uint32(0)
+  return total + weighed(jnp.uint32(whole * block), flat[whole * block:])
 
 
 def checksums(tree: Any) -> dict[str, int]:
@@ -103,11 +120,12 @@ def checksums(tree: Any) -> dict[str, int]:
 
 
 def _verify(saved: dict[str, int] | None, restored: Any, what: str) -> None:
-  """Raises DamagedCheckpointError if `restored` differs from the `saved` checksums (None: none were saved)."""
+  """Raises DamagedCheckpointError if an array of `restored` differs from its checksum in `saved` (None: none were
+  saved); `restored` may be part of what was saved (checksums are keyed by key path)."""
   if saved is None:
     return
   found = checksums(restored)
-  damaged = [key for key in saved if found.get(key) != saved[key]]
+  damaged = [key for key, value in found.items() if saved.get(key) != value]
   if damaged:
     raise DamagedCheckpointError(f"{what} is damaged: {len(damaged)} array(s) read back differ from what was "
                                  f"saved, first {damaged[0]}.")
@@ -130,11 +148,12 @@ class CheckpointWriteError(OSError):
 
 
 class IncompatibleCheckpointError(ValueError):
-  """The checkpoint's arrays do not fit the model config's (it was written with another config)."""
+  """The checkpoint was written with another model config: its model fields or its arrays differ."""
 
 
-def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) -> None:
-  """Raises ValueError at the first array whose key or shape differs from the checkpoint's stored metadata.
+def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str, partial: bool = False) -> None:
+  """Raises ValueError at the first array whose key or shape differs from the checkpoint's stored metadata (with
+  `partial`, the checkpoint may hold more arrays than `abstract_state`).
 
   Checked before restoring, because orbax's own error for a mismatch does not say which model config is at fault.
   """
@@ -153,7 +172,7 @@ def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str) 
     break
   else:
     extra = [key for key in stored if key not in expected]
-    if not extra:
+    if partial or not extra:
       return
     problem = f"the checkpoint has key {extra[0]!r} that the model lacks"
   raise IncompatibleCheckpointError(
@@ -171,6 +190,24 @@ def _check_free_space(directory: str, state: Any) -> None:
   if free < needed:
     raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free / 2**20:.1f} MiB free, the checkpoint "
                                 f"needs up to {needed / 2**20:.1f} MiB")
+
+
+def _read_arrays(directory: str, abstract_tree: Any, stored_metadata: Any, partial: bool = False) -> Any:
+  """The arrays of `abstract_tree` (with `partial`, a part of the tree saved) from the orbax pytree at `directory`,
+  placed with its shardings.
+
+  Each array passes through host buffers (the bytes read, the array decoded) before it is placed; read all at
+  once, as orbax does by default, they would hold about twice the arrays' bytes at the peak. Here at most the
+  largest stored array's bytes are in flight (smaller arrays are read together up to that size), and the
+  buffers go back to the system when freed (`host_memory.one_off_buffers`).
+  """
+  largest = max((math.prod(meta.shape) * jnp.dtype(meta.dtype).itemsize
+                 for meta in ocp.tree.to_flat_dict(stored_metadata).values() if hasattr(meta, "dtype")), default=0)
+  handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=(largest + 1) / 1e9)
+  args = ocp.args.PyTreeRestore(item=abstract_tree, partial_restore=partial,
+                                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_tree))
+  with host_memory.one_off_buffers(), ocp.Checkpointer(handler) as checkpointer:
+    return checkpointer.restore(directory, args=args)
 
 
 class Checkpointer:
@@ -268,27 +305,32 @@ class Checkpointer:
       raise ValueError(f"No checkpoint for step {step} in {self.directory}; available steps: {steps}.")
     return step
 
-  def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+  def restore(self, abstract_state: Any, step: int | None = None, *, partial: bool = False) -> tuple[Any, dict]:
     """(state, meta) of `step` (None: the latest), every array placed with the sharding in `abstract_state`.
 
-    `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set, shaped like the saved state.
+    `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set, shaped like the saved state, or
+    with `partial` like a part of it (e.g. `{"params": ...}`): only that part's arrays are read and verified.
     Raises DamagedCheckpointError when the arrays read differ from the checksums saved with them.
     """
     step = self.resolve(step)
     location = os.path.join(self.directory, str(step))
-    _check_compatible(abstract_state, self._manager.metadata(step).item_metadata["state"], location)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    meta = dict(restored["meta"])
-    _verify(meta.pop("checksums", None), restored["state"], f"the checkpoint at {location}")
-    return restored["state"], meta
+    stored = self._manager.metadata(step).item_metadata["state"]
+    _check_compatible(abstract_state, stored, location, partial)
+    meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    state = _read_arrays(os.path.join(location, "state"), abstract_state, stored, partial)
+    _verify(meta.pop("checksums", None), state, f"the checkpoint at {location}")
+    return state, meta
 
   def set_aside(self, step: int) -> str:
-    """Renames an unreadable step folder to `<step>.corrupt` (kept for inspection, no longer a checkpoint)."""
+    """Renames an unreadable step folder to `<step>.corrupt` (`<step>.corrupt.1`, ... if that step was set aside
+    before): kept for inspection, no longer a checkpoint. Returns the new path."""
     self._check_writable("set a step aside")
     self.wait()
     source = os.path.join(self.directory, str(step))
-    target = f"{source}.corrupt"
+    target, copies = f"{source}.corrupt", 0
+    while os.path.lexists(target):
+      copies += 1
+      target = f"{source}.corrupt.{copies}"
     os.replace(source, target)
     self.reload()
     return target
@@ -367,8 +409,9 @@ def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
     raise FileNotFoundError(f"No exported params at {directory}.")
   _quiet_orbax()
   with ocp.StandardCheckpointer() as checkpointer:
-    _check_compatible(abstract_params, checkpointer.metadata(directory).item_metadata, directory)
-    params = checkpointer.restore(directory, abstract_params)
+    stored = checkpointer.metadata(directory).item_metadata
+  _check_compatible(abstract_params, stored, directory)
+  params = _read_arrays(directory, abstract_params, stored)
   sums_file = os.path.join(directory, _EXPORT_CHECKSUMS)
   if os.path.isfile(sums_file):
     with open(sums_file, encoding="utf-8") as file:

@@ -1,5 +1,5 @@
-"""Import of RetNet checkpoints: torchscale's `RetNetDecoder` (late-2023 layout) as a `RetNet`; fla's RetNet in
-both directions (`load_fla`, `write_fla`, from retnet_jax.convert_fla); the workdir a converted model goes to.
+"""Import of RetNet checkpoints: torchscale's `RetNetDecoder` (late-2023 layout) as a `RetNet`; the workdir a
+converted model goes to (fla's RetNet, in both directions, is retnet_jax.convert_fla).
 
     model, config = load_torchscale(state_dict, torchscale_config)  # names -> arrays; RetNetConfig kwargs
     logits, _ = model(tokens, mode="parallel")                     # or "chunkwise", "recurrent"
@@ -26,8 +26,8 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 
-from retnet_jax import checkpointing, decay, presets, sharding, train_state
-from retnet_jax.convert_fla import listing, load_fla, write_fla  # noqa: F401  (load_fla, write_fla: re-exported)
+from retnet_jax import checkpointing, decay, presets, sharding, train_state, workdir as workdir_lib
+from retnet_jax.convert_fla import listing
 from retnet_jax.model import RetNet
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read
@@ -264,7 +264,7 @@ def load_flags(config: ml_collections.ConfigDict, workdir: str | Path) -> str:
 
 def check_empty_workdir(workdir: str | Path) -> None:
   """Raises FileExistsError if `workdir` already holds checkpoints (a conversion writes step 0 of a new one)."""
-  ckpt_dir = Path(workdir) / "checkpoints"
+  ckpt_dir = workdir_lib.checkpoint_dir(workdir)
   if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
     raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into an empty --workdir.")
 
@@ -278,12 +278,12 @@ def write_checkpoint(model: RetNet, config: ml_collections.ConfigDict, workdir: 
   """
   workdir = Path(workdir)
   check_empty_workdir(workdir)
-  ckpt_dir = workdir / "checkpoints"
+  ckpt_dir = workdir_lib.checkpoint_dir(workdir)
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
   state = train_state.from_params(config, layout, nnx.state(model, nnx.Param))
   workdir.mkdir(parents=True, exist_ok=True)
   with checkpointing.Checkpointer(ckpt_dir, keep=1, async_save=False) as checkpointer:
     checkpointer.save(0, state, {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)
   if jax.process_index() == 0:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    workdir_lib.config_file(workdir).write_text(config.to_json_best_effort(indent=2))
   return ckpt_dir

@@ -2,7 +2,7 @@
 loss and accuracy), in one or all forms, and the loss per position bucket at any length (the length-extrapolation
 curve).
 
-    model, step = restore_model(config, workdir)  # latest checkpoint, on the devices present
+    model, step = train_state.restore_model(config, workdir)  # latest checkpoint, on the devices present
     results = evaluate_model(model, config, modes=("parallel", "chunkwise", "recurrent"))
     results = evaluate_model(model, config, modes=("chunkwise",), seq_len=4096, position_buckets=16)
     plot_loss_by_position(results, "loss_by_position.png", train_seq_len=config.train.seq_len)
@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax import architectures, data, losses, sharding, synthetic, tokenizer as tokenizer_lib, train_state
-from retnet_jax.train_state import restore_model  # noqa: F401  (evaluate.restore_model: the documented entry)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
 # relative; bfloat16 rounds each product to 8 mantissa bits.
@@ -95,7 +94,7 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
   """Validation metrics of `model` per mode, and with several modes their largest differences.
 
   Args:
-    model: a RetNet or Transformer (e.g. from `restore_model`).
+    model: a RetNet or Transformer (e.g. from `train_state.restore_model`).
     config: its config; `data` gives the validation split, `train.seq_len` and the micro-batch the batches.
     modes: forms to evaluate, of `architectures.modes(config.model)`. The parallel form holds `[L, L]` scores
       per head: at long `seq_len` evaluate the chunkwise or recurrent form, whose memory grows linearly.

@@ -5,19 +5,24 @@ worker threads with `mmap` and returns them with `munmap`, so every step faults 
 cost is in docs/benchmarks.md). `keep_freed_memory()` makes malloc serve them from one heap that is never
 trimmed, so later steps reuse the same pages: the process keeps its peak footprint. Call it first, before
 importing numpy or jax: a thread keeps the malloc arena it first used, and numpy's and XLA's threads would
-otherwise already hold others. The scripts do so through `retnet_jax.cli.prepare`.
+otherwise already hold others. The scripts do so through `retnet_jax.cli.prepare`. Buffers used once (a checkpoint's
+reads) are allocated within `one_off_buffers()`, so that the heap does not keep them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import importlib.metadata
 import os
+from collections.abc import Iterator
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_DEFAULT_MMAP_MAX = 65536  # glibc's
+_kept = False  # whether keep_freed_memory applied its settings
 
 
 @functools.cache
@@ -48,8 +53,26 @@ def keep_freed_memory() -> bool:
     return False
   # Trimming off (-1: never), then large blocks from the heap, then every thread on the main arena, whose
   # heap can grow without bound (another arena falls back to mmap for blocks above its 64 MB heaps).
-  return all(libc.mallopt(param, value) == 1
-             for param, value in ((_M_TRIM_THRESHOLD, -1), (_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1)))
+  global _kept
+  _kept = all(libc.mallopt(param, value) == 1
+              for param, value in ((_M_TRIM_THRESHOLD, -1), (_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1)))
+  return _kept
+
+
+@contextlib.contextmanager
+def one_off_buffers() -> Iterator[None]:
+  """Within: large blocks come from `mmap` again, each returned to the system when freed, where
+  `keep_freed_memory` holds them in the heap. For buffers used once, such as a checkpoint's reads, which the
+  heap would otherwise keep for the rest of the process; blocks allocated within stay valid after it."""
+  libc = _glibc()
+  if not _kept or libc is None:
+    yield
+    return
+  libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+  try:
+    yield
+  finally:
+    libc.mallopt(_M_MMAP_MAX, 0)
 
 
 def release_freed_memory() -> None:

@@ -22,7 +22,8 @@ import ml_collections
 import numpy as np
 
 from retnet_jax import (architectures, checkpointing, data, flops, layers, losses, metrics, preemption, sharding,
-                        synthetic, tokenizer as tokenizer_lib, train_state, train_step as train_step_lib, workdir_lock)
+                        synthetic, tokenizer as tokenizer_lib, train_state, train_step as train_step_lib,
+                        workdir as workdir_lib, workdir_lock)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -68,30 +69,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   tokenizer = None
   if not config.data.synthetic:  # a synthetic task makes its own token ids (checked against the vocabulary)
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
-  ckpt_dir = workdir / "checkpoints"
-  if ckpt_dir.is_dir():
-    with checkpointing.Checkpointer(ckpt_dir, read_only=True) as existing:
-      for step in reversed(existing.all_steps()):  # the newest whose meta reads; damaged ones are set aside later
-        try:
-          saved_model = existing.restore_meta(step)["config"]["model"]
-        except Exception:  # orbax raises many kinds for a damaged step folder
-          continue
-        train_state.check_compatible(saved_model, config, workdir)
-        break
   mesh = sharding.make_mesh(config.mesh)
   run = train_step_lib.setup(config, mesh)
   batches, valid_batches = _data_sources(config, tokenizer, run.placement.batch_sharding)
 
   workdir.mkdir(parents=True, exist_ok=True)
-  with workdir_lock.WriterLock(workdir, jax.process_index()) as lock:  # one training process writes the workdir
-    checkpointer = checkpointing.Checkpointer(ckpt_dir, keep=config.checkpoint.keep,
+  with workdir_lib.writer_lock(workdir, jax.process_index()) as lock:  # one training process writes the workdir
+    checkpointer = checkpointing.Checkpointer(workdir_lib.checkpoint_dir(workdir), keep=config.checkpoint.keep,
                                               keep_best=config.checkpoint.keep_best,
                                               async_save=config.checkpoint.async_save)
     try:
-      with checkpointer, metrics.MetricsWriter(workdir) as writer:
-        if jax.process_index() == 0:
-          (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-        return _train_loop(config, run, batches, valid_batches, checkpointer, writer, lock)
+      with checkpointer:
+        state = _restore_or_init(config, run, checkpointer, batches)  # refuses another model's, before any write
+        with metrics.MetricsWriter(workdir) as writer:
+          if jax.process_index() == 0:
+            workdir_lib.config_file(workdir).write_text(config.to_json_best_effort(indent=2))
+          return _train_loop(config, run, state, batches, valid_batches, checkpointer, writer, lock)
     except Exception as e:  # pylint: disable=broad-exception-caught
       fault = _workdir_fault(e, lock, checkpointer)
       if fault is None:
@@ -166,19 +159,13 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
 
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
-                     checkpointer: checkpointing.Checkpointer,
-                     batches: data.BatchIterator | synthetic.SyntheticBatches):
-  """The latest readable checkpoint's state (an unreadable one is set aside with a warning), else a fresh one."""
-  for step in reversed(checkpointer.all_steps()):
-    try:
-      state, meta = checkpointer.restore(run.abstract_state, step)
-    except checkpointing.IncompatibleCheckpointError:
-      raise  # another model config: nothing older will fit either
-    except Exception as e:  # a damaged checkpoint: orbax raises many kinds
-      target = checkpointer.set_aside(step)
-      metrics.log(f"WARNING: checkpoint {step} is unreadable ({type(e).__name__}: {e}); moved to {target}, "
-                  "trying the previous one")
-      continue
+                     checkpointer: checkpointing.Checkpointer, batches: data.BatchIterator | synthetic.SyntheticBatches):
+  """The newest checkpoint's state that reads back whole (`workdir.restore_newest`: an unreadable one is set aside
+  with a warning, another model config's refused), else a fresh one."""
+  restored = workdir_lib.restore_newest(checkpointer, config,
+                                        lambda step: checkpointer.restore(run.abstract_state, step))
+  if restored is not None:
+    step, (state, meta) = restored
     batches.set_state(meta["data"])
     metrics.log(f"resumed from {checkpointer.directory}/{step} (data position {meta['data']})")
     changed = [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
@@ -211,12 +198,12 @@ def _check_finite(state: train_state.TrainState, policy: str, checkpointer: chec
         "train.nonfinite=skip to skip such steps.")
 
 
-def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator | synthetic.SyntheticBatches,
+def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState,
+                batches: data.BatchIterator | synthetic.SyntheticBatches,
                 valid_batches: Callable[[], Iterable[losses.Batch]], checkpointer: checkpointing.Checkpointer,
                 writer: metrics.MetricsWriter, lock: workdir_lock.WriterLock) -> dict[str, float]:
   train_cfg = config.train
   workdir = lock.workdir
-  state = _restore_or_init(config, run, checkpointer, batches)
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
   flops_per_token = flops.train_flops_per_token(config.model, train_cfg.seq_len, train_cfg.mode)
   peak = flops.measure_matmul_flops(layers.compute_dtype(config.model.dtype))
@@ -293,7 +280,7 @@ def _train_loop(config, run: train_step_lib.Setup, batches: data.BatchIterator |
         return last
 
   checkpointer.wait()
-  export_dir = workdir / "params" / str(step)
+  export_dir = workdir_lib.export_dir(workdir, step)
   if not export_dir.exists():
     checkpointing.export_params(export_dir, state["params"])
   metrics.log(f"done at step {step}; checkpoints in {checkpointer.directory}, params in {export_dir}")

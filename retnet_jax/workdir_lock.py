@@ -1,6 +1,6 @@
 """One training process per workdir: a lock that the kernel releases whenever its holder ends, SIGKILL included.
 
-    with WriterLock(workdir, jax.process_index()):
+    with workdir.writer_lock(path, jax.process_index()):  # the lock file's path comes from retnet_jax.workdir
       ...  # write checkpoints, metrics.jsonl, config.json
 
 Readers (evaluation, generation, notebooks) take no lock: they open checkpoints read-only. Each process of a
@@ -31,11 +31,11 @@ class WorkdirVanishedError(OSError):
 
 
 class WriterLock:
-  """The exclusive lock `WORKDIR/train_<process_index>.lock`; the file records its holder for the message."""
+  """The exclusive lock of `workdir` on the file `path`; the file records its holder for the message."""
 
-  def __init__(self, workdir: str | os.PathLike, process_index: int = 0):
+  def __init__(self, workdir: str | os.PathLike, path: str | os.PathLike):
     self.workdir = Path(workdir)
-    self.path = self.workdir / f"train_{process_index}.lock"
+    self.path = Path(path)
     self._fd: int | None = None
 
   def acquire(self) -> None:

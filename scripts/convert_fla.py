@@ -16,7 +16,7 @@ from pathlib import Path
 
 from absl import flags
 
-from retnet_jax import cli, convert, convert_fla, presets, sharding, train_state
+from retnet_jax import cli, convert, convert_fla, presets, sharding, train_state, workdir as workdir_lib
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fla RetNet checkpoint folder: read, or written with --to_fla.",
                                   required=True)
@@ -27,7 +27,7 @@ _STEP = cli.step_flag("With --to_fla: the checkpoint step to export (default: th
 
 def workdir_config(workdir: Path):
   """The full config a workdir was written with: its preset, with the model and tokenizer of its config.json."""
-  path = workdir / "config.json"
+  path = workdir_lib.config_file(workdir)
   if not path.is_file():
     raise FileNotFoundError(f"{path} is missing; --to_fla exports a workdir written by scripts/train.py or a "
                             "conversion.")
@@ -44,15 +44,15 @@ def main():
     config = workdir_config(workdir)
     convert_fla.check_export(config, checkpoint)
     model, step = train_state.restore_model(config, workdir, _STEP.value)
-    convert.write_fla(model, config, checkpoint)
+    convert_fla.write_fla(model, config, checkpoint)
     print(f"wrote step {step} of {workdir} to {checkpoint}; load it with "
           f"fla.models.RetNetForCausalLM.from_pretrained({str(checkpoint)!r})", flush=True)
     return
   convert.check_empty_workdir(workdir)
-  model, config = convert.load_fla(checkpoint, sharding.placement(presets.get_config("fla").mesh))
+  model, config = convert_fla.load_fla(checkpoint, sharding.placement(presets.get_config("fla").mesh))
   checkpoints = convert.write_checkpoint(model, config, workdir)
   load_flags = convert.load_flags(config, workdir)
-  print(f"wrote {checkpoints / '0'} and {workdir / 'config.json'}; load it with:\n"
+  print(f"wrote {checkpoints / '0'} and {workdir_lib.config_file(workdir)}; load it with:\n"
         f"  python scripts/evaluate.py {load_flags}\n  python scripts/generate.py {load_flags}", flush=True)
 
 

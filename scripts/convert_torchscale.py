@@ -17,7 +17,7 @@ from pathlib import Path
 
 from absl import flags
 
-from retnet_jax import cli, convert
+from retnet_jax import cli, convert, workdir
 
 _STATE_DICT = flags.DEFINE_string("state_dict", None, "torch.save'd RetNetDecoder state_dict (.pt).", required=True)
 _TORCHSCALE_CONFIG = flags.DEFINE_string("torchscale_config", None, "JSON file of RetNetConfig keyword values.",
@@ -48,7 +48,7 @@ def main():
   model, config = convert.load_torchscale(state_dict, torchscale_config)
   checkpoints = convert.write_checkpoint(model, config, _WORKDIR.value)
   load_flags = convert.load_flags(config, _WORKDIR.value)
-  print(f"wrote {checkpoints / '0'} and {Path(_WORKDIR.value) / 'config.json'}; load it with (plus "
+  print(f"wrote {checkpoints / '0'} and {workdir.config_file(_WORKDIR.value)}; load it with (plus "
         f"--config.data.tokenizer=PATH for the checkpoint's tokenizer):\n"
         f"  python scripts/evaluate.py {load_flags}\n  python scripts/generate.py {load_flags}", flush=True)
 

@@ -17,11 +17,10 @@ if __name__ == "__main__":
 
 import json
 import sys
-from pathlib import Path
 
 from absl import flags, logging
 
-from retnet_jax import architectures, evaluate, metrics
+from retnet_jax import architectures, evaluate, metrics, train_state, workdir
 from retnet_jax.layers import MODES
 
 _CONFIG = cli.config_flag("Config file and preset.")
@@ -43,15 +42,15 @@ def main():
   seq_len = config.train.seq_len if _EVAL_SEQ_LEN.value is None else _EVAL_SEQ_LEN.value
   modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
   evaluate.check_request(config, modes, seq_len, _BY_POSITION.value)  # before the checkpoint is read
-  model, step = evaluate.restore_model(config, _WORKDIR.value, _STEP.value)
+  model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
   results = {"step": step, "workdir": str(_WORKDIR.value),
              **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value)}
   print(evaluate.format_table(results))
   plot = None
   if _BY_POSITION.value:
-    plot = lambda results, png: evaluate.plot_loss_by_position(
-        results, png.with_name(f"eval_step_{step}_by_position.png"), config.train.seq_len)
-  line = metrics.write_results(results, Path(_WORKDIR.value) / f"eval_step_{step}.json", plot)
+    plot = lambda results, _: evaluate.plot_loss_by_position(
+        results, workdir.position_plot(_WORKDIR.value, step), config.train.seq_len)
+  line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "eval", step), plot)
   print(line, flush=True)
   nonfinite = json.loads(line).get("nonfinite")
   if nonfinite:

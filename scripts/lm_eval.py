@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import lm_eval  # noqa: E402
 from lm_eval import utils as harness_utils  # noqa: E402
 
-from retnet_jax import lm_eval as harness  # noqa: E402
+from retnet_jax import lm_eval as harness, workdir  # noqa: E402
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -63,7 +63,7 @@ def main():
     print(harness_utils.make_table(results, "groups"))
   path = Path(_OUTPUT_PATH.value or _WORKDIR.value)
   if path.suffix != ".json":
-    path = path / f"lm_eval_step_{lm.step}.json"
+    path = workdir.results_file(path, "lm_eval", lm.step)
   if jax.process_index() == 0:
     try:
       path.parent.mkdir(parents=True, exist_ok=True)

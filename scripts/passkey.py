@@ -14,11 +14,9 @@ from retnet_jax import cli
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
 
-from pathlib import Path
-
 from absl import flags
 
-from retnet_jax import architectures, metrics, passkey, passkey_eval, sampling, tokenizer as tokenizer_lib, train_state
+from retnet_jax import architectures, metrics, passkey, passkey_eval, sampling, tokenizer as tokenizer_lib, train_state, workdir
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -58,7 +56,8 @@ def main():
   results = {"step": step, "workdir": str(_WORKDIR.value), "mode": mode, "seed": _SEED.value,
              **passkey_eval.evaluate(passkey_eval.greedy_generate(model, mode), grid, _BATCH_SIZE.value)}
   print(passkey_eval.format_table(results))
-  line = metrics.write_results(results, Path(_WORKDIR.value) / f"passkey_step_{step}.json", passkey_eval.plot_heatmap)
+  line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "passkey", step),
+                               passkey_eval.plot_heatmap)
   print(line, flush=True)
 
 

@@ -3,6 +3,7 @@
 import asyncio
 import errno
 import gc
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.retnet import get_config
+from retnet_jax import checkpointing
 from retnet_jax.checkpointing import (Checkpointer, CheckpointWriteError, DamagedCheckpointError, export_params,
                                      load_params)
 from retnet_jax.model import RetNet
@@ -153,6 +155,55 @@ def test_incompatible_model_config_is_a_clear_error(tmp_path, state):
               r"key 'params/blocks/0/ffn/fc1/kernel/value' has shape \(32, 64\) in the checkpoint but \(64, 64\)")
   with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError, match=expected):
     ckpt.restore(target)
+
+
+def damage_checksum(step_dir, prefix):
+  """Changes the saved checksum of the first array whose key path starts with `prefix` (its arrays stay intact)."""
+  meta_file = step_dir / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  key = next(k for k in meta["checksums"] if k.startswith(prefix))
+  meta["checksums"][key] += 1
+  meta_file.write_text(json.dumps(meta))
+
+
+def test_partial_restore_reads_and_verifies_that_part_only(tmp_path, state):
+  """Restoring `{"params": ...}` of a full state reads and checks the params alone: the optimizer state's arrays and
+  checksums are neither read nor verified (here its checksum disagrees, which a full restore refuses)."""
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, state, META)
+  damage_checksum(tmp_path / "1", "['opt']")
+  with Checkpointer(tmp_path, read_only=True) as ckpt:
+    with pytest.raises(DamagedCheckpointError, match=r"1 array\(s\) read back differ .*first \['opt'\]"):
+      ckpt.restore(abstract(state), 1)
+    params, meta = ckpt.restore({"params": abstract(state["params"])}, 1, partial=True)
+    assert meta == META
+    assert_bitwise_equal(params["params"], state["params"])
+  damage_checksum(tmp_path / "1", "['params']")
+  with Checkpointer(tmp_path, read_only=True) as ckpt:
+    with pytest.raises(DamagedCheckpointError, match=r"first \['params'\]"):
+      ckpt.restore({"params": abstract(state["params"])}, 1, partial=True)
+
+
+def test_a_step_set_aside_twice_keeps_both_copies(tmp_path, state):
+  """The same step can turn out unreadable again after it was rewritten: each copy is kept under its own name."""
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(2, state, META)
+    assert ckpt.set_aside(2) == f"{tmp_path}/2.corrupt"
+    ckpt.save(2, state, META)
+    assert ckpt.set_aside(2) == f"{tmp_path}/2.corrupt.1"
+    assert ckpt.all_steps() == []
+  assert sorted(os.listdir(tmp_path)) == ["2.corrupt", "2.corrupt.1"]
+
+
+def test_checksums_keep_their_formula_and_sum_in_blocks():
+  """The checksum of checkpoints saved before blockwise summing (a uint32 sum of bit patterns times odd position
+  weights) is unchanged, and its temporaries are one block's, not the array's."""
+  x = jax.random.normal(jax.random.key(0), (checkpointing._CHECKSUM_BLOCK * 2 + 5,))
+  bits = np.asarray(x).view(np.uint32).astype(np.uint64)
+  weights = ((2 * np.arange(bits.size, dtype=np.uint64) + 1) * 2654435761) % 2**32
+  assert int(checkpointing._checksum(x)) == int(np.sum(bits * weights) % 2**32)
+  big = jax.ShapeDtypeStruct((8192, 2048), jnp.float32)  # 64 MiB
+  assert checkpointing._checksum.lower(big).compile().memory_analysis().temp_size_in_bytes < 8 * 2**20
 
 
 def test_missing_step_and_empty_directory(tmp_path, state):

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import convert, evaluate
+from retnet_jax import convert, train_state
 
 torch = pytest.importorskip("torch")
 try:
@@ -188,7 +188,7 @@ def test_unsupported_options_are_refused(override, message):
 
 @pytest.mark.slow
 def test_script_writes_a_checkpoint_that_restore_model_loads(tmp_path):
-  """torch.save'd fairseq checkpoint + JSON config -> scripts/convert_torchscale.py -> evaluate.restore_model: same
+  """torch.save'd fairseq checkpoint + JSON config -> scripts/convert_torchscale.py -> train_state.restore_model: same
   logits."""
   options, length = SHAPES["recipe"]
   decoder = torchscale_decoder(options)
@@ -216,7 +216,7 @@ def test_script_writes_a_checkpoint_that_restore_model_loads(tmp_path):
   _, converted = convert.load_torchscale(decoder.state_dict(), options)
   config = retnet_config.get_config(converted.preset)
   config.model.update(convert.model_overrides(converted))
-  model, step = evaluate.restore_model(config, workdir)
+  model, step = train_state.restore_model(config, workdir)
   assert step == 0
   tokens = random_tokens(options["vocab_size"], length, seed=2)
   theirs = torchscale_logits(options, decoder.state_dict(), tokens)

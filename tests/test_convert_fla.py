@@ -22,7 +22,7 @@ import tokenizers
 from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
-from retnet_jax import convert, convert_fla, presets, sharding
+from retnet_jax import convert_fla, presets, sharding
 from retnet_jax.model import RetNet
 
 torch = pytest.importorskip("torch")
@@ -150,7 +150,7 @@ def test_logits_match_fla_in_each_form_and_across_a_handoff(tmp_path, name):
   another gives fla's chunk prefill continued recurrently (relative to the largest logit; measured 5e-7 to 1e-5)."""
   options, (first, then) = CONFIGS[name]
   model, folder = saved_fla(tmp_path, options)
-  ours = with_chunk_size(*convert.load_fla(folder), 16)
+  ours = with_chunk_size(*convert_fla.load_fla(folder), 16)
   tokens = random_tokens(options["vocab_size"], LENGTH)
   errors = {}
   for mode in MODES:
@@ -173,8 +173,8 @@ def test_load_places_parameters_on_a_mesh(tmp_path):
   _, folder = saved_fla(tmp_path, options)
   config = presets.get_config("fla")
   config.mesh.shape = (2, 2, 2)
-  placed, _ = convert.load_fla(folder, sharding.placement(config.mesh))
-  plain, _ = convert.load_fla(folder)
+  placed, _ = convert_fla.load_fla(folder, sharding.placement(config.mesh))
+  plain, _ = convert_fla.load_fla(folder)
   kernel = placed.blocks[0].retention.q_proj.kernel[...]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor") and len(kernel.devices()) == 8
   assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(placed), flat_params(plain)))
@@ -187,7 +187,7 @@ def test_bfloat16_shards_written_by_transformers_load(tmp_path):
   model = fla_model(CONFIGS["tied_shared_kv"][0]).to(torch.bfloat16)
   model.save_pretrained(tmp_path / "fla", max_shard_size="20KB")
   assert (tmp_path / "fla" / convert_fla.INDEX_FILE).is_file()
-  ours, config = convert.load_fla(tmp_path / "fla")
+  ours, config = convert_fla.load_fla(tmp_path / "fla")
   theirs = {name: value.float().numpy() for name, value in model.state_dict().items()}
   assert all(np.array_equal(value.T if path[-1] == "kernel" else value, theirs[convert_fla.fla_name(path, False)])
              for path, value in flat_params(ours).items())
@@ -228,14 +228,14 @@ def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes):
   gives the same parameters and model config; the tokenizer travels with it."""
   model, config = our_fla_model(tie_embeddings=tie)
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
-  out = convert.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
+  out = convert_fla.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
   sharded = (out / convert_fla.INDEX_FILE).is_file()
   assert sharded == (max_shard_bytes < 2**30) and (out / "tokenizer.json").is_file()
   assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
   theirs = fla_models.RetNetForCausalLM.from_pretrained(out).eval()
   tokens = random_tokens(47, LENGTH)
   assert relative_error(forward(model, jnp.asarray(tokens), "chunkwise")[0], fla_logits(theirs, tokens)[0]) < 1e-4
-  back, back_config = convert.load_fla(out)
+  back, back_config = convert_fla.load_fla(out)
   assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(back), flat_params(model)))
   config.model.chunk_size = back_config.model.chunk_size  # a choice of computation, not stored by fla
   assert back_config.model == config.model and back_config.data.tokenizer == str((out / "tokenizer.json").resolve())
@@ -251,7 +251,7 @@ FLA_CONFIG = {"model_type": "retnet", "hidden_size": 32, "num_hidden_layers": 1,
 def test_unsupported_fla_options_are_refused(tmp_path, option, value):
   (tmp_path / "config.json").write_text(json.dumps({**FLA_CONFIG, option: value}))
   with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
-    convert.load_fla(tmp_path)
+    convert_fla.load_fla(tmp_path)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -282,17 +282,17 @@ def test_export_refuses_before_writing(tmp_path):
   """A model fla cannot express, a tokenizer larger than the vocabulary, a folder in use: nothing is written."""
   model, config = our_fla_model(stability_norm=True)
   with pytest.raises(ValueError, match="model.stability_norm=True"):
-    convert.write_fla(model, config, tmp_path / "out")
+    convert_fla.write_fla(model, config, tmp_path / "out")
   model, config = our_fla_model()
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tokenizer.json", 60))
   with pytest.raises(ValueError, match="the tokenizer has 60 tokens but model.vocab_size=47"):
-    convert.write_fla(model, config, tmp_path / "out")
+    convert_fla.write_fla(model, config, tmp_path / "out")
   assert not (tmp_path / "out").exists()
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "config.json").write_text("{}")
   config.data.tokenizer = "byte"
   with pytest.raises(FileExistsError, match="is not an empty folder"):
-    convert.write_fla(model, config, tmp_path / "out")
+    convert_fla.write_fla(model, config, tmp_path / "out")
 
 
 def edited_checkpoint(tmp_path, edit):
@@ -324,7 +324,7 @@ def _move(tensors):
 ])
 def test_missing_extra_misshapen_and_mistyped_tensors_are_named(tmp_path, edit, message):
   with pytest.raises(ValueError, match=message):
-    convert.load_fla(edited_checkpoint(tmp_path, edit))
+    convert_fla.load_fla(edited_checkpoint(tmp_path, edit))
 
 
 def test_bad_folders_are_refused(tmp_path):
@@ -334,22 +334,22 @@ def test_bad_folders_are_refused(tmp_path):
   config_json = (folder / "config.json").read_text()
   (folder / "config.json").unlink()
   with pytest.raises(FileNotFoundError, match="config.json is missing"):
-    convert.load_fla(folder)
+    convert_fla.load_fla(folder)
   (folder / "config.json").write_text(json.dumps({**json.loads(config_json), "model_type": "gla"}))
   with pytest.raises(ValueError, match="model_type='gla'; only fla's RetNet"):
-    convert.load_fla(folder)
+    convert_fla.load_fla(folder)
   (folder / "config.json").write_text(config_json)
   write_tokenizer(folder / "tokenizer.json", 80)
   with pytest.raises(ValueError, match="the tokenizer has 80 tokens but model.vocab_size=61"):
-    convert.load_fla(folder)
+    convert_fla.load_fla(folder)
   (folder / "tokenizer.json").unlink()
   (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
   with pytest.raises(FileNotFoundError, match=r"holds no model\.safetensors nor .* \(only pytorch_model\.bin"):
-    convert.load_fla(folder)
+    convert_fla.load_fla(folder)
   index = {"weight_map": {"lm_head.weight": "model-00002.safetensors"}}
   (folder / convert_fla.INDEX_FILE).write_text(json.dumps(index))
   with pytest.raises(FileNotFoundError, match="model-00002.safetensors, a shard that"):
-    convert.load_fla(folder)
+    convert_fla.load_fla(folder)
 
 
 def run_script(*flags):

@@ -17,7 +17,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from conftest import flip_bytes
-from retnet_jax import checkpointing, data, evaluate, metrics, sharding, tokenizer, train
+from retnet_jax import checkpointing, data, evaluate, metrics, sharding, tokenizer, train, train_state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def run_script(name, flags, **env_vars):
 
 def test_all_three_modes_agree_on_a_trained_checkpoint(trained):
   config, workdir, _ = trained
-  model, step = evaluate.restore_model(config, workdir)
+  model, step = train_state.restore_model(config, workdir)
   assert step == 8
   results = evaluate.evaluate_model(model, config, modes=("parallel", "chunkwise", "recurrent"), max_batches=2)
   assert results["modes_agree"] and results["max_loss_difference"] < 1e-4
@@ -121,7 +121,7 @@ def test_a_step_deleted_while_it_is_read_gives_the_new_latest(trained, tmp_path,
     return read_meta(self, step)
 
   monkeypatch.setattr(checkpointing.Checkpointer, "restore_meta", deleting_read)
-  assert evaluate.restore_model(config, tmp_path)[1] == 4
+  assert train_state.restore_model(config, tmp_path)[1] == 4
 
 
 def test_metrics_json_has_no_nan():
@@ -135,7 +135,7 @@ def assert_refuses_another_model(workdir, **model_changes):
   other = retnet_config.get_config("tiny")
   other.model.update(model_changes)
   with pytest.raises(ValueError, match=f"incompatible model config.*{next(iter(model_changes))}"):
-    evaluate.restore_model(other, workdir)
+    train_state.restore_model(other, workdir)
 
 
 def test_params_export_loads_without_checkpoints(trained, tmp_path):
@@ -143,26 +143,26 @@ def test_params_export_loads_without_checkpoints(trained, tmp_path):
   config, workdir, _ = trained
   shutil.copytree(workdir / "params", tmp_path / "params")
   shutil.copy(workdir / "config.json", tmp_path / "config.json")
-  exported, step = evaluate.restore_model(config, tmp_path)
-  checkpointed, _ = evaluate.restore_model(config, workdir, step=8)
+  exported, step = train_state.restore_model(config, tmp_path)
+  checkpointed, _ = train_state.restore_model(config, workdir, step=8)
   assert step == 8
   jax.tree.map(np.testing.assert_array_equal, nnx.state(exported, nnx.Param), nnx.state(checkpointed, nnx.Param))
   with pytest.raises(ValueError, match=r"No exported params for step 4 .* available steps: \[8\]"):
-    evaluate.restore_model(config, tmp_path, step=4)
+    train_state.restore_model(config, tmp_path, step=4)
   for file in (tmp_path / "params" / "8").rglob("*"):  # truncated data files: one clear error, not TensorStore's
     if file.is_file() and file.parent.name == "d":
       file.write_bytes(file.read_bytes()[:10])
   with pytest.raises(ValueError, match=r"the params export .*8 is unreadable .*available steps: \[8\]"):
-    evaluate.restore_model(config, tmp_path)
+    train_state.restore_model(config, tmp_path)
   assert_refuses_another_model(tmp_path, num_layers=3)
 
 
 def test_errors_name_what_was_found(trained, tmp_path):
   config, workdir, _ = trained
   with pytest.raises(FileNotFoundError, match="no checkpoints in"):
-    evaluate.restore_model(config, tmp_path)
+    train_state.restore_model(config, tmp_path)
   with pytest.raises(ValueError, match=r"No checkpoint for step 5 .* available steps: \[4, 8\]"):
-    evaluate.restore_model(config, workdir, step=5)
+    train_state.restore_model(config, workdir, step=5)
   assert_refuses_another_model(workdir, d_model=64)
   with pytest.raises(ValueError, match="unknown mode 'serial'"):
     evaluate.evaluate_model(None, config, modes=("serial",))
@@ -170,13 +170,13 @@ def test_errors_name_what_was_found(trained, tmp_path):
   shutil.copytree(workdir / "checkpoints", damaged / "checkpoints")
   (damaged / "checkpoints" / "8" / "meta" / "metadata").write_text("{not json")
   with pytest.raises(ValueError, match=r"checkpoint 8 in .* is unreadable .*--step \(available steps: \[4, 8\]\)"):
-    evaluate.restore_model(config, damaged)
-  assert evaluate.restore_model(config, damaged, step=4)[1] == 4
+    train_state.restore_model(config, damaged)
+  assert train_state.restore_model(config, damaged, step=4)[1] == 4
   flipped = tmp_path / "flipped"  # bytes changed in place: readable, but not what was saved
   shutil.copytree(workdir / "checkpoints", flipped / "checkpoints")
   flip_bytes(flipped / "checkpoints" / "8", every_data_file=True)
   with pytest.raises(ValueError, match=r"checkpoint 8 in .* is unreadable .*--step \(available steps: \[4, 8\]\)"):
-    evaluate.restore_model(config, flipped)
+    train_state.restore_model(config, flipped)
   with pytest.raises(ValueError, match="max_batches must be a positive number of batches"):
     evaluate.evaluate_model(None, config, max_batches=0)
   bigger = tmp_path / "tokenizer.json"
@@ -190,7 +190,7 @@ def test_errors_name_what_was_found(trained, tmp_path):
 def test_loss_by_position_is_each_buckets_mean_per_token_nll(trained):
   """At twice the training length, each bucket's loss is the mean of the per-token NLL computed here with numpy."""
   config, workdir, _ = trained
-  model, _ = evaluate.restore_model(config, workdir)
+  model, _ = train_state.restore_model(config, workdir)
   results = evaluate.evaluate_model(model, config, modes=("chunkwise", "recurrent"), max_batches=1, seq_len=64,
                                     position_buckets=4)
   _, valid = data.load_splits(config.data, tokenizer.ByteTokenizer())

@@ -1,4 +1,5 @@
-"""host_memory.keep_freed_memory: repeated executions stop faulting their temporaries in afresh."""
+"""host_memory.keep_freed_memory: repeated executions stop faulting their temporaries in afresh; one_off_buffers: what
+is allocated within goes back to the system when freed."""
 
 import os
 import subprocess
@@ -46,3 +47,33 @@ def test_kept_memory_is_reused_by_later_executions():
   assert applied
   assert default > 20_000, default
   assert kept < 2_000, kept
+
+
+# MiB returned to the system when a 256 MiB block is freed, allocated outside and inside `one_off_buffers`.
+ONE_OFF_SCRIPT = """
+import contextlib, resource
+from retnet_jax import host_memory
+assert host_memory.keep_freed_memory()
+import numpy as np
+
+def returned(context):
+  with context:
+    block = np.ones(2**25)
+  resident = lambda: int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+  before = resident()
+  del block
+  return before - resident()
+
+one_off = returned(host_memory.one_off_buffers())  # first: the heap has no free block to serve it from
+print(returned(contextlib.nullcontext()), one_off)
+"""
+
+
+@pytest.mark.skipif(host_memory._glibc() is None, reason="glibc malloc only")
+def test_one_off_buffers_go_back_to_the_system_when_freed():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "-c", ONE_OFF_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  kept, returned = map(float, proc.stdout.split())
+  assert kept < 16 and returned > 240, (kept, returned)

@@ -220,13 +220,13 @@ def test_a_workdir_deleted_while_training_stops_it_promptly_with_one_message(tmp
 
 
 def test_writer_lock_is_exclusive_and_released(tmp_path):
-  from retnet_jax import workdir_lock  # pylint: disable=import-outside-toplevel
-  with workdir_lock.WriterLock(tmp_path):
+  from retnet_jax import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
+  with workdir_lib.writer_lock(tmp_path):
     with pytest.raises(workdir_lock.WorkdirBusyError, match=rf"being trained by process {os.getpid()} on .* since"):
-      workdir_lock.WriterLock(tmp_path).acquire()  # another open file description: flock excludes it too
-    with workdir_lock.WriterLock(tmp_path, process_index=1):  # another process of the same run: its own lock
+      workdir_lib.writer_lock(tmp_path).acquire()  # another open file description: flock excludes it too
+    with workdir_lib.writer_lock(tmp_path, process_index=1):  # another process of the same run: its own lock
       pass
-  with workdir_lock.WriterLock(tmp_path):  # released on exit
+  with workdir_lib.writer_lock(tmp_path):  # released on exit
     pass
   with checkpointing.Checkpointer(tmp_path, read_only=True) as reader:
     with pytest.raises(ValueError, match="read-only"):

@@ -9,7 +9,8 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from configs import transformer as transformer_config
-from retnet_jax import checkpointing, data, evaluate, losses, optimizer, passkey, sharding, synthetic, train, train_step
+from retnet_jax import (checkpointing, data, evaluate, losses, optimizer, passkey, sharding, synthetic, train,
+                        train_state, train_step)
 from retnet_jax.model import RetNet
 from retnet_jax.tokenizer import ByteTokenizer
 
@@ -293,7 +294,7 @@ def test_tiny_model_learns_mqar(tmp_path, architecture):
                            log_every_steps=100, eval_every_steps=400, eval_batches=2))
   config.checkpoint.update(dict(every_steps=400, async_save=False))
   final = train.train_and_evaluate(config, tmp_path / "run")
-  model, step = evaluate.restore_model(config, tmp_path / "run")
+  model, step = train_state.restore_model(config, tmp_path / "run")
   results = evaluate.evaluate_model(model, config)
   least = {"retnet": 0.8, "transformer": 0.4}[architecture]
   assert step == 400 and results["modes"]["parallel"]["mqar_accuracy"] > least, (final, results)

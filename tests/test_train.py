@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, losses, sharding, train, train_state, train_step
+from retnet_jax import checkpointing, losses, sharding, train, train_state, train_step, workdir as workdir_lib
 from retnet_jax.model import RetNet
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
@@ -226,12 +226,12 @@ def test_checkpoints_written_before_a_model_field_existed_stay_compatible(tmp_pa
   """A checkpoint's config without the fields added since (its model had their old behaviour) resumes under
   today's defaults and is refused under another value; how the model computes may change on resume."""
   config = tiny_config(tmp_path)
-  old = {k: v for k, v in config.model.to_dict().items() if k not in train_state.ADDED_MODEL_FIELDS}
+  old = {k: v for k, v in config.model.to_dict().items() if k not in workdir_lib.ADDED_MODEL_FIELDS}
   config.model.update(matmul_precision="highest", retention_impl="auto", chunk_size=4)
-  train_state.check_compatible(old, config, tmp_path)
+  workdir_lib.check_compatible(old, config, tmp_path)
   config.model.rotation_pairs = "half"
   with pytest.raises(ValueError, match="model.rotation_pairs: checkpoint 'interleaved' vs config 'half'"):
-    train_state.check_compatible(old, config, tmp_path)
+    workdir_lib.check_compatible(old, config, tmp_path)
 
 
 def test_profile_trace_and_tensorboard_events_are_written(tmp_path):

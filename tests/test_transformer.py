@@ -17,7 +17,7 @@ from ml_collections.config_flags import config_path
 
 from configs import retnet as retnet_config, transformer as transformer_config
 from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding, tokenizer,
-                        train, train_state)
+                        train, train_state, workdir as workdir_lib)
 from retnet_jax.transformer import Transformer
 from test_train import read_metrics, tiny_config
 
@@ -245,14 +245,14 @@ def test_checkpoints_of_the_other_architecture_are_refused(tmp_path):
   """A RetNet checkpoint written before `architecture` existed loads as a RetNet and is refused, by that field
   alone, under a Transformer config; the cache length may change between runs."""
   old = {k: v for k, v in retnet_config.get_config("tiny").model.to_dict().items() if k != "architecture"}
-  train_state.check_compatible(old, retnet_config.get_config("tiny"), tmp_path)
+  workdir_lib.check_compatible(old, retnet_config.get_config("tiny"), tmp_path)
   config = transformer_config.get_config("tiny")
   with pytest.raises(ValueError, match=r"incompatible model config \(model.architecture: checkpoint 'retnet' vs "
                                        r"config 'transformer'\); use the model config it was trained with"):
-    train_state.check_compatible(old, config, tmp_path)
+    workdir_lib.check_compatible(old, config, tmp_path)
   saved = config.model.to_dict()
   config.model.max_len = 4096
-  train_state.check_compatible(saved, config, tmp_path)
+  workdir_lib.check_compatible(saved, config, tmp_path)
 
 
 @pytest.mark.devices(8)

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax import flops, optimizer, presets, sampling, sharding, train_state, train_step, transformer
+from retnet_jax import flops, optimizer, presets, sampling, sharding, train_step, transformer, workdir
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
 from retnet_jax.model import RetNet
@@ -49,7 +49,7 @@ def _train_case(step, state, batch, compile_s: float, buffers: int | None) -> Ca
 class InitialStates:
   """The initial train state per model size, initialised (compiled) once per benchmark run and copied per case.
 
-  It depends on neither the form, the dtype nor the shape (`train_state.RESUMABLE_MODEL_CHANGES`).
+  It depends on neither the form, the dtype nor the shape (`workdir.RESUMABLE_MODEL_CHANGES`).
   """
 
   def __init__(self):
@@ -57,7 +57,7 @@ class InitialStates:
 
   def copy(self, config, run) -> Any:
     """A copy of the initial state of `config.model`; call under `run`'s mesh and logical-axis rules."""
-    key = json.dumps({k: v for k, v in config.model.to_dict().items() if k not in train_state.RESUMABLE_MODEL_CHANGES},
+    key = json.dumps({k: v for k, v in config.model.to_dict().items() if k not in workdir.RESUMABLE_MODEL_CHANGES},
                      sort_keys=True)
     if key not in self._states:
       self._states[key] = run.init()

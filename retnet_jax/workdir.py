@@ -1,0 +1,186 @@
+"""A run's directory: where each of its files lives, and which checkpoint step is the newest that reads back whole.
+
+    WORKDIR/
+      checkpoints/STEP           training checkpoints (STEP.corrupt: one set aside as unreadable)
+      params/STEP                the parameters alone, exported when training ends
+      config.json                the config of the run (or of a conversion)
+      metrics.jsonl, tensorboard/, profile/   what training logs (retnet_jax.metrics, train.profile_steps)
+      eval_step_STEP.json        scripts/evaluate.py's results (eval_step_STEP_by_position.png: its plot)
+      passkey_step_STEP.json     scripts/passkey.py's results (passkey_step_STEP.png: its heatmap)
+      lm_eval_step_STEP.json     scripts/lm_eval.py's results
+      train_PROCESS.lock         the lock of the training process (retnet_jax.workdir_lock)
+
+    step, (state, meta) = restore_newest(checkpointer, config, lambda step: checkpointer.restore(abstract, step))
+    params, step = read_params(workdir, config, abstract_params)  # evaluation: the parameters alone
+
+Training (the writer) and evaluation, generation, lm-eval and conversion (readers) choose their step by the one
+policy of `restore_newest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ml_collections
+
+from retnet_jax import checkpointing, metrics, workdir_lock
+
+T = TypeVar("T")
+# Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes.
+RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl", "max_len")
+# Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
+# with (the model's behaviour before the field existed).
+ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",
+                      "head_norm_scale": False, "architecture": "retnet"}
+RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)
+
+
+def checkpoint_dir(workdir: str | os.PathLike) -> Path:
+  """`WORKDIR/checkpoints`: the training checkpoints, one folder per step."""
+  return Path(workdir) / "checkpoints"
+
+
+def has_checkpoints(workdir: str | os.PathLike) -> bool:
+  """Whether `checkpoint_dir` holds a step folder."""
+  ckpt_dir = checkpoint_dir(workdir)
+  return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
+def export_dir(workdir: str | os.PathLike, step: int) -> Path:
+  """`WORKDIR/params/STEP`: the parameters alone (`checkpointing.export_params`) of `step`."""
+  return Path(workdir) / "params" / str(step)
+
+
+def exported_steps(workdir: str | os.PathLike) -> list[int]:
+  """The steps of the params exports, ascending."""
+  folder = export_dir(workdir, 0).parent
+  return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+def config_file(workdir: str | os.PathLike) -> Path:
+  """`WORKDIR/config.json`: the config the run was written with."""
+  return Path(workdir) / "config.json"
+
+
+def results_file(folder: str | os.PathLike, kind: str, step: int) -> Path:
+  """`FOLDER/KIND_step_STEP.json`: the results of evaluation `kind` (one of RESULTS) of checkpoint `step`."""
+  if kind not in RESULTS:
+    raise ValueError(f"unknown kind of results {kind!r}; choose one of {RESULTS}.")
+  return Path(folder) / f"{kind}_step_{step}.json"
+
+
+def position_plot(workdir: str | os.PathLike, step: int) -> Path:
+  """`WORKDIR/eval_step_STEP_by_position.png`: the loss by position of scripts/evaluate.py --by_position."""
+  return Path(workdir) / f"eval_step_{step}_by_position.png"
+
+
+def writer_lock(workdir: str | os.PathLike, process_index: int = 0) -> workdir_lock.WriterLock:
+  """The lock `WORKDIR/train_<process_index>.lock` that one training process per workdir holds."""
+  return workdir_lock.WriterLock(workdir, Path(workdir) / f"train_{process_index}.lock")
+
+
+def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
+  """Refuses (IncompatibleCheckpointError) a checkpoint written with another model config, naming the fields."""
+  current = config.model.to_dict()
+  saved_model = {**{k: v for k, v in ADDED_MODEL_FIELDS.items() if k in current}, **saved_model}
+  differs = sorted(k for k in set(saved_model) | set(current)
+                   if k not in RESUMABLE_MODEL_CHANGES
+                   and json.dumps(saved_model.get(k)) != json.dumps(current.get(k)))
+  if "architecture" in differs:  # the other fields differ as a consequence
+    differs = ["architecture"]
+  if differs:
+    details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {current.get(k)!r}"
+                        for k in differs)
+    raise checkpointing.IncompatibleCheckpointError(
+        f"{workdir} holds a checkpoint of an incompatible model config ({details}); use the model config it was "
+        f"trained with ({config_file(workdir)}), or another --workdir for a new run.")
+
+
+def restore_newest(checkpointer: checkpointing.Checkpointer, config: ml_collections.ConfigDict,
+                   read: Callable[[int], T], step: int | None = None, attempts: int = 10) -> tuple[int, T] | None:
+  """`(step, read(step))` of checkpoint `step`, or (None) of the newest step that reads back whole.
+
+  A step's meta is checked first: a checkpoint of another model config is refused by name (`check_compatible`),
+  as is one whose arrays do not fit the config's (nothing older fits either). A step that does not read back
+  whole (meta or arrays unreadable, or unlike their checksums) is, for the writer (`checkpointer` not read-only:
+  the training process), set aside as `STEP.corrupt` with a warning and the previous step read; for a reader,
+  named in a ValueError with the steps to choose from, unless a training run deleted it while it was read (its
+  retention policy, as newer steps arrive): the newest is then resolved again, up to `attempts` times.
+
+  Returns:
+    `(step, read(step))`; None for the writer when no step is left (a fresh start).
+  """
+  workdir = Path(checkpointer.directory).parent
+  attempt = 0
+  while True:
+    attempt += 1
+    if not checkpointer.read_only and not checkpointer.all_steps():
+      return None
+    current, steps = checkpointer.resolve(step), checkpointer.all_steps()
+    try:
+      check_compatible(checkpointer.restore_meta(current)["config"]["model"], config, workdir)
+      return current, read(current)
+    except checkpointing.IncompatibleCheckpointError:
+      raise
+    except Exception as e:  # orbax and TensorStore raise many kinds for a damaged step folder
+      error = e
+    if not checkpointer.read_only:
+      target = checkpointer.set_aside(current)
+      metrics.log(f"WARNING: checkpoint {current} is unreadable ({type(error).__name__}: {_first_line(error)}); "
+                  f"moved to {target}, trying the previous one")
+      continue
+    checkpointer.reload()
+    if step is not None or attempt == attempts or checkpointer.latest_step() == current:
+      raise ValueError(f"checkpoint {current} in {checkpointer.directory} is unreadable ({type(error).__name__}: "
+                       f"{_first_line(error)}); choose another with --step (available steps: {steps}).") from error
+
+
+def read_params(workdir: str | os.PathLike, config: ml_collections.ConfigDict, abstract_params: Any,
+                step: int | None = None) -> tuple[Any, int]:
+  """The parameters of `workdir` at `step` (None: the newest that reads back whole), placed as `abstract_params`.
+
+  Reads the parameters alone (no optimizer state) of the training checkpoints, or, in a workdir that has none,
+  the params export that training writes at its end, checked against the workdir's config.json.
+
+  Args:
+    workdir: a training run's (or a conversion's) directory; it may be training meanwhile.
+    config: the full config; a checkpoint of another model config is refused by name.
+    abstract_params: the parameters' `jax.ShapeDtypeStruct`s with shardings (`train_state.model_layout`).
+    step: the checkpoint step (None: the newest).
+  Returns:
+    (params, step).
+  """
+  ckpt_dir, exported = checkpoint_dir(workdir), exported_steps(workdir)
+  if has_checkpoints(workdir):
+    with checkpointing.Checkpointer(ckpt_dir, read_only=True) as checkpointer:
+      step, params = restore_newest(checkpointer, config, lambda s: checkpointer.restore(
+          {"params": abstract_params}, s, partial=True)[0]["params"], step)
+    return params, step
+  export = export_dir(workdir, 0).parent
+  if not exported:
+    raise FileNotFoundError(f"no checkpoints in {workdir} (expected {ckpt_dir} or {export}); train first "
+                            f"with scripts/train.py --workdir={workdir}, or point --workdir at a training run.")
+  if step is None:
+    step = exported[-1]
+  elif step not in exported:
+    raise ValueError(f"No exported params for step {step} in {export} (and no {ckpt_dir}); "
+                     f"available steps: {exported}.")
+  if config_file(workdir).is_file():
+    check_compatible(json.loads(config_file(workdir).read_text())["model"], config, workdir)
+  try:
+    return checkpointing.load_params(export_dir(workdir, step), abstract_params), step
+  except checkpointing.IncompatibleCheckpointError:
+    raise
+  except Exception as e:  # a truncated or damaged export: orbax and TensorStore raise many kinds
+    raise ValueError(f"the params export {export_dir(workdir, step)} is unreadable ({type(e).__name__}: "
+                     f"{_first_line(e)}); choose another with --step (available steps: {exported}), or restore "
+                     "from checkpoints/.") from e
+
+
+def _first_line(error: Exception) -> str:
+  """The first line of an error's message (TensorStore appends pages of its spec)."""
+  return (str(error).strip().splitlines() or [""])[0]

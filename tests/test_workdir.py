@@ -1,0 +1,107 @@
+"""The workdir: its layout, the one policy for the newest checkpoint that reads back whole, and restoring the model
+from the parameters alone."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import retnet as retnet_config
+from retnet_jax import checkpointing, optimizer, sharding, train, train_state, workdir as workdir_lib
+from test_train import tiny_config
+
+
+def save_steps(workdir, config, steps, state=None):
+  """Checkpoints `steps` of `state` (default: a small stand-in) with the meta training writes; returns the state."""
+  state = {"params": {"w": jnp.arange(4.0)}} if state is None else state
+  with checkpointing.Checkpointer(workdir_lib.checkpoint_dir(workdir), async_save=False) as ckpt:
+    for step in steps:
+      ckpt.save(step, state, {"data": {"epoch": 0, "index": step}, "config": config.to_dict()})
+  return state
+
+
+def damage_meta(workdir, step):
+  (workdir_lib.checkpoint_dir(workdir) / str(step) / "meta" / "metadata").write_text("{not json")
+
+
+def newest(workdir, config, read_only):
+  """`restore_newest` as a reader (read-only) or as the writer, reading the stand-in state."""
+  with checkpointing.Checkpointer(workdir_lib.checkpoint_dir(workdir), read_only=read_only) as ckpt:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = {"params": {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=device)}}
+    return workdir_lib.restore_newest(ckpt, config, lambda step: ckpt.restore(abstract, step))
+
+
+def test_a_damaged_newest_step_is_set_aside_by_the_writer_and_named_to_a_reader(tmp_path):
+  config = retnet_config.get_config("tiny")
+  save_steps(tmp_path, config, (1, 2))
+  damage_meta(tmp_path, 2)
+  with pytest.raises(ValueError, match=r"checkpoint 2 in .* is unreadable .*--step \(available steps: \[1, 2\]\)"):
+    newest(tmp_path, config, read_only=True)
+  assert (workdir_lib.checkpoint_dir(tmp_path) / "2").is_dir()  # a reader changes nothing
+  step, (state, meta) = newest(tmp_path, config, read_only=False)
+  assert step == 1 and meta["data"]["index"] == 1
+  np.testing.assert_array_equal(state["params"]["w"], np.arange(4.0))
+  # The same step written again and damaged again: set aside beside the first copy.
+  save_steps(tmp_path, config, (2,))
+  damage_meta(tmp_path, 2)
+  assert newest(tmp_path, config, read_only=False)[0] == 1
+  assert sorted(p.name for p in workdir_lib.checkpoint_dir(tmp_path).iterdir()) == ["1", "2.corrupt", "2.corrupt.1"]
+  damage_meta(tmp_path, 1)
+  assert newest(tmp_path, config, read_only=False) is None  # nothing left: a fresh start
+
+
+def test_a_checkpoint_of_another_model_config_is_refused_by_name_and_kept(tmp_path):
+  config = retnet_config.get_config("tiny")
+  save_steps(tmp_path, config, (1,))
+  other = retnet_config.get_config("tiny")
+  other.model.num_layers = 3
+  for read_only in (True, False):
+    with pytest.raises(checkpointing.IncompatibleCheckpointError,
+                       match=r"incompatible model config \(model.num_layers: checkpoint 2 vs config 3\)"):
+      newest(tmp_path, other, read_only)
+  assert [p.name for p in workdir_lib.checkpoint_dir(tmp_path).iterdir()] == ["1"]
+
+
+def test_restore_model_reads_the_parameters_alone(tmp_path, monkeypatch):
+  """No optimizer is built and no optimizer state read: a checkpoint whose Adam moments' checksums disagree (which
+  resuming training refuses) or that holds no optimizer state at all restores the model."""
+  config = retnet_config.get_config("tiny")
+  layout = train_state.make_layout(config, sharding.placement(config.mesh))
+  with layout.placement.active():
+    state = train_state.init_fn(config, layout)()
+  save_steps(tmp_path / "full", config, (3,), state)
+  meta_file = workdir_lib.checkpoint_dir(tmp_path / "full") / "3" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  meta["checksums"] = {k: v + (k.startswith("['opt_state']")) for k, v in meta["checksums"].items()}
+  meta_file.write_text(json.dumps(meta))
+  save_steps(tmp_path / "params_only", config, (5,), {"params": state["params"], "step": state["step"]})
+
+  def no_optimizer(_):
+    raise AssertionError("restore_model built an optimizer")
+
+  monkeypatch.setattr(optimizer, "make_optimizer", no_optimizer)
+  for workdir, step in ((tmp_path / "full", 3), (tmp_path / "params_only", 5)):
+    model, restored_step = train_state.restore_model(config, workdir)
+    assert restored_step == step
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), state["params"])
+  monkeypatch.undo()
+  with checkpointing.Checkpointer(workdir_lib.checkpoint_dir(tmp_path / "full")) as ckpt:  # the writer's restore
+    assert workdir_lib.restore_newest(ckpt, config, lambda step: ckpt.restore(layout.abstract_state, step)) is None
+  assert (workdir_lib.checkpoint_dir(tmp_path / "full") / "3.corrupt").is_dir()
+
+
+def test_training_writes_the_layout(tmp_path):
+  config = tiny_config(tmp_path, steps=2)
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(config, workdir)
+  assert sorted(p.name for p in workdir_lib.checkpoint_dir(workdir).iterdir()) == ["2"]
+  assert workdir_lib.export_dir(workdir, 2).is_dir() and workdir_lib.exported_steps(workdir) == [2]
+  assert json.loads(workdir_lib.config_file(workdir).read_text())["train"]["steps"] == 2
+  assert workdir_lib.writer_lock(workdir).path.is_file()
+  assert workdir_lib.results_file(workdir, "passkey", 2) == workdir / "passkey_step_2.json"
+  with pytest.raises(ValueError, match="unknown kind of results 'loss'"):
+    workdir_lib.results_file(workdir, "loss", 2)
