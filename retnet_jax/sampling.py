@@ -33,7 +33,6 @@ from flax import nnx
 from retnet_jax import architectures, sharding, transformer
 from retnet_jax.model import check_tokens
 
-PREFILL_MODES = ("chunkwise", "parallel")  # None chooses the first the model has
 PAD_ID = 0
 
 Stream = Callable[[np.ndarray, int], None]
@@ -142,7 +141,8 @@ class Sampler:
     Args:
       prompts_BxP: int token ids `[B, P]`, each row left-padded to P (`pad_prompts`).
       lengths_B: the true prompt lengths `[B]`, in [1, P].
-      prefill_mode: one of PREFILL_MODES that the model has; None: chunkwise for RetNet, parallel for a Transformer.
+      prefill_mode: one of `architectures.prefill_modes(model.config)`; None: the first, chunkwise for RetNet,
+        parallel for a Transformer.
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
     _, prefill_mode, padding = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
@@ -292,9 +292,9 @@ def _split_padding(prompt_len: int, chunk_size: int | None) -> int:
 def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
                    ) -> tuple[int, str, int]:
   """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs)
-  after checking the prompts, their lengths and the prefill mode (None: the first of PREFILL_MODES that the model
-  has)."""
-  own = [mode for mode in PREFILL_MODES if mode in architectures.modes(model.config)]
+  after checking the prompts, their lengths and the prefill mode (None: the model's default,
+  `architectures.prefill_modes`)."""
+  own = architectures.prefill_modes(model.config)
   if prefill_mode is None:
     prefill_mode = own[0]
   if prefill_mode not in own:

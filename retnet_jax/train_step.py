@@ -19,9 +19,8 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import losses, model as model_lib, optimizer, sharding, train_state
+from retnet_jax import architectures, losses, model as model_lib, optimizer, sharding, train_state
 
-MODES = ("parallel", "chunkwise")  # the recurrent form is for decoding
 # What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -29,9 +28,9 @@ NONFINITE_POLICIES = ("stop", "skip")
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Checks the step's options in `config.train` (form, non-finite policy, remat, segments)."""
   train = config.train
-  if train.mode not in MODES:
-    raise ValueError(f"train.mode={train.mode!r}; train with 'parallel' or 'chunkwise' (the recurrent form is "
-                     "for decoding).")
+  if train.mode not in architectures.SEQUENCE_MODES:
+    raise ValueError(f"train.mode={train.mode!r}; train with {' or '.join(map(repr, architectures.SEQUENCE_MODES))} "
+                     "(the recurrent form is for decoding).")
   if train.nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"unknown train.nonfinite {train.nonfinite!r}; choose one of {NONFINITE_POLICIES}.")
   if train.remat != "none" and train.remat not in model_lib.REMAT_POLICIES:

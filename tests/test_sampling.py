@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import sampling, sharding
+from retnet_jax import architectures, sampling, sharding
 from retnet_jax.data import ByteTokenizer
 from retnet_jax.model import RetNet
 
@@ -34,7 +34,7 @@ def parallel_logits(model, tokens):
   return model(tokens, mode="parallel")[0]
 
 
-@pytest.mark.parametrize("prefill_mode", sampling.PREFILL_MODES)
+@pytest.mark.parametrize("prefill_mode", architectures.PREFILL_MODES)
 def test_greedy_matches_argmax_of_parallel_logits(model, prefill_mode):
   """Every greedy token is the argmax of the parallel model's logits over prompt + the tokens before it."""
   prompt = PROMPTS[2]
