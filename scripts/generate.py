@@ -21,7 +21,7 @@ import json
 from absl import app, flags
 import jax
 
-from retnet_jax import architectures, data, sampling, sharding, train_state
+from retnet_jax import architectures, data, sharding, text_generation, train_state
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -56,7 +56,7 @@ def main():
   stop = tuple(_STOP.value) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
   split = sharding.sequence_devices(config.mesh, jax.device_count()) > 1
   with sharding.placement(config.mesh).active() if split else contextlib.nullcontext():
-    completions = sampling.generate_text(
+    completions = text_generation.generate_text(
         model, tokenizer, prompts, print_row=0 if _STREAM.value else None, max_new_tokens=_MAX_NEW.value,
         key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
         stop_tokens=stop, prefill_mode=_PREFILL.value, stream_every=_STREAM_EVERY.value)
