@@ -77,8 +77,6 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
       (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_batches)
       loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
     step = state["step"] + 1
-    if train_cfg.inject_nonfinite_steps:  # a test hook for the guard below
-      loss = jnp.where(jnp.isin(step, jnp.asarray(train_cfg.inject_nonfinite_steps)), jnp.nan, loss)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
