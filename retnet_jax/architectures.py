@@ -13,12 +13,17 @@ from __future__ import annotations
 import ml_collections
 from flax import nnx
 
-from retnet_jax import layers, model as model_lib, presets, transformer
+from retnet_jax import model as model_lib, presets, transformer
 
 ARCHITECTURES = presets.ARCHITECTURES
 Model = model_lib.RetNet | transformer.Transformer
-# The forms each architecture computes; `parallel` first.
-MODES = {"retnet": layers.MODES, "transformer": transformer.MODES}
+# The forms each architecture computes, `parallel` first, as its model module defines them.
+MODES = {"retnet": model_lib.MODES, "transformer": transformer.MODES}
+ALL_MODES = tuple(dict.fromkeys(mode for forms in MODES.values() for mode in forms))  # any architecture's
+# The forms that run whole sequences (training, prefill); the recurrent form decodes one token at a time.
+SEQUENCE_MODES = tuple(mode for mode in ALL_MODES if mode != "recurrent")
+# The forms a prompt is prefilled in, the default first: chunkwise, whose memory grows linearly in the prompt.
+PREFILL_MODES = tuple(sorted(SEQUENCE_MODES, key=lambda mode: mode != "chunkwise"))
 
 
 def architecture(cfg: ml_collections.ConfigDict) -> str:
@@ -64,6 +69,12 @@ def modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
   """The forms the model of `cfg` computes: parallel, chunkwise, recurrent for RetNet; parallel, recurrent for the
   Transformer."""
   return MODES[architecture(cfg)]
+
+
+def prefill_modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The forms of PREFILL_MODES the model of `cfg` computes, its default first: chunkwise, parallel for RetNet;
+  parallel for the Transformer."""
+  return tuple(mode for mode in PREFILL_MODES if mode in modes(cfg))
 
 
 def build(cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs) -> Model:

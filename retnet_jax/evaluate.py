@@ -3,7 +3,7 @@ loss and accuracy), in one or all forms, and the loss per position bucket at any
 curve).
 
     model, step = train_state.restore_model(config, workdir)  # latest checkpoint, on the devices present
-    results = evaluate_model(model, config, modes=("parallel", "chunkwise", "recurrent"))
+    results = evaluate_model(model, config, modes=architectures.modes(config.model))
     results = evaluate_model(model, config, modes=("chunkwise",), seq_len=4096, position_buckets=16)
     plot_loss_by_position(results, "loss_by_position.png", train_seq_len=config.train.seq_len)
 """

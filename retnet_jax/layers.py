@@ -17,7 +17,6 @@ from flax import nnx
 
 from retnet_jax import decay, kernels, retention, rotation, sequence_parallel, sharding, stability
 
-MODES = ("parallel", "chunkwise", "recurrent")
 # model.retention_impl: the chunkwise form as XLA einsums, as the fused Pallas kernels, or the kernels where they
 # compile (GPU) and XLA elsewhere.
 RETENTION_IMPLS = ("xla", "pallas", "auto")

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from retnet_jax import losses, metrics, sampling, sharding, tokenizer as tokenizer_lib, train_state
+from retnet_jax import architectures, losses, metrics, sampling, sharding, tokenizer as tokenizer_lib, train_state
 
 try:
   import lm_eval.models  # noqa: F401  (the harness's own models first: a non-empty registry skips them)
@@ -227,8 +227,8 @@ class RetNetLM(TemplateLM):
                        "batch_size=8 (no 'auto').") from None
     if self.batch_size < 1:
       raise ValueError(f"batch_size={batch_size!r} must be at least 1.")
-    if mode not in sampling.PREFILL_MODES:
-      raise ValueError(f"mode={mode!r}: contexts are prefilled in one of {sampling.PREFILL_MODES}.")
+    if mode not in architectures.PREFILL_MODES:
+      raise ValueError(f"mode={mode!r}: contexts are prefilled in one of {architectures.PREFILL_MODES}.")
     self.mode, self.max_gen_toks, self.seed = mode, int(max_gen_toks), int(seed)
     self.workdir, self.step = workdir, step
     if (workdir is None) == (model is None):

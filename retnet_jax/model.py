@@ -22,6 +22,7 @@ from flax import nnx
 
 from retnet_jax import decay, layers, retention, rotation, sharding, stability
 
+MODES = ("parallel", "chunkwise", "recurrent")  # the retention forms (`architectures.MODES`)
 State = dict[str, Any]
 # jax.checkpoint policies for `remat`: what each block keeps for the backward pass instead of recomputing it.
 REMAT_POLICIES = {
@@ -153,15 +154,15 @@ class RetNet(nnx.Module):
 
     Args:
       tokens_BxL: integer token ids `[batch, seq]`.
-      mode: the retention form: parallel, chunkwise or recurrent (layers.MODES).
+      mode: the retention form: parallel, chunkwise or recurrent (MODES).
       state: the state a previous call returned (position `[batch]`, each layer's retention state), or None to start
         at position 0.
       remat: `none`, or a key of REMAT_POLICIES to recompute each block in the backward pass and save memory.
     Returns:
       `(logits [batch, seq, vocab]` float32, the state after the last token).
     """
-    if mode not in layers.MODES:
-      raise ValueError(f"unknown mode {mode!r}; choose one of {layers.MODES}.")
+    if mode not in MODES:
+      raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
     precision = layers.MATMUL_PRECISIONS[self.config.matmul_precision]
     with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
       return self._forward(tokens_BxL, mode, state, remat)

@@ -66,8 +66,8 @@ def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None)
 
 
 def greedy_generate(model: Any, prefill_mode: str | None = None) -> GenerateFn:
-  """A `GenerateFn` of `model`: prompts prefilled in `prefill_mode` (`sampling.PREFILL_MODES`; None: the model's
-  own), then decoded greedily in the recurrent form (`sampling.generate`)."""
+  """A `GenerateFn` of `model`: prompts prefilled in `prefill_mode` (`architectures.prefill_modes`; None: the
+  model's default), then decoded greedily in the recurrent form (`sampling.generate`)."""
   def generate(prompts_NxP: np.ndarray, lengths_N: np.ndarray, num_tokens: int) -> np.ndarray:
     return sampling.generate(model, prompts_NxP, lengths_N, max_new_tokens=num_tokens, key=jax.random.key(0),
                              temperature=0.0, prefill_mode=prefill_mode).tokens

@@ -254,7 +254,6 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
       # RetNet only
       segment_len=0,
       nonfinite="stop",  # a NaN/Inf loss or gradient: stop (naming the step) | skip (the update, counted)
-      inject_nonfinite_steps=(),  # steps whose loss is forced to NaN, to exercise the guard
       log_every_steps=50,
       eval_every_steps=300,
       eval_batches=8,

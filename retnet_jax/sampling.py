@@ -21,9 +21,8 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TextIO
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,6 @@ from flax import nnx
 from retnet_jax import architectures, sharding, transformer
 from retnet_jax.model import check_tokens
 
-PREFILL_MODES = ("chunkwise", "parallel")  # None chooses the first the model has
 PAD_ID = 0
 
 Stream = Callable[[np.ndarray, int], None]
@@ -142,7 +140,8 @@ class Sampler:
     Args:
       prompts_BxP: int token ids `[B, P]`, each row left-padded to P (`pad_prompts`).
       lengths_B: the true prompt lengths `[B]`, in [1, P].
-      prefill_mode: one of PREFILL_MODES that the model has; None: chunkwise for RetNet, parallel for a Transformer.
+      prefill_mode: one of `architectures.prefill_modes(model.config)`; None: the first, chunkwise for RetNet,
+        parallel for a Transformer.
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
     _, prefill_mode, padding = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
@@ -292,9 +291,9 @@ def _split_padding(prompt_len: int, chunk_size: int | None) -> int:
 def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
                    ) -> tuple[int, str, int]:
   """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs)
-  after checking the prompts, their lengths and the prefill mode (None: the first of PREFILL_MODES that the model
-  has)."""
-  own = [mode for mode in PREFILL_MODES if mode in architectures.modes(model.config)]
+  after checking the prompts, their lengths and the prefill mode (None: the model's default,
+  `architectures.prefill_modes`)."""
+  own = architectures.prefill_modes(model.config)
   if prefill_mode is None:
     prefill_mode = own[0]
   if prefill_mode not in own:
@@ -406,64 +405,3 @@ def _check_key(key: jax.Array, batch: int) -> jax.Array:
     raise ValueError(f"key must be one PRNG key or one per row [{batch}]; got keys of shape {key.shape}. "
                      "Use jax.random.key(seed) or jax.random.split(key, batch).")
   return key
-
-
-class TextPrinter:
-  """A `stream` callback that prints one batch row's text as it is produced, up to a stop token; text ending in an
-  incomplete character (U+FFFD) waits for the next token, and `finish` prints what is left."""
-
-  def __init__(self, tokenizer: Any, row: int = 0, stop_tokens: Sequence[int] = (), file: TextIO | None = None):
-    self.tokenizer = tokenizer
-    self.row = row
-    self.stop_tokens = frozenset(int(t) for t in stop_tokens)
-    self.file = file
-    self.ids: list[int] = []
-    self.printed = ""
-    self.stopped = False
-
-  def __call__(self, step_tokens_B: np.ndarray, step: int) -> None:
-    token = int(step_tokens_B[self.row])
-    if self.stopped or token in self.stop_tokens:
-      self.stopped = True
-      return
-    self.ids.append(token)
-    text = self.tokenizer.decode(self.ids)
-    if not text.endswith("\ufffd"):
-      self._print(text)
-
-  def finish(self) -> None:
-    self._print(self.tokenizer.decode(self.ids))
-    print(file=self.file or sys.stdout, flush=True)
-
-  def _print(self, text: str) -> None:
-    print(text[len(self.printed):], end="", file=self.file or sys.stdout, flush=True)
-    self.printed = text
-
-
-def generate_text(model: architectures.Model, tokenizer: Any, prompts: Sequence[str], *, print_row: int | None = None,
-                  **kwargs) -> list[str]:
-  """Encodes `prompts`, generates (keyword arguments as `generate`; stop tokens default to the tokenizer's `eos_id`)
-  and decodes each row up to its stop token; with `print_row`, that row's text is printed as it is produced."""
-  if isinstance(prompts, str):
-    raise ValueError(f"prompts must be a list of strings; got one string {prompts[:40]!r}: pass [prompt].")
-  if print_row is not None and kwargs.get("stream") is not None:
-    raise ValueError("give either print_row or stream, not both.")
-  if print_row is not None and not 0 <= print_row < len(prompts):
-    raise ValueError(f"print_row={print_row} is not a row of the {len(prompts)} prompts.")
-  if "stop_tokens" not in kwargs:
-    kwargs["stop_tokens"] = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
-  stop = set(int(t) for t in kwargs["stop_tokens"])
-  printer = None if print_row is None else TextPrinter(tokenizer, print_row, stop)
-  if printer is not None:
-    kwargs["stream"] = printer
-  tokens_BxP, lengths_B = pad_prompts(tokenizer.encode_batch(prompts))
-  out = generate(model, tokens_BxP, lengths_B, **kwargs)
-  if printer is not None:
-    printer.finish()
-  texts = []
-  for row, length in zip(out.tokens, out.lengths):
-    ids = row[:length]
-    if length and int(ids[-1]) in stop:
-      ids = ids[:-1]
-    texts.append(tokenizer.decode(ids))
-  return texts

@@ -19,9 +19,8 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import losses, model as model_lib, optimizer, sharding, train_state
+from retnet_jax import architectures, losses, model as model_lib, optimizer, sharding, train_state
 
-MODES = ("parallel", "chunkwise")  # the recurrent form is for decoding
 # What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -29,9 +28,9 @@ NONFINITE_POLICIES = ("stop", "skip")
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Checks the step's options in `config.train` (form, non-finite policy, remat, segments)."""
   train = config.train
-  if train.mode not in MODES:
-    raise ValueError(f"train.mode={train.mode!r}; train with 'parallel' or 'chunkwise' (the recurrent form is "
-                     "for decoding).")
+  if train.mode not in architectures.SEQUENCE_MODES:
+    raise ValueError(f"train.mode={train.mode!r}; train with {' or '.join(map(repr, architectures.SEQUENCE_MODES))} "
+                     "(the recurrent form is for decoding).")
   if train.nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"unknown train.nonfinite {train.nonfinite!r}; choose one of {NONFINITE_POLICIES}.")
   if train.remat != "none" and train.remat not in model_lib.REMAT_POLICIES:
@@ -78,8 +77,6 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
       (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_batches)
       loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
     step = state["step"] + 1
-    if train_cfg.inject_nonfinite_steps:  # a test hook for the guard below
-      loss = jnp.where(jnp.isin(step, jnp.asarray(train_cfg.inject_nonfinite_steps)), jnp.nan, loss)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], params)

@@ -28,7 +28,7 @@ from flax import nnx
 from retnet_jax import layers, rotation, sharding
 from retnet_jax.model import block_caller, check_tokens, rotation_tables_for
 
-MODES = ("parallel", "recurrent")
+MODES = ("parallel", "recurrent")  # the forms (`architectures.MODES`): chunkwise is a retention form
 State = dict[str, Any]
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
 

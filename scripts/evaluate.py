@@ -21,13 +21,12 @@ import sys
 from absl import flags, logging
 
 from retnet_jax import architectures, evaluate, metrics, train_state, workdir
-from retnet_jax.layers import MODES
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
-_MODE = flags.DEFINE_enum("mode", "parallel", MODES + ("all",), "The form to evaluate (a Transformer has no "
-                          "chunkwise form), or all the model's forms.")
+_MODE = flags.DEFINE_enum("mode", "parallel", architectures.ALL_MODES + ("all",), "The form to evaluate (a "
+                          "Transformer has no chunkwise form), or all the model's forms.")
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many batches, their rows spread over the "
                                     "validation split (default: all).")
 _EVAL_SEQ_LEN = flags.DEFINE_integer("eval_seq_len", None, "Tokens per validation sequence (default: the training "

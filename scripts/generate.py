@@ -21,7 +21,7 @@ import json
 from absl import app, flags
 import jax
 
-from retnet_jax import sampling, sharding, tokenizer as tokenizer_lib, train_state
+from retnet_jax import architectures, sharding, text_generation, tokenizer as tokenizer_lib, train_state
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -35,7 +35,7 @@ _TOP_K = flags.DEFINE_integer("top_k", None, "Sample from the k most likely toke
 _TOP_P = flags.DEFINE_float("top_p", None, "Sample from the smallest set of tokens whose probability reaches p.")
 _STOP = flags.DEFINE_multi_integer("stop_token", [], "Token id that ends a completion (repeatable).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
-_PREFILL = flags.DEFINE_enum("prefill_mode", None, sampling.PREFILL_MODES, "Form used for the prompt (default: "
+_PREFILL = flags.DEFINE_enum("prefill_mode", None, architectures.PREFILL_MODES, "Form used for the prompt (default: "
                              "chunkwise, or parallel for a Transformer).")
 _STREAM = flags.DEFINE_boolean("stream", True, "Print the first prompt's completion as it is produced.")
 _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the compiled loop to the console "
@@ -56,7 +56,7 @@ def main():
   stop = tuple(_STOP.value) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
   split = sharding.sequence_devices(config.mesh, jax.device_count()) > 1
   with sharding.placement(config.mesh).active() if split else contextlib.nullcontext():
-    completions = sampling.generate_text(
+    completions = text_generation.generate_text(
         model, tokenizer, prompts, print_row=0 if _STREAM.value else None, max_new_tokens=_MAX_NEW.value,
         key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
         stop_tokens=stop, prefill_mode=_PREFILL.value, stream_every=_STREAM_EVERY.value)

@@ -16,7 +16,7 @@ if __name__ == "__main__":
 
 from absl import flags
 
-from retnet_jax import architectures, metrics, passkey, passkey_eval, sampling, tokenizer as tokenizer_lib, train_state, workdir
+from retnet_jax import architectures, metrics, passkey, passkey_eval, tokenizer as tokenizer_lib, train_state, workdir
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -26,7 +26,7 @@ _LENGTHS = flags.DEFINE_list("lengths", None, "Context lengths in tokens, answer
 _DEPTHS = flags.DEFINE_list("depths", ["0", "0.25", "0.5", "0.75", "1"], "Needle depths: the fraction of the "
                             "filler before the needle, in [0, 1].")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Examples (keys) per length and depth.", lower_bound=1)
-_MODE = flags.DEFINE_enum("mode", None, sampling.PREFILL_MODES, "Form of the prefill (decoding is recurrent; "
+_MODE = flags.DEFINE_enum("mode", None, architectures.PREFILL_MODES, "Form of the prefill (decoding is recurrent; "
                           "default: the model's own, chunkwise for RetNet, parallel for a Transformer); the parallel "
                           "form's memory grows with the square of the length.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sample s of every cell hides the key of seed + s.")
@@ -48,7 +48,7 @@ def main():
   tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
   grid = passkey.make_grid(tokenizer, lengths, _numbers(_DEPTHS.value, float, "depths"), _SAMPLES.value,
                            _SEED.value)  # every example checked before the checkpoint is read
-  own = [m for m in sampling.PREFILL_MODES if m in architectures.modes(config.model)]
+  own = architectures.prefill_modes(config.model)
   mode = own[0] if _MODE.value is None else _MODE.value
   if mode not in own:
     raise ValueError(f"--mode={mode}: a {config.model.architecture} prefills in {', '.join(own)}.")

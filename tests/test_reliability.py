@@ -1,5 +1,6 @@
 """Reliability: preemption (SIGTERM, SIGKILL), damaged checkpoints, non-finite guards, determinism, two processes."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ import pytest
 
 from configs import retnet as retnet_config
 from conftest import flip_bytes
-from retnet_jax import checkpointing, sharding, train, train_state
+from retnet_jax import checkpointing, sharding, train, train_state, train_step
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_batches=1)
@@ -264,8 +265,29 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, 
   assert resumed["eval_loss"] == straight["eval_loss"]
 
 
-def test_nonfinite_step_is_skipped_and_counted(tmp_path, corpus):
-  config = in_process_config(corpus, steps=6, nonfinite="skip", inject_nonfinite_steps=(3,))
+def corrupt_targets_at(monkeypatch, steps):
+  """Training steps `steps` (counted from 1) get their batch with the last targets outside the vocabulary: a NaN
+  loss with finite gradients (an out-of-range label's logit reads as NaN and takes no gradient)."""
+  setup = train_step.setup
+
+  def corrupting_setup(config, mesh):
+    run = setup(config, mesh)
+
+    def corrupting_step(state, tokens_BxL1):
+      if int(state["step"]) + 1 in steps:
+        corrupt = np.array(tokens_BxL1)
+        corrupt[:, -1] = config.model.vocab_size
+        tokens_BxL1 = jax.device_put(corrupt, tokens_BxL1.sharding)
+      return run.train_step(state, tokens_BxL1)
+
+    return dataclasses.replace(run, train_step=corrupting_step)
+
+  monkeypatch.setattr(train_step, "setup", corrupting_setup)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, corpus, monkeypatch):
+  config = in_process_config(corpus, steps=6, nonfinite="skip")
+  corrupt_targets_at(monkeypatch, steps=(3,))
   final = train.train_and_evaluate(config, tmp_path / "run")
   logged = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   by_step = {m["step"]: m for m in logged if "loss" in m}
@@ -274,8 +296,9 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path, corpus):
   assert final["nonfinite_steps"] == 1 and np.isfinite(final["eval_loss"])
 
 
-def test_nonfinite_step_stops_the_run_naming_it(tmp_path, corpus):
-  config = in_process_config(corpus, steps=8, nonfinite="stop", inject_nonfinite_steps=(6,))
+def test_nonfinite_step_stops_the_run_naming_it(tmp_path, corpus, monkeypatch):
+  config = in_process_config(corpus, steps=8, nonfinite="stop")
+  corrupt_targets_at(monkeypatch, steps=(6,))
   config.checkpoint.every_steps = 4
   with pytest.raises(FloatingPointError, match=r"at step 6;.*checkpoint \(step 4\) is intact"):
     train.train_and_evaluate(config, tmp_path / "run")

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import sampling, sharding
+from retnet_jax import architectures, sampling, sharding, text_generation
 from retnet_jax.tokenizer import ByteTokenizer
 from retnet_jax.model import RetNet
 
@@ -34,7 +34,7 @@ def parallel_logits(model, tokens):
   return model(tokens, mode="parallel")[0]
 
 
-@pytest.mark.parametrize("prefill_mode", sampling.PREFILL_MODES)
+@pytest.mark.parametrize("prefill_mode", architectures.PREFILL_MODES)
 def test_greedy_matches_argmax_of_parallel_logits(model, prefill_mode):
   """Every greedy token is the argmax of the parallel model's logits over prompt + the tokens before it."""
   prompt = PROMPTS[2]
@@ -206,8 +206,8 @@ def test_stream_stops_with_the_loop(model):
 
 def test_generate_text_prints_row_as_produced(model, capsys):
   tokenizer = ByteTokenizer()
-  texts = sampling.generate_text(model, tokenizer, ["abc", "d"], key=jax.random.key(8), top_p=0.9,
-                                 max_new_tokens=10, print_row=1)
+  texts = text_generation.generate_text(model, tokenizer, ["abc", "d"], key=jax.random.key(8), top_p=0.9,
+                                        max_new_tokens=10, print_row=1)
   ids = run(model, [list(b"abc"), list(b"d")], key=8, top_p=0.9, stream=lambda tokens, step: None).tokens
   assert texts == [tokenizer.decode(row) for row in ids]
   assert capsys.readouterr().out == texts[1] + "\n"
@@ -215,7 +215,7 @@ def test_generate_text_prints_row_as_produced(model, capsys):
 
 def test_text_printer_waits_for_whole_characters():
   file = io.StringIO()
-  printer = sampling.TextPrinter(ByteTokenizer(), row=0, stop_tokens=(10,), file=file)
+  printer = text_generation.TextPrinter(ByteTokenizer(), row=0, stop_tokens=(10,), file=file)
   for step, byte in enumerate("é!".encode() + b"\nzz"):
     printer(np.asarray([byte]), step)
     assert "\ufffd" not in file.getvalue()
@@ -251,7 +251,7 @@ def test_generate_input_errors(model):
   np.testing.assert_array_equal(run(model, [[1, 2]], max_new_tokens=np.int64(3), temperature=jnp.float32(0)).tokens,
                                 run(model, [[1, 2]], max_new_tokens=3, temperature=0.0).tokens)
   with pytest.raises(ValueError, match="prompts must be a list of strings; got one string 'hello'"):
-    sampling.generate_text(model, ByteTokenizer(), "hello", max_new_tokens=2, key=key)
+    text_generation.generate_text(model, ByteTokenizer(), "hello", max_new_tokens=2, key=key)
   with pytest.raises(ValueError, match=r"lengths must lie in \[1, 2\]"):
     sampling.generate(model, np.ones((2, 2), np.int32), np.asarray([3, 1]), max_new_tokens=2, key=key)
   with pytest.raises(ValueError, match=r"shape \[batch\] = \(2,\)"):

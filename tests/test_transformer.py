@@ -16,8 +16,8 @@ from flax import nnx
 from ml_collections.config_flags import config_path
 
 from configs import retnet as retnet_config, transformer as transformer_config
-from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding, tokenizer,
-                        train, train_state, workdir as workdir_lib)
+from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding, text_generation,
+                        tokenizer, train, train_state, workdir as workdir_lib)
 from retnet_jax.transformer import Transformer
 from test_train import read_metrics, tiny_config
 
@@ -194,8 +194,8 @@ def test_scripts_evaluate_and_generate_it(trained, model):
   assert results["modes"]["parallel"]["loss"] == pytest.approx(read_metrics(workdir, "eval_loss")[STEPS], rel=1e-5)
   generated = run_script("generate.py", config, workdir, "--prompt=ROMEO:", "--max_new_tokens=12", "--temperature=0",
                          "--nostream")
-  expected = sampling.generate_text(model, tokenizer.ByteTokenizer(), ["ROMEO:"], max_new_tokens=12,
-                                    key=jax.random.key(0), temperature=0.0)
+  expected = text_generation.generate_text(model, tokenizer.ByteTokenizer(), ["ROMEO:"], max_new_tokens=12,
+                                           key=jax.random.key(0), temperature=0.0)
   assert generated["samples"] == [{"prompt": "ROMEO:", "completion": expected[0]}]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from retnet_jax import flops, presets, sharding, transformer
+from retnet_jax import architectures, flops, presets, sharding, transformer
 from retnet_jax.bench.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
                                     make_config, matmul_case, param_count, read_case, retnet_train_case,
                                     transformer_train_case)
@@ -40,7 +40,7 @@ def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale
   cases = {f"matmul/{name}": matmul_case(dtype, suite.matmul_size) for name, dtype in DTYPES.items()}
   flops_per_token = {}
   for dtype in DTYPES:
-    for mode in ("parallel", "chunkwise"):
+    for mode in architectures.SEQUENCE_MODES:
       config = make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size)
       cases[f"retnet/{mode}/{dtype}"] = retnet_train_case(config, mesh, states)
       flops_per_token[f"retnet/{mode}/{dtype}"] = flops.train_flops_per_token(config.model, suite.seq_len, mode)
@@ -49,7 +49,7 @@ def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale
     flops_per_token[f"transformer/parallel/{dtype}"] = flops.train_flops_per_token(
         presets.transformer_config(config.model, suite.seq_len), suite.seq_len, "parallel")
   if torchscale.available:
-    for mode in ("parallel", "chunkwise"):
+    for mode in architectures.SEQUENCE_MODES:
       config = make_config(base, suite, "float32", mode, suite.seq_len, suite.batch_size)
       cases[f"torchscale/{mode}/float32"] = torchscale.train_case(mode, config.train)
       flops_per_token[f"torchscale/{mode}/float32"] = flops_per_token[f"retnet/{mode}/float32"]
@@ -104,7 +104,7 @@ def measure_lengths(base, suite: Suite, mesh, states: InitialStates, inference: 
               presets.transformer_config(config.model, length), rngs=nnx.Rngs(config.seed))), "parallel", length,
               inference.mesh)},
       "train": {f"retnet/{mode}": lambda length, mode=mode: retnet_train_case(
-          make_config(base, suite, "float32", mode, length, 1), mesh, states) for mode in ("parallel", "chunkwise")}}
+          make_config(base, suite, "float32", mode, length, 1), mesh, states) for mode in architectures.SEQUENCE_MODES}}
   results: dict[str, Any] = {}
   for kind, lengths in (("forward", suite.lengths), ("train", suite.train_lengths)):
     results[kind] = {name: [] for name in builders[kind]}
@@ -203,7 +203,7 @@ def torchscale_ratios(training, decoding, torchscale: Torchscale) -> dict[str, A
   if not torchscale.available:
     return {"available": False, "note": torchscale.note, "ratios": {}}
   ratios = {f"train_{mode}": training[f"retnet/{mode}/float32"]["tokens_per_s"]["median"]
-            / training[f"torchscale/{mode}/float32"]["tokens_per_s"]["median"] for mode in ("parallel", "chunkwise")}
+            / training[f"torchscale/{mode}/float32"]["tokens_per_s"]["median"] for mode in architectures.SEQUENCE_MODES}
   ratios["decode_batch_1"] = (decoding["throughput"]["retnet"]["batch_1"]["median"]
                               / decoding["throughput"]["torchscale"]["batch_1"]["median"])
   return {"available": True, "note": torchscale.note, "ratios": ratios}
