@@ -365,3 +365,22 @@ def test_kernel_check_and_gpu_op_part_share_the_op_measure(tmp_path):
     assert times["tflops"] == pytest.approx(op.kind_flops(forward, name.split("/")[1]) / times["seconds"]["median"]
                                             / 1e12)
 
+
+def test_decoding_target_without_torchscale_is_not_measured():
+  """The decoding target against torchscale divides by torchscale's decoding in the same run; without it the target
+  is reported as not measured (value and met None), not compared with a figure from another machine."""
+  from retnet_jax.bench import sections
+  results = {
+      "training": {"retnet/parallel/float32": {"mfu": 0.8}, "retnet/chunkwise/float32": {"mfu": 0.7}},
+      "decoding": {"throughput": {"retnet": {"batch_1": {"median": 100.0}}}, "batch_1_over_floor": 0.6,
+                   "latency_ratio": {"retnet": 1.0}},
+      "long_training": {"seq_len": 256, "segment_len": 64, "segmented": {"memory": {"peak_bytes": 1e9}}},
+      "lengths": {"forward": {"retnet/chunkwise": [{"seq_len": 64, "seconds": {"median": 0.01}}]},
+                  "forward_analysis": {"compiled_bytes_growth_exponent": {"retnet/chunkwise": 1.0}}}}
+  (target,) = [t for t in sections.check_targets(results) if "torchscale" in t["target"]]
+  assert target == {"target": "decoding batch 1 >= 6 x torchscale (torchscale not measured)", "value": None,
+                    "met": None}
+  results["decoding"]["throughput"]["torchscale"] = {"batch_1": {"median": 20.0}}
+  (target,) = [t for t in sections.check_targets(results) if "torchscale" in t["target"]]
+  assert target == {"target": "decoding batch 1 >= 6 x torchscale (20.0 tok/s)", "value": 5.0, "met": False}
+  assert all(t["met"] is not None for t in sections.check_targets(results))
