@@ -91,9 +91,18 @@ def time_forms(log_decay, chunk: int, inputs: dict[str, jax.Array], configs: lis
                rounds: int, repeats: int, interpret: bool) -> dict[str, Any]:
   """Forward and forward+backward seconds and rates of the kernels (per config) and of the XLA form, interleaved.
 
-  Cases are named `xla/<kind>`, `pallas_<tiling>/forward` (that forward tiling) and
-  `pallas_<tiling>/forward_backward` (that backward tiling, after the first forward one); one that does not compile
-  is `{"error": ...}`.
+  Args:
+    log_decay: per-head log decays [H].
+    chunk: the chunk of both forms.
+    inputs: bfloat16 q, k, v and d_out (`op.op_inputs`).
+    configs: the kernel configs (`tiling_configs`; the first is the reference for the others).
+    rounds, repeats: interleaved rounds, and timed calls per case and round.
+    interpret: run the kernels in Pallas interpret mode.
+
+  Returns:
+    Per case, `{compile_s, compiled_bytes, memory, first_run_s, seconds, tokens_per_s, tflops}`, or `{"error": ...}`
+    for one that does not compile. Cases are named `xla/<kind>`, `pallas_<tiling>/forward` (that forward tiling) and
+    `pallas_<tiling>/forward_backward` (that backward tiling, after the first forward one).
   """
   q, k, v, d_out = (inputs[n] for n in ("q", "k", "v", "d_out"))
   tiling_name = lambda t: f"{t.block_v}:{t.num_warps}:{t.num_stages}"
@@ -132,26 +141,26 @@ def run(settings: Settings, forward_tilings: list[str], backward_tilings: list[s
   Returns:
     The report: device, versions, sizes and one entry per case ({d_k, d_v, length, errors?, times}).
   """
-  s = settings
-  log_decay = decay.log_decay("retnet", s.heads)
+  log_decay = decay.log_decay("retnet", settings.heads)
   report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
-            "python": sys.version.split()[0], "batch": s.batch, "heads": s.heads, "chunk": s.chunk,
+            "python": sys.version.split()[0], "batch": settings.batch, "heads": settings.heads, "chunk": settings.chunk,
             "dtype": "bfloat16", "interpret": interpret, "tolerance": TOLERANCE, "cases": []}
   out.parent.mkdir(parents=True, exist_ok=True)
   state_key, key_sum_key = jax.random.split(jax.random.key(1))  # op_inputs draws from key 0
-  for d_k, d_v in s.head_dims:
+  for d_k, d_v in settings.head_dims:
     configs = tiling_configs(kernels.default_config(d_k, d_v), forward_tilings, backward_tilings)
     if not interpret:
-      kernels.check_supported(d_k, d_v, jnp.bfloat16, s.chunk)
-    for length in s.lengths:
-      q, k, v, d_out = op_inputs(s.batch, length, s.heads, d_k, d_v)
+      kernels.check_supported(d_k, d_v, jnp.bfloat16, settings.chunk)
+    for length in settings.lengths:
+      q, k, v, d_out = op_inputs(settings.batch, length, settings.heads, d_k, d_v)
       inputs = {"q": q, "k": k, "v": v, "d_out": d_out,
-                "state": jax.random.normal(state_key, (s.batch, s.heads, d_k, d_v)),
-                "key_sum": jax.random.normal(key_sum_key, (s.batch, s.heads, d_k))}
+                "state": jax.random.normal(state_key, (settings.batch, settings.heads, d_k, d_v)),
+                "key_sum": jax.random.normal(key_sum_key, (settings.batch, settings.heads, d_k))}
       case: dict[str, Any] = {"d_k": d_k, "d_v": d_v, "length": length}
-      if length <= s.check_max_len:
-        case["errors"] = check(log_decay, s.chunk, inputs, interpret)
-      case["times"] = time_forms(log_decay, s.chunk, inputs, configs, s.rounds, s.repeats, interpret)
+      if length <= settings.check_max_len:
+        case["errors"] = check(log_decay, settings.chunk, inputs, interpret)
+      case["times"] = time_forms(log_decay, settings.chunk, inputs, configs, settings.rounds, settings.repeats,
+                                 interpret)
       report["cases"].append(case)
       out.write_text(json.dumps(report, indent=1))
       print(json.dumps(case), flush=True)
