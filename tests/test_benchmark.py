@@ -266,16 +266,16 @@ def test_gpu_suite_flop_counts_and_fla_mapping():
   import torch
 
   from retnet_jax import decay, retention
-  from retnet_jax.bench import gpu
+  from retnet_jax.bench import gpu_op, op
   # B 2, H 3, T 128, d_k 16, d_v 32, chunk 64: per head and token 2 * 64 * 48 + 4 * 16 * 32 = 8192 FLOPs.
-  assert gpu.retention_op_flops(2, 3, 128, 16, 32, 64) == 2 * 3 * 128 * 8192
+  assert op.retention_op_flops(2, 3, 128, 16, 32, 64) == 2 * 3 * 128 * 8192
   # Causal attention: 2 * T^2 * d per head = 2 * 128^2 * 16 = 524288.
-  assert gpu.attention_op_flops(2, 3, 128, 16) == 2 * 3 * 524288
-  np.testing.assert_allclose(gpu.fla_log_decay(4), np.log([1 - 1 / 32, 1 - 1 / 64, 1 - 1 / 128, 1 - 1 / 256]),
+  assert op.attention_op_flops(2, 3, 128, 16) == 2 * 3 * 524288
+  np.testing.assert_allclose(gpu_op.fla_log_decay(4), np.log([1 - 1 / 32, 1 - 1 / 64, 1 - 1 / 128, 1 - 1 / 256]),
                              rtol=1e-6)
-  np.testing.assert_array_equal(gpu.fla_log_decay(8), decay.log_decay("retnet", 8))
+  np.testing.assert_array_equal(gpu_op.fla_log_decay(8), decay.log_decay("retnet", 8))
   with pytest.raises(ValueError, match="fla's chunk_retention fixes log decays"):
-    gpu.check_fla_mapping(decay.log_decay("logspace", 4))
+    gpu_op.check_fla_mapping(decay.log_decay("logspace", 4))
 
   spec = importlib.util.find_spec("fla")
   if spec is None:
@@ -286,8 +286,8 @@ def test_gpu_suite_flop_counts_and_fla_mapping():
   naive.loader.exec_module(module)
   rng = np.random.default_rng(0)
   q, k, v = (rng.standard_normal((2, 40, 3, d)).astype(np.float32) for d in (16, 16, 32))
-  log_decay = gpu.fla_log_decay(3)
-  gpu.check_fla_mapping(log_decay)
+  log_decay = gpu_op.fla_log_decay(3)
+  gpu_op.check_fla_mapping(log_decay)
   with jax.default_matmul_precision("highest"):
     ours, _ = retention.chunkwise_retention(jnp.asarray(q) * 16**-0.5, k, v, log_decay, 16)  # naive scales q
   head_first = lambda x: torch.from_numpy(x).transpose(1, 2)
@@ -299,6 +299,7 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   """Every part of `--suite=gpu` at the tiny sizes on the CPU: what runs here is measured, what needs a GPU (Pallas,
   cuDNN, fla) is recorded as skipped with its reason; each part's JSON and table are written."""
   from retnet_jax.bench import gpu, suites
+  from retnet_jax.bench.op import retention_op_flops
   suite = suites.GPU_SUITES["tiny"]
   written = gpu.run(suite, "tiny", gpu.PARTS, tmp_path, "test")
   assert set(written) == {"gpu_op_16x32", "gpu_train_tiny", "gpu_decode", "gpu_compile"}
@@ -313,7 +314,7 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   (point,) = op["points"]
   assert set(point["cases"]) == {"xla/forward", "xla/forward_backward"}
   forward, both = point["cases"]["xla/forward"], point["cases"]["xla/forward_backward"]
-  assert forward["flops"] == gpu.retention_op_flops(1, 2, 32, 16, 32, 16) and both["flops"] == 3 * forward["flops"]
+  assert forward["flops"] == retention_op_flops(1, 2, 32, 16, 32, 16) and both["flops"] == 3 * forward["flops"]
   assert forward["tflops_per_s"] == pytest.approx(forward["flops"] / forward["seconds"]["median"] / 1e12)
   assert (tmp_path / "gpu_op_16x32.png").stat().st_size > 0
   train = written["gpu_train_tiny"]
@@ -330,3 +331,56 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   assert context["transformer"]["state_bytes"] == 2 * 36 * 32 * 2 + 4 + 4
   assert set(written["gpu_compile"]["models"]) == {"tiny/xla"}
   assert written["gpu_compile"]["models"]["tiny/xla"]["compile_s"] > 0.05
+
+
+def test_kernel_check_and_gpu_op_part_share_the_op_measure(tmp_path):
+  """The kernel check and the GPU suite's op part draw the same bfloat16 inputs, measure errors alike (in float64: a
+  difference that float32 rounds away still counts) and count FLOPs alike; the kernel check runs in interpret mode
+  on the CPU and writes its JSON report."""
+  from retnet_jax.bench import kernel_check, op
+  q, k, v, d_out = op.op_inputs(1, 8, 2, 16, 32)
+  q_attention, k_attention, v_attention, _ = op.op_inputs(1, 8, 2, 16, 16)
+  assert {x.dtype for x in (q, k, v, d_out)} == {jnp.dtype(jnp.bfloat16)}
+  assert q.shape == k.shape == (1, 8, 2, 16) and v.shape == d_out.shape == (1, 8, 2, 32)
+  assert v_attention.shape == (1, 8, 2, 16)
+  np.testing.assert_array_equal(q, q_attention)
+  np.testing.assert_array_equal(k, k_attention)
+  reference = np.array([1.0, -2.0])
+  assert op.relative_error(reference + [1e-9, 0.0], reference) == pytest.approx(5e-10)
+  assert op.kind_flops(10, "forward") == 10 and op.kind_flops(10, "forward_backward") == 30
+
+  settings = kernel_check.Settings(batch=1, heads=2, chunk=16, head_dims=((16, 32),), lengths=(32,), check_max_len=32,
+                                   rounds=1, repeats=1)
+  report = kernel_check.run(settings, [], [], interpret=True, out=tmp_path / "kernel_check.json")
+  assert json.loads((tmp_path / "kernel_check.json").read_text()) == json.loads(json.dumps(report))
+  assert {"device", "backend", "jax", "python", "batch", "heads", "chunk", "dtype", "interpret", "tolerance",
+          "cases"} == set(report) and report["tolerance"] == op.TOLERANCE
+  (case,) = report["cases"]
+  assert case["errors"]["ok"] and set(case["errors"]["kernel"]) == {"out", "state", "dq", "dk", "dv", "d_state",
+                                                                     "qz", "key_sum"}
+  assert set(case["times"]) == {"xla/forward", "xla/forward_backward", "pallas_32:8:2/forward",
+                                "pallas_32:8:2/forward_backward"}
+  forward = op.retention_op_flops(1, 2, 32, 16, 32, 16)
+  for name, times in case["times"].items():
+    assert times["tflops"] == pytest.approx(op.kind_flops(forward, name.split("/")[1]) / times["seconds"]["median"]
+                                            / 1e12)
+
+
+def test_decoding_target_without_torchscale_is_not_measured():
+  """The decoding target against torchscale divides by torchscale's decoding in the same run; without it the target
+  is reported as not measured (value and met None), not compared with a figure from another machine."""
+  from retnet_jax.bench import sections
+  results = {
+      "training": {"retnet/parallel/float32": {"mfu": 0.8}, "retnet/chunkwise/float32": {"mfu": 0.7}},
+      "decoding": {"throughput": {"retnet": {"batch_1": {"median": 100.0}}}, "batch_1_over_floor": 0.6,
+                   "latency_ratio": {"retnet": 1.0}},
+      "long_training": {"seq_len": 256, "segment_len": 64, "segmented": {"memory": {"peak_bytes": 1e9}}},
+      "lengths": {"forward": {"retnet/chunkwise": [{"seq_len": 64, "seconds": {"median": 0.01}}]},
+                  "forward_analysis": {"compiled_bytes_growth_exponent": {"retnet/chunkwise": 1.0}}}}
+  (target,) = [t for t in sections.check_targets(results) if "torchscale" in t["target"]]
+  assert target == {"target": "decoding batch 1 >= 6 x torchscale (torchscale not measured)", "value": None,
+                    "met": None}
+  results["decoding"]["throughput"]["torchscale"] = {"batch_1": {"median": 20.0}}
+  (target,) = [t for t in sections.check_targets(results) if "torchscale" in t["target"]]
+  assert target == {"target": "decoding batch 1 >= 6 x torchscale (20.0 tok/s)", "value": 5.0, "met": False}
+  assert all(t["met"] is not None for t in sections.check_targets(results))

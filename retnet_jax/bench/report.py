@@ -106,7 +106,8 @@ def to_markdown(results) -> str:
             f"{fmt(seg['memory']['peak_bytes'], 'B')} (+{fmt(seg['memory']['above_start_bytes'], 'B')}), "
             f"step {fmt_range(seg['step_s'], 's')}, {fmt_range(seg['tokens_per_s'])} tokens/s."]
   lines += ["", "## Targets", ""]
-  lines += _table(["target", "value", "met"], [[t["target"], fmt(t["value"]), "yes" if t["met"] else "no"]
+  met = {True: "yes", False: "no", None: "not measured"}
+  lines += _table(["target", "value", "met"], [[t["target"], fmt(t["value"]), met[t["met"]]]
                                                for t in results["targets"]])
   return "\n".join(lines) + "\n"
 

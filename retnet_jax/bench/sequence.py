@@ -12,7 +12,6 @@ system, so its buffers' page faults are part of every split's time alike.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -58,7 +57,7 @@ def _train_case(base, sweep: SequenceSweep, length: int, split: int) -> Case:
 
   def run_alone():
     # The splits' buffers fit the never-trimmed heap differently: returning its free pages first keeps the
-    # process at about the largest step's footprint, not the sum of every split's (so 16k tokens fit 24 GB).
+    # process at about the largest step's footprint, not the sum of every split's.
     host_memory.release_freed_memory()
     return timed_step()
 

@@ -1,0 +1,45 @@
+"""The GPU suite's compile part: compile time (ahead of time, not run) of the deep presets' train steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from retnet_jax import layers, sharding
+from retnet_jax.bench import cases
+from retnet_jax.bench.gpu_train import model_config, too_big
+from retnet_jax.bench.report import fmt
+from retnet_jax.bench.suites import GpuSuite
+
+
+def measure_compile(suite: GpuSuite, limit: int | None) -> dict[str, Any]:
+  """Seconds to compile (ahead of time, not run) each deep preset's RetNet train step per implementation."""
+  results: dict[str, Any] = {"models": {}, "skipped": {}}
+  for name in suite.compile_models:
+    for impl in suite.train_impls:
+      config = model_config(suite, name, impl)
+      try:
+        layers.check_retention_impl(config.model)
+      except ValueError as e:
+        results["skipped"][f"{name}/{impl}"] = str(e)
+        continue
+      print(f"compiling the {name} train step ({impl})", flush=True)
+      jax.clear_caches()  # a step this process compiled before (the train part) would come from the cache
+      compile_s, buffers = cases.compile_train_step(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+      results["models"][f"{name}/{impl}"] = {
+          "params": cases.param_count(config.model), "num_layers": config.model.num_layers, "compile_s": compile_s,
+          "compiled_bytes": buffers, "fits": too_big(buffers, limit) is None,
+          "batch_size": config.train.batch_size, "seq_len": config.train.seq_len, "remat": config.train.remat}
+  return results
+
+
+def compile_markdown(results: dict[str, Any]) -> list[str]:
+  """The compile part's table of compile times and XLA buffers, and skips."""
+  lines = ["## Train-step compile times (compiled, not run)", "",
+           "| model/impl | parameters | layers | batch x tokens | remat | compile s | XLA buffers |",
+           "|---|---|---|---|---|---|---|"]
+  for name, r in results["models"].items():
+    lines.append(f"| {name} | {r['params']:,} | {r['num_layers']} | {r['batch_size']} x {r['seq_len']} | {r['remat']} "
+                 f"| {r['compile_s']:.1f} | {fmt(r['compiled_bytes'], 'B')} |")
+  return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

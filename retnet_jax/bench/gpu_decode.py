@@ -1,0 +1,112 @@
+"""The GPU suite's decode part: greedy `sampling.decode` at batch 1 (ms/token against parameter bytes / a read
+bandwidth measured alongside), and at a large batch after long contexts, against the Transformer's KV cache at the
+largest batch it fits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from retnet_jax import presets, sampling, transformer
+from retnet_jax.bench import cases
+from retnet_jax.bench.gpu_train import model_config
+from retnet_jax.bench.harness import Case, interleave, rate, timed
+from retnet_jax.bench.report import fmt, fmt_range
+from retnet_jax.bench.suites import GpuSuite
+from retnet_jax.model import RetNet
+
+
+def _context_decode_case(model, batch: int, context: int, new_tokens: int) -> Case:
+  """Greedy `sampling.decode` of `new_tokens` from a state `context` tokens in: RetNet's retention state, or a KV
+  cache of `context + new_tokens` slots with `context` filled. The state holds zeros (a prefill of this batch and
+  length would not fit the device): a step's work does not depend on its values. Units as `cases.decode_case`."""
+  if model.config.architecture == "transformer":
+    state = model.init_state(batch, context + new_tokens)
+    state["next_slot"] = jnp.int32(context)
+  else:
+    state = model.init_state(batch)
+  state["position"] = jnp.full((batch,), context, jnp.int32)
+  prefilled = sampling.Prefilled(state, jnp.zeros((batch,), jnp.int32))
+  decode = lambda: sampling.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
+                                   temperature=0.0)
+  decode()  # compiles
+  bytes_ = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  return Case(lambda: [s / new_tokens for s in timed(decode, repeats=2)()], {"state_bytes": bytes_, "batch": batch})
+
+
+def _cache_bytes(model, batch: int, max_len: int) -> int:
+  shapes = jax.eval_shape(lambda: model.init_state(batch, max_len))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def measure_decode(suite: GpuSuite, source: str, limit: int | None) -> dict[str, Any]:
+  """Batch 1 against the weight-read floor, then per context RetNet at `decode_batch` against the Transformer at the
+  largest power-of-two batch up to it whose KV cache fits a third of the device's memory (decoding holds it twice:
+  the state passed in and the loop's updated copy)."""
+  config = model_config(suite, suite.decode_model)
+  retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
+  # Its KV caches are made per context (`_context_decode_case`): max_len is unused.
+  attention = transformer.Transformer(presets.transformer_config(config.model, 1), rngs=nnx.Rngs(config.seed))
+  params = cases.param_count(config.model)
+  param_bytes = 4 * params  # float32 parameters, as stored and read
+  new = suite.decode_new_tokens
+  batch_1 = {"memory_read": cases.read_case(params),
+             "retnet": cases.decode_case(retnet, 1, suite.decode_prompt_len, new, "chunkwise")}
+  print(f"decode {suite.decode_model} batch 1 after {suite.decode_prompt_len} tokens", flush=True)
+  interleave(batch_1, suite.rounds, source)
+  read = rate(param_bytes, batch_1["memory_read"].info["seconds"])
+  ours = batch_1["retnet"].info
+  floor_s = param_bytes / read["median"]
+  results: dict[str, Any] = {
+      "model": suite.decode_model, "params": params, "param_bytes": param_bytes, "new_tokens": new,
+      "prompt_len": suite.decode_prompt_len, "read_bytes_per_s": read, "weight_read_floor_s": floor_s,
+      "batch_1": {"s_per_token": ours["seconds"], "state_bytes": ours["state_bytes"], "memory": ours["memory"]},
+      "batch_1_over_floor": floor_s / ours["seconds"]["median"], "contexts": []}
+  del batch_1
+  budget = None if limit is None else limit // 3
+  for context in suite.decode_contexts:
+    batch = suite.decode_batch
+    while batch > 1 and budget is not None and _cache_bytes(attention, batch, context + new) > budget:
+      batch //= 2
+    point: dict[str, Any] = {"context": context, "transformer_cache_bytes_at_decode_batch": _cache_bytes(
+        attention, suite.decode_batch, context + new)}
+    group = {"retnet": _context_decode_case(retnet, suite.decode_batch, context, new)}
+    if budget is not None and _cache_bytes(attention, batch, context + new) > budget:
+      point["transformer_skipped"] = "a KV cache of even batch 1 exceeds a third of the device's memory"
+    else:
+      group["transformer"] = _context_decode_case(attention, batch, context, new)
+    batches = ", ".join(f"{n} batch {c.info['batch']}" for n, c in group.items())
+    print(f"decode after {context} tokens: {batches}", flush=True)
+    interleave(group, suite.rounds, source)
+    for name, case in group.items():
+      point[name] = {"batch": case.info["batch"], "state_bytes": case.info["state_bytes"],
+                     "tokens_per_s": rate(case.info["batch"], case.info["seconds"]), "memory": case.info["memory"]}
+    if "transformer" in point:
+      point["throughput_ratio"] = point["retnet"]["tokens_per_s"]["median"] / point["transformer"]["tokens_per_s"][
+          "median"]
+    results["contexts"].append(point)
+    del group
+  return results
+
+
+def decode_markdown(results: dict[str, Any]) -> list[str]:
+  """The decode part's batch-1 line against the weight-read floor and its table per context."""
+  lines = [f"## Decoding, {results['model']} ({results['params']:,} parameters, bfloat16 compute)", "",
+           f"Batch 1 after a {results['prompt_len']}-token prompt: "
+           f"{fmt_range(results['batch_1']['s_per_token'], scale=1e3)} ms/token. Weight-read "
+           f"floor {fmt(results['param_bytes'], 'B')} (float32 parameters) / "
+           f"{fmt(results['read_bytes_per_s']['median'], 'B/s')} = {results['weight_read_floor_s'] * 1e3:.3g} "
+           "ms/token: "
+           f"RetNet reaches {results['batch_1_over_floor']:.0%} of it.", "",
+           "| context | RetNet batch | RetNet tokens/s | RetNet state | Transformer batch | Transformer tokens/s | "
+           "KV cache | ratio |", "|---|---|---|---|---|---|---|---|"]
+  for p in results["contexts"]:
+    t = p.get("transformer")
+    lines.append(f"| {p['context']:,} | {p['retnet']['batch']} | {fmt_range(p['retnet']['tokens_per_s'])} | "
+                 f"{fmt(p['retnet']['state_bytes'], 'B')} | {t['batch'] if t else '-'} | "
+                 f"{fmt_range(t['tokens_per_s']) if t else p['transformer_skipped']} | "
+                 f"{fmt(t['state_bytes'], 'B') if t else '-'} | {fmt(p.get('throughput_ratio'))} |")
+  return lines

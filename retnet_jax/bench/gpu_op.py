@@ -1,0 +1,238 @@
+"""The GPU suite's op part: chunkwise retention forward and forward+backward, bfloat16, per head dims and length:
+ours XLA (`retention.chunkwise_retention`), ours Pallas (`kernels.chunkwise_retention`), fla's Triton
+`chunk_retention` (PyTorch) and `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`; each checked
+against the XLA form in float32 before timing; tokens/s and TFLOP/s (`op.retention_op_flops`,
+`op.attention_op_flops`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from retnet_jax import decay, kernels, retention
+from retnet_jax.bench.harness import Case, interleave, rate, timed
+from retnet_jax.bench.op import (KINDS, TOLERANCE, attention_op_flops, error_text, kind_flops, op_case, op_inputs,
+                                 relative_error, retention_op_flops)
+from retnet_jax.bench.report import fmt
+from retnet_jax.bench.suites import GpuSuite
+
+FLA_CHUNK = 64  # the chunk of fla's chunk_retention (its chunk_simple_gla)
+
+
+def fla_log_decay(num_heads: int) -> np.ndarray:
+  """The per-head log decays fla 0.6.0's `chunk_retention` fixes, log(1 - 2^(-5-h)) (its `g_gamma`, natural log)."""
+  return np.log1p(-(2.0 ** (-5.0 - np.arange(num_heads, dtype=np.float64)))).astype(np.float32)
+
+
+def check_fla_mapping(log_decay_H) -> None:
+  """Our inputs map to fla's `chunk_retention(q, k, v, scale=1.0)` unchanged (both [B, T, H, D]; we scale no
+  query) only for log decays equal to its fixed schedule; ValueError otherwise."""
+  log_decay_H = np.asarray(log_decay_H, np.float32)
+  if not np.allclose(log_decay_H, fla_log_decay(log_decay_H.shape[0]), rtol=1e-6, atol=0):
+    raise ValueError(f"fla's chunk_retention fixes log decays {fla_log_decay(log_decay_H.shape[0])}; got "
+                     f"{log_decay_H}: use decay.log_decay('retnet', heads).")
+
+
+def _fla():
+  """(fla's chunk_retention, None) where JAX runs on a GPU, torch has CUDA and fla imports, else (None, the reason)."""
+  if jax.default_backend() != "gpu":
+    return None, f"fla's Triton kernels run on a CUDA GPU beside JAX's; JAX's backend is {jax.default_backend()!r}"
+  try:
+    import torch
+  except ImportError as e:
+    return None, f"torch does not import: {e}"
+  if not torch.cuda.is_available():
+    return None, "fla's Triton kernels need a CUDA device and torch sees none"
+  try:
+    from fla.ops.retention import chunk_retention
+  except ImportError as e:
+    return None, f"fla does not import ({e}); install flash-linear-attention==0.6.0 and fla-core==0.6.0"
+  return chunk_retention, None
+
+
+def _op_forms(log_decay, suite: GpuSuite) -> dict[str, Callable]:
+  """The JAX implementations as `form(q, k, v) -> out` (attention's v has head dim d_k)."""
+  xla_chunk, pallas_chunk = suite.chunk_sizes["xla"], suite.chunk_sizes["pallas"]
+  return {
+      "xla": lambda q, k, v: retention.chunkwise_retention(q, k, v, log_decay, xla_chunk)[0],
+      "pallas": lambda q, k, v: kernels.chunkwise_retention(q, k, v, log_decay, pallas_chunk)[0],
+      "cudnn_attention": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn",
+                                                                      is_causal=True),
+  }
+
+
+def _op_skip_reason(name: str, d_k: int, d_v: int, suite: GpuSuite) -> str | None:
+  if name == "pallas":
+    try:
+      kernels.check_supported(d_k, d_v, jnp.bfloat16, suite.chunk_sizes["pallas"])
+    except ValueError as e:
+      return str(e)
+  if name == "cudnn_attention" and jax.default_backend() != "gpu":
+    return f"cuDNN attention needs a CUDA GPU; the backend is {jax.default_backend()!r}"
+  return None
+
+
+def _check_op(forms, chunk_retention, log_decay, suite: GpuSuite, d_k: int, d_v: int, runnable: set[str]
+              ) -> dict[str, Any]:
+  """Each runnable implementation's output against the XLA form in float32 at `highest` precision from the same
+  bfloat16 values, at `op_check_len` tokens: `op.relative_error` and whether it is within `op.TOLERANCE`."""
+  q, k, v, _ = op_inputs(suite.op_batch, suite.op_check_len, suite.op_heads, d_k, d_v, seed=1)
+  with jax.default_matmul_precision("highest"):
+    reference = np.asarray(jax.jit(lambda q, k, v: retention.chunkwise_retention(
+        q, k, v, log_decay, suite.chunk_sizes["xla"])[0])(*(x.astype(jnp.float32) for x in (q, k, v))))
+  runs = {name: lambda name=name: jax.jit(forms[name])(q, k, v) for name in ("xla", "pallas") if name in runnable}
+  if chunk_retention is not None:
+    import torch
+    check_fla_mapping(log_decay)
+    to_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to("cuda", torch.bfloat16)
+    runs["fla"] = lambda: chunk_retention(to_torch(q), to_torch(k), to_torch(v), scale=1.0)[0].float().cpu().numpy()
+  errors, failed = {}, {}
+  for name, run in runs.items():
+    try:
+      errors[name] = relative_error(run(), reference)
+    except Exception as e:  # pylint: disable=broad-except  (an implementation that does not run here is a result)
+      failed[name] = error_text(e)
+  return {"seq_len": suite.op_check_len, "tolerance": TOLERANCE, "relative_error": errors, "failed": failed,
+          "ok": {name: errors.get(name, np.inf) <= TOLERANCE for name in runs}}
+
+
+def _fla_op_case(chunk_retention, suite: GpuSuite, length: int, d_k: int, d_v: int, backward: bool) -> Case:
+  """fla's chunk_retention on torch CUDA tensors of the same shapes and scales as `op.op_inputs` (its own random
+  values); memory from torch."""
+  import torch
+  generator = torch.Generator("cuda").manual_seed(0)
+  shape = (suite.op_batch, length, suite.op_heads)
+  make = lambda dim, scale=1.0: (torch.randn(shape + (dim,), generator=generator, device="cuda") * scale).to(
+      torch.bfloat16).requires_grad_(backward)
+  q, k, v = make(d_k, d_k**-0.25), make(d_k, d_k**-0.25), make(d_v)
+  d_out = make(d_v).detach()
+
+  def once():
+    out, _ = chunk_retention(q, k, v, scale=1.0)
+    if backward:
+      torch.autograd.grad(out, (q, k, v), d_out)
+    torch.cuda.synchronize()
+
+  def measure_memory():
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    once()
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_bytes": peak, "above_start_bytes": peak - before}
+
+  return Case(timed(once, suite.op_repeats), {}, measure_memory=measure_memory)
+
+
+def measure_op(suite: GpuSuite, d_k: int, d_v: int, source: str, write: Callable[[dict], None]) -> dict[str, Any]:
+  """The op at head dims (d_k, d_v) at every length, the implementations interleaved per length."""
+  log_decay = decay.log_decay("retnet", suite.op_heads)
+  forms = _op_forms(log_decay, suite)
+  chunk_retention, fla_reason = _fla()
+  skipped = {name: reason for name in forms if (reason := _op_skip_reason(name, d_k, d_v, suite))}
+  if fla_reason:
+    skipped["fla"] = fla_reason
+  results: dict[str, Any] = {"d_k": d_k, "d_v": d_v, "batch": suite.op_batch, "heads": suite.op_heads,
+                             "dtype": "bfloat16", "chunk_sizes": {**suite.chunk_sizes, "fla": FLA_CHUNK},
+                             "attention_head_dim": d_k, "skipped": skipped, "points": []}
+  results["agreement"] = _check_op(forms, chunk_retention, log_decay, suite, d_k, d_v, set(forms) - set(skipped))
+  agreement = results["agreement"]
+  for name, ok in agreement["ok"].items():
+    if not ok:
+      skipped[name] = (f"it failed the check: {agreement['failed'][name]}" if name in agreement["failed"] else
+                       "its output disagrees with the XLA form in float32 beyond the tolerance (see agreement): not "
+                       "timed")
+  chunk_retention = None if "fla" in skipped else chunk_retention
+  chunks = {"xla": suite.chunk_sizes["xla"], "pallas": suite.chunk_sizes["pallas"], "fla": FLA_CHUNK}
+  for length in suite.op_lengths:
+    retention_args = op_inputs(suite.op_batch, length, suite.op_heads, d_k, d_v)
+    # Attention's: the same q and k, v and its cotangent at head dim d_k.
+    attention_args = (None if "cudnn_attention" in skipped else
+                      op_inputs(suite.op_batch, length, suite.op_heads, d_k, d_k))
+    op_cases, errors = {}, {}
+    for kind in KINDS:
+      for name, form in forms.items():
+        if name not in skipped:
+          try:
+            args = attention_args if name == "cudnn_attention" else retention_args
+            op_cases[f"{name}/{kind}"] = op_case(form, *args, kind, suite.op_repeats)
+          except Exception as e:  # pylint: disable=broad-except  (a case that does not compile is a result)
+            errors[f"{name}/{kind}"] = error_text(e)
+      if chunk_retention is not None:
+        op_cases[f"fla/{kind}"] = _fla_op_case(chunk_retention, suite, length, d_k, d_v, kind == "forward_backward")
+    print(f"op {d_k}x{d_v} at {length} tokens: {', '.join(op_cases)}", flush=True)
+    interleave(op_cases, suite.rounds, source)
+    point: dict[str, Any] = {"seq_len": length, "cases": {}, "errors": errors}
+    tokens = suite.op_batch * length
+    for name, case in op_cases.items():
+      impl, kind = name.split("/")
+      forward = (attention_op_flops(suite.op_batch, suite.op_heads, length, d_k) if impl == "cudnn_attention" else
+                 retention_op_flops(suite.op_batch, suite.op_heads, length, d_k, d_v, chunks[impl]))
+      work = kind_flops(forward, kind)
+      seconds = case.info["seconds"]
+      point["cases"][name] = {**case.info, "flops": work, "tokens_per_s": rate(tokens, seconds),
+                              "tflops_per_s": work / seconds["median"] / 1e12}
+    for kind in KINDS:
+      if f"pallas/{kind}" in point["cases"] and f"fla/{kind}" in point["cases"]:
+        point[f"pallas_over_fla_{kind}"] = (point["cases"][f"pallas/{kind}"]["tokens_per_s"]["median"]
+                                            / point["cases"][f"fla/{kind}"]["tokens_per_s"]["median"])
+    results["points"].append(point)
+    write(results)
+    del retention_args, attention_args, op_cases
+    if chunk_retention is not None:
+      import torch
+      torch.cuda.empty_cache()  # torch gives back what it cached, for JAX's next allocations
+  return results
+
+
+def op_markdown(results: dict[str, Any]) -> list[str]:
+  """The op part's table (tokens/s and TFLOP/s per implementation and length), agreement and skips."""
+  names = sorted({name for p in results["points"] for name in p["cases"]})
+  lines = [f"## Retention op, d_k {results['d_k']} / d_v {results['d_v']} (batch {results['batch']}, "
+           f"{results['heads']} heads, bfloat16)", "",
+           "Tokens/s (TFLOP/s) per implementation and length; FLOP counts in `flop_counts`.", "",
+           "| tokens | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+  for p in results["points"]:
+    cells = [f"{fmt(c['tokens_per_s']['median'])} ({c['tflops_per_s']:.3g})" if (c := p["cases"].get(n)) else "-"
+             for n in names]
+    lines.append(f"| {p['seq_len']:,} | " + " | ".join(cells) + " |")
+  agreement = results["agreement"]
+  lines += ["", f"Agreement with the XLA form in float32 at {agreement['seq_len']} tokens (relative error, tolerance "
+            f"{agreement['tolerance']}): " + (", ".join(f"{k} {v:.1e}" for k, v in agreement["relative_error"].items())
+                                            or "none run") + "."]
+  for kind in KINDS:
+    ratios = [f"{p['seq_len']:,} {p[key]:.2f}x" for p in results["points"] if (key := f"pallas_over_fla_{kind}") in p]
+    if ratios:
+      lines.append(f"Pallas / fla tokens/s, {kind.replace('_', '+')}: {', '.join(ratios)}.")
+  lines += [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]
+  lines += [f"Failed at {p['seq_len']}: {name}: {error}." for p in results["points"]
+            for name, error in p["errors"].items()]
+  return lines
+
+
+def op_plot(results: dict[str, Any], path: Path) -> None:
+  """Tokens/s against length, forward and forward+backward, one line per implementation."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+  for ax, kind in zip(axes, KINDS):
+    for impl in sorted({n.split("/")[0] for p in results["points"] for n in p["cases"]}):
+      points = [p for p in results["points"] if f"{impl}/{kind}" in p["cases"]]
+      ax.plot([p["seq_len"] for p in points], [p["cases"][f"{impl}/{kind}"]["tokens_per_s"]["median"] for p in points],
+              marker="o", label=impl)
+    ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="tokens / s",
+           title=f"{kind.replace('_', '+')}, d_k {results['d_k']} / d_v {results['d_v']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
