@@ -1,5 +1,5 @@
 """Runs the tests on 8 CPU devices (set before jax is imported), or on the accelerator with RETNET_TEST_BACKEND=gpu;
-shared fixtures.
+shared fixtures (the shared functions are in tests/helpers.py).
 
 On an accelerator, float32 matmuls run at full precision (`highest`: the forms' agreement tolerances assume exact
 float32 products, which TF32 would not give) and tests marked `devices(n)` are skipped where fewer devices are
@@ -12,11 +12,17 @@ if BACKEND == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import copy  # noqa: E402
+import shutil  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 if BACKEND != "cpu":
   jax.config.update("jax_default_matmul_precision", "highest")
+
+from retnet_jax import train  # noqa: E402
+from tests import helpers  # noqa: E402
 
 
 def pytest_runtest_setup(item):
@@ -53,17 +59,20 @@ def run_crashing_at_batch(monkeypatch):
   return run
 
 
-def flip_bytes(step_dir, every_data_file=False):
-  """XORs 4,000 bytes in the middle of the largest array file (or of every array data file) of a checkpoint
-  step, sizes unchanged. Which bytes a restore reads depends on the storage layout, so tests that must damage
-  what is read whatever the mesh flip every data file."""
-  files = [f for f in (step_dir / "state").rglob("*") if f.is_file()]
-  if every_data_file:
-    files = [f for f in files if f.parent.name == "d"]
-  else:
-    files = [max(files, key=lambda f: f.stat().st_size)]
-  for file in files:
-    data = bytearray(file.read_bytes())
-    middle = max(len(data) // 2 - 2000, 0)
-    data[middle:middle + 4000] = bytes(b ^ 0x5A for b in data[middle:middle + 4000])
-    file.write_bytes(bytes(data))
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+  """The tiny run of `helpers.tiny_config` (8 steps; checkpoints 4 and 8), trained once per test process: a
+  `helpers.TrainedRun`. Tests only read its workdir; one that writes there takes `trained_copy`."""
+  directory = tmp_path_factory.mktemp("trained")
+  config = helpers.tiny_config(directory)
+  workdir = directory / "run"
+  train.train_and_evaluate(config, workdir)
+  return helpers.TrainedRun(config, workdir, helpers.script_flags(config, workdir))
+
+
+@pytest.fixture
+def trained_copy(trained, tmp_path):
+  """`trained` with its workdir copied to `tmp_path/run` and its config copied, for a test that changes them."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained.workdir, workdir)
+  return helpers.TrainedRun(copy.deepcopy(trained.config), workdir, helpers.script_flags(trained.config, workdir))

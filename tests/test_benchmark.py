@@ -1,10 +1,7 @@
-"""Benchmark support: the quick suite's results, the FLOP counter against a hand count, the Transformer baseline."""
+"""Benchmark support: the quick suite's results, the FLOP counter against a hand count."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -14,26 +11,10 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import flops, presets, sampling, sharding, transformer
+from retnet_jax import flops
 from retnet_jax.bench import harness, report
 from retnet_jax.model import RetNet
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_transformer(max_len=32, **overrides):
-  cfg = presets.transformer_config(retnet_config.get_config("tiny").model, max_len)
-  cfg.update(overrides)
-  return transformer.Transformer(cfg, rngs=nnx.Rngs(0))
-
-
-def random_tokens(batch, length, seed=0):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (batch, length)), jnp.int32)
-
-
-@nnx.jit(static_argnames="mode")
-def forward(model, tokens, state, mode):
-  return model(tokens, mode=mode, state=state)
+from tests.helpers import run_script
 
 
 def test_flop_counter_matches_hand_count():
@@ -58,94 +39,6 @@ def test_flop_counter_matches_hand_count():
   # Training: forward (2 per multiply-add) + backward (twice the forward).
   assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36864 + 6144) == 239616
   assert flops.train_flops_per_token(cfg, 16, "chunkwise") == 3 * (2 * 36864 + 11264) == 254976
-
-
-def test_transformer_matches_retnet_size_and_flop_count():
-  """Attention's 4 d^2 replaces retention's 2 d^2 + 3 d d_v; the FFN takes the difference (64 + 64 - 21 -> 104)."""
-  retnet_cfg = retnet_config.get_config("tiny").model
-  cfg = presets.transformer_config(retnet_cfg, 32)
-  assert cfg.ffn_dim == 104
-  # Per layer: q/k/v/o 4 x 32 x 32 = 4096, GLU 3 x 32 x 104 = 9984; two layers and the head 32 x 256.
-  assert flops.matmul_params(cfg) == 2 * (4096 + 9984) + 8192 == 36352
-  # Scores and their product with V at 16 tokens: 4 * 16 * 32 per token and layer.
-  assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36352 + 2 * 2048)
-  # All parameters (norm scales and the embedding too): the same within the rounding of the FFN width.
-  count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
-  assert abs(count(tiny_transformer()) / count(RetNet(retnet_cfg, rngs=nnx.Rngs(0))) - 1) < 0.02
-
-
-def test_transformer_incremental_decoding_matches_parallel():
-  """Parallel logits equal recurrent ones: one call, token by token through the cache, and after a prefill.
-
-  The sequence (21 tokens) does not fill the cache (32 slots); differences are float32 rounding (~1e-6).
-  """
-  model = tiny_transformer()
-  tokens = random_tokens(2, 21)
-  parallel, state = forward(model, tokens, None, "parallel")
-  scale = float(jnp.max(jnp.abs(parallel)))
-  recurrent, recurrent_state = forward(model, tokens, model.init_state(2), "recurrent")
-  np.testing.assert_allclose(recurrent, parallel, atol=1e-5 * scale)
-  step_state, steps = model.init_state(2), []
-  for t in range(21):
-    logits, step_state = forward(model, tokens[:, t:t + 1], step_state, "recurrent")
-    steps.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), parallel, atol=1e-5 * scale)
-  prefill, prefill_state = forward(model, tokens[:, :13], model.init_state(2), "parallel")
-  rest, _ = forward(model, tokens[:, 13:], prefill_state, "recurrent")
-  np.testing.assert_allclose(jnp.concatenate([prefill, rest], axis=1), parallel, atol=1e-5 * scale)
-  for final in (state, recurrent_state, step_state):
-    assert int(final["next_slot"]) == 21 and final["position"].tolist() == [21, 21]
-  # The cache the parallel call returns continues like the one filled token by token.
-  np.testing.assert_allclose(state["layers"][1]["key"][:, :21], step_state["layers"][1]["key"][:, :21],
-                             atol=1e-5)
-
-
-def test_transformer_splits_whole_heads_over_a_tensor_mesh():
-  """On a tensor-parallel mesh (as the benchmark's forward sweep and decoding run) each device computes whole
-  heads: the compiled forward gathers nothing (its only collectives are the all-reduces after the output and
-  FFN projections), and the logits and the cache are the single-device ones."""
-  config = retnet_config.get_config("tiny")
-  config.mesh.shape = (1, 1, 2)
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
-  sharded = sharding.shard_model(tiny_transformer(), mesh, sharding.logical_rules(config.mesh))
-  single = tiny_transformer()
-  tokens = random_tokens(2, 21)
-  hlo = forward.lower(sharded, tokens, sharded.init_state(2), "parallel").compile().as_text()
-  assert "all-reduce(" in hlo and not any(op + "(" in hlo for op in ("all-gather", "all-to-all", "collective-permute"))
-  logits, state = forward(sharded, tokens, sharded.init_state(2), "parallel")
-  expected, expected_state = forward(single, tokens, single.init_state(2), "parallel")
-  np.testing.assert_allclose(logits, expected, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
-  np.testing.assert_allclose(state["layers"][1]["key"], expected_state["layers"][1]["key"], atol=1e-5)
-
-
-def test_transformer_left_padding_and_generate():
-  """A left-padded prompt gives the logits of the prompt alone, and greedy `sampling.generate` (parallel
-  prefill, recurrent decoding through the cache) picks the argmax of the parallel logits."""
-  model = tiny_transformer()
-  prompt = random_tokens(1, 7, seed=1)
-  padded = jnp.concatenate([jnp.zeros((1, 4), jnp.int32), prompt], axis=1)
-  state = model.init_state(1)
-  state["position"] = jnp.asarray([-4], jnp.int32)
-  padded_logits, _ = forward(model, padded, state, "parallel")
-  alone, _ = forward(model, prompt, None, "parallel")
-  np.testing.assert_allclose(padded_logits[:, 4:], alone, atol=1e-5 * float(jnp.max(jnp.abs(alone))))
-
-  out = sampling.generate(model, np.asarray(prompt), np.asarray([7], np.int32), max_new_tokens=8,
-                          key=jax.random.key(0), temperature=0.0, prefill_mode="parallel")
-  sequence = jnp.concatenate([prompt, jnp.asarray(out.tokens[:, :-1])], axis=1)
-  logits, _ = forward(model, sequence, None, "parallel")
-  np.testing.assert_array_equal(out.tokens[0], np.argmax(np.asarray(logits)[0, 6:], axis=-1))
-
-
-def test_transformer_input_errors():
-  model = tiny_transformer(max_len=8)
-  with pytest.raises(ValueError, match="unknown mode 'chunkwise'"):
-    model(random_tokens(1, 4), mode="chunkwise")
-  with pytest.raises(ValueError, match="KV cache holds 8 tokens; 6 are used"):
-    _, state = model(random_tokens(1, 6), mode="recurrent", state=model.init_state(1))
-    model(random_tokens(1, 3), mode="recurrent", state=state)
-  with pytest.raises(ValueError, match="not divisible"):
-    tiny_transformer(num_heads=3)
 
 
 EXPECTED_KEYS = {
@@ -196,15 +89,14 @@ def test_table_ranges_share_the_median_unit():
   assert report.fmt_range({"median": 665, "min": 514, "max": 682}) == "665 [514-682]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,message", [
     ("--seq_len=0", "flag --seq_len=0: 0 is not a positive integer"),
     ("--config.model.d_model=128", "--config.model.d_model: the suite sets these .* use --d_model"),
     ("--out=README.md", "--out=README.md is a file; give a folder"),
 ])
 def test_bad_flags_are_named(flag, message):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "scripts/benchmark.py", flag], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=300)
+  proc = run_script("benchmark.py", flag)
   assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-3000:]
 
 
@@ -212,9 +104,7 @@ def test_bad_flags_are_named(flag, message):
 def test_quick_suite_writes_every_result(tmp_path):
   """`scripts/benchmark.py --suite=quick` runs end to end and writes results.json with every expected key,
   results.md and the plots (the numbers themselves depend on the machine and are not checked)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user would run it
-  proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--suite=quick", f"--out={tmp_path}"], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=900)
+  proc = run_script("benchmark.py", "--suite=quick", f"--out={tmp_path}", timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = json.loads((tmp_path / "results.json").read_text())
   for section, keys in EXPECTED_KEYS.items():

@@ -5,19 +5,15 @@ skipped without them.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import convert, train_state
+from tests.helpers import forward, random_tokens, run_script
 
 torch = pytest.importorskip("torch")
 try:
@@ -25,7 +21,6 @@ try:
 except ImportError as error:
   pytest.skip(f"torchscale is not installed ({error})", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parent.parent
 MODES = ("parallel", "chunkwise", "recurrent")
 # Two shapes: torchscale's defaults (gelu, unscaled embeddings), and its fairseq recipe (swish, embeddings scaled by
 # sqrt(d_model)) with tied embeddings, an embedding norm and three heads. Neither length is a multiple of the chunk.
@@ -68,17 +63,8 @@ def torchscale_logits(options, state_dict, tokens):
   return results
 
 
-@nnx.jit(static_argnames="mode")
-def forward(model, tokens, mode):
-  return model(tokens, mode=mode)[0]
-
-
 def our_logits(model, tokens):
-  return {mode: np.asarray(forward(model, jnp.asarray(tokens), mode)) for mode in MODES}
-
-
-def random_tokens(vocab_size, length, seed=0):
-  return np.random.default_rng(seed).integers(0, vocab_size, (2, length)).astype(np.int64)
+  return {mode: np.asarray(forward(model, tokens, None, mode)[0]) for mode in MODES}
 
 
 def max_diff(a, b):
@@ -102,7 +88,7 @@ def test_logits_match_torchscale_in_each_form(shape):
   options, length = SHAPES[shape]
   decoder = torchscale_decoder(options)
   state_dict = decoder.state_dict()
-  tokens = random_tokens(options["vocab_size"], length)
+  tokens = random_tokens(2, length, options["vocab_size"])
   theirs = torchscale_logits(options, state_dict, tokens)
   model, config = convert.load_torchscale(state_dict, options)
   assert config.model.stability_norm_style == "torchscale"
@@ -118,10 +104,10 @@ def test_torchscale_forms_agree_without_norm_epsilon():
   last chunk with zero embeddings, which an RMSNorm without epsilon turns into NaN.)"""
   options = {**SHAPES["recipe"][0], "layernorm_eps": 0.0}
   decoder = torchscale_decoder(options, seed=1)
-  tokens = random_tokens(options["vocab_size"], 12, seed=1)
+  tokens = random_tokens(2, 12, options["vocab_size"], seed=1)
   logits = torchscale_logits(options, decoder.state_dict(), tokens)
   model, _ = convert.load_torchscale(decoder.state_dict(), options)
-  logits["ours"] = forward(model, jnp.asarray(tokens), "parallel")
+  logits["ours"] = forward(model, tokens, None, "parallel")[0]
   assert max(max_diff(value, logits["parallel"]) for value in logits.values()) < 1e-4
 
 
@@ -195,10 +181,9 @@ def test_script_writes_a_checkpoint_that_restore_model_loads(tmp_path):
   torch.save(fairseq_checkpoint(decoder.state_dict()), tmp_path / "retnet.pt")
   (tmp_path / "retnet.json").write_text(json.dumps(options))
   workdir = tmp_path / "converted"
-  convert_script = lambda state_dict, torchscale_config: subprocess.run(
-      [sys.executable, str(REPO / "scripts" / "convert_torchscale.py"), f"--state_dict={state_dict}",
-       f"--torchscale_config={torchscale_config}", f"--workdir={workdir}"],
-      capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""), cwd=REPO, timeout=300)
+  convert_script = lambda state_dict, torchscale_config: run_script(
+      "convert_torchscale.py", f"--state_dict={state_dict}", f"--torchscale_config={torchscale_config}",
+      f"--workdir={workdir}")
   (tmp_path / "list.json").write_text("[1, 2]")
   (tmp_path / "not_torch.pt").write_text("not a torch file")
   for state_dict, torchscale_config, message in [
@@ -218,6 +203,6 @@ def test_script_writes_a_checkpoint_that_restore_model_loads(tmp_path):
   config.model.update(convert.model_overrides(converted))
   model, step = train_state.restore_model(config, workdir)
   assert step == 0
-  tokens = random_tokens(options["vocab_size"], length, seed=2)
+  tokens = random_tokens(2, length, options["vocab_size"], seed=2)
   theirs = torchscale_logits(options, decoder.state_dict(), tokens)
-  assert max_diff(forward(model, jnp.asarray(tokens), "parallel"), theirs["parallel"]) < 1e-4
+  assert max_diff(forward(model, tokens, None, "parallel")[0], theirs["parallel"]) < 1e-4

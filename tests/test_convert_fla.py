@@ -8,14 +8,9 @@ and gated-RMSNorm references, SwiGLU), so the reference is fla's modeling code a
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
@@ -24,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from retnet_jax import convert_fla, presets, sharding
 from retnet_jax.model import RetNet
+from tests.helpers import forward, random_tokens, run_script
 
 torch = pytest.importorskip("torch")
 fla_models = pytest.importorskip("fla.models")  # fla imports triton, which installs but does not run here
@@ -38,7 +34,6 @@ from fla.modules.norm.layernorm_gated import rms_norm_ref as gated_rms_norm_ref 
 from fla.ops.simple_gla.naive import (naive_chunk_simple_gla, naive_parallel_simple_gla,  # noqa: E402
                                       naive_recurrent_simple_gla)
 
-REPO = Path(__file__).resolve().parent.parent
 MODES = ("parallel", "chunkwise", "recurrent")
 FLA_KERNELS = {"parallel": "parallel", "chunkwise": "chunk", "recurrent": "fused_recurrent"}  # ours -> fla's
 # Random tiny fla configs: untied head with fla's fused norm-and-gate; tied head, two key/value heads for four query
@@ -116,15 +111,6 @@ def fla_logits(model, tokens, kernel="chunk", past=None):
   return out.logits.numpy(), out.past_key_values
 
 
-def random_tokens(vocab_size, length, seed=0):
-  return np.random.default_rng(seed).integers(0, vocab_size, (2, length)).astype(np.int64)
-
-
-@nnx.jit(static_argnames="mode")
-def forward(model, tokens, mode, state=None):
-  return model(tokens, mode=mode, state=state)
-
-
 def relative_error(ours, theirs):
   theirs = np.asarray(theirs, np.float64)
   return float(np.max(np.abs(np.asarray(ours, np.float64) - theirs)) / np.max(np.abs(theirs)))
@@ -151,18 +137,18 @@ def test_logits_match_fla_in_each_form_and_across_a_handoff(tmp_path, name):
   options, (first, then) = CONFIGS[name]
   model, folder = saved_fla(tmp_path, options)
   ours = with_chunk_size(*convert_fla.load_fla(folder), 16)
-  tokens = random_tokens(options["vocab_size"], LENGTH)
+  tokens = random_tokens(2, LENGTH, options["vocab_size"])
   errors = {}
   for mode in MODES:
     theirs, _ = fla_logits(model, tokens, FLA_KERNELS[mode])
-    errors[mode] = relative_error(forward(ours, jnp.asarray(tokens), mode)[0], theirs)
+    errors[mode] = relative_error(forward(ours, tokens, None, mode)[0], theirs)
   split = 29
   with torch.enable_grad():  # fla's chunk form: it runs whenever gradients are on
     prefill, cache = fla_logits(model, tokens[:, :split])
   rest, _ = fla_logits(model, tokens[:, split:], past=cache)
   theirs = np.concatenate([prefill, rest], axis=1)
-  logits, state = forward(ours, jnp.asarray(tokens[:, :split]), first)
-  more, _ = forward(ours, jnp.asarray(tokens[:, split:]), then, state)
+  logits, state = forward(ours, tokens[:, :split], None, first)
+  more, _ = forward(ours, tokens[:, split:], state, then)
   errors[f"{first}->{then}"] = relative_error(np.concatenate([logits, more], axis=1), theirs)
   assert all(error < 1e-4 for error in errors.values()), errors
 
@@ -178,8 +164,9 @@ def test_load_places_parameters_on_a_mesh(tmp_path):
   kernel = placed.blocks[0].retention.q_proj.kernel[...]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor") and len(kernel.devices()) == 8
   assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(placed), flat_params(plain)))
-  tokens = jnp.asarray(random_tokens(64, 9))  # sharded matmuls sum in another order
-  assert relative_error(forward(placed, tokens, "parallel")[0], forward(plain, tokens, "parallel")[0]) < 1e-5
+  tokens = random_tokens(2, 9, 64)  # sharded matmuls sum in another order
+  assert relative_error(forward(placed, tokens, None, "parallel")[0],
+                        forward(plain, tokens, None, "parallel")[0]) < 1e-5
 
 
 def test_bfloat16_shards_written_by_transformers_load(tmp_path):
@@ -233,8 +220,8 @@ def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes):
   assert sharded == (max_shard_bytes < 2**30) and (out / "tokenizer.json").is_file()
   assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
   theirs = fla_models.RetNetForCausalLM.from_pretrained(out).eval()
-  tokens = random_tokens(47, LENGTH)
-  assert relative_error(forward(model, jnp.asarray(tokens), "chunkwise")[0], fla_logits(theirs, tokens)[0]) < 1e-4
+  tokens = random_tokens(2, LENGTH, 47)
+  assert relative_error(forward(model, tokens, None, "chunkwise")[0], fla_logits(theirs, tokens)[0]) < 1e-4
   back, back_config = convert_fla.load_fla(out)
   assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(back), flat_params(model)))
   config.model.chunk_size = back_config.model.chunk_size  # a choice of computation, not stored by fla
@@ -352,11 +339,6 @@ def test_bad_folders_are_refused(tmp_path):
     convert_fla.load_fla(folder)
 
 
-def run_script(*flags):
-  return subprocess.run([sys.executable, *flags], capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""),
-                        cwd=REPO, timeout=300)
-
-
 @pytest.mark.slow
 def test_script_converts_both_ways(tmp_path):
   """fla folder -> scripts/convert_fla.py -> scripts/generate.py with the flags it prints: fla's greedy tokens;
@@ -366,18 +348,17 @@ def test_script_converts_both_ways(tmp_path):
   model, folder = saved_fla(tmp_path, options)
   write_tokenizer(folder / "tokenizer.json", 80)
   workdir = tmp_path / "converted"
-  convert_script = str(REPO / "scripts" / "convert_fla.py")
-  result = run_script(convert_script, f"--checkpoint={folder}", f"--workdir={workdir}")
+  result = run_script("convert_fla.py", f"--checkpoint={folder}", f"--workdir={workdir}")
   assert result.returncode == 1 and "the tokenizer has 80 tokens but model.vocab_size=61" in result.stderr
   assert not workdir.exists()
   write_tokenizer(folder / "tokenizer.json", 61)
-  result = run_script(convert_script, f"--checkpoint={folder}", f"--workdir={workdir}")
+  result = run_script("convert_fla.py", f"--checkpoint={folder}", f"--workdir={workdir}")
   assert result.returncode == 0, result.stderr[-3000:]
   load_flags = next(line for line in result.stdout.splitlines() if "scripts/generate.py" in line).split()[2:]
   assert load_flags[0] == "--config=configs/retnet.py:fla"
 
   prompt = "w3 w14 w15 w9"
-  result = run_script(str(REPO / "scripts" / "generate.py"), *load_flags, f"--prompt={prompt}",
+  result = run_script("generate.py", *load_flags, f"--prompt={prompt}",
                       "--max_new_tokens=6", "--temperature=0", "--stream=false")
   assert result.returncode == 0, result.stderr[-3000:]
   completion = json.loads(result.stdout.splitlines()[-1])["samples"][0]["completion"]
@@ -387,9 +368,9 @@ def test_script_converts_both_ways(tmp_path):
   assert completion.split() == [f"w{i}" if i else "</s>" for i in tokens[0][4:]]
 
   exported = tmp_path / "exported"
-  result = run_script(convert_script, "--to_fla", f"--workdir={workdir}", f"--checkpoint={exported}")
+  result = run_script("convert_fla.py", "--to_fla", f"--workdir={workdir}", f"--checkpoint={exported}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert (exported / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
   theirs = fla_models.RetNetForCausalLM.from_pretrained(exported).eval()
-  tokens = random_tokens(options["vocab_size"], LENGTH)
+  tokens = random_tokens(2, LENGTH, options["vocab_size"])
   assert relative_error(fla_logits(theirs, tokens)[0], fla_logits(model, tokens)[0]) < 1e-6

@@ -2,11 +2,7 @@
 
 import copy
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,38 +12,8 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from conftest import flip_bytes
-from retnet_jax import checkpointing, data, evaluate, metrics, sharding, tokenizer, train, train_state
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  """A tiny model trained 8 steps on 60 KB of the corpus; (config, workdir, overrides for the scripts)."""
-  tmp = tmp_path_factory.mktemp("evaluate")
-  corpus = tmp / "corpus.txt"
-  corpus.write_bytes((REPO / "data" / "tinyshakespeare.txt").read_bytes()[:60_000])
-  overrides = dict(steps=8, batch_size=8, seq_len=32, eval_every_steps=8, eval_batches=2, warmup_steps=2,
-                   log_every_steps=4)
-  config = retnet_config.get_config("tiny")
-  config.data.files = (str(corpus),)
-  config.train.update(overrides)
-  config.checkpoint.update(every_steps=4, async_save=False)
-  workdir = tmp / "run"
-  train.train_and_evaluate(config, workdir)
-  flags = [f"--config={REPO / 'configs' / 'retnet.py'}:tiny", f"--workdir={workdir}",
-           f"--config.data.files=('{corpus}',)"] + [f"--config.train.{k}={v}" for k, v in overrides.items()]
-  return config, workdir, flags
-
-
-def run_script(name, flags, **env_vars):
-  # Without the suite's forced 8 devices: one CPU device, as a user would run it, unless env_vars ask for more.
-  env = dict(os.environ, XLA_FLAGS="", **env_vars)
-  result = subprocess.run([sys.executable, str(REPO / "scripts" / name), *flags], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result.stdout
+from retnet_jax import checkpointing, data, evaluate, metrics, sharding, tokenizer, train_state
+from tests.helpers import flip_bytes, run_script, script_stdout
 
 
 def test_all_three_modes_agree_on_a_trained_checkpoint(trained):
@@ -66,9 +32,10 @@ def test_all_three_modes_agree_on_a_trained_checkpoint(trained):
   assert parallel["loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
 
 
-def test_evaluate_script_prints_table_and_json(trained):
-  _, workdir, flags = trained
-  stdout = run_script("evaluate.py", flags + ["--mode=all", "--step=4", "--max_batches=1"])
+@pytest.mark.slow
+def test_evaluate_script_prints_table_and_json(trained_copy):
+  _, workdir, flags = trained_copy
+  stdout = script_stdout("evaluate.py", *flags, "--mode=all", "--step=4", "--max_batches=1")
   lines = stdout.strip().splitlines()
   assert lines[0].split() == ["mode", "loss", "ppl", "bits/token", "bits/byte"]
   results = json.loads(lines[-1])
@@ -77,32 +44,31 @@ def test_evaluate_script_prints_table_and_json(trained):
   assert json.loads((workdir / "eval_step_4.json").read_text()) == results
 
 
+@pytest.mark.slow
 def test_generate_script_streams_and_reports(trained):
   _, _, flags = trained
-  stdout = run_script("generate.py", flags + ["--prompt=ROMEO:", "--prompt=A", "--max_new_tokens=12",
-                                              "--temperature=0", "--stream_every=5"])
+  stdout = script_stdout("generate.py", *flags, "--prompt=ROMEO:", "--prompt=A", "--max_new_tokens=12",
+                         "--temperature=0", "--stream_every=5")
   samples = json.loads(stdout.strip().splitlines()[-1])["samples"]
   assert [s["prompt"] for s in samples] == ["ROMEO:", "A"]
   assert stdout.startswith("ROMEO:" + samples[0]["completion"])  # streamed before the JSON line
   assert all(0 < len(s["completion"]) <= 12 for s in samples)  # 12 byte tokens: at most 12 characters
   # Restored onto a tensor-parallel mesh of two CPU devices (README), it streams and samples the same text.
-  split = run_script("generate.py", flags + ["--prompt=ROMEO:", "--prompt=A", "--max_new_tokens=12",
-                                             "--temperature=0", "--stream_every=5", "--config.mesh.shape=(1,1,2)"],
-                     JAX_NUM_CPU_DEVICES="2")
+  split = script_stdout("generate.py", *flags, "--prompt=ROMEO:", "--prompt=A", "--max_new_tokens=12",
+                        "--temperature=0", "--stream_every=5", "--config.mesh.shape=(1,1,2)", JAX_NUM_CPU_DEVICES="2")
   assert split == stdout
 
 
-def test_evaluate_script_errors_are_one_message_and_its_json_survives_an_unwritable_file(trained, tmp_path):
-  _, workdir, flags = trained
-  env = dict(os.environ, XLA_FLAGS="")
-  result = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), *flags, f"--workdir={tmp_path}"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+@pytest.mark.slow
+def test_evaluate_script_errors_are_one_message_and_its_json_survives_an_unwritable_file(trained_copy, tmp_path):
+  _, workdir, flags = trained_copy
+  result = run_script("evaluate.py", *flags, f"--workdir={tmp_path}")
   assert result.returncode == 1 and "error: no checkpoints in" in result.stderr, result.stderr[-3000:]
   assert "Traceback" not in result.stderr
   blocked = workdir / "eval_step_8.json"
   blocked.mkdir()  # the results file cannot be written (as in a read-only or full workdir)
   try:
-    stdout = run_script("evaluate.py", flags + ["--max_batches=1"])
+    stdout = script_stdout("evaluate.py", *flags, "--max_batches=1")
   finally:
     blocked.rmdir()
   assert json.loads(stdout.strip().splitlines()[-1])["step"] == 8
@@ -231,10 +197,11 @@ def test_by_position_errors_name_the_fix(trained):
     evaluate.evaluate_model(None, config, seq_len=1000)
 
 
-def test_evaluate_script_by_position_writes_json_and_plot(trained, tmp_path):
-  _, workdir, flags = trained
-  stdout = run_script("evaluate.py", flags + ["--mode=chunkwise", "--max_batches=1", "--eval_seq_len=64",
-                                              "--by_position=4"])
+@pytest.mark.slow
+def test_evaluate_script_by_position_writes_json_and_plot(trained_copy, tmp_path):
+  _, workdir, flags = trained_copy
+  stdout = script_stdout("evaluate.py", *flags, "--mode=chunkwise", "--max_batches=1", "--eval_seq_len=64",
+                         "--by_position=4")
   results = json.loads(stdout.strip().splitlines()[-1])
   assert results["seq_len"] == 64 and results["sequences"] == 8
   assert [(b["start"], b["end"]) for b in results["modes"]["chunkwise"]["loss_by_position"]] == [
@@ -242,16 +209,14 @@ def test_evaluate_script_by_position_writes_json_and_plot(trained, tmp_path):
   assert json.loads((workdir / "eval_step_8.json").read_text()) == results
   assert (workdir / "eval_step_8_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   # Buckets that do not fit are refused before the checkpoint is looked for (this workdir has none).
-  env = dict(os.environ, XLA_FLAGS="")
-  result = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), *flags, f"--workdir={tmp_path}",
-                           "--eval_seq_len=64", "--by_position=5"], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=300)
+  result = run_script("evaluate.py", *flags, f"--workdir={tmp_path}", "--eval_seq_len=64", "--by_position=5")
   assert result.returncode == 1 and "error: --by_position=5 buckets do not split the 64 positions" in result.stderr
 
 
-def test_passkey_script_writes_json_and_heatmap(trained):
-  _, workdir, flags = trained
-  stdout = run_script("passkey.py", flags + ["--lengths=192", "--depths=0,1", "--samples=2"])
+@pytest.mark.slow
+def test_passkey_script_writes_json_and_heatmap(trained_copy):
+  _, workdir, flags = trained_copy
+  stdout = script_stdout("passkey.py", *flags, "--lengths=192", "--depths=0,1", "--samples=2")
   assert stdout.startswith("passkey accuracy (2 samples per cell; greedy decoding")
   results = json.loads(stdout.strip().splitlines()[-1])
   assert {k: results[k] for k in ("step", "mode", "samples", "lengths", "depths")} == dict(

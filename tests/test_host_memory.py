@@ -1,16 +1,11 @@
 """host_memory.keep_freed_memory: repeated executions stop faulting their temporaries in afresh; one_off_buffers: what
 is allocated within goes back to the system when freed."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from retnet_jax import host_memory
+from tests.helpers import run_python
 
-ROOT = Path(__file__).resolve().parent.parent
 # Each call of f allocates two 64 MB temporaries and a 64 MB output: above glibc's 32 MB mmap threshold.
 SCRIPT = """
 import resource, statistics, sys
@@ -29,14 +24,13 @@ print(applied, statistics.median(faults[8:]))
 
 
 def page_faults_per_call(mode):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=300)
+  proc = run_python("-c", SCRIPT, mode)
   assert proc.returncode == 0, proc.stderr[-2000:]
   applied, faults = proc.stdout.split()
   return applied == "True", float(faults)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(host_memory._glibc() is None, reason="glibc malloc only")
 def test_kept_memory_is_reused_by_later_executions():
   """Median page faults of calls 9-16: ~49k (192 MB of fresh pages) per call by default, 0 measured with the
@@ -69,11 +63,10 @@ print(returned(contextlib.nullcontext()), one_off)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(host_memory._glibc() is None, reason="glibc malloc only")
 def test_one_off_buffers_go_back_to_the_system_when_freed():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "-c", ONE_OFF_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=300)
+  proc = run_python("-c", ONE_OFF_SCRIPT)
   assert proc.returncode == 0, proc.stderr[-2000:]
   kept, returned = map(float, proc.stdout.split())
   assert kept < 16 and returned > 240, (kept, returned)

@@ -2,9 +2,6 @@
 and a Transformer, against log-likelihoods and greedy decoding computed directly from the parallel logits."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,20 +12,17 @@ lm_eval = pytest.importorskip("lm_eval")
 import datasets  # noqa: E402
 import huggingface_hub  # noqa: E402
 import tokenizers  # noqa: E402
-from flax import nnx  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from configs import retnet as retnet_config  # noqa: E402
-from retnet_jax import train, train_state  # noqa: E402
+from retnet_jax import train_state  # noqa: E402
 from retnet_jax import lm_eval as harness  # noqa: E402
-from retnet_jax.presets import transformer_config  # noqa: E402
 from retnet_jax.tokenizer import ByteTokenizer  # noqa: E402
-from retnet_jax.transformer import Transformer  # noqa: E402
+from tests.helpers import forward, run_script, tiny_transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = f"{REPO / 'configs' / 'retnet.py'}:tiny"
-SEQ_LEN = 32
+SEQ_LEN = 32  # the training length of the shared tiny run (`trained` in tests/conftest.py)
 DOCS = [
     {"question": "ROMEO: Where is", "choices": [" Juliet", " the sun", " thy"], "answer": 0,
      "text": "First Citizen:\nBefore we proceed any further, hear me speak."},
@@ -70,27 +64,14 @@ def tasks_dir(tmp_path_factory):
   return folder
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  """A tiny RetNet trained 2 steps: (config, workdir)."""
-  tmp = tmp_path_factory.mktemp("lm_eval")
-  corpus = tmp / "corpus.txt"
-  corpus.write_bytes((REPO / "data" / "tinyshakespeare.txt").read_bytes()[:20_000])
-  config = retnet_config.get_config("tiny")
-  config.data.files = (str(corpus),)
-  config.train.update(steps=2, batch_size=8, seq_len=SEQ_LEN, eval_every_steps=2, eval_batches=1, warmup_steps=1,
-                      log_every_steps=2)
-  config.checkpoint.update(every_steps=2, async_save=False)
-  train.train_and_evaluate(config, tmp / "run")
-  return config, tmp / "run"
-
-
 def parallel_logits(model):
   """`logits(ids)`: the parallel form's float64 logits `[len(ids), V]` of one sequence (right-padded to 64 tokens,
   which a causal model's earlier logits do not see: one compilation)."""
-  forward = nnx.jit(lambda model, ids_1xL: model(ids_1xL, mode="parallel")[0])
-  return lambda ids: np.asarray(forward(model, np.pad(np.asarray(ids, np.int32), (0, 64 - len(ids)))[None])[
-      0, :len(ids)], np.float64)
+  def logits(ids):
+    padded_1xL = np.pad(np.asarray(ids, np.int32), (0, 64 - len(ids)))[None]
+    return np.asarray(forward(model, padded_1xL, None, "parallel")[0][0, :len(ids)], np.float64)
+
+  return logits
 
 
 def reference_score(logits, context: list[int], continuation: list[int]) -> tuple[float, bool]:
@@ -124,12 +105,12 @@ def reference_greedy(logits, tokenizer, prompt: list[int], steps: int, until: st
 def test_simple_evaluate_by_registry_name_scores_as_the_parallel_logits(trained, tasks_dir):
   """The three request types through the harness's own loop (batches of 2, contexts prefilled chunkwise), against
   the model's parallel logits."""
-  config, workdir = trained
+  config, workdir, _ = trained
   results = lm_eval.simple_evaluate(
       model="retnet_jax", model_args=f"workdir={workdir},config={CONFIG},config.train.seq_len={SEQ_LEN},mode=chunkwise",
       tasks=list(TASKS), task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
       batch_size=2, limit=3, log_samples=True, bootstrap_iters=0)
-  assert results["config"]["step"] == 2 and results["config"]["mode"] == "chunkwise"
+  assert results["config"]["step"] == config.train.steps and results["config"]["mode"] == "chunkwise"
   logits = parallel_logits(train_state.restore_model(config, workdir)[0])
   tokenizer = ByteTokenizer()
   encode = lambda text: tokenizer.encode(text).tolist()
@@ -154,7 +135,7 @@ def test_simple_evaluate_by_registry_name_scores_as_the_parallel_logits(trained,
 
 def test_a_transformer_continues_from_its_kv_cache(tmp_path):
   """The adapter is generic over model(tokens, mode, state): a Transformer's KV cache carries the contexts."""
-  model = Transformer(transformer_config(retnet_config.get_config("tiny").model, max_len=128), rngs=nnx.Rngs(0))
+  model = tiny_transformer(max_len=128)
   tokenizer = ByteTokenizer()
   lm = harness.RetNetLM(model=model, tokenizer=tokenizer, max_length=16, batch_size=3)
   logits = parallel_logits(model)
@@ -177,18 +158,16 @@ def test_a_transformer_continues_from_its_kv_cache(tmp_path):
 
 @pytest.mark.slow
 def test_script_prints_the_table_and_writes_json(trained, tasks_dir, tmp_path):
-  _, workdir = trained
+  config, workdir, _ = trained
   output = tmp_path / "results.json"
-  env = dict(os.environ, XLA_FLAGS="", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # one CPU device, as a user
-  result = subprocess.run(
-      [sys.executable, str(REPO / "scripts" / "lm_eval.py"), f"--config={CONFIG}", f"--workdir={workdir}",
-       f"--config.train.seq_len={SEQ_LEN}", "--tasks=tiny_mc,tiny_gen", f"--include_path={tasks_dir}", "--limit=2",
-       "--batch_size=4", f"--output_path={output}"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+  result = run_script("lm_eval.py", f"--config={CONFIG}", f"--workdir={workdir}", f"--config.train.seq_len={SEQ_LEN}",
+                      "--tasks=tiny_mc,tiny_gen", f"--include_path={tasks_dir}", "--limit=2", "--batch_size=4",
+                      f"--output_path={output}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert any(line.startswith("|tiny_mc ") for line in lines) and any(line.startswith("|tiny_gen") for line in lines)
   summary = json.loads(lines[-1])
-  assert summary["step"] == 2 and summary["output_path"] == str(output)
+  assert summary["step"] == config.train.steps and summary["output_path"] == str(output)
   assert set(summary["results"]) == {"tiny_mc", "tiny_gen"} and 0 <= summary["results"]["tiny_mc"]["acc,none"] <= 1
   written = json.loads(output.read_text())
   assert written["results"] == summary["results"] and written["config"]["workdir"] == str(workdir)

@@ -13,24 +13,9 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import sharding
 from retnet_jax.model import RetNet
+from tests.helpers import forward, random_tokens, tiny_model
 
 MODES = ("parallel", "chunkwise", "recurrent")
-
-
-@nnx.jit(static_argnames="mode")
-def forward(model, tokens, state, mode):
-  return model(tokens, mode=mode, state=state)
-
-
-def tiny_model(**overrides):
-  cfg = retnet_config.get_config("tiny").model
-  cfg.unlock()
-  cfg.update(overrides)
-  return RetNet(cfg, rngs=nnx.Rngs(0))
-
-
-def random_tokens(batch, length, seed=0):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (batch, length)), jnp.int32)
 
 
 def max_abs_diff(a, b):

@@ -15,9 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from configs import retnet as retnet_config
-from conftest import flip_bytes
 from retnet_jax import checkpointing, sharding, train, train_state, train_step
+from tests.helpers import corpus_slice, flip_bytes, read_metrics, run_script, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_batches=1)
@@ -25,22 +24,11 @@ TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_b
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-  path.write_bytes((REPO / "data" / "tinyshakespeare.txt").read_bytes()[:60_000])
-  return path
-
-
-def losses(workdir):
-  lines = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  return {m["step"]: m["loss"] for m in lines if "loss" in m}
+  return corpus_slice(tmp_path_factory.mktemp("corpus"))
 
 
 def in_process_config(corpus, **train_overrides):
-  config = retnet_config.get_config("tiny")
-  config.data.files = (str(corpus),)
-  config.train.update({**TRAIN, "steps": 12, "eval_every_steps": 100, **train_overrides})
-  config.checkpoint.update(every_steps=4, async_save=False)
-  return config
+  return tiny_config(corpus.parent, **{**TRAIN, "steps": 12, "eval_every_steps": 100, **train_overrides})
 
 
 def script_flags(workdir, corpus, **train_overrides):
@@ -83,7 +71,7 @@ def reference(tmp_path_factory, corpus):
   """An uninterrupted 300-step run in a subprocess on one device: the losses every other run must reproduce."""
   workdir = tmp_path_factory.mktemp("reference")
   finish(launch(workdir, corpus))
-  return losses(workdir)
+  return read_metrics(workdir)
 
 
 @pytest.mark.slow
@@ -96,9 +84,9 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, corpus, re
   assert "SIGTERM received: checkpoint of step" in output
   with checkpointing.Checkpointer(workdir / "checkpoints") as checkpointer:
     stopped_at = checkpointer.latest_step()
-  assert 30 <= stopped_at < 300 and max(losses(workdir)) == stopped_at  # nothing lost: the last step is saved
+  assert 30 <= stopped_at < 300 and max(read_metrics(workdir)) == stopped_at  # nothing lost: the last step is saved
   finish(launch(workdir, corpus))
-  assert losses(workdir) == reference  # every step, bitwise
+  assert read_metrics(workdir) == reference  # every step, bitwise
 
 
 @pytest.mark.slow
@@ -115,7 +103,7 @@ def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_p
   assert latest in (25, 50)  # a half-written 50 is never taken as the latest
   assert (workdir / "train_0.lock").exists()  # the killed run's lock file stays, but its lock died with it
   finish(launch(workdir, corpus, every_steps=25, async_save=True))
-  assert losses(workdir) == reference  # steps after `latest` were redone identically
+  assert read_metrics(workdir) == reference  # steps after `latest` were redone identically
 
 
 @pytest.mark.slow
@@ -127,18 +115,16 @@ def test_evaluating_and_sampling_while_training_leave_it_intact(tmp_path, corpus
   process = launch(workdir, corpus, every_steps=5, async_save=True)
   checkpoints = workdir / "checkpoints"
   wait_for(lambda: checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()), process)
-  env = dict(os.environ, XLA_FLAGS="")
   readers = [("evaluate.py", ["--max_batches=1"]), ("generate.py", ["--max_new_tokens=4", "--stream=false"])]
   reads = 0
   while process.poll() is None and reads < 6:
     script, extra = readers[reads % 2]
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / script), *script_flags(workdir, corpus), *extra],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_script(script, *script_flags(workdir, corpus), *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     reads += 1
   finish(process)
   assert reads >= 2  # at least one evaluation and one sampling overlapped the training
-  assert losses(workdir) == reference
+  assert read_metrics(workdir) == reference
   assert not [p.name for p in checkpoints.iterdir() if not p.name.isdigit()]  # no save left half-written
   with checkpointing.Checkpointer(checkpoints, read_only=True) as checkpointer:
     assert checkpointer.latest_step() == 300
@@ -158,7 +144,7 @@ def test_a_second_training_in_a_live_workdir_is_refused(tmp_path, corpus, refere
     first.send_signal(signal.SIGCONT)
   assert second.returncode != 0 and f"is being trained by process {first.pid} on" in output, output[-3000:]
   finish(first)
-  assert losses(workdir) == reference  # metrics.jsonl holds the first run alone
+  assert read_metrics(workdir) == reference  # metrics.jsonl holds the first run alone
 
 
 @pytest.fixture
@@ -193,20 +179,19 @@ def test_full_then_read_only_disk_give_one_message_each_and_the_run_resumes_exac
                                                       "full"), output[-3000:]
   committed = int(error.split("resume from step ")[1].split(".")[0])
   assert f"checkpoint {committed} is committed and intact" in error and committed >= 5
-  losses(workdir)  # metrics.jsonl is still valid JSON lines
+  read_metrics(workdir)  # metrics.jsonl is still valid JSON lines
 
   subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
   process = launch(workdir, corpus, every_steps=5, async_save=True)
   output, _ = process.communicate(timeout=300)
   assert process.returncode == 1 and "Read-only file system" in one_error(output) and "writable --workdir" in output
-  result = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), *script_flags(workdir, corpus),
-                           "--max_batches=1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = run_script("evaluate.py", *script_flags(workdir, corpus), "--max_batches=1")
   assert result.returncode == 0 and json.loads(result.stdout.splitlines()[-1])["step"] == committed
   assert "could not write" in result.stderr and "Traceback" not in result.stderr
 
   subprocess.run(["mount", "-o", "remount,rw,size=20m", str(small_disk)], check=True)
   finish(launch(workdir, corpus, every_steps=5, async_save=True))
-  assert losses(workdir) == reference
+  assert read_metrics(workdir) == reference
 
 
 @pytest.mark.slow
@@ -261,7 +246,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, 
   damage(tmp_path / "run" / "checkpoints" / "8")
   resumed = train.train_and_evaluate(config, tmp_path / "run")
   assert (tmp_path / "run" / "checkpoints" / "8.corrupt").is_dir()
-  assert losses(tmp_path / "run") == losses(straight_workdir)  # steps 5-12 redone from step 4
+  assert read_metrics(tmp_path / "run") == read_metrics(straight_workdir)  # steps 5-12 redone from step 4
   assert resumed["eval_loss"] == straight["eval_loss"]
 
 
@@ -310,10 +295,10 @@ def test_same_seed_same_losses(tmp_path, corpus):
   config = in_process_config(corpus, steps=6)
   train.train_and_evaluate(config, tmp_path / "a")
   train.train_and_evaluate(config, tmp_path / "b")
-  assert losses(tmp_path / "a") == losses(tmp_path / "b")
+  assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
   config.seed = 1
   train.train_and_evaluate(config, tmp_path / "c")
-  assert losses(tmp_path / "c") != losses(tmp_path / "a")
+  assert read_metrics(tmp_path / "c") != read_metrics(tmp_path / "a")
 
 
 def free_port():
@@ -335,7 +320,7 @@ def test_two_processes_match_one_process(tmp_path, corpus):
                for i in range(2)]
   for process in processes:
     finish(process)
-  single_losses, multi_losses = losses(single), losses(multi)
+  single_losses, multi_losses = read_metrics(single), read_metrics(multi)
   assert sorted(multi_losses) == list(range(1, steps + 1))
   assert max(abs(single_losses[s] - multi_losses[s]) for s in single_losses) < 1e-5
 

@@ -13,13 +13,14 @@ from configs import retnet as retnet_config
 from retnet_jax import architectures, sampling, sharding, text_generation
 from retnet_jax.tokenizer import ByteTokenizer
 from retnet_jax.model import RetNet
+from tests.helpers import forward, tiny_model
 
 PROMPTS = [[5, 17, 200, 3, 9], [42], [7, 1, 99, 250, 13, 8, 64, 31, 2, 77, 11], [120, 6, 6, 30, 255, 0, 81, 4]]
 
 
 @pytest.fixture(scope="module")
 def model():
-  return RetNet(retnet_config.get_config("tiny").model, rngs=nnx.Rngs(0))
+  return tiny_model()
 
 
 def run(model, prompts, key=0, **kwargs):
@@ -29,11 +30,6 @@ def run(model, prompts, key=0, **kwargs):
   return sampling.generate(model, tokens, lengths, key=key, **kwargs)
 
 
-@nnx.jit
-def parallel_logits(model, tokens):
-  return model(tokens, mode="parallel")[0]
-
-
 @pytest.mark.parametrize("prefill_mode", architectures.PREFILL_MODES)
 def test_greedy_matches_argmax_of_parallel_logits(model, prefill_mode):
   """Every greedy token is the argmax of the parallel model's logits over prompt + the tokens before it."""
@@ -41,7 +37,7 @@ def test_greedy_matches_argmax_of_parallel_logits(model, prefill_mode):
   out = run(model, [prompt], temperature=0.0, prefill_mode=prefill_mode)
   assert out.tokens.shape == (1, 10) and out.tokens.dtype == np.int32 and out.lengths.tolist() == [10]
   sequence = jnp.asarray([prompt + out.tokens[0, :-1].tolist()], jnp.int32)
-  expected = np.argmax(np.asarray(parallel_logits(model, sequence))[0, len(prompt) - 1:], axis=-1)
+  expected = np.argmax(np.asarray(forward(model, sequence, None, "parallel")[0])[0, len(prompt) - 1:], axis=-1)
   np.testing.assert_array_equal(out.tokens[0], expected)
 
 

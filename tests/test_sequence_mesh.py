@@ -2,7 +2,6 @@
 split over devices, against the same computation on one device; and the errors before any work."""
 
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +12,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import evaluate, losses, sampling, sharding, train, train_state
 from retnet_jax.model import RetNet
-
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
+from tests.helpers import tiny_config
 
 
 def rel_err(a, b):
@@ -68,13 +66,8 @@ def test_model_split_over_sequence_matches_one_device(mesh_shape, style, mode):
 
 
 def corpus_config(tmp_path, mesh_shape):
-  corpus = tmp_path / "corpus.txt"
-  corpus.write_bytes(CORPUS.read_bytes()[:40_000])
-  config = tiny(mesh_shape=mesh_shape)
-  config.data.files = (str(corpus),)
-  config.train.update(dict(steps=4, batch_size=8, seq_len=64, log_every_steps=1, eval_every_steps=4,
-                           eval_batches=2, warmup_steps=2))
-  config.checkpoint.update(dict(every_steps=4, async_save=False))
+  config = tiny_config(tmp_path, text_bytes=40_000, steps=4, seq_len=64)
+  config.mesh.shape = mesh_shape
   return config
 
 

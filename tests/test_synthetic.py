@@ -282,6 +282,7 @@ def test_checkpointed_data_state_of_another_source_is_refused():
     synthetic.SyntheticBatches(mqar_config(), 2).set_state({"epoch": 0, "index": 1})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", CONFIGS)
 def test_tiny_model_learns_mqar(tmp_path, architecture):
   """400 steps of the tiny preset on 4 pairs: recall far above chance (1/8 for a guessed value, 1/4 for a guessed

@@ -2,7 +2,6 @@
 
 import json
 import logging
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,31 +13,12 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import checkpointing, losses, sharding, train, train_state, train_step, workdir as workdir_lib
 from retnet_jax.model import RetNet
-
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
-
-
-def tiny_config(tmp_path, text_bytes=60_000, **train_overrides):
-  """The tiny preset on the first `text_bytes` of the corpus, logging every step."""
-  corpus = tmp_path / "corpus.txt"
-  corpus.write_bytes(CORPUS.read_bytes()[:text_bytes])
-  config = retnet_config.get_config("tiny")
-  config.data.files = (str(corpus),)
-  config.train.update(dict(steps=8, batch_size=8, seq_len=32, log_every_steps=1, eval_every_steps=4,
-                           eval_batches=2, warmup_steps=2))
-  config.train.update(train_overrides)
-  config.checkpoint.update(dict(every_steps=4, async_save=False))
-  return config
-
-
-def read_metrics(workdir, key="loss"):
-  lines = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  return {m["step"]: m[key] for m in lines if key in m}
+from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config
 
 
 def random_batch(config, seed=0):
-  rng = np.random.default_rng(seed)
-  return rng.integers(0, config.model.vocab_size, (config.train.batch_size, config.train.seq_len + 1)).astype(np.int32)
+  """Random token rows `[batch_size, seq_len + 1]` for a train step of `config`."""
+  return random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size, seed)
 
 
 def one_step(config, mesh, batch):
@@ -212,14 +192,13 @@ def test_workdir_that_is_a_file_is_refused(tmp_path):
     train.train_and_evaluate(tiny_config(tmp_path), tmp_path / "run")
 
 
-def test_incompatible_checkpoint_is_refused_and_kept(tmp_path):
-  config = tiny_config(tmp_path, steps=4)
-  train.train_and_evaluate(config, tmp_path / "run")
-  before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+def test_incompatible_checkpoint_is_refused_and_kept(trained_copy):
+  config, workdir, _ = trained_copy
+  before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
   config.model.num_layers = 3
   with pytest.raises(ValueError, match="incompatible model config.*num_layers"):
-    train.train_and_evaluate(config, tmp_path / "run")
-  assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+    train.train_and_evaluate(config, workdir)
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
 
 
 def test_checkpoints_written_before_a_model_field_existed_stay_compatible(tmp_path):
@@ -260,7 +239,7 @@ def test_segmented_backprop_gives_the_same_loss_and_gradients(mode, style, segme
   torchscale style, refused by check_config, differ by 3e-3)."""
   model_cfg = retnet_config.get_config("tiny").model
   model_cfg.stability_norm_style = style
-  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 30)), jnp.int32)
+  tokens = jnp.asarray(random_tokens(2, 30, seed=3))
   loss, grads = _loss_and_grads(model_cfg, tokens, mode, 0)
   segmented_loss, segmented_grads = _loss_and_grads(model_cfg, tokens, mode, segment_len, remat)
   assert abs(float(loss) - float(segmented_loss)) < 1e-5

@@ -1,11 +1,9 @@
-"""The Transformer as a model of its own: presets, training, exact resume, KV-cache decoding, evaluation and
-generation from its workdir (through the scripts too), and the options it refuses."""
+"""The Transformer as a model of its own: presets and size, training, exact resume, KV-cache decoding (after a prefill,
+left-padded, on a tensor mesh), evaluation and generation from its workdir (through the scripts too), and the
+options and inputs it refuses."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -18,8 +16,9 @@ from ml_collections.config_flags import config_path
 from configs import retnet as retnet_config, transformer as transformer_config
 from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding, text_generation,
                         tokenizer, train, train_state, workdir as workdir_lib)
+from retnet_jax.model import RetNet
 from retnet_jax.transformer import Transformer
-from test_train import read_metrics, tiny_config
+from tests.helpers import forward, random_tokens, read_metrics, script_stdout, tiny_config, tiny_transformer
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 40
@@ -83,6 +82,20 @@ def test_presets_are_retnet_sizes_with_matched_parameter_counts():
   assert abs(count_params(small) / count_params(retnet_config.get_config("small").model) - 1) < 0.003
 
 
+def test_transformer_matches_retnet_size_and_flop_count():
+  """Attention's 4 d^2 replaces retention's 2 d^2 + 3 d d_v; the FFN takes the difference (64 + 64 - 21 -> 104)."""
+  retnet_cfg = retnet_config.get_config("tiny").model
+  cfg = presets.transformer_config(retnet_cfg, 32)
+  assert cfg.ffn_dim == 104
+  # Per layer: q/k/v/o 4 x 32 x 32 = 4096, GLU 3 x 32 x 104 = 9984; two layers and the head 32 x 256.
+  assert flops.matmul_params(cfg) == 2 * (4096 + 9984) + 8192 == 36352
+  # Scores and their product with V at 16 tokens: 4 * 16 * 32 per token and layer.
+  assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36352 + 2 * 2048)
+  # All parameters (norm scales and the embedding too): the same within the rounding of the FFN width.
+  count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  assert abs(count(tiny_transformer()) / count(RetNet(retnet_cfg, rngs=nnx.Rngs(0))) - 1) < 0.02
+
+
 def test_learns_on_the_corpus(trained):
   """From 6.1 nats at step 1 (uniform over bytes: ln 256 = 5.5) to well below in 40 steps (measured: eval 3.5)."""
   _, workdir = trained
@@ -112,11 +125,6 @@ def test_resume_is_exact(tmp_path, trained, run_crashing_at_batch):
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(straight_params), jax.tree.leaves(resumed_params)))
 
 
-@nnx.jit(static_argnames="mode")
-def forward(model, tokens, state, mode):
-  return model(tokens, mode=mode, state=state)
-
-
 def test_kv_cache_decoding_equals_parallel_logits(model):
   """On the trained model and real text: the recurrent form over the whole text and token by token through the
   cache give the parallel logits (float32 rounding, ~1e-6; a parallel prefill continued recurrently: below)."""
@@ -132,6 +140,80 @@ def test_kv_cache_decoding_equals_parallel_logits(model):
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), parallel, atol=atol)
   assert int(state["next_slot"]) == 40 and state["layers"][0]["key"].shape[1] == model.config.max_len
+
+
+def test_transformer_incremental_decoding_matches_parallel():
+  """Parallel logits equal recurrent ones: one call, token by token through the cache, and after a prefill.
+
+  The sequence (21 tokens) does not fill the cache (32 slots); differences are float32 rounding (~1e-6).
+  """
+  model = tiny_transformer()
+  tokens = random_tokens(2, 21)
+  parallel, state = forward(model, tokens, None, "parallel")
+  scale = float(jnp.max(jnp.abs(parallel)))
+  recurrent, recurrent_state = forward(model, tokens, model.init_state(2), "recurrent")
+  np.testing.assert_allclose(recurrent, parallel, atol=1e-5 * scale)
+  step_state, steps = model.init_state(2), []
+  for t in range(21):
+    logits, step_state = forward(model, tokens[:, t:t + 1], step_state, "recurrent")
+    steps.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), parallel, atol=1e-5 * scale)
+  prefill, prefill_state = forward(model, tokens[:, :13], model.init_state(2), "parallel")
+  rest, _ = forward(model, tokens[:, 13:], prefill_state, "recurrent")
+  np.testing.assert_allclose(jnp.concatenate([prefill, rest], axis=1), parallel, atol=1e-5 * scale)
+  for final in (state, recurrent_state, step_state):
+    assert int(final["next_slot"]) == 21 and final["position"].tolist() == [21, 21]
+  # The cache the parallel call returns continues like the one filled token by token.
+  np.testing.assert_allclose(state["layers"][1]["key"][:, :21], step_state["layers"][1]["key"][:, :21],
+                             atol=1e-5)
+
+
+def test_transformer_splits_whole_heads_over_a_tensor_mesh():
+  """On a tensor-parallel mesh (as the benchmark's forward sweep and decoding run) each device computes whole
+  heads: the compiled forward gathers nothing (its only collectives are the all-reduces after the output and
+  FFN projections), and the logits and the cache are the single-device ones."""
+  config = retnet_config.get_config("tiny")
+  config.mesh.shape = (1, 1, 2)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
+  sharded = sharding.shard_model(tiny_transformer(), mesh, sharding.logical_rules(config.mesh))
+  single = tiny_transformer()
+  tokens = random_tokens(2, 21)
+  hlo = forward.lower(sharded, tokens, sharded.init_state(2), "parallel").compile().as_text()
+  assert "all-reduce(" in hlo and not any(op + "(" in hlo for op in ("all-gather", "all-to-all", "collective-permute"))
+  logits, state = forward(sharded, tokens, sharded.init_state(2), "parallel")
+  expected, expected_state = forward(single, tokens, single.init_state(2), "parallel")
+  np.testing.assert_allclose(logits, expected, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+  np.testing.assert_allclose(state["layers"][1]["key"], expected_state["layers"][1]["key"], atol=1e-5)
+
+
+def test_transformer_left_padding_and_generate():
+  """A left-padded prompt gives the logits of the prompt alone, and greedy `sampling.generate` (parallel
+  prefill, recurrent decoding through the cache) picks the argmax of the parallel logits."""
+  model = tiny_transformer()
+  prompt = random_tokens(1, 7, seed=1)
+  padded = jnp.concatenate([jnp.zeros((1, 4), jnp.int32), prompt], axis=1)
+  state = model.init_state(1)
+  state["position"] = jnp.asarray([-4], jnp.int32)
+  padded_logits, _ = forward(model, padded, state, "parallel")
+  alone, _ = forward(model, prompt, None, "parallel")
+  np.testing.assert_allclose(padded_logits[:, 4:], alone, atol=1e-5 * float(jnp.max(jnp.abs(alone))))
+
+  out = sampling.generate(model, np.asarray(prompt), np.asarray([7], np.int32), max_new_tokens=8,
+                          key=jax.random.key(0), temperature=0.0, prefill_mode="parallel")
+  sequence = jnp.concatenate([prompt, jnp.asarray(out.tokens[:, :-1])], axis=1)
+  logits, _ = forward(model, sequence, None, "parallel")
+  np.testing.assert_array_equal(out.tokens[0], np.argmax(np.asarray(logits)[0, 6:], axis=-1))
+
+
+def test_transformer_input_errors():
+  model = tiny_transformer(max_len=8)
+  with pytest.raises(ValueError, match="unknown mode 'chunkwise'"):
+    model(random_tokens(1, 4), mode="chunkwise")
+  with pytest.raises(ValueError, match="KV cache holds 8 tokens; 6 are used"):
+    _, state = model(random_tokens(1, 6), mode="recurrent", state=model.init_state(1))
+    model(random_tokens(1, 3), mode="recurrent", state=state)
+  with pytest.raises(ValueError, match="not divisible"):
+    tiny_transformer(num_heads=3)
 
 
 def test_evaluate_and_generate_from_the_workdir(trained, model):
@@ -172,16 +254,13 @@ def test_decoding_and_evaluation_errors(trained, model):
     evaluate.evaluate_model(model, config, modes=("parallel", "chunkwise"))
 
 
-def run_script(name, config, workdir, *flags):
+def script_json(name, config, workdir, *flags):
   """A script on the trained workdir, one CPU device, with the run's config as flags; its last stdout line as JSON."""
   overrides = {"data.files": f"('{config.data.files[0]}',)", "model.max_len": config.model.max_len,
                **{f"train.{k}": config.train[k] for k in ("batch_size", "seq_len", "eval_batches")}}
-  command = [sys.executable, str(REPO / "scripts" / name), f"--config={REPO / 'configs' / 'transformer.py'}:tiny",
-             f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in overrides.items()], *flags]
-  result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=""), cwd=REPO,
-                          timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  stdout = script_stdout(name, f"--config={REPO / 'configs' / 'transformer.py'}:tiny", f"--workdir={workdir}",
+                         *[f"--config.{k}={v}" for k, v in overrides.items()], *flags)
+  return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -189,11 +268,11 @@ def test_scripts_evaluate_and_generate_it(trained, model):
   """scripts/evaluate.py --mode=all evaluates its two forms; scripts/generate.py prefills it in the parallel form
   (the default for a Transformer) and decodes greedily what the library does."""
   config, workdir = trained
-  results = run_script("evaluate.py", config, workdir, "--mode=all", "--max_batches=2")
+  results = script_json("evaluate.py", config, workdir, "--mode=all", "--max_batches=2")
   assert set(results["modes"]) == {"parallel", "recurrent"} and results["modes_agree"]
   assert results["modes"]["parallel"]["loss"] == pytest.approx(read_metrics(workdir, "eval_loss")[STEPS], rel=1e-5)
-  generated = run_script("generate.py", config, workdir, "--prompt=ROMEO:", "--max_new_tokens=12", "--temperature=0",
-                         "--nostream")
+  generated = script_json("generate.py", config, workdir, "--prompt=ROMEO:", "--max_new_tokens=12", "--temperature=0",
+                          "--nostream")
   expected = text_generation.generate_text(model, tokenizer.ByteTokenizer(), ["ROMEO:"], max_new_tokens=12,
                                            key=jax.random.key(0), temperature=0.0)
   assert generated["samples"] == [{"prompt": "ROMEO:", "completion": expected[0]}]

@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, optimizer, sharding, train, train_state, workdir as workdir_lib
-from test_train import tiny_config
+from retnet_jax import checkpointing, optimizer, sharding, train_state, workdir as workdir_lib
 
 
 def save_steps(workdir, config, steps, state=None):
@@ -94,14 +93,12 @@ def test_restore_model_reads_the_parameters_alone(tmp_path, monkeypatch):
   assert (workdir_lib.checkpoint_dir(tmp_path / "full") / "3.corrupt").is_dir()
 
 
-def test_training_writes_the_layout(tmp_path):
-  config = tiny_config(tmp_path, steps=2)
-  workdir = tmp_path / "run"
-  train.train_and_evaluate(config, workdir)
-  assert sorted(p.name for p in workdir_lib.checkpoint_dir(workdir).iterdir()) == ["2"]
-  assert workdir_lib.export_dir(workdir, 2).is_dir() and workdir_lib.exported_steps(workdir) == [2]
-  assert json.loads(workdir_lib.config_file(workdir).read_text())["train"]["steps"] == 2
+def test_training_writes_the_layout(trained):
+  workdir = trained.workdir
+  assert sorted(int(p.name) for p in workdir_lib.checkpoint_dir(workdir).iterdir()) == [4, 8]
+  assert workdir_lib.export_dir(workdir, 8).is_dir() and workdir_lib.exported_steps(workdir) == [8]
+  assert json.loads(workdir_lib.config_file(workdir).read_text())["train"]["steps"] == 8
   assert workdir_lib.writer_lock(workdir).path.is_file()
-  assert workdir_lib.results_file(workdir, "passkey", 2) == workdir / "passkey_step_2.json"
+  assert workdir_lib.results_file(workdir, "passkey", 8) == workdir / "passkey_step_8.json"
   with pytest.raises(ValueError, match="unknown kind of results 'loss'"):
-    workdir_lib.results_file(workdir, "loss", 2)
+    workdir_lib.results_file(workdir, "loss", 8)

@@ -1,0 +1,128 @@
+"""What the tests share: tiny models, random tokens, a compiled forward call, the tiny run's config on a slice of the
+shipped corpus, its metrics, damaged checkpoint bytes, and the scripts run in a subprocess as a user runs them.
+
+A finished tiny run is the `trained` fixture of tests/conftest.py (a `TrainedRun`); `trained_copy` is a private copy
+for a test that writes into the workdir.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from configs import retnet as retnet_config
+from retnet_jax import presets
+from retnet_jax.model import RetNet
+from retnet_jax.transformer import Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO / "data" / "tinyshakespeare.txt"
+# The tiny run's training: 8 steps of 8 x 32 tokens, logging every step, evaluating (2 batches) every 4 steps.
+TINY_TRAIN = dict(steps=8, batch_size=8, seq_len=32, log_every_steps=1, eval_every_steps=4, eval_batches=2,
+                  warmup_steps=2)
+
+
+def tiny_model(**overrides) -> RetNet:
+  """The `tiny` preset's RetNet with the model fields `overrides`, initialised from seed 0."""
+  cfg = retnet_config.get_config("tiny").model
+  cfg.unlock()
+  cfg.update(overrides)
+  return RetNet(cfg, rngs=nnx.Rngs(0))
+
+
+def tiny_transformer(max_len: int = 32, **overrides) -> Transformer:
+  """The Transformer of the `tiny` RetNet's size (`presets.transformer_config`) with a KV cache of `max_len` tokens
+  and the model fields `overrides`, initialised from seed 0."""
+  cfg = presets.transformer_config(retnet_config.get_config("tiny").model, max_len)
+  cfg.update(overrides)
+  return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def random_tokens(batch: int, length: int, vocab_size: int = 256, seed: int = 0) -> np.ndarray:
+  """Token ids `[batch, length]` (int32) drawn uniformly from `[0, vocab_size)` by numpy's generator `seed`."""
+  return np.random.default_rng(seed).integers(0, vocab_size, (batch, length)).astype(np.int32)
+
+
+@nnx.jit(static_argnames="mode")
+def forward(model, tokens, state, mode):
+  """`model(tokens, mode=mode, state=state)` compiled: logits `[B, L, V]` and the state after the tokens."""
+  return model(tokens, mode=mode, state=state)
+
+
+def corpus_slice(directory: Path, text_bytes: int = 60_000) -> Path:
+  """`directory/corpus.txt`, written with the shipped corpus's first `text_bytes` bytes; its path."""
+  corpus = Path(directory) / "corpus.txt"
+  corpus.write_bytes(CORPUS.read_bytes()[:text_bytes])
+  return corpus
+
+
+def tiny_config(directory: Path, text_bytes: int = 60_000, **train_overrides) -> ml_collections.ConfigDict:
+  """The `tiny` preset on `corpus_slice(directory, text_bytes)` with TINY_TRAIN's training and `train_overrides`,
+  checkpointing synchronously every 4 steps."""
+  config = retnet_config.get_config("tiny")
+  config.data.files = (str(corpus_slice(directory, text_bytes)),)
+  config.train.update({**TINY_TRAIN, **train_overrides})
+  config.checkpoint.update(every_steps=4, async_save=False)
+  return config
+
+
+def read_metrics(workdir: Path, key: str = "loss") -> dict[int, float]:
+  """`key` of each step that logged it in `workdir/metrics.jsonl`, by step."""
+  lines = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  return {m["step"]: m[key] for m in lines if key in m}
+
+
+def flip_bytes(step_dir: Path, every_data_file: bool = False):
+  """XORs 4,000 bytes in the middle of the largest array file (or of every array data file) of a checkpoint
+  step, sizes unchanged. Which bytes a restore reads depends on the storage layout, so tests that must damage
+  what is read whatever the mesh flip every data file."""
+  files = [f for f in (step_dir / "state").rglob("*") if f.is_file()]
+  if every_data_file:
+    files = [f for f in files if f.parent.name == "d"]
+  else:
+    files = [max(files, key=lambda f: f.stat().st_size)]
+  for file in files:
+    data = bytearray(file.read_bytes())
+    middle = max(len(data) // 2 - 2000, 0)
+    data[middle:middle + 4000] = bytes(b ^ 0x5A for b in data[middle:middle + 4000])
+    file.write_bytes(bytes(data))
+
+
+def script_flags(config: ml_collections.ConfigDict, workdir: Path) -> list[str]:
+  """The flags that give a script `tiny_config`'s run `config` in `workdir`."""
+  return ([f"--config={REPO / 'configs' / 'retnet.py'}:tiny", f"--workdir={workdir}",
+           f"--config.data.files=('{config.data.files[0]}',)"]
+          + [f"--config.train.{k}={config.train[k]}" for k in TINY_TRAIN])
+
+
+class TrainedRun(NamedTuple):
+  """A finished training: its config, its workdir and the script flags that load it (`script_flags`)."""
+  config: ml_collections.ConfigDict
+  workdir: Path
+  flags: list[str]
+
+
+def run_python(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
+  """`python *args` from the repository root on one CPU device, as a user runs it (without the 8 devices the suite
+  forces through XLA_FLAGS), with `env_vars` added to the environment; stdout and stderr captured as text."""
+  env = {**os.environ, "XLA_FLAGS": "", **env_vars}
+  return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=REPO,
+                        timeout=timeout)
+
+
+def run_script(name: str, *flags: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
+  """`scripts/name` with `flags`, run as `run_python` runs it."""
+  return run_python(str(REPO / "scripts" / name), *flags, timeout=timeout, **env_vars)
+
+
+def script_stdout(name: str, *flags: str, **env_vars: str) -> str:
+  """The stdout of `run_script(name, *flags, **env_vars)`, after checking that it succeeded."""
+  result = run_script(name, *flags, **env_vars)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
