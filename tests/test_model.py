@@ -196,7 +196,8 @@ def test_remat_policies_give_the_same_gradients():
 @pytest.mark.parametrize("with_rules", [False, True])
 def test_model_builds_under_a_user_mesh(shape, names, with_rules):
   """Built and run under a researcher's own mesh, with or without the project's rules active, the model gives the
-  logits of one built without a mesh; its parameters lie where the rules put them on the mesh's axes, replicated elsewhere."""
+  logits of one built without a mesh; its parameters lie where the rules put them on the mesh's axes, replicated
+  elsewhere."""
   cfg = retnet_config.get_config("tiny")
   rules = sharding.logical_rules(cfg.mesh)
   mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))

@@ -4,7 +4,6 @@ split over devices, against the same computation on one device; and the errors b
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
