@@ -21,7 +21,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import architectures, data, losses, sharding, synthetic, tokenizer as tokenizer_lib, train_state
+from retnet_jax import (architectures, data, dispatch, losses, sharding, synthetic, tokenizer as tokenizer_lib,
+                        train_state)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
 # relative; bfloat16 rounds each product to 8 mantissa bits.
@@ -145,7 +146,7 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     nll_fn = functools.partial(bucket_nll, buckets=position_buckets) if position_buckets else losses.sequence_nll
   with placement.active():
     for mode in modes:
-      outputs = [nll_fn(graphdef, params, batch, mode) for batch in batches]
+      outputs = dispatch.host_map(lambda batch: nll_fn(graphdef, params, batch, mode), batches)
       nll = np.concatenate([np.asarray(o[0], np.float64) for o in outputs])  # [N] or [N, buckets]
       per_mode_logits[mode] = np.concatenate([np.asarray(o[1]) for o in outputs])
       loss = float(nll.sum() / num_tokens)

@@ -12,7 +12,7 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, data, evaluate, metrics, sharding, tokenizer, train_state
+from retnet_jax import checkpointing, data, dispatch, evaluate, losses, metrics, sharding, tokenizer, train_state
 from tests.helpers import flip_bytes, run_script, script_stdout
 
 
@@ -30,6 +30,30 @@ def test_all_three_modes_agree_on_a_trained_checkpoint(trained):
   # The last training eval used the same 2 batches in the same (parallel) form.
   last_eval = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l][-1]
   assert parallel["loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
+
+
+def test_evaluation_reads_outputs_back_before_queueing_more_batches(trained, monkeypatch):
+  """Every batch queued at once starves a sequence mesh's collectives (XLA aborts with a collective-permute
+  timeout): at most `dispatch.IN_FLIGHT` calls run ahead of the outputs read back, with the same loss."""
+  config, workdir, _ = trained
+  model, _ = train_state.restore_model(config, workdir)
+  expected = evaluate.evaluate_model(model, config, max_batches=6)["modes"]["parallel"]["loss"]
+  unread, peak = [0], [0]
+
+  class Unread:  # a call's output the host has not read yet
+    def __init__(self, array):
+      self.array = array
+      unread[0] += 1
+      peak[0] = max(peak[0], unread[0])
+
+    def __array__(self, dtype=None, copy=None):
+      unread[0] -= 1
+      return np.asarray(self.array, dtype)
+
+  sequence_nll = losses.sequence_nll
+  monkeypatch.setattr(losses, "sequence_nll", lambda *args: tuple(map(Unread, sequence_nll(*args))))
+  assert evaluate.evaluate_model(model, config, max_batches=6)["modes"]["parallel"]["loss"] == expected
+  assert 0 < peak[0] <= 2 * (dispatch.IN_FLIGHT + 1)  # two outputs per call
 
 
 @pytest.mark.slow
