@@ -13,8 +13,12 @@ Importing this module imports neither numpy nor jax, so `prepare` can still act 
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -25,8 +29,37 @@ DEFAULT_CONFIG = "configs/retnet.py:small"
 
 
 def prepare() -> None:
-  """Process-wide settings that must precede numpy and jax: `host_memory.keep_freed_memory` (CPU backend)."""
+  """Process-wide settings that must precede numpy and jax: `host_memory.keep_freed_memory` (CPU backend), and
+  SIGTERM / SIGINT outside the training steps (start-up, compilation, evaluation) as one line and exit status
+  128 + the signal's number (training's steps take them as a stop request: `retnet_jax.preemption`)."""
   host_memory.keep_freed_memory()
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+  """Ends the script at once with one line naming the signal and what the workdir keeps (once: a second signal
+  while exiting only hastens the exit)."""
+  global _signalled
+  if not _signalled:
+    _signalled = True
+    sys.stderr.write(f"error: stopped by {signal.Signals(signum).name}; {_kept()}\n")
+  raise SystemExit(128 + signum)
+
+
+_signalled = False
+
+
+def _kept() -> str:
+  """What an interrupted run leaves: the newest checkpoint step of --workdir and how to go on."""
+  workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS and flags.FLAGS.is_parsed() else None
+  workdir_lib = sys.modules.get("retnet_jax.workdir")  # loaded by then if the script uses one (no import here)
+  if not workdir or workdir_lib is None:
+    return "rerun the same command (a training run resumes from its last checkpoint)."
+  ckpt_dir = workdir_lib.checkpoint_dir(workdir)
+  steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+  kept = f"the last checkpoint in {workdir} is step {steps[-1]}" if steps else f"{workdir} holds no checkpoint"
+  return f"{kept}: rerun the same command to go on from there."
 
 
 def config_flag(help_text: str) -> flags.FlagHolder:
@@ -42,13 +75,83 @@ def config_flag(help_text: str) -> flags.FlagHolder:
 
 
 def workdir_flag(help_text: str) -> flags.FlagHolder:
-  """The required `--workdir`."""
-  return flags.DEFINE_string("workdir", None, help_text, required=True)
+  """The required `--workdir`, refused when empty (`--workdir=$UNSET` would mean the current directory)."""
+  holder = flags.DEFINE_string("workdir", None, help_text, required=True)
+  flags.register_validator("workdir", lambda value: value is None or bool(value.strip()),
+                           "--workdir is empty (an unset shell variable?); name the run's directory, e.g. "
+                           "--workdir=runs/NAME")
+  return holder
 
 
 def step_flag(help_text: str) -> flags.FlagHolder:
   """`--step`: a checkpoint step; None for the latest."""
   return flags.DEFINE_integer("step", None, help_text)
+
+
+def distributed_flags() -> Callable[[], None]:
+  """`--coordinator_address`, `--num_processes`, `--process_id` (defaults: $JAX_COORDINATOR_ADDRESS,
+  $JAX_NUM_PROCESSES, $JAX_PROCESS_ID); returns the function that checks them and, when a coordinator is named,
+  starts `jax.distributed` (call it first in `main`, before anything asks for devices)."""
+  coordinator = flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-process "
+                                    "training (default: $JAX_COORDINATOR_ADDRESS).")
+  num_processes = flags.DEFINE_integer("num_processes", None, "Number of processes, for multi-process training "
+                                       "(default: $JAX_NUM_PROCESSES).", lower_bound=1)
+  process_id = flags.DEFINE_integer("process_id", None, "This process's index from 0, for multi-process training "
+                                    "(default: $JAX_PROCESS_ID).", lower_bound=0)
+
+  def initialize() -> None:
+    settings = check_distributed(coordinator.value, num_processes.value, process_id.value, os.environ)
+    if settings is None:
+      return
+    import jax  # pylint: disable=import-outside-toplevel  (after `prepare`)
+    if jax.config.jax_platforms in (None, "", "cpu"):
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
+    jax.distributed.initialize(*settings)
+
+  return initialize
+
+
+def check_distributed(address: str | None, num_processes: int | None, process_id: int | None,
+                      environ: Mapping[str, str]) -> tuple[str, int, int] | None:
+  """`(coordinator address, number of processes, process id)` from the flags, else from `environ`'s JAX_*
+  variables; None for one process. Refuses before any work what would fail later or train as one process
+  unnoticed: a malformed or unresolvable address, a count or id without a coordinator or out of range."""
+  address = address or environ.get("JAX_COORDINATOR_ADDRESS") or None
+  count = _env_int(num_processes, "num_processes", environ, "JAX_NUM_PROCESSES", minimum=1)
+  index = _env_int(process_id, "process_id", environ, "JAX_PROCESS_ID", minimum=0)
+  if address is None:
+    if count is not None or index is not None:
+      raise ValueError(f"--num_processes={count} / --process_id={index} without --coordinator_address: name "
+                       "process 0's HOST:PORT on every process (or $JAX_COORDINATOR_ADDRESS), or drop both to "
+                       "train as one process.")
+    return None
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"--coordinator_address={address!r} must be HOST:PORT of process 0, e.g. 10.0.0.1:1234.")
+  try:
+    socket.getaddrinfo(host.strip("[]"), int(port))
+  except socket.gaierror as e:
+    raise ValueError(f"--coordinator_address={address!r}: the host {host!r} does not resolve ({e.strerror}); "
+                     "name process 0's host as every process reaches it.") from None
+  if count is None or index is None:
+    raise ValueError(f"--coordinator_address={address} needs --num_processes and --process_id (or "
+                     "$JAX_NUM_PROCESSES and $JAX_PROCESS_ID) on every process.")
+  if index >= count:
+    raise ValueError(f"--process_id={index} must be below --num_processes={count} (processes count from 0).")
+  return address, count, index
+
+
+def _env_int(value: int | None, flag: str, environ: Mapping[str, str], variable: str, minimum: int) -> int | None:
+  """The flag's value, else the environment variable's as an integer of at least `minimum`, else None."""
+  if value is not None:
+    return value
+  raw = environ.get(variable, "").strip()
+  if not raw:
+    return None
+  if not raw.lstrip("-").isdigit() or int(raw) < minimum:
+    raise ValueError(f"{variable}={raw!r} must be an integer of at least {minimum}: set it to the "
+                     f"{flag.replace('_', ' ')}, or unset it and pass --{flag}.")
+  return int(raw)
 
 
 _VERBOSE = flags.DEFINE_boolean("verbose", False, "Show the traceback of an error, not only its message.")
@@ -73,6 +176,16 @@ def run(main: Callable[[], None]) -> None:
       if _VERBOSE.value:
         raise
       sys.exit(f"error: {e} ({type(e).__name__}; --verbose shows the traceback)")
+    except RuntimeError as e:  # JAX_PLATFORMS naming a platform this machine lacks
+      if _VERBOSE.value or not str(e).startswith("Unable to initialize backend"):
+        raise
+      sys.exit(f"error: {str(e).split(' (set JAX_PLATFORMS')[0]}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} "
+               "names it: set JAX_PLATFORMS to a platform this machine has (e.g. cpu), or unset it.")
+    except KeyboardInterrupt:  # a second Ctrl-C during training's steps (the first asks for a checkpoint)
+      if _VERBOSE.value:
+        raise
+      sys.stderr.write(f"error: interrupted by a second Ctrl-C; {_kept()}\n")
+      sys.exit(128 + signal.SIGINT)
 
   jax.config.config_with_absl()
   app.run(absl_main, flags_parser=_parse_flags)

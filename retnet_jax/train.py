@@ -15,20 +15,21 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (architectures, checkpointing, data, flops, layers, losses, metrics, preemption, sharding,
-                        synthetic, tokenizer as tokenizer_lib, train_state, train_step as train_step_lib,
+from retnet_jax import (architectures, checkpointing, data, dispatch, flops, layers, losses, metrics, preemption,
+                        sharding, synthetic, tokenizer as tokenizer_lib, train_state, train_step as train_step_lib,
                         workdir as workdir_lib, workdir_lock)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks the config against itself and the devices before any data is read or file written."""
   train_state.check_config(config, num_devices)
+  if not 0 <= config.seed < 2**63:
+    raise ValueError(f"seed={config.seed} is out of range: choose an integer from 0 to 2**63 - 1 (--config.seed).")
   train = config.train
   for name in ("steps", "log_every_steps", "eval_every_steps", "eval_batches"):
     if int(train[name]) < 1:
@@ -48,8 +49,8 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
 def evaluate(run: train_step_lib.Setup, params, batches: Iterable[losses.Batch]) -> float:
   """Mean validation loss (nats per token) over `batches`."""
   with run.placement.active():
-    batch_losses = [run.eval_step(params, batch) for batch in batches]
-  return float(np.mean(jax.device_get(batch_losses)))
+    batch_losses = dispatch.host_map(lambda batch: run.eval_step(params, batch), batches)
+  return float(np.mean(batch_losses))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
@@ -62,10 +63,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   Returns:
     The last logged train and eval metrics (`loss`, `eval_loss`, ...).
   """
-  workdir = Path(workdir)
+  workdir = workdir_lib.check_training_dir(workdir)
   check_config(config, jax.device_count())
-  if workdir.exists() and not workdir.is_dir():
-    raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
   tokenizer = None
   if not config.data.synthetic:  # a synthetic task makes its own token ids (checked against the vocabulary)
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
@@ -159,7 +158,8 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
 
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
-                     checkpointer: checkpointing.Checkpointer, batches: data.BatchIterator | synthetic.SyntheticBatches):
+                     checkpointer: checkpointing.Checkpointer,
+                     batches: data.BatchIterator | synthetic.SyntheticBatches):
   """The newest checkpoint's state that reads back whole (`workdir.restore_newest`: an unreadable one is set aside
   with a warning, another model config's refused), else a fresh one."""
   restored = workdir_lib.restore_newest(checkpointer, config,

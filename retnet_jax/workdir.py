@@ -39,6 +39,22 @@ ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "ro
 RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)
 
 
+def check_training_dir(workdir: str | os.PathLike) -> Path:
+  """`workdir` as a Path, refused when empty (an unset shell variable would train into the current directory),
+  a file, or inside another run's `checkpoints/` or `params/`."""
+  if not os.fspath(workdir).strip():
+    raise ValueError("--workdir is empty (an unset shell variable?); name the run's directory, e.g. "
+                     "--workdir=runs/NAME.")
+  workdir = Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
+  for parent in workdir.absolute().parents:
+    if parent.name in ("checkpoints", "params") and config_file(parent.parent).is_file():
+      raise ValueError(f"--workdir={workdir} lies inside the {parent.name}/ folder of the run {parent.parent}; "
+                       "choose a directory outside it (a new run's, or that run itself to resume it).")
+  return workdir
+
+
 def checkpoint_dir(workdir: str | os.PathLike) -> Path:
   """`WORKDIR/checkpoints`: the training checkpoints, one folder per step."""
   return Path(workdir) / "checkpoints"

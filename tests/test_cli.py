@@ -1,10 +1,16 @@
-"""The scripts' shared command line: bad flags and config fields end in one line of error, no traceback."""
+"""The scripts' shared command line: bad flags, config fields, environment and signals before training end in one
+line of error, no traceback."""
 
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from tests.helpers import run_script
+from retnet_jax import cli
+from tests.helpers import REPO, run_script
 
 
 @pytest.mark.slow
@@ -15,6 +21,11 @@ from tests.helpers import run_script
     (["--config.train.steps=abc"], r"error: flag --config.train.steps=abc: invalid literal"),
     (["--config.train.learning_rate=-1"], r"error: train.learning_rate must be positive; got -1.0. \(ValueError; "
                                           r"--verbose shows the traceback\)"),
+    (["--workdir="], r"error: flag --workdir=: --workdir is empty \(an unset shell variable\?\); name the run's "
+                     r"directory"),
+    (["--num_processes=2"], r"error: --num_processes=2 / --process_id=None without --coordinator_address"),
+    (["--coordinator_address=not_a_host:xx", "--num_processes=2", "--process_id=0"],
+     r"error: --coordinator_address='not_a_host:xx' must be HOST:PORT of process 0"),
 ])
 def test_errors_are_one_message(tmp_path, flags, message):
   result = run_script("train.py", f"--workdir={tmp_path / 'run'}", *flags)
@@ -27,3 +38,63 @@ def test_errors_are_one_message(tmp_path, flags, message):
 def test_verbose_keeps_the_traceback(tmp_path):
   result = run_script("train.py", f"--workdir={tmp_path / 'run'}", "--config.train.learning_rate=-1", "--verbose")
   assert result.returncode != 0 and "Traceback" in result.stderr and "learning_rate must be positive" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env,message", [
+    ({"JAX_NUM_PROCESSES": "abc"}, r"error: JAX_NUM_PROCESSES='abc' must be an integer of at least 1: set it to the "
+                                   r"num processes, or unset it and pass --num_processes"),
+    ({"JAX_PLATFORMS": "tpu"}, r"error: Unable to initialize backend 'tpu'.*JAX_PLATFORMS='tpu' names it: set "
+                               r"JAX_PLATFORMS to a platform this machine has"),
+])
+def test_environment_errors_are_one_message(tmp_path, env, message):
+  result = run_script("train.py", f"--workdir={tmp_path / 'run'}", "--config=configs/retnet.py:tiny", **env)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert re.search(message, result.stderr), result.stderr[-3000:]
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags,env,expected", [
+    ((None, None, None), {}, None),
+    (("127.0.0.1:1234", 2, 1), {}, ("127.0.0.1:1234", 2, 1)),
+    ((None, None, None), {"JAX_COORDINATOR_ADDRESS": "localhost:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     ("localhost:99", 2, 0)),
+    (("localhost:99", 4, 3), {"JAX_NUM_PROCESSES": "abc"}, ("localhost:99", 4, 3)),  # flags before the environment
+])
+def test_distributed_settings_come_from_flags_then_environment(flags, env, expected):
+  assert cli.check_distributed(*flags, env) == expected
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    ((None, None, None), {"JAX_NUM_PROCESSES": "abc"}, r"JAX_NUM_PROCESSES='abc' must be an integer of at least 1"),
+    ((None, None, None), {"JAX_PROCESS_ID": "x"}, r"JAX_PROCESS_ID='x' must be an integer of at least 0"),
+    ((None, None, None), {"JAX_PROCESS_ID": "-1"}, r"JAX_PROCESS_ID='-1' must be an integer of at least 0"),
+    ((None, 2, None), {}, r"--num_processes=2 / --process_id=None without --coordinator_address"),
+    (("not_a_host:xx", 2, 0), {}, r"--coordinator_address='not_a_host:xx' must be HOST:PORT"),
+    (("1234", 2, 0), {}, r"--coordinator_address='1234' must be HOST:PORT"),
+    (("localhost:70000", 2, 0), {}, r"must be HOST:PORT"),
+    (("not_a_host.invalid:1234", 2, 0), {}, r"the host 'not_a_host.invalid' does not resolve"),
+    (("localhost:1234", 2, None), {}, r"needs --num_processes and --process_id"),
+    (("localhost:1234", 2, 2), {}, r"--process_id=2 must be below --num_processes=2"),
+])
+def test_distributed_settings_refuse_what_would_fail_later(flags, env, message):
+  with pytest.raises(ValueError, match=message):
+    cli.check_distributed(*flags, env)
+
+
+@pytest.mark.slow
+def test_a_signal_during_start_up_is_one_line(tmp_path):
+  """SIGTERM or Ctrl-C while the script imports and starts: one line and exit status 128 + the signal."""
+  processes = {}
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    processes[sig] = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "--config=configs/retnet.py:tiny",
+         f"--workdir={tmp_path / sig.name}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  time.sleep(1.5)  # past cli.prepare, within the imports of jax and the package
+  for sig, process in processes.items():
+    process.send_signal(sig)
+  for sig, process in processes.items():
+    _, stderr = process.communicate(timeout=120)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert process.returncode == 128 + sig and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(f"error: stopped by {sig.name}; ") and "rerun the same command" in lines[0], stderr

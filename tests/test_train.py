@@ -30,7 +30,8 @@ def one_step(config, mesh, batch):
 
 
 def max_tree_diff(a, b):
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @pytest.mark.slow
@@ -190,6 +191,15 @@ def test_workdir_that_is_a_file_is_refused(tmp_path):
   (tmp_path / "run").write_text("notes")
   with pytest.raises(ValueError, match="is a file; choose a directory"):
     train.train_and_evaluate(tiny_config(tmp_path), tmp_path / "run")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 10**20])
+def test_a_seed_out_of_range_is_refused_before_any_file_is_written(tmp_path, seed):
+  config = tiny_config(tmp_path)
+  config.seed = seed
+  with pytest.raises(ValueError, match=rf"seed={seed} is out of range: choose an integer from 0 to 2\*\*63 - 1"):
+    train.train_and_evaluate(config, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
 
 
 def test_incompatible_checkpoint_is_refused_and_kept(trained_copy):

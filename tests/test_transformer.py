@@ -14,8 +14,8 @@ from flax import nnx
 from ml_collections.config_flags import config_path
 
 from configs import retnet as retnet_config, transformer as transformer_config
-from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding, text_generation,
-                        tokenizer, train, train_state, workdir as workdir_lib)
+from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding,
+                        text_generation, tokenizer, train, train_state, workdir as workdir_lib)
 from retnet_jax.model import RetNet
 from retnet_jax.transformer import Transformer
 from tests.helpers import forward, random_tokens, read_metrics, script_stdout, tiny_config, tiny_transformer

@@ -102,3 +102,17 @@ def test_training_writes_the_layout(trained):
   assert workdir_lib.results_file(workdir, "passkey", 8) == workdir / "passkey_step_8.json"
   with pytest.raises(ValueError, match="unknown kind of results 'loss'"):
     workdir_lib.results_file(workdir, "loss", 8)
+
+
+def test_a_training_dir_is_refused_when_empty_a_file_or_inside_another_run(tmp_path, trained):
+  with pytest.raises(ValueError, match=r"--workdir is empty \(an unset shell variable\?\)"):
+    workdir_lib.check_training_dir("")
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match="is a file; choose a directory"):
+    workdir_lib.check_training_dir(tmp_path / "file")
+  for inside in (workdir_lib.checkpoint_dir(trained.workdir) / "new", workdir_lib.export_dir(trained.workdir, 8)):
+    with pytest.raises(ValueError, match=f"lies inside the {inside.relative_to(trained.workdir).parts[0]}/ folder "
+                                         f"of the run {trained.workdir}; choose a directory outside it"):
+      workdir_lib.check_training_dir(inside)
+  assert workdir_lib.check_training_dir(str(trained.workdir)) == trained.workdir  # resuming a run is fine
+  assert workdir_lib.check_training_dir(tmp_path / "checkpoints" / "run") == tmp_path / "checkpoints" / "run"
