@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
@@ -48,6 +49,7 @@ try:
   from lm_eval.api.registry import register_model
   from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
   from lm_eval.tasks import TaskManager
+  import yaml  # the harness's task files
 except ImportError as e:
   raise ImportError("retnet_jax.lm_eval needs the lm-evaluation-harness: pip install -e '.[eval]'.") from e
 
@@ -132,7 +134,12 @@ def load_tasks(names: Sequence[str], include_path: str | None = None) -> tuple[T
     if not all(name in manager.all_tasks or Path(name).is_file() for name in names):
       manager = None
   manager = manager or TaskManager(include_path=include_path)
+  broken = _unparsable_yaml([Path(name) for name in names if Path(name).is_file()] +
+                            ([] if include_path is None else sorted(Path(include_path).rglob("*.yaml"))))
   unknown = [name for name in names if name not in manager.all_tasks and not Path(name).is_file()]
+  if broken and (unknown or any(Path(name).is_file() for name in names)):
+    raise ValueError(f"task files that do not parse as YAML: {broken}; fix them (the harness skips such a file, "
+                     "and its tasks would read as unknown).")
   if unknown:
     raise ValueError(f"unknown tasks {unknown}: neither the harness's tasks nor task YAML files"
                      f"{'' if include_path is None else f' under include_path={include_path!r}'}; check the names "
@@ -146,6 +153,40 @@ def load_tasks(names: Sequence[str], include_path: str | None = None) -> tuple[T
   children = {child for child_names in loaded["group_map"].values() for child in child_names}
   top = [item for name, item in {**loaded["groups"], **loaded["tasks"]}.items() if name not in children]
   return manager, top
+
+
+def _unparsable_yaml(paths: Sequence[Path]) -> list[str]:
+  """`path (the parser's first line)` of each file of `paths` that is not YAML (the harness's `!function` tags
+  allowed)."""
+  loader = type("TaskLoader", (yaml.SafeLoader,), {})
+  loader.add_multi_constructor("!", lambda *_: None)
+  broken = []
+  for path in paths:
+    try:
+      yaml.load(path.read_text(), Loader=loader)  # noqa: S506  (a SafeLoader)
+    except yaml.YAMLError as e:
+      broken.append(f"{path} ({str(e).splitlines()[0]})")
+  return broken
+
+
+def _integer(name: str, value: Any, minimum: int) -> int:
+  """`value` of model_args' option `name` as an integer of at least `minimum`."""
+  if isinstance(value, bool) or not str(value).strip().lstrip("-").isdigit() or int(value) < minimum:
+    raise ValueError(f"model_args {name}={value!r} must be an integer of at least {minimum}.")
+  return int(value)
+
+
+def write_results(results: dict[str, Any], path: str | Path) -> str | None:
+  """The harness's full results (`results_json`) written to `path` by the first process; returns the path as
+  written, or None where it could not be (logged: the results still reach stdout)."""
+  if jax.process_index() == 0:
+    try:
+      Path(path).parent.mkdir(parents=True, exist_ok=True)
+      Path(path).write_text(results_json(results) + "\n")
+    except OSError as e:  # a read-only or full disk
+      logging.error(f"could not write {path} ({e.strerror}); the results are the table and the JSON line only")
+      return None
+  return str(path)
 
 
 def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
@@ -229,7 +270,7 @@ class RetNetLM(TemplateLM):
       raise ValueError(f"batch_size={batch_size!r} must be at least 1.")
     if mode not in architectures.PREFILL_MODES:
       raise ValueError(f"mode={mode!r}: contexts are prefilled in one of {architectures.PREFILL_MODES}.")
-    self.mode, self.max_gen_toks, self.seed = mode, int(max_gen_toks), int(seed)
+    self.mode, self.max_gen_toks, self.seed = mode, _integer("max_gen_toks", max_gen_toks, 1), _integer("seed", seed, 0)
     self.workdir, self.step = workdir, step
     if (workdir is None) == (model is None):
       raise ValueError("give either workdir (with config, and optionally step) or a model object (with tokenizer "
@@ -251,9 +292,7 @@ class RetNetLM(TemplateLM):
         raise ValueError("a model object needs its tokenizer and max_length (tokens of context per request).")
       tokenizer_lib.check_vocab_size(tokenizer, model.config.vocab_size)
       self._context = contextlib.nullcontext
-    self.max_length = int(max_length)
-    if self.max_length < 1:
-      raise ValueError(f"max_length={max_length!r} must be a positive number of tokens.")
+    self.max_length = _integer("max_length", max_length, 1)
     self.tokenizer = tokenizer
     vocab_size = config.model.vocab_size if model is None else model.config.vocab_size
     self._prefix_token = self._choose_prefix_token(prefix_token, vocab_size)

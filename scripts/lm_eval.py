@@ -20,10 +20,7 @@ from retnet_jax import cli  # noqa: E402
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
 
-import json  # noqa: E402
-
-from absl import flags, logging  # noqa: E402
-import jax  # noqa: E402
+from absl import flags  # noqa: E402
 import lm_eval  # noqa: E402
 from lm_eval import utils as harness_utils  # noqa: E402
 
@@ -34,7 +31,8 @@ _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
 _TASKS = flags.DEFINE_list("tasks", None, "Comma-separated task, group or tag names, or task YAML files.",
                            required=True)
-_NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples per prompt (default: each task's).")
+_NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples per prompt (default: each task's).",
+                                    lower_bound=0)
 _LIMIT = flags.DEFINE_float("limit", None, "Examples per task: a count, or below 1 a fraction (for testing).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Contexts prefilled, continuations scored and prompts decoded "
                                    "per batch.", lower_bound=1)
@@ -64,14 +62,8 @@ def main():
   path = Path(_OUTPUT_PATH.value or _WORKDIR.value)
   if path.suffix != ".json":
     path = workdir.results_file(path, "lm_eval", lm.step)
-  if jax.process_index() == 0:
-    try:
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(harness.results_json(results) + "\n")
-    except OSError as e:  # a read-only or full disk: the results still reach stdout
-      logging.error(f"could not write {path} ({e.strerror}); the results are the table and the JSON line only")
   summary = {"step": lm.step, "results": results["results"], "groups": results.get("groups", {}),
-             "output_path": str(path)}
+             "output_path": harness.write_results(results, path)}
   print(harness.results_json(summary), flush=True)
 
 

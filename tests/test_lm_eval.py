@@ -128,7 +128,7 @@ def test_simple_evaluate_by_registry_name_scores_as_the_parallel_logits(trained,
     assert logprob == pytest.approx(expected, rel=1e-5, abs=1e-4)
   assert max(len(doc["text"]) for doc in DOCS) > 3 * SEQ_LEN  # several windows
   for sample in samples["tiny_gen"]:
-    [[text]], [(context, gen_kwargs)] = sample["resps"], sample["arguments"]
+    [[text]], [(context, _)] = sample["resps"], sample["arguments"]
     assert text == reference_greedy(logits, tokenizer, encode(context) or [harness.NEWLINE_BYTE], 8, "\n")
   assert 0 <= results["results"]["tiny_mc"]["acc,none"] <= 1
 
@@ -184,6 +184,10 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
     harness.RetNetLM(**args, batch_size="auto")
   with pytest.raises(ValueError, match="mode='recurrent'"):
     harness.RetNetLM(**args, mode="recurrent")
+  for name, value, minimum in (("max_length", "abc", 1), ("max_length", 0, 1), ("max_gen_toks", "2.5", 1),
+                               ("seed", "x", 0), ("seed", -1, 0)):
+    with pytest.raises(ValueError, match=rf"model_args {name}={value!r} must be an integer of at least {minimum}"):
+      harness.RetNetLM(**args, **{name: value})
   with pytest.raises(ValueError, match="needs config=FILE:PRESET"):
     harness.RetNetLM(workdir=str(workdir))
   with pytest.raises(ValueError, match="'configs/missing.py' is not a file"):
@@ -208,3 +212,16 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
     harness.load_tasks(["beams"], str(bad))
   with pytest.raises(ValueError, match="include_path=.* is not a folder"):
     harness.load_tasks(["beams"], str(bad / "docs.jsonl"))
+  # A task file that is not YAML: named, not reported as an unknown task.
+  (bad / "broken.yaml").write_text("task: broken\ndataset_path: [json\n")
+  for names, include in ((["broken"], str(bad)), ([str(bad / "broken.yaml")], None)):
+    with pytest.raises(ValueError, match=r"task files that do not parse as YAML: \[.*broken.yaml \(while parsing"):
+      harness.load_tasks(names, include)
+
+
+def test_results_that_cannot_be_written_are_not_reported_as_written(tmp_path):
+  (tmp_path / "file").write_text("")
+  assert harness.write_results({"results": {}}, tmp_path / "file" / "results.json") is None
+  assert harness.write_results({"results": {}}, tmp_path / "out" / "results.json") == str(tmp_path / "out" /
+                                                                                          "results.json")
+  assert json.loads((tmp_path / "out" / "results.json").read_text()) == {"results": {}}
