@@ -1,6 +1,7 @@
 """Passkey examples checked by hand (byte tokenizer) and by decoding (a tokenizers BPE), the accuracy of oracles whose
 right answers are known, and greedy generation against a greedy loop of whole-sequence forward passes."""
 
+import os
 import re
 
 import jax
@@ -92,6 +93,13 @@ def test_bad_arguments_are_refused():
     passkey.make_grid(BYTES, [300], [0.5], samples=0)
   with pytest.raises(ValueError, match="give at least one length and one depth"):
     passkey.make_grid(BYTES, [], [0.5], samples=1)
+  with pytest.raises(ValueError, match="seed=-1 must be a non-negative integer"):
+    passkey.make_grid(BYTES, [300], [0.5], samples=1, seed=-1)
+  # Refused before any example is built (otherwise OOM-killed without a word): the machine's memory in tokens.
+  length = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+  with pytest.raises(ValueError, match=rf"lengths=\[{length}\] at 1 depths and 1 samples make [\d.]+ GiB of example "
+                                       r"tokens, more than a quarter of this machine's \d+ GiB of memory"):
+    passkey.make_grid(BYTES, [length], [0.5], samples=1)
 
 
 def window_oracle(tokenizer, window, calls):
