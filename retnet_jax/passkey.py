@@ -24,6 +24,7 @@ INTRO = "A pass key is hidden in the text below. Find it and remember it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = (" The pass key is", ". Remember it.", " is the pass key.")  # the key goes between the pieces
 QUESTION = " What is the pass key? The pass key is"
+MAX_DIGITS = 18  # the longest key below 2**63
 
 
 class Example(NamedTuple):
@@ -57,8 +58,8 @@ def make_example(tokenizer: Tokenizer, length: int, depth: float, seed: int, dig
   """
   if not 0 <= depth <= 1:
     raise ValueError(f"depth={depth} must lie in [0, 1] (the fraction of the filler before the needle).")
-  if digits < 1:
-    raise ValueError(f"digits={digits} must be a positive number of digits.")
+  if not 1 <= digits <= MAX_DIGITS:
+    raise ValueError(f"digits={digits} must lie in [1, {MAX_DIGITS}] (keys are drawn as 64-bit integers).")
   key = str(np.random.default_rng(seed).integers(10 ** (digits - 1), 10 ** digits))
   encode = lambda text: np.asarray(tokenizer.encode(text), np.int32).reshape(-1)
   key_ids = encode(" " + key)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,8 +91,11 @@ def check_mqar(config: ml_collections.ConfigDict) -> None:
                      f"{4 * num_pairs - 1} or more, or use at most {(seq_len + 1) // 4} pairs.")
   if mqar.query_placement not in QUERY_PLACEMENTS:
     raise ValueError(f"unknown data.mqar.query_placement {mqar.query_placement!r}; choose one of {QUERY_PLACEMENTS}.")
-  if not mqar.power_a > 0:
-    raise ValueError(f"data.mqar.power_a must be positive (slot s drawn with weight s^(power_a - 1)); got "
+  if config.data.tokenizer != "byte":
+    raise ValueError(f"data.tokenizer={config.data.tokenizer!r} is unused by data.synthetic='mqar' (its examples "
+                     "are token ids, data.mqar.vocab_size of them); drop it, or train on text or passkey.")
+  if not 0 < mqar.power_a < math.inf:
+    raise ValueError(f"data.mqar.power_a must be positive and finite (slot s drawn with weight s^(power_a - 1)); got "
                      f"{mqar.power_a}. Zoology uses 0.01; 1 is uniform.")
 
 
@@ -133,7 +137,14 @@ def check_passkey(config: ml_collections.ConfigDict) -> None:
                      "be unset for a uniform depth per example.")
   if not isinstance(digits, int) or digits < 1:
     raise ValueError(f"data.passkey.digits must be a positive integer; got {digits!r}.")
+  if digits > passkey.MAX_DIGITS:
+    raise ValueError(f"data.passkey.digits={digits} exceeds {passkey.MAX_DIGITS}: keys are drawn as 64-bit integers; "
+                     f"use {passkey.MAX_DIGITS} digits or fewer.")
   tokenizer = _tokenizer(config.data.tokenizer, config.model.vocab_size)
+  spelt = "".join(tokenizer.decode(np.asarray(tokenizer.encode(" 0123456789"), np.int32)).split())
+  if spelt != "0123456789":
+    raise ValueError(f"data.tokenizer={config.data.tokenizer!r} cannot spell the key's digits (' 0123456789' "
+                     f"decodes as {spelt!r}): the answers would be unknown tokens; use a tokenizer with digits.")
   try:
     passkey.make_example(tokenizer, config.train.seq_len + 1, 0.0, 0, digits)
   except ValueError as e:
@@ -165,6 +176,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if task not in SOURCES:
     raise ValueError(f"unknown data.synthetic {task!r}; choose one of {tuple(SOURCES)}, or leave it unset for text "
                      "data.")
+  for name in ("files", "validation_files", "hub_dataset"):
+    if config.data[name]:
+      raise ValueError(f"data.{name}={config.data[name]!r} is text data, unused by data.synthetic={task!r} (the "
+                       "task makes its own examples); drop it, or unset data.synthetic to train on the text.")
   SOURCES[task].check(config)
 
 

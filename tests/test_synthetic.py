@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
@@ -212,11 +213,16 @@ def test_mqar_accuracy_on_a_stub():
     (dict(num_pairs=0), r"data.mqar.num_pairs must be a positive integer; got 0"),
     (dict(query_placement="late"), r"unknown data.mqar.query_placement 'late'; choose one of"),
     (dict(power_a=0.0), r"data.mqar.power_a must be positive"),
+    (dict(power_a=float("inf")), r"data.mqar.power_a must be positive and finite"),
+    ({"data.files": ("corpus.txt",)}, r"data.files=\('corpus.txt',\) is text data, unused by data.synthetic='mqar'"),
+    ({"data.tokenizer": "tokenizer.json"}, r"data.tokenizer='tokenizer.json' is unused by data.synthetic='mqar'"),
 ])
 def test_bad_synthetic_config_is_refused_before_any_work(tmp_path, fields, message):
   config = mqar_config()
   if "synthetic" in fields:
     config.data.synthetic = fields["synthetic"]
+  elif any(name.startswith("data.") for name in fields):
+    config.data.update({name.removeprefix("data."): value for name, value in fields.items()})
   else:
     config.data.mqar.update(fields)
   with pytest.raises(ValueError, match=message):
@@ -258,11 +264,22 @@ def test_passkey_source_weights_the_key_after_the_question():
     (dict(seq_len=100), r"train.seq_len=100 cannot hold a passkey example .* at least 167"),
     (dict(depth=1.5), r"data.passkey.depth=1.5 must lie in \[0, 1\]"),
     (dict(digits=0), r"data.passkey.digits must be a positive integer; got 0"),
+    (dict(digits=19), r"data.passkey.digits=19 exceeds 18: keys are drawn as 64-bit integers"),
 ])
 def test_bad_passkey_config_is_refused(fields, message):
   config = passkey_config(seq_len=fields.pop("seq_len", 220))
   config.data.passkey.update(fields)
   with pytest.raises(ValueError, match=message):
+    synthetic.check_config(config)
+
+
+def test_a_tokenizer_without_digits_is_refused_for_passkey(tmp_path):
+  path = tmp_path / "words.json"
+  tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0")).save(str(path))
+  config = passkey_config()
+  config.data.tokenizer = str(path)
+  with pytest.raises(ValueError, match=r"cannot spell the key's digits \(' 0123456789' decodes as 'w0'\): the "
+                                       r"answers would be unknown tokens"):
     synthetic.check_config(config)
 
 
