@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -370,8 +371,8 @@ def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, to
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
   temperature = float(temperature)
-  if not temperature >= 0:
-    raise ValueError(f"temperature must be >= 0 (0 decodes greedily); got {temperature}.")
+  if not 0 <= temperature < math.inf:
+    raise ValueError(f"temperature must be >= 0 and finite (0 decodes greedily); got {temperature}.")
   top_k = None if top_k is None else _integer(top_k, "top_k", f"an integer in [1, vocab_size={vocab_size}] or None")
   if top_k is not None and not 1 <= top_k <= vocab_size:
     raise ValueError(f"top_k must lie in [1, vocab_size={vocab_size}], or be None to keep every token; "

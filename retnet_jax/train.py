@@ -65,6 +65,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   """
   workdir = workdir_lib.check_training_dir(workdir)
   check_config(config, jax.device_count())
+  if config.train.warmup_steps > config.train.steps:
+    metrics.log(f"NOTE: train.warmup_steps={config.train.warmup_steps} exceeds train.steps={config.train.steps}: "
+                "the learning rate stops short of train.learning_rate")
   tokenizer = None
   if not config.data.synthetic:  # a synthetic task makes its own token ids (checked against the vocabulary)
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
@@ -173,6 +176,9 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
     if changed:
       metrics.log(f"WARNING: {', '.join(changed)} changed since the checkpoint: the data position continues, but "
                   "the batches are no longer those an uninterrupted run would have seen.")
+    if step > config.train.steps:
+      metrics.log(f"NOTE: the checkpoint's step {step} is past train.steps={config.train.steps}: nothing to train "
+                  f"(raise --config.train.steps above {step} to go on)")
     return state
   with run.placement.active():
     state = run.init()

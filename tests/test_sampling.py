@@ -223,6 +223,7 @@ def test_text_printer_waits_for_whole_characters():
     (dict(prefill_mode="recurrent"), "unknown prefill_mode 'recurrent'"),
     (dict(max_new_tokens=0), "max_new_tokens must be a positive integer; got 0"),
     (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=float("inf")), "temperature must be >= 0 and finite .*; got inf"),
     (dict(top_k=0), r"top_k must lie in \[1, vocab_size=256\].*got 0"),
     (dict(top_k=257), "got 257"),
     (dict(top_p=0.0), r"top_p must lie in \(0, 1\].*got 0.0"),

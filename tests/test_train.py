@@ -202,6 +202,18 @@ def test_a_seed_out_of_range_is_refused_before_any_file_is_written(tmp_path, see
   assert not (tmp_path / "run").exists()
 
 
+def test_fewer_steps_than_the_workdir_holds_and_a_long_warmup_are_noted(trained_copy, caplog):
+  config, workdir, _ = trained_copy
+  config.train.update(steps=4, warmup_steps=6)
+  with caplog.at_level(logging.INFO, logger="absl"):
+    train.train_and_evaluate(config, workdir)
+  notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NOTE:")]
+  assert notes == ["NOTE: train.warmup_steps=6 exceeds train.steps=4: the learning rate stops short of "
+                   "train.learning_rate",
+                   "NOTE: the checkpoint's step 8 is past train.steps=4: nothing to train (raise "
+                   "--config.train.steps above 8 to go on)"]
+
+
 def test_incompatible_checkpoint_is_refused_and_kept(trained_copy):
   config, workdir, _ = trained_copy
   before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
