@@ -16,6 +16,7 @@ the peak host memory stays near the float32 parameters' size; every name, shape 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -28,7 +29,7 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from retnet_jax import presets, sharding, tokenizer as tokenizer_lib
@@ -43,6 +44,13 @@ FLA_DEFAULTS = {
     "elementwise_affine": True, "tie_word_embeddings": False, "fuse_norm": True, "hidden_act": "swish",
     "use_short_conv": False, "feature_map": None, "use_output_gate": True, "attn": None, "attnres_block_size": None,
 }
+# Option -> the JSON type config.json must give it ("int": a whole number; "number": a finite number; "bool": true or
+# false), None allowed where fla's default is None.
+OPTION_TYPES = {"hidden_size": "int", "num_hidden_layers": "int", "num_heads": "int", "num_kv_heads": "int",
+                "expand_k": "number", "expand_v": "number", "hidden_ratio": "number", "intermediate_size": "int",
+                "vocab_size": "int", "norm_eps": "number", "elementwise_affine": "bool",
+                "tie_word_embeddings": "bool", "fuse_norm": "bool"}
+TYPE_NAMES = {"int": "a whole number", "number": "a finite number", "bool": "true or false"}
 # Option -> (the value RetNet implements, what another value means).
 UNSUPPORTED_OPTIONS = {
     "expand_k": (1, "a key width other than hidden_size"),
@@ -115,6 +123,11 @@ def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
     raise ValueError(f"config.json has model_type={fla_config.get('model_type')!r}; only fla's RetNet "
                      "(model_type 'retnet') converts.")
   options = {**FLA_DEFAULTS, **{name: fla_config[name] for name in FLA_DEFAULTS if name in fla_config}}
+  wrong = [f"{name}={options[name]!r} (needs {TYPE_NAMES[kind]})"
+           for name, kind in OPTION_TYPES.items()
+           if not (options[name] is None and FLA_DEFAULTS[name] is None) and not _is_type(options[name], kind)]
+  if wrong:
+    raise ValueError("config.json gives options of the wrong type: " + "; ".join(wrong) + "; fix config.json.")
   options["attn"] = options["attn"] or None  # an empty list of attention layers is no hybrid
   problems = [f"{name}={options[name]!r} ({what}; supported: {supported!r})"
               for name, (supported, what) in UNSUPPORTED_OPTIONS.items() if options[name] != supported]
@@ -137,6 +150,15 @@ def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
       dtype="float32")
   check_model_config(config.model)
   return config
+
+
+def _is_type(value: Any, kind: str) -> bool:
+  """Whether a JSON value is of `kind` (OPTION_TYPES): bools are not numbers, 2.0 is an int, 2.5 is not."""
+  if kind == "bool":
+    return isinstance(value, bool)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    return False
+  return kind == "number" or float(value).is_integer()
 
 
 class SafetensorsFolder:
@@ -163,7 +185,7 @@ class SafetensorsFolder:
     for file in files:
       if not (folder / file).is_file():
         raise FileNotFoundError(f"{folder / file}, a shard that {INDEX_FILE} names, is missing.")
-      with safe_open(folder / file, framework="np") as f:
+      with _opened(folder / file) as f:
         for name in f.keys():
           tensor = f.get_slice(name)
           self.specs[name] = (file, tuple(tensor.get_shape()), tensor.get_dtype())
@@ -173,9 +195,30 @@ class SafetensorsFolder:
         raise ValueError(f"{INDEX_FILE} places tensors in shards that do not hold them: {listing(misplaced)}.")
 
   def read(self, name: str) -> np.ndarray:
-    """The tensor `name` as float32 (bfloat16 via ml_dtypes, which jax provides)."""
-    with safe_open(self.folder / self.specs[name][0], framework="np") as f:
-      return np.asarray(f.get_tensor(name), np.float32)
+    """The tensor `name` as float32 (bfloat16 via ml_dtypes, which jax provides), refused if not finite."""
+    path = self.folder / self.specs[name][0]
+    with _opened(path) as f:
+      try:
+        tensor = np.asarray(f.get_tensor(name), np.float32)
+      except SafetensorError as e:
+        raise ValueError(f"{path}: the tensor {name} is unreadable ({e}); the file is damaged or truncated: "
+                         "download or save it again.") from None
+    if not np.isfinite(tensor).all():
+      raise ValueError(f"{path}: the tensor {name} holds {np.size(tensor) - np.isfinite(tensor).sum()} NaN or "
+                       "infinite values; the checkpoint is damaged (or diverged): use another.")
+    return tensor
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+  """`safe_open(path)`, a damaged file (empty, truncated, not safetensors) refused by name."""
+  try:
+    handle = safe_open(path, framework="np")
+  except SafetensorError as e:
+    raise ValueError(f"{path} is not a readable safetensors file ({e}); it is damaged or truncated: download or "
+                     "save it again.") from None
+  with handle as f:
+    yield f
 
 
 def _check_tensors(specs: Mapping[str, tuple], expected: Mapping[str, tuple[int, ...]], ignored: set[str]) -> None:

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import ml_collections
+import numpy as np
 
-from retnet_jax import checkpointing, metrics, workdir_lock
+from retnet_jax import checkpointing, metrics, presets, workdir_lock
 
 T = TypeVar("T")
 # Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes.
@@ -80,6 +81,26 @@ def exported_steps(workdir: str | os.PathLike) -> list[int]:
 def config_file(workdir: str | os.PathLike) -> Path:
   """`WORKDIR/config.json`: the config the run was written with."""
   return Path(workdir) / "config.json"
+
+
+def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+  """The full config a workdir was written with (by training or a conversion): its preset, with the model and
+  tokenizer of its config.json."""
+  path = config_file(workdir)
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} is missing; give a workdir written by scripts/train.py or a conversion.")
+  try:
+    saved = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); fix it, or give another workdir.") from None
+  missing = [key for key in ("preset", "model", "data") if not isinstance(saved, dict) or key not in saved]
+  if missing:
+    raise ValueError(f"{path} lacks {missing}: not the config.json of a retnet_jax run (training and the "
+                     "converters write preset, model and data); give the workdir of one.")
+  config = presets.get_config(saved["preset"], saved["model"].get("architecture", "retnet"))
+  config.model.update(saved["model"])
+  config.data.tokenizer = saved["data"].get("tokenizer", config.data.tokenizer)
+  return config
 
 
 def results_file(folder: str | os.PathLike, kind: str, step: int) -> Path:
@@ -170,6 +191,8 @@ def read_params(workdir: str | os.PathLike, config: ml_collections.ConfigDict, a
   Returns:
     (params, step).
   """
+  if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
+    raise ValueError(f"step={step!r} must be a checkpoint step, a non-negative int (or None: the newest).")
   ckpt_dir, exported = checkpoint_dir(workdir), exported_steps(workdir)
   if has_checkpoints(workdir):
     with checkpointing.Checkpointer(ckpt_dir, read_only=True) as checkpointer:

@@ -11,7 +11,6 @@ the workdir's latest checkpoint (or `--step`) with its config.json, written as a
 `RetNetForCausalLM.from_pretrained` loads. Neither direction needs torch.
 """
 
-import json
 from pathlib import Path
 
 from absl import flags
@@ -25,23 +24,10 @@ _TO_FLA = flags.DEFINE_boolean("to_fla", False, "Export the workdir's model as a
 _STEP = cli.step_flag("With --to_fla: the checkpoint step to export (default: the latest).")
 
 
-def workdir_config(workdir: Path):
-  """The full config a workdir was written with: its preset, with the model and tokenizer of its config.json."""
-  path = workdir_lib.config_file(workdir)
-  if not path.is_file():
-    raise FileNotFoundError(f"{path} is missing; --to_fla exports a workdir written by scripts/train.py or a "
-                            "conversion.")
-  saved = json.loads(path.read_text())
-  config = presets.get_config(saved["preset"], saved["model"].get("architecture", "retnet"))
-  config.model.update(saved["model"])
-  config.data.tokenizer = saved["data"]["tokenizer"]
-  return config
-
-
 def main():
   workdir, checkpoint = Path(_WORKDIR.value), Path(_CHECKPOINT.value)
   if _TO_FLA.value:
-    config = workdir_config(workdir)
+    config = workdir_lib.saved_config(workdir)
     convert_fla.check_export(config, checkpoint)
     model, step = train_state.restore_model(config, workdir, _STEP.value)
     convert_fla.write_fla(model, config, checkpoint)

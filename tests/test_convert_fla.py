@@ -314,6 +314,35 @@ def test_missing_extra_misshapen_and_mistyped_tensors_are_named(tmp_path, edit, 
     convert_fla.load_fla(edited_checkpoint(tmp_path, edit))
 
 
+@pytest.mark.parametrize("option,value,needs", [
+    ("hidden_size", None, "a whole number"), ("expand_v", "2", "a finite number"),
+    ("tie_word_embeddings", "false", "true or false"), ("num_hidden_layers", 2.5, "a whole number"),
+])
+def test_options_of_the_wrong_type_are_refused(tmp_path, option, value, needs):
+  (tmp_path / "config.json").write_text(json.dumps({**FLA_CONFIG, option: value}))
+  with pytest.raises(ValueError, match=re.escape(f"config.json gives options of the wrong type: {option}={value!r} "
+                                                 f"(needs {needs})")):
+    convert_fla.load_fla(tmp_path)
+
+
+def _nan(tensors):
+  tensors["model.norm.weight"][3] = np.nan
+
+
+def test_damaged_weights_are_named(tmp_path):
+  """Empty, truncated and garbage files, and a tensor holding NaN: one message naming the file, not safetensors'."""
+  folder = edited_checkpoint(tmp_path, lambda tensors: None)
+  weights = folder / "model.safetensors"
+  intact = weights.read_bytes()
+  for damaged in (b"", intact[:len(intact) // 2], b"\x07" * 500):
+    weights.write_bytes(damaged)
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is not a readable safetensors file .*: "
+                                         "download or save it again"):
+      convert_fla.load_fla(folder)
+  with pytest.raises(ValueError, match=r"the tensor model.norm.weight holds 1 NaN or infinite values"):
+    convert_fla.load_fla(edited_checkpoint(tmp_path / "nan", _nan))
+
+
 def test_bad_folders_are_refused(tmp_path):
   """No config.json, no weights (or only a torch .bin), another model_type, a missing shard, a tokenizer larger than
   the vocabulary."""

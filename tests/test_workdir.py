@@ -116,3 +116,22 @@ def test_a_training_dir_is_refused_when_empty_a_file_or_inside_another_run(tmp_p
       workdir_lib.check_training_dir(inside)
   assert workdir_lib.check_training_dir(str(trained.workdir)) == trained.workdir  # resuming a run is fine
   assert workdir_lib.check_training_dir(tmp_path / "checkpoints" / "run") == tmp_path / "checkpoints" / "run"
+
+
+def test_restore_model_refuses_a_step_that_is_not_an_int(trained):
+  for step in ("8", 8.0, -1, True):
+    with pytest.raises(ValueError, match=rf"step={step!r} must be a checkpoint step, a non-negative int"):
+      train_state.restore_model(trained.config, trained.workdir, step)
+
+
+def test_saved_config_is_the_runs_and_refuses_what_no_run_writes(trained, tmp_path):
+  saved = workdir_lib.saved_config(trained.workdir)
+  assert saved.model.to_dict() == trained.config.model.to_dict() and saved.preset == "tiny"
+  (tmp_path / "config.json").write_text(json.dumps({"model": {}, "data": {}}))
+  with pytest.raises(ValueError, match=r"lacks \['preset'\]: not the config.json of a retnet_jax run"):
+    workdir_lib.saved_config(tmp_path)
+  (tmp_path / "config.json").write_text("{")
+  with pytest.raises(ValueError, match="is not valid JSON"):
+    workdir_lib.saved_config(tmp_path)
+  with pytest.raises(FileNotFoundError, match="config.json is missing"):
+    workdir_lib.saved_config(tmp_path / "none")
