@@ -67,20 +67,35 @@ class MetricsWriter:
   def __init__(self, workdir: str | os.PathLike):
     self.enabled = jax.process_index() == 0
     if self.enabled:
-      path = os.path.join(workdir, "metrics.jsonl")
-      _drop_partial_line(path)
-      self._jsonl = open(path, "a", encoding="utf-8")
+      self._path = os.path.join(workdir, "metrics.jsonl")
+      _drop_partial_line(self._path)
+      self._jsonl = open(self._path, "a", encoding="utf-8")
       self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:
       return
     values = {k: float(v) for k, v in metrics.items()}
+    self._reopen_if_replaced(step)
     self._jsonl.write(to_json({"step": int(step), **values}) + "\n")
     self._jsonl.flush()
     for name, value in values.items():
       self._tensorboard.add_scalar(name, value, step)
     self._tensorboard.flush()
+
+  def _reopen_if_replaced(self, step: int) -> None:
+    """Reopens metrics.jsonl if it was deleted or replaced since it was opened (its lines would go nowhere)."""
+    opened = os.fstat(self._jsonl.fileno())
+    try:
+      current = os.stat(self._path)
+    except FileNotFoundError:
+      current = None
+    if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+      return
+    logging.warning(f"{self._path} was {'deleted' if current is None else 'replaced'} during training; it is "
+                    f"written again from step {step} on (earlier steps: tensorboard/ keeps them).")
+    self._jsonl.close()
+    self._jsonl = open(self._path, "a", encoding="utf-8")
 
   def close(self, *, after_error: bool = False) -> None:
     """Flushes and closes both files; `after_error` (another error is being reported) drops what cannot be written

@@ -1,0 +1,29 @@
+"""metrics.MetricsWriter: metrics.jsonl survives being deleted or replaced mid-run; the progress line."""
+
+import json
+import logging
+
+from retnet_jax import metrics
+
+
+def test_a_deleted_or_replaced_metrics_file_is_written_again_with_a_warning(tmp_path, caplog):
+  path = tmp_path / "metrics.jsonl"
+  with caplog.at_level(logging.WARNING, logger="absl"), metrics.MetricsWriter(tmp_path) as writer:
+    writer.write(1, {"loss": 3.0})
+    path.unlink()
+    writer.write(2, {"loss": 2.0})
+    path.rename(tmp_path / "moved.jsonl")
+    path.write_text("")
+    writer.write(3, {"loss": 1.0})
+  assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 3, "loss": 1.0}]
+  assert [json.loads(line)["step"] for line in (tmp_path / "moved.jsonl").read_text().splitlines()] == [2]
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warnings == [f"{path} was deleted during training; it is written again from step 2 on (earlier steps: "
+                      "tensorboard/ keeps them).",
+                      f"{path} was replaced during training; it is written again from step 3 on (earlier steps: "
+                      "tensorboard/ keeps them)."]
+
+
+def test_progress_line_names_the_step_loss_and_time_left():
+  line = metrics.progress_line(100, 400, {"loss": 2.5, "tokens_per_sec": 1234.0}, 0.5)
+  assert line == "step 100/400 (25%) | loss 2.5000 | 1,234 tok/s | 0.500 s/step | ETA 2m30s"
