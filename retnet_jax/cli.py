@@ -98,6 +98,10 @@ def distributed_flags() -> Callable[[], None]:
                                        "(default: $JAX_NUM_PROCESSES).", lower_bound=1)
   process_id = flags.DEFINE_integer("process_id", None, "This process's index from 0, for multi-process training "
                                     "(default: $JAX_PROCESS_ID).", lower_bound=0)
+  heartbeat = flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which the other "
+                                   "processes count a process as lost and stop.", lower_bound=1)
+  start_timeout = flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for every process to "
+                                       "connect.", lower_bound=1)
 
   def initialize() -> None:
     settings = check_distributed(coordinator.value, num_processes.value, process_id.value, os.environ)
@@ -106,7 +110,8 @@ def distributed_flags() -> Callable[[], None]:
     import jax  # pylint: disable=import-outside-toplevel  (after `prepare`)
     if jax.config.jax_platforms in (None, "", "cpu"):
       jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
-    jax.distributed.initialize(*settings)
+    jax.distributed.initialize(*settings, initialization_timeout=start_timeout.value,
+                               heartbeat_timeout_seconds=heartbeat.value)
 
   return initialize
 
