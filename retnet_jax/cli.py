@@ -8,19 +8,24 @@
     if __name__ == "__main__":
       cli.run(main)
 
+`load_config` reads a config file and preset as `--config` takes them, outside absl (lm-eval's model_args).
 Importing this module imports neither numpy nor jax, so `prepare` can still act on every thread they start.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from absl import app, flags
+import ml_collections
 from ml_collections import config_flags
 
 from retnet_jax import host_memory, presets, workdir_lock
@@ -72,6 +77,36 @@ def config_flag(help_text: str) -> flags.FlagHolder:
     return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, help_text, lock_config=True)
   except (AttributeError, KeyError) as e:
     sys.exit(_unknown_field(sys.argv, e))
+
+
+def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
+  """The config of `spec`, a config file and preset as `--config` takes them (`configs/retnet.py:small`), with
+  `overrides` ({"model.dtype": "float32"}, as `--config.model.dtype=float32`) applied."""
+  path, _, preset = str(spec).partition(":")
+  if not Path(path).is_file():
+    raise ValueError(f"config={spec!r}: {path!r} is not a file; give a config file and preset as --config takes "
+                     "them, e.g. config=configs/retnet.py:small.")
+  module_spec = importlib.util.spec_from_file_location("retnet_jax_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(preset or None)
+  for name, value in (overrides or {}).items():
+    *parents, field = name.split(".")
+    node = config
+    try:
+      for parent in parents:
+        node = node[parent]
+      current = node[field]
+    except (KeyError, AttributeError, TypeError):
+      raise ValueError(f"config.{name} names no config field; check the spelling against the config file.") from None
+    if isinstance(current, tuple) and isinstance(value, str):
+      value = ast.literal_eval(value)
+    try:
+      node[field] = value
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"config.{name}={value!r} does not fit the field ({e}); give a "
+                       f"{type(current).__name__}.") from None
+  return config
 
 
 def workdir_flag(help_text: str) -> flags.FlagHolder:

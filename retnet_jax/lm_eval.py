@@ -23,10 +23,8 @@ state, a Transformer from its KV cache.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
-import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +38,8 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
-from retnet_jax import architectures, losses, metrics, sampling, sharding, tokenizer as tokenizer_lib, train_state
+from retnet_jax import (architectures, cli, losses, metrics, sampling, sharding, tokenizer as tokenizer_lib,
+                        train_state)
 
 try:
   import lm_eval.models  # noqa: F401  (the harness's own models first: a non-empty registry skips them)
@@ -189,36 +188,6 @@ def write_results(results: dict[str, Any], path: str | Path) -> str | None:
   return str(path)
 
 
-def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
-  """The config of `spec`, a config file and preset as `--config` takes them (`configs/retnet.py:small`), with
-  `overrides` ({"model.dtype": "float32"}, as `--config.model.dtype=float32`) applied."""
-  path, _, preset = str(spec).partition(":")
-  if not Path(path).is_file():
-    raise ValueError(f"config={spec!r}: {path!r} is not a file; give a config file and preset as --config takes "
-                     "them, e.g. config=configs/retnet.py:small.")
-  module_spec = importlib.util.spec_from_file_location("retnet_jax_lm_eval_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  config = module.get_config(preset or None)
-  for name, value in (overrides or {}).items():
-    *parents, field = name.split(".")
-    node = config
-    try:
-      for parent in parents:
-        node = node[parent]
-      current = node[field]
-    except (KeyError, AttributeError, TypeError):
-      raise ValueError(f"config.{name} names no config field; check the spelling against the config file.") from None
-    if isinstance(current, tuple) and isinstance(value, str):
-      value = ast.literal_eval(value)
-    try:
-      node[field] = value
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"config.{name}={value!r} does not fit the field ({e}); give a "
-                       f"{type(current).__name__}.") from None
-  return config
-
-
 def _bucket(length: int, cap: int) -> int:
   """The padded width for `length` tokens: the next power of two from MIN_WIDTH, at most `cap` (fewer
   compilations)."""
@@ -280,7 +249,7 @@ class RetNetLM(TemplateLM):
         raise ValueError("model_args needs config=FILE:PRESET beside workdir, as --config takes it, e.g. "
                          f"workdir={workdir},config=configs/retnet.py:small.")
       if not isinstance(config, ml_collections.ConfigDict):
-        config = load_config(config, {name.removeprefix("config."): v for name, v in overrides.items()})
+        config = cli.load_config(config, {name.removeprefix("config."): v for name, v in overrides.items()})
       elif overrides:
         raise ValueError(f"config.x.y overrides {sorted(overrides)} apply to a config file; set them on the "
                          "config object given instead.")
