@@ -61,8 +61,7 @@ def _kept() -> str:
   workdir_lib = sys.modules.get("retnet_jax.workdir")  # loaded by then if the script uses one (no import here)
   if not workdir or workdir_lib is None:
     return "rerun the same command (a training run resumes from its last checkpoint)."
-  ckpt_dir = workdir_lib.checkpoint_dir(workdir)
-  steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+  steps = workdir_lib.listed_steps(workdir)
   kept = f"the last checkpoint in {workdir} is step {steps[-1]}" if steps else f"{workdir} holds no checkpoint"
   return f"{kept}: rerun the same command to go on from there."
 

@@ -20,9 +20,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (architectures, checkpointing, data, dispatch, flops, layers, losses, metrics, preemption,
-                        sharding, synthetic, tokenizer as tokenizer_lib, train_state, train_step as train_step_lib,
-                        workdir as workdir_lib, workdir_lock)
+from retnet_jax import (architectures, checkpointing, data, dispatch, flops, layers, losses, metrics, peer_watch,
+                        preemption, sharding, synthetic, tokenizer as tokenizer_lib, train_state,
+                        train_step as train_step_lib, workdir as workdir_lib, workdir_lock)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -232,8 +232,11 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
   last: dict[str, float] = {}
   pending: list[dict[str, jax.Array]] = []
   compiled, interval_start, interval_steps = False, time.perf_counter(), 0
-  with preemption.StopRequest() as stop:
+  peers = {p: workdir_lib.writer_lock(workdir, p).path for p in range(jax.process_count()) if p != jax.process_index()}
+  newest = lambda: (workdir_lib.listed_steps(workdir) or [None])[-1]
+  with preemption.StopRequest() as stop, peer_watch.PeerWatch(peers, newest) as watch:
     while step < train_cfg.steps:
+      watch.progress()
       if profile and step == profile[0]:
         jax.profiler.start_trace(str(workdir / "profile"))
       with run.placement.active():

@@ -63,8 +63,17 @@ def checkpoint_dir(workdir: str | os.PathLike) -> Path:
 
 def has_checkpoints(workdir: str | os.PathLike) -> bool:
   """Whether `checkpoint_dir` holds a step folder."""
+  return bool(listed_steps(workdir))
+
+
+def listed_steps(workdir: str | os.PathLike) -> list[int]:
+  """The step folders of `checkpoint_dir`, ascending, from a directory listing alone (no orbax, any thread): a
+  folder is renamed to its step once committed; whether it reads back whole is `restore_newest`'s question."""
   ckpt_dir = checkpoint_dir(workdir)
-  return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+  try:
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+  except (FileNotFoundError, NotADirectoryError):
+    return []
 
 
 def export_dir(workdir: str | os.PathLike, step: int) -> Path:

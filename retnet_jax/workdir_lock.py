@@ -86,6 +86,30 @@ class WriterLock:
     self.release()
 
 
+def held_on_this_host(path: str | os.PathLike) -> bool | None:
+  """Whether a live process holds the lock at `path`: True or False for a holder on this host; None where the lock
+  file is gone or its holder runs on another host (flock cannot tell there)."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return None
+  try:
+    try:
+      host = json.loads(os.pread(fd, 4096, 0).decode()).get("host")
+    except (ValueError, AttributeError):
+      return None
+    if host != socket.gethostname():
+      return None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+  finally:
+    os.close(fd)
+
+
 def _read_holder(fd: int) -> str:
   """`process PID on HOST since TIME` from the lock file, or a plain description if it is not written yet."""
   try:

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -333,3 +334,24 @@ def test_two_processes_match_one_process(tmp_path, corpus):
   difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(exported)))
   assert difference < 1e-5
+
+
+@pytest.mark.slow
+def test_a_lost_process_is_named_in_one_line_by_the_survivor(tmp_path, corpus):
+  """Process 1 SIGKILLed mid-run: process 0, blocked in a collective, names it and the last checkpoint in one line
+  (peer_watch) instead of JAX's abort after the heartbeat timeout."""
+  workdir, port = tmp_path / "run", free_port()
+  processes = [launch(workdir, corpus, devices=4, steps=100_000, every_steps=5,
+                      extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"])
+               for i in range(2)]
+  wait_for(lambda: logged_steps(workdir) >= 12, processes[0])
+  processes[1].kill()
+  processes[1].wait()
+  started = time.monotonic()
+  output, _ = processes[0].communicate(timeout=120)
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert processes[0].returncode == 1 and len(errors) == 1, output[-3000:]
+  assert re.fullmatch(r"error: training process 1 is gone \(its lock .*train_1.lock was released while this process "
+                      r"waited on it\); the last committed checkpoint is step \d+: restart every process with the "
+                      r"same command to resume.", errors[0]), errors
+  assert time.monotonic() - started < 60 and "Traceback" not in output
