@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import traceback
+import weakref
 from typing import Any
 
 import jax
@@ -247,12 +248,15 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
-    self._identity = os.stat(self.directory)
+    # Held open while this object lives, the directory keeps its inode when deleted: one recreated in its place
+    # (by a save in flight) cannot reuse the number and pass for it.
+    self._directory_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+    weakref.finalize(self, os.close, self._directory_fd)
 
   def vanished(self) -> bool:
     """Whether the directory was deleted, or replaced by another, since this writer opened it."""
     try:
-      return not os.path.samestat(self._identity, os.stat(self.directory))
+      return not os.path.samestat(os.fstat(self._directory_fd), os.stat(self.directory))
     except FileNotFoundError:
       return True
 

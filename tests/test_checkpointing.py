@@ -300,3 +300,18 @@ def test_late_tensorstore_callbacks_into_a_closed_event_loop_print_nothing(tmp_p
 
 async def _awaited(future):
   await future
+
+
+def test_a_directory_deleted_and_recreated_in_its_place_has_vanished(tmp_path):
+  """A save in flight recreates a deleted checkpoints/ folder, where a freed inode number can come back: the writer
+  still sees that its folder is gone (it was taken for a failing disk, quoting orbax)."""
+  directory = tmp_path / "checkpoints"
+  with Checkpointer(directory, async_save=False) as ckpt:
+    assert not ckpt.vanished()
+    for _ in range(3):  # inode numbers are reused at once on some file systems
+      shutil.rmtree(directory)
+      directory.mkdir()
+      assert ckpt.vanished()
+    shutil.rmtree(directory)
+    assert ckpt.vanished()
+    directory.mkdir()  # for close
