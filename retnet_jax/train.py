@@ -131,9 +131,11 @@ def _workdir_fault(error: Exception, lock: workdir_lock.WriterLock, checkpointer
     time.sleep(1)  # a workdir being deleted can fail a save before the deletion reaches the lock file
     vanished = _vanished(lock, checkpointer)
   if vanished is not None:
+    removed = (f" (the save in flight had recreated {workdir_lib.checkpoint_dir(lock.workdir)}: removed)"
+               if workdir_lib.remove_recreated(lock.workdir) else "")
     return workdir_lock.WorkdirVanishedError(
-        lock.workdir, f"{vanished}. Restore it (or remount its disk) and run the same command again to resume from "
-        "its latest checkpoint, or choose a new --workdir to start afresh.")
+        lock.workdir, f"{vanished}{removed}. Restore it (or remount its disk) and run the same command again to "
+        "resume from its latest checkpoint, or choose a new --workdir to start afresh.")
   if not isinstance(error, OSError):
     return None
   what, fix = _DISK_FAULTS.get(error.errno, ("a write failed", "remove the cause"))

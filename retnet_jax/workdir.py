@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,6 +76,33 @@ def listed_steps(workdir: str | os.PathLike) -> list[int]:
     return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
   except (FileNotFoundError, NotADirectoryError):
     return []
+
+
+def remove_recreated(workdir: str | os.PathLike) -> bool:
+  """After a training's workdir vanished (deleted or moved): removes what its save in flight recreated at the old
+  path, a `checkpoints/` of orbax temporary folders alone, so that a workdir put back is not nested in it.
+  Returns whether it removed anything; a path holding anything else is left alone."""
+  removed = False
+  for _ in range(3):  # the save's last writes may land after a removal
+    if not _only_unfinished_saves(workdir):
+      break
+    shutil.rmtree(workdir, ignore_errors=True)
+    removed = True
+    time.sleep(0.5)
+  return removed
+
+
+def _only_unfinished_saves(workdir: str | os.PathLike) -> bool:
+  """Whether `workdir` holds `checkpoints/` alone, and that only orbax temporary folders."""
+  ckpt_dir = checkpoint_dir(workdir)
+  try:
+    return ([p.name for p in Path(workdir).iterdir()] == [ckpt_dir.name] and
+            all(_TMP_SUFFIX in p.name for p in ckpt_dir.iterdir()))
+  except (FileNotFoundError, NotADirectoryError):
+    return False
+
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step folder being written
 
 
 def export_dir(workdir: str | os.PathLike, step: int) -> Path:

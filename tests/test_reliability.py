@@ -206,6 +206,23 @@ def test_a_workdir_deleted_while_training_stops_it_promptly_with_one_message(tmp
   assert process.returncode == 1 and f"error: the workdir {workdir} vanished while training" in one_error(output)
 
 
+@pytest.mark.slow
+def test_a_workdir_moved_while_training_is_not_recreated_at_its_old_path(tmp_path, corpus, reference):
+  """The save in flight recreated checkpoints/STEP.orbax-checkpoint-tmp at the old path, so moving the workdir back
+  nested it and training restarted from step 0."""
+  workdir = tmp_path / "run"
+  process = launch(workdir, corpus, every_steps=25, async_save=True)
+  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  workdir.rename(tmp_path / "moved")
+  output, _ = process.communicate(timeout=60)
+  assert process.returncode == 1 and f"error: the workdir {workdir} vanished while training" in one_error(output)
+  time.sleep(1)
+  assert not workdir.exists()
+  (tmp_path / "moved").rename(workdir)  # put back, as the message says: it resumes
+  finish(launch(workdir, corpus))
+  assert read_metrics(workdir) == reference
+
+
 def test_writer_lock_is_exclusive_and_released(tmp_path):
   from retnet_jax import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
   with workdir_lib.writer_lock(tmp_path):

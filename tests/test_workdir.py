@@ -135,3 +135,16 @@ def test_saved_config_is_the_runs_and_refuses_what_no_run_writes(trained, tmp_pa
     workdir_lib.saved_config(tmp_path)
   with pytest.raises(FileNotFoundError, match="config.json is missing"):
     workdir_lib.saved_config(tmp_path / "none")
+
+
+def test_only_what_a_save_in_flight_recreated_is_removed(tmp_path):
+  """After the workdir was moved mid-save: checkpoints/ of temporary folders alone goes; anything else stays."""
+  recreated = tmp_path / "run"
+  (workdir_lib.checkpoint_dir(recreated) / "25.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+  assert workdir_lib.remove_recreated(recreated) and not recreated.exists()
+  for extra in ("config.json", "checkpoints/20"):
+    kept = tmp_path / extra.replace("/", "_")
+    (workdir_lib.checkpoint_dir(kept) / "25.orbax-checkpoint-tmp").mkdir(parents=True)
+    (kept / extra).mkdir()
+    assert not workdir_lib.remove_recreated(kept) and (kept / extra).is_dir()
+  assert not workdir_lib.remove_recreated(tmp_path / "none")
