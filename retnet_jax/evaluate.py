@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import (architectures, data, dispatch, losses, sharding, synthetic, tokenizer as tokenizer_lib,
+from retnet_jax import (architectures, data, dispatch, losses, presets, sharding, synthetic, tokenizer as tokenizer_lib,
                         train_state)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
@@ -63,6 +63,9 @@ def check_position_buckets(seq_len: int, buckets: int) -> None:
 def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, position_buckets: int = 0) -> None:
   """What `evaluate_model` checks before any work, for callers to check before restoring a model too: the forms,
   the length and its buckets, the mesh's split of sequences, a synthetic task's knobs."""
+  presets.check_full_config(config)
+  if isinstance(modes, str):
+    raise ValueError(f"modes={modes!r} is one string; give a sequence of forms, e.g. ({modes!r},).")
   own = architectures.modes(config.model)
   unknown = [m for m in modes if m not in own]
   if unknown:
@@ -112,6 +115,7 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     bits_per_token, mqar_accuracy}}}`, the loss over the answers only and `TASK_accuracy` the fraction of answers
     whose logits' argmax is the answer (exact recall), plus the same agreement keys.
   """
+  presets.check_full_config(config)
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   seq_len = config.train.seq_len if seq_len is None else seq_len

@@ -55,7 +55,12 @@ def rotation_tables_for(cfg: ml_collections.ConfigDict, positions_BxL: jax.Array
 
 
 def check_model_config(cfg: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the bad value and the fix for a model config that cannot be built."""
+  """Raises ValueError naming the bad value and the fix for a model config that cannot be built (TypeError for
+  something other than the model fields)."""
+  if not isinstance(cfg, ml_collections.ConfigDict) or "d_model" not in cfg:
+    full = isinstance(cfg, ml_collections.ConfigDict) and "model" in cfg
+    raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
+                    + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
   for name in ("d_model", "num_layers", "num_heads", "value_dim", "ffn_dim", "vocab_size"):
     if int(cfg[name]) < 1:
       raise ValueError(f"model.{name} must be a positive integer; got {cfg[name]}.")
@@ -89,7 +94,10 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
 
 def check_tokens(tokens: Any, vocab_size: int) -> None:
   """Checks rank, dtype and (for concrete arrays, outside jit) the id range of a token batch."""
-  if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+  if not hasattr(tokens, "ndim"):
+    raise ValueError(f"tokens must be an integer array [batch, seq]; got a {type(tokens).__name__} (convert it: "
+                     "jnp.asarray(ids, jnp.int32)).")
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens must be an integer array [batch, seq]; got shape {getattr(tokens, 'shape', None)} "
                      f"dtype {getattr(tokens, 'dtype', None)}.")
   if tokens.shape[0] < 1 or tokens.shape[1] < 1:

@@ -196,6 +196,21 @@ def transformer_config(retnet_model: config_dict.ConfigDict, max_len: int) -> co
   ))
 
 
+def check_full_config(config: Any, argument: str = "config") -> None:
+  """Raises TypeError, naming what was given and the fix, unless `config` is a full config (model, data, train,
+  mesh, ...) as `get_config` builds it."""
+  if isinstance(config, config_dict.ConfigDict) and all(name in config for name in ("model", "data", "train", "mesh")):
+    return
+  if isinstance(config, str):
+    got = f"the string {config!r}: build the config with get_config (configs/retnet.py:NAME's get_config('NAME'))"
+  elif isinstance(config, config_dict.ConfigDict) and "d_model" in config:
+    got = "the model fields alone (config.model): pass the whole config"
+  else:
+    got = f"a {type(config).__name__}"
+  raise TypeError(f"{argument} must be the full config (an ml_collections.ConfigDict with model, data, train, mesh, "
+                  f"... as get_config builds it); got {got}.")
+
+
 def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDict:
   """The full locked config of the preset called `name`, for `architecture` (retnet | transformer)."""
   if architecture not in ARCHITECTURES:

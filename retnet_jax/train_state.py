@@ -21,13 +21,14 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import architectures, layers, optimizer, sharding, workdir as workdir_lib
+from retnet_jax import architectures, layers, optimizer, presets, sharding, workdir as workdir_lib
 
 TrainState = dict[str, Any]
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks what the state and its batches need (model, optimizer, mesh and batch split) before any work."""
+  presets.check_full_config(config)
   architectures.check_config(config.model)
   if config.model.architecture == "retnet":
     layers.check_retention_impl(config.model)

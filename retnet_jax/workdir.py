@@ -229,6 +229,8 @@ def read_params(workdir: str | os.PathLike, config: ml_collections.ConfigDict, a
   Returns:
     (params, step).
   """
+  if not isinstance(workdir, (str, os.PathLike)) or not os.fspath(workdir):
+    raise TypeError(f"workdir must be a run's directory (a str or path); got {workdir!r}.")
   if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
     raise ValueError(f"step={step!r} must be a checkpoint step, a non-negative int (or None: the newest).")
   ckpt_dir, exported = checkpoint_dir(workdir), exported_steps(workdir)

@@ -147,6 +147,21 @@ def test_params_export_loads_without_checkpoints(trained, tmp_path):
   assert_refuses_another_model(tmp_path, num_layers=3)
 
 
+def test_python_api_arguments_of_the_wrong_kind_are_named(trained):
+  config, workdir, _ = trained
+  model, _ = train_state.restore_model(config, workdir)
+  with pytest.raises(ValueError, match=r"modes='parallel' is one string; give a sequence of forms, e.g. "
+                                       r"\('parallel',\)"):
+    evaluate.evaluate_model(model, config, modes="parallel")
+  with pytest.raises(TypeError, match=r"config must be the full config .*; got the model fields alone "
+                                      r"\(config.model\)"):
+    evaluate.evaluate_model(model, config.model)
+  with pytest.raises(TypeError, match=r"workdir must be a run's directory \(a str or path\); got None"):
+    train_state.restore_model(config, None)
+  with pytest.raises(TypeError, match=r"got the string 'configs/retnet.py:tiny': build the config with get_config"):
+    train_state.restore_model("configs/retnet.py:tiny", workdir)
+
+
 def test_errors_name_what_was_found(trained, tmp_path):
   config, workdir, _ = trained
   with pytest.raises(FileNotFoundError, match="no checkpoints in"):

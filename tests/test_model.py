@@ -137,6 +137,13 @@ def test_bad_inputs():
       model(jnp.zeros(empty, jnp.int32))
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     retnet_config.get_config("huge")
+  with pytest.raises(ValueError, match=r"integer array \[batch, seq\]; got a list \(convert it"):
+    model([[1, 2, 3]])
+  config = retnet_config.get_config("tiny")
+  for wrong, got in ((config, "the full config: pass config.model."), (config.model.to_dict(), "a dict.")):
+    with pytest.raises(TypeError, match=re.escape(f"a model takes the model fields, config.model (e.g. "
+                                                  f"presets.model_config('tiny')); got {got}")):
+      RetNet(wrong, rngs=nnx.Rngs(0))
 
 
 def test_states_from_another_config_or_batch_are_refused():
