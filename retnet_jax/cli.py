@@ -43,16 +43,13 @@ def prepare() -> None:
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
-  """Ends the script at once with one line naming the signal and what the workdir keeps (once: a second signal
-  while exiting only hastens the exit)."""
-  global _signalled
-  if not _signalled:
-    _signalled = True
-    sys.stderr.write(f"error: stopped by {signal.Signals(signum).name}; {_kept()}\n")
-  raise SystemExit(128 + signum)
-
-
-_signalled = False
+  """Ends the script at once with one line naming the signal and what the workdir keeps. At once: like SIGKILL it
+  loses nothing committed (a save in flight is orbax's temporary folder), and exit handlers would wait on work
+  the user asked to stop."""
+  sys.stdout.flush()
+  sys.stderr.write(f"error: stopped by {signal.Signals(signum).name}; {_kept()}\n")
+  sys.stderr.flush()
+  os._exit(128 + signum)
 
 
 def _kept() -> str:

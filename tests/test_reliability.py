@@ -91,6 +91,22 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, corpus, re
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, corpus):
+  workdir = tmp_path / "run"
+  process = launch(workdir, corpus, steps=100_000, every_steps=20)
+  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  process.send_signal(signal.SIGINT)
+  time.sleep(0.2)
+  process.send_signal(signal.SIGINT)
+  output, _ = process.communicate(timeout=60)
+  errors = [line for line in output.splitlines() if line.startswith("error:")]
+  assert process.returncode == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
+  assert len(errors) == 1 and re.fullmatch(rf"error: (interrupted by a second Ctrl-C|stopped by SIGINT); the last "
+                                           rf"checkpoint in {workdir} is step \d+: rerun the same command to go on "
+                                           r"from there.", errors[0]), errors
+
+
+@pytest.mark.slow
 def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_path, corpus, reference):
   workdir = tmp_path / "run"
   process = launch(workdir, corpus, every_steps=25, async_save=True)
