@@ -219,6 +219,14 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
       harness.load_tasks(names, include)
 
 
+@pytest.mark.slow
+def test_a_negative_num_fewshot_is_refused_by_the_script(tmp_path):
+  result = run_script("lm_eval.py", f"--config={CONFIG}", f"--workdir={tmp_path}", "--tasks=tiny_mc",
+                      "--num_fewshot=-1")
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert "error: flag --num_fewshot=-1: -1 is not a non-negative integer" in result.stderr, result.stderr[-3000:]
+
+
 def test_results_that_cannot_be_written_are_not_reported_as_written(tmp_path):
   (tmp_path / "file").write_text("")
   assert harness.write_results({"results": {}}, tmp_path / "file" / "results.json") is None
