@@ -211,20 +211,38 @@ def run(main: Callable[[], None]) -> None:
     except USER_ERRORS as e:
       if _VERBOSE.value:
         raise
-      sys.exit(f"error: {e} ({type(e).__name__}; --verbose shows the traceback)")
-    except RuntimeError as e:  # JAX_PLATFORMS naming a platform this machine lacks
-      if _VERBOSE.value or not str(e).startswith("Unable to initialize backend"):
-        raise
-      sys.exit(f"error: {str(e).split(' (set JAX_PLATFORMS')[0]}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} "
-               "names it: set JAX_PLATFORMS to a platform this machine has (e.g. cpu), or unset it.")
+      _end(f"error: {e} ({type(e).__name__}; --verbose shows the traceback)", 1)
     except KeyboardInterrupt:  # a second Ctrl-C during training's steps (the first asks for a checkpoint)
       if _VERBOSE.value:
         raise
-      sys.stderr.write(f"error: interrupted by a second Ctrl-C; {_kept()}\n")
-      sys.exit(128 + signal.SIGINT)
+      _end(f"error: interrupted by a second Ctrl-C; {_kept()}", 128 + signal.SIGINT)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if _VERBOSE.value:
+        raise
+      if isinstance(e, RuntimeError) and str(e).startswith("Unable to initialize backend"):  # JAX_PLATFORMS
+        _end(f"error: {str(e).split(' (set JAX_PLATFORMS')[0]}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} "
+             "names it: set JAX_PLATFORMS to a platform this machine has (e.g. cpu), or unset it.", 1)
+      if not jax.distributed.is_initialized():
+        raise
+      cause = (str(e).strip().splitlines() or [""])[0][:300]
+      _end(f"error: {type(e).__name__} on process {jax.process_index()} of {jax.process_count()}: {cause}; "
+           f"another process may have stopped (its own output tells); {_kept()} (--verbose shows the traceback)", 1)
 
   jax.config.config_with_absl()
   app.run(absl_main, flags_parser=_parse_flags)
+
+
+def _end(line: str, status: int) -> None:
+  """Ends the script with `line` on stderr and exit `status`; at once (os._exit) in a multi-process run, whose exit
+  handler would wait on processes that may be gone until JAX's heartbeat timeout aborts with a stack dump."""
+  import jax  # pylint: disable=import-outside-toplevel  (imported by `run` already)
+
+  sys.stdout.flush()
+  sys.stderr.write(line + "\n")
+  sys.stderr.flush()
+  if jax.distributed.is_initialized():
+    os._exit(status)
+  sys.exit(status)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
