@@ -245,6 +245,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
         state, step_metrics = run.train_step(state, next(batches))
       step += 1
       pending.append(step_metrics)
+      dispatch.wait_behind(pending)  # queued steps' collectives would starve (dispatch.py)
       if profile and step == profile[1] + 1:
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
