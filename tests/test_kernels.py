@@ -212,26 +212,32 @@ def test_support_limits_name_the_limit_and_the_fix():
     assert "retention_impl='xla'" in str(error.value) and "'auto'" in str(error.value)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype,d_k,d_v,chunk,precision", [(jnp.bfloat16, 256, 512, 64, None),
                                                            (jnp.float32, 16, 32, 16, jax.lax.Precision.HIGHEST)])
-def test_kernels_lower_to_triton_for_gpus(dtype, d_k, d_v, chunk, precision):
-  """The forward (with the key sum) and backward kernels lower to Triton IR for CUDA at the paper's head sizes and
-  in float32: they use only what Pallas' Triton lowering supports. Triton compiles the IR to GPU code on a GPU only,
-  where its register and shared-memory limits show (`scripts/kernel_check.py`)."""
+def test_kernels_lower_to_triton_for_gpus(dtype, d_k, d_v, chunk, precision, packed):
+  """The forward (with the key sum) and backward kernels, with and without packed documents (an int32 document index
+  per token), lower to Triton IR for CUDA at the paper's head sizes and in float32: they use only what Pallas' Triton
+  lowering supports. Triton compiles the IR to GPU code on a GPU only, where its register and shared-memory limits
+  show (`scripts/kernel_check.py`)."""
   batch, length, heads = 1, 2 * chunk, 2
   config = kernels.default_config(d_k, d_v)
   arrays = lambda *shapes_dtypes: [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
-  q, v, state, key_sum, log_decay = arrays(((batch, length, heads, d_k), dtype), ((batch, length, heads, d_v), dtype),
-                                           ((batch, heads, d_k, d_v), jnp.float32), ((batch, heads, d_k), jnp.float32),
-                                           ((heads,), jnp.float32))
+  q, v, state, key_sum, log_decay, documents = arrays(
+      ((batch, length, heads, d_k), dtype), ((batch, length, heads, d_v), dtype),
+      ((batch, heads, d_k, d_v), jnp.float32), ((batch, heads, d_k), jnp.float32), ((heads,), jnp.float32),
+      ((batch, length), jnp.int32))
+  documents = documents if packed else None
   static = dict(size=chunk, length=length - 3, precision=precision, interpret=False)
   try:
     for fn, args in [(functools.partial(forward.forward, tiling=config.forward, **static),
                       (q, q, v, log_decay, state, key_sum)),
                      (functools.partial(backward.backward, tiling=config.backward, **static),
                       (q, q, v, log_decay, state, v, state))]:
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      with_documents = lambda *a, fn=fn: fn(*a[:-1], documents=a[-1])
+      text = jax.jit(with_documents).trace(*args, documents).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("xla.gpu.triton") == 1
+      assert (f"tensor<{batch}x{length}xi32>" in text) == packed
   except RuntimeError as e:  # newer JAX lowers Triton kernels only where it can see a GPU (or an abstract one)
     if "GPU" not in str(e):
       raise

@@ -2,7 +2,8 @@
 
 The sequence is zero-padded to whole chunks and d_v to whole value tiles here, outside the custom VJP, so autodiff
 of the padding hands the kernels aligned cotangents; the kernels are told the true length, so the final state decays
-by it. log_decay is a constant to these functions (`lax.stop_gradient`): no gradient flows to the decays.
+by it. log_decay is a constant to these functions (`lax.stop_gradient`): no gradient flows to the decays. Packed
+documents (`segment_ids`) reach the kernels as each token's document index in its row (`segments.document_index`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from retnet_jax import retention
+from retnet_jax import retention, segments
 from retnet_jax.kernels import support
 from retnet_jax.kernels.backward import backward
 from retnet_jax.kernels.forward import forward
@@ -28,32 +29,34 @@ class _Static(NamedTuple):
   interpret: bool
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _fused(q, k, v, log_decay, state, key_sum, static: _Static):
-  return forward(q, k, v, log_decay, state, key_sum, size=static.size, length=static.length,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused(q, k, v, log_decay, state, key_sum, documents, static: _Static):
+  return forward(q, k, v, log_decay, state, key_sum, documents=documents, size=static.size, length=static.length,
                  precision=static.precision, tiling=static.config.forward, interpret=static.interpret)
 
 
-def _fused_fwd(q, k, v, log_decay, state, key_sum, static: _Static):
-  return _fused(q, k, v, log_decay, state, key_sum, static), (q, k, v, log_decay, state, key_sum)
+def _fused_fwd(q, k, v, log_decay, state, key_sum, documents, static: _Static):
+  return _fused(q, k, v, log_decay, state, key_sum, documents, static), (q, k, v, log_decay, state, key_sum, documents)
 
 
 def _fused_bwd(static: _Static, residuals, cotangents):
-  """Gradients for q, k, v and the state; zeros for log_decay and the key sum, which the callers stop."""
-  q, k, v, log_decay, state, key_sum = residuals
+  """Gradients for q, k, v and the state; zeros for log_decay and the key sum, which the callers stop, and none for
+  the integer document index."""
+  q, k, v, log_decay, state, key_sum, documents = residuals
   d_out, d_final_state, _, _ = cotangents
-  dq, dk, dv, d_state = backward(q, k, v, log_decay, state, d_out, d_final_state, size=static.size,
-                                 length=static.length, precision=static.precision, tiling=static.config.backward,
-                                 interpret=static.interpret)
-  return dq, dk, dv, jnp.zeros_like(log_decay), d_state, None if key_sum is None else jnp.zeros_like(key_sum)
+  dq, dk, dv, d_state = backward(q, k, v, log_decay, state, d_out, d_final_state, documents=documents,
+                                 size=static.size, length=static.length, precision=static.precision,
+                                 tiling=static.config.backward, interpret=static.interpret)
+  return dq, dk, dv, jnp.zeros_like(log_decay), d_state, None if key_sum is None else jnp.zeros_like(key_sum), None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _check(q, k, v, log_decay, chunk_size, state, key_sum) -> int:
+def _check(q, k, v, log_decay, chunk_size, state, key_sum, segment_ids) -> int:
   """Validates the inputs as the XLA forms do, plus the kernels' dtypes; returns the chunk size as an int."""
   retention._check_inputs(q, k, v, log_decay, state)
+  segments.check_segment_ids(segment_ids, q.shape[0], q.shape[1])
   size = retention.check_chunk_size(chunk_size)
   if not q.dtype == k.dtype == v.dtype or q.dtype not in support.DTYPES:
     raise ValueError(f"the Pallas retention kernels take q, k and v of one dtype, float32 or bfloat16; got "
@@ -70,9 +73,9 @@ def _pad_axis(x, axis: int, multiple: int):
   return jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)]) if pad else x
 
 
-def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, precision, config, interpret):
+def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, segment_ids, precision, config, interpret):
   """Both public functions: `(out, final_state, qz, final_key_sum)`, the last two None unless `with_key_sum`."""
-  size = _check(q, k, v, log_decay, chunk_size, state, key_sum)
+  size = _check(q, k, v, log_decay, chunk_size, state, key_sum, segment_ids)
   batch, length, heads, key_dim = q.shape
   value_dim = v.shape[-1]
   interpret = support.resolve_interpret(interpret)
@@ -88,17 +91,20 @@ def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, precision
     return jnp.zeros(v.shape, v.dtype), state, qz, key_sum
 
   q, k, v = (_pad_axis(x, 1, size) for x in (q, k, v))
+  documents = None
+  if segment_ids is not None:  # the padding joins the last document: it cuts no state
+    documents = jnp.pad(segments.document_index(segment_ids), ((0, 0), (0, q.shape[1] - length)), mode="edge")
   v, state_padded = _pad_axis(v, 3, config.value_multiple), _pad_axis(state, 3, config.value_multiple)
   static = _Static(size, length, precision, config, interpret)
   log_decay = lax.stop_gradient(jnp.asarray(log_decay, jnp.float32))
-  out, final_state, qz, final_key_sum = _fused(q, k, v, log_decay, state_padded, key_sum, static)
+  out, final_state, qz, final_key_sum = _fused(q, k, v, log_decay, state_padded, key_sum, documents, static)
   out, final_state = out[:, :length, :, :value_dim], final_state[..., :value_dim]
   if key_sum is None:
     return out, final_state, None, None
   return out, final_state, lax.stop_gradient(qz[:, :length]), lax.stop_gradient(final_key_sum)
 
 
-def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, precision=None,
+def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, segment_ids=None, precision=None,
                         config: support.KernelConfig | None = None, interpret: bool | None = None):
   """`retention.chunkwise_retention` as fused Pallas kernels, differentiable in q, k, v and state.
 
@@ -107,6 +113,9 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, precision
     log_decay: log(gamma), `[heads]`, a constant: it gets no gradient. chunk_size: a positive integer (compiled on
       a GPU: one of `support.CHUNK_SIZES`; shorter sequences are padded to one chunk).
     state: the carried-in state `[batch, heads, d_k, d_v]`, or None for an empty one.
+    segment_ids: integer `[batch, seq]`, packed documents (`segments`: a document is a maximal run of equal ids),
+      or None for one document per row. Token n retains token m only within its document; the state carried in
+      reaches each row's first document, the final state is its last document's.
     precision: the `lax.Precision` of every product in the kernels (on GPUs, float32 inputs multiply in TF32
       unless `HIGHEST`); products accumulate in float32 whatever it is.
     config: the kernels' tilings (default `support.default_config`). interpret: Pallas interpret mode; None: interpreted
@@ -116,12 +125,14 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, precision
   Raises:
     ValueError: bad shapes or dtypes, or, compiled, sizes beyond `support.check_supported`.
   """
-  out, final_state, _, _ = _run(q, k, v, log_decay, chunk_size, state, None, False, precision, config, interpret)
+  out, final_state, _, _ = _run(q, k, v, log_decay, chunk_size, state, None, False, segment_ids, precision, config,
+                                interpret)
   return out, final_state
 
 
-def chunkwise_retention_with_key_sum(q, k, v, log_decay, chunk_size, state=None, key_sum=None, *, precision=None,
-                                     config: support.KernelConfig | None = None, interpret: bool | None = None):
+def chunkwise_retention_with_key_sum(q, k, v, log_decay, chunk_size, state=None, key_sum=None, *, segment_ids=None,
+                                     precision=None, config: support.KernelConfig | None = None,
+                                     interpret: bool | None = None):
   """`chunkwise_retention` that also carries the decayed key sum z and returns q_n . z_n, in the same pass: what
   the `shared` stability normaliser needs (`stability.divisor(style, mode, qz, positions, log_decay)`).
 
@@ -132,9 +143,11 @@ def chunkwise_retention_with_key_sum(q, k, v, log_decay, chunk_size, state=None,
   is not computed here: it stays on the XLA form (`retention._chunkwise`).
 
   Args:
-    q, k, v, log_decay, chunk_size, state, precision, config, interpret: as in `chunkwise_retention`.
-    key_sum: the carried-in key sum `[batch, heads, d_k]` (the layer state's `key_sum`), or None for zeros.
+    q, k, v, log_decay, chunk_size, state, segment_ids, precision, config, interpret: as in `chunkwise_retention`.
+    key_sum: the carried-in key sum `[batch, heads, d_k]` (the layer state's `key_sum`), or None for zeros; with
+      segment_ids, like the state, it reaches each row's first document, and qz and the key sum restart with each
+      document.
   Returns:
     `(out, final_state, qz [batch, seq, heads] float32, final_key_sum [batch, heads, d_k] float32)`.
   """
-  return _run(q, k, v, log_decay, chunk_size, state, key_sum, True, precision, config, interpret)
+  return _run(q, k, v, log_decay, chunk_size, state, key_sum, True, segment_ids, precision, config, interpret)

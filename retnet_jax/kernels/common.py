@@ -1,10 +1,13 @@
-"""What the forward and backward kernels share: the grid and block specs, in-kernel gamma powers, the dot.
+"""What the forward and backward kernels share: the grid and block specs, in-kernel gamma powers, the dot, and the
+masks of packed documents.
 
 Grid `(value tiles, batch, heads)`, the value tile fastest so that the programs of one head, which read the same q
 and k, run side by side. Each program sees its head's whole (padded) sequence and walks it chunk by chunk.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +47,11 @@ def rows_tile_spec(length: int, block_v: int) -> pl.BlockSpec:
   return pl.BlockSpec((None, length, None, block_v), lambda t, b, h: (b, 0, h, t))
 
 
+def documents_spec(length: int) -> pl.BlockSpec:
+  """The per-token document index `[batch, length]` of packed rows: the program's row, a `[length]` ref."""
+  return pl.BlockSpec((None, length), lambda t, b, h: (b, 0))
+
+
 def state_tile_spec(key_dim: int, block_v: int) -> pl.BlockSpec:
   """A `[batch, heads, d_k, d_v]` state's value tile: a `[d_k, block_v]` ref."""
   return pl.BlockSpec((None, None, key_dim, block_v), lambda t, b, h: (b, h, 0, t))
@@ -73,6 +81,33 @@ def state_decays(log_decay: jax.Array, start: jax.Array, size: int, length: int)
   real = pos_S < n
   zeta_S = jnp.where(real, jnp.exp(log_decay * jnp.where(real, n - 1 - pos_S, 0).astype(jnp.float32)), 0.0)
   return zeta_S, jnp.expm1(log_decay * n.astype(jnp.float32))
+
+
+class Documents(NamedTuple):
+  """Chunk c of a packed row: `same_SxS`, whether two rows lie in one document; `entering_S`, the rows still in the
+  document that entered the chunk (the state carried in reaches them); `last_S`, the rows of the chunk's last document
+  (their keys reach the next chunk); `keep`, whether the entering state outlives the chunk (no document starts in it,
+  its first row included). All None for unpacked rows: `only` then leaves everything as it is."""
+  same_SxS: jax.Array | None = None
+  entering_S: jax.Array | None = None
+  last_S: jax.Array | None = None
+  keep: jax.Array | None = None
+
+
+def chunk_documents(documents_ref, c: jax.Array, size: int) -> Documents:
+  """`Documents` of chunk `c` from the row's non-decreasing document index (0 on the first document, the one the
+  carried-in state belongs to), or the empty `Documents()` when `documents_ref` is None."""
+  if documents_ref is None:
+    return Documents()
+  doc_S = documents_ref[chunk_rows(c, size)]
+  entering = jnp.where(c > 0, jnp.max(documents_ref[chunk_rows(jnp.maximum(c - 1, 0), size)]), 0)
+  last = jnp.max(doc_S)
+  return Documents(doc_S[:, None] == doc_S[None, :], doc_S == entering, doc_S == last, last == entering)
+
+
+def only(flags: jax.Array | None, x: jax.Array) -> jax.Array:
+  """`x` where `flags` hold (broadcast), else 0; `x` itself when `flags` is None (no documents)."""
+  return x if flags is None else jnp.where(flags, x, 0.0)
 
 
 def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, weights_S: jax.Array,
