@@ -2,10 +2,15 @@
 evaluation on them equal to running each document alone."""
 
 import datasets
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from retnet_jax import data, tokenizer
+from configs import retnet as retnet_config
+from retnet_jax import data, evaluate, losses, segments, sharding, synthetic, tokenizer, train, train_step
+from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config, tiny_model, tiny_transformer
 from tests.test_data import bpe_path, byte_tokens, data_config, write_jsonl  # noqa: F401  (bpe_path: a fixture)
 
 
@@ -112,3 +117,143 @@ def test_ids_of_another_shape_are_refused():
     data.BatchIterator(sequences, 3, seed=0, document_ids=ids[:, :4])
   with pytest.raises(ValueError, match="validation document_ids of shape"):
     data.eval_batches(sequences, 3, 2, document_ids=ids[:9])
+
+
+# Training and evaluation: a packed row computes what each of its documents computes alone.
+
+# Document ids of two rows of 21 tokens (20 inputs): starts at 5 (a one-token document), 6 and 12 (on the edges of
+# segments of 6), 3, 12 and 16 (on a chunk edge of the tiny preset's 8).
+IDS = np.asarray([[0] * 5 + [1] + [2] * 6 + [3] * 9, [4] * 3 + [5] * 9 + [6] * 4 + [7] * 5], np.int32)
+
+
+def documents(ids_BxL1):
+  """(row, first input, end) of each document of each row's inputs `ids[:, :-1]`: inputs `[first, end)` predict the
+  tokens `[first + 1, end + 1)`."""
+  pieces = []
+  for row, ids in enumerate(ids_BxL1[:, :-1]):
+    edges = [0, *(np.flatnonzero(np.diff(ids)) + 1), len(ids)]
+    pieces += [(row, first, end) for first, end in zip(edges[:-1], edges[1:])]
+  return pieces
+
+
+def alone_loss(graphdef, params, tokens_BxL1, ids_BxL1):
+  """Mean next-token loss of the batch with each document run alone from an empty state, in the parallel form."""
+  model = nnx.merge(graphdef, params)
+  total = 0.0
+  for row, first, end in documents(ids_BxL1):
+    piece_1xN = tokens_BxL1[row:row + 1, first:end + 1]
+    logits, _ = model(piece_1xN[:, :-1], mode="parallel")
+    total += losses.token_nll(logits, piece_1xN[:, 1:]).sum()
+  return total / tokens_BxL1[:, 1:].size
+
+
+@pytest.mark.parametrize("architecture,mode,segment_len", [
+    ("retnet", "parallel", 0), ("retnet", "chunkwise", 0), ("retnet", "chunkwise", 6), ("retnet", "parallel", 8),
+    ("transformer", "parallel", 0)])
+def test_the_loss_and_gradients_of_packed_rows_are_each_documents_alone(architecture, mode, segment_len):
+  model = tiny_model() if architecture == "retnet" else tiny_transformer()
+  graphdef, params = nnx.split(model)
+  tokens = jnp.asarray(random_tokens(*IDS.shape, seed=5))
+  batch = (tokens, None, jnp.asarray(IDS))
+  packed = jax.jit(jax.value_and_grad(lambda p: losses.token_loss(graphdef, p, batch, mode, segment_len=segment_len)))
+  loss, grads = packed(params)
+  expected, expected_grads = jax.jit(jax.value_and_grad(lambda p: alone_loss(graphdef, p, tokens, IDS)))(params)
+  assert abs(float(loss) - float(expected)) < 1e-5
+  plain = float(losses.token_loss(graphdef, params, tokens, mode, segment_len=segment_len))
+  assert abs(plain - float(expected)) > 1e-3  # the documents do matter
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(expected_grads))
+  assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads))
+             ) < 1e-4 * scale
+
+
+def test_a_train_step_with_gradient_accumulation_takes_the_documents_loss():
+  config = retnet_config.get_config("tiny")
+  config.data.reset_at_documents = True
+  config.train.update(batch_size=4, seq_len=20, grad_accum_steps=2)
+  config.mesh.shape = (2, 1, 1)
+  run = train_step.setup(config, sharding.make_mesh(config.mesh, jax.devices()[:2]))
+  tokens, ids = random_tokens(4, 21, seed=6), np.concatenate([IDS, IDS[::-1] + 10])
+  with run.placement.active():
+    state = run.init()
+    params = jax.device_get(state["params"])
+    batch = jax.device_put((tokens, None, ids), run.placement.batch_sharding)
+    _, metrics = run.train_step(state, batch)
+  expected = alone_loss(run.graphdef, params, jnp.asarray(tokens), ids)
+  assert abs(float(metrics["loss"]) - float(expected)) < 1e-5
+  with run.placement.active():
+    assert abs(float(run.eval_step(params, batch)) - float(expected)) < 1e-5
+
+
+def test_segment_ids_unlike_the_tokens_are_refused():
+  graphdef, params = nnx.split(tiny_model())
+  tokens = jnp.asarray(random_tokens(*IDS.shape))
+  with pytest.raises(ValueError, match=r"the batch's segment_ids \(like its tokens\) must be an integer array "
+                                       r"\[batch, seq\] = \[2, 21\].*got shape \(2, 20\)"):
+    losses.token_loss(graphdef, params, (tokens, None, jnp.asarray(IDS[:, 1:])), "parallel")
+  with pytest.raises(ValueError, match=r"got shape \(2, 21\) dtype float32"):
+    losses.token_loss(graphdef, params, (tokens, None, jnp.asarray(IDS, jnp.float32)), "parallel")
+
+
+def test_synthetic_rows_are_one_document_each():
+  config = retnet_config.get_config("tiny")
+  config.data.update(synthetic="mqar", reset_at_documents=True)
+  config.train.seq_len = 32
+  tokens, weights, ids = synthetic.batch(config, "train", 0, 4)
+  assert ids.shape == tokens.shape and ids.dtype == np.int32 and not ids.any()
+  graphdef, params = nnx.split(tiny_model())
+  with_ids = losses.token_loss(graphdef, params, (tokens, weights, ids), "chunkwise")
+  assert abs(float(with_ids) - float(losses.token_loss(graphdef, params, (tokens, weights), "chunkwise"))) < 1e-6
+  assert len(next(synthetic.SyntheticBatches(config, 4))) == 3
+
+
+def speeches(path, start, count):
+  """`path`: a JSON-lines file of `count` speeches (blank-line separated) of the shipped corpus from speech `start`."""
+  texts = CORPUS.read_text().split("\n\n")[start:start + count]
+  return write_jsonl(path, [{"text": text} for text in texts])
+
+
+def documents_config(directory, **train_overrides):
+  """The tiny run on speeches of the shipped corpus as JSON-lines rows, with `data.reset_at_documents`."""
+  config = tiny_config(directory, **train_overrides)
+  config.data.update(files=(str(speeches(directory / "train.jsonl", 0, 300)),),
+                     validation_files=(str(speeches(directory / "valid.jsonl", 300, 40)),), reset_at_documents=True)
+  return config
+
+
+def test_evaluation_in_every_form_and_by_position_within_documents(tmp_path):
+  config = documents_config(tmp_path)
+  model = tiny_model()
+  results = evaluate.evaluate_model(model, config, ("parallel", "chunkwise", "recurrent"), max_batches=2,
+                                    position_buckets=4)
+  _, valid = data.load_documents(config.data, tokenizer.ByteTokenizer())
+  sequences, ids = data.pack_split(valid, 32, "validation split", reset_at_documents=True)
+  rows = data.eval_rows(len(sequences), 8, 2).reshape(-1)
+  tokens, ids = sequences[rows], ids[rows]
+  nll_NxL = np.zeros((len(rows), 32))
+  for row, first, end in documents(ids):  # each document alone, in float64
+    logits, _ = model(jnp.asarray(tokens[row:row + 1, first:end]), mode="parallel")
+    nll_NxL[row, first:end] = losses.token_nll(logits, tokens[row:row + 1, first + 1:end + 1])[0]
+  assert len(documents(ids)) > 2 * len(rows)  # rows of several documents
+  bucket_NxL = np.asarray(segments.positions_in_document(ids[:, :-1])) // 8
+  for mode, metrics in results["modes"].items():
+    assert metrics["loss"] == pytest.approx(nll_NxL.mean(), abs=1e-5), mode
+    by_position = metrics["loss_by_position"]
+    assert [(b["start"], b["end"]) for b in by_position] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    for k, bucket in enumerate(by_position):
+      assert bucket["tokens"] == (bucket_NxL == k).sum()
+      assert bucket["loss"] == pytest.approx(nll_NxL[bucket_NxL == k].mean(), abs=1e-5), (mode, k)
+  assert results["modes_agree"]
+
+
+def test_a_run_with_documents_resumes_exactly(tmp_path, run_crashing_at_batch):
+  """8 steps straight vs 4 steps, a crash and a restart: identical losses; the documents change the losses."""
+  config = documents_config(tmp_path)
+  straight = train.train_and_evaluate(config, tmp_path / "straight")
+  run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")
+  resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+  straight_losses = read_metrics(tmp_path / "straight")
+  assert read_metrics(tmp_path / "resumed") == straight_losses and resumed["eval_loss"] == straight["eval_loss"]
+  config.data.reset_at_documents = False
+  config.train.steps = 1
+  train.train_and_evaluate(config, tmp_path / "plain")
+  assert abs(read_metrics(tmp_path / "plain")[1] - straight_losses[1]) > 1e-4
