@@ -45,12 +45,14 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
 
   Args:
     graphdef, params: the model, as `nnx.split` gives them.
-    batch: int32 tokens `[B, L + 1]`, or (tokens, weights `[B, L]`): then the weighted mean over the targets.
+    batch: int32 tokens `[B, L + 1]`, or (tokens, weights `[B, L]`): then the weighted mean over the targets; or
+      (tokens, weights or None, segment ids `[B, L + 1]`): packed documents, the inputs' ids passed to the model.
     mode: the retention form (`parallel`, `chunkwise`, `recurrent`).
     remat: `none` or a `model.REMAT_POLICIES` key: each block recomputed in the backward pass.
     segment_len: in (0, L): backpropagate through segments of this many tokens that carry the state, each
       under `jax.checkpoint`, so activation memory grows with the segment, not L; same loss and gradients to
-      float rounding. Otherwise whole sequences.
+      float rounding. Otherwise whole sequences. With segment ids, a row whose segment opens a document at its
+      first token starts that segment from the empty state.
   Returns:
     The scalar mean loss, float32.
   """
@@ -66,14 +68,13 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
   pad = num_segments * segment_len - length
   split = lambda x_BxL, mode="constant": jnp.pad(x_BxL, ((0, 0), (0, pad)), mode=mode).reshape(
       batch_size, num_segments, segment_len).swapaxes(0, 1)
-  empty = nnx.merge(graphdef, params).init_state(batch_size)
 
   # params enter as an argument, not a closure: a block's own `remat` must see them at this trace level.
   @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the recomputation
   def segment(params, state, xs):
     inputs, targets, weights, ids, opens_B = xs
     if ids is not None:  # a document opening on the segment's first token starts from the empty state
-      state = jax.tree.map(lambda x, e: jnp.where(opens_B.reshape((-1,) + (1,) * (x.ndim - 1)), e, x), state, empty)
+      state = segments.empty_rows(state, opens_B)
     logits, state = nnx.merge(graphdef, params)(inputs, mode=mode, state=state, remat=remat, segment_ids=ids)
     return state, jnp.sum(token_nll(logits, targets) * weights)
 
@@ -83,7 +84,7 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
     opens_KxB = segments.starts(ids_BxL)[:, ::segment_len].T
   xs = (split(inputs_BxL), split(targets_BxL), split(weights), None if ids_BxL is None else split(ids_BxL, "edge"),
         opens_KxB)
-  _, sums = jax.lax.scan(functools.partial(segment, params), empty, xs)
+  _, sums = jax.lax.scan(functools.partial(segment, params), nnx.merge(graphdef, params).init_state(batch_size), xs)
   return sums.sum() / (batch_size * length if weights_BxL is None else jnp.sum(weights_BxL))
 
 
