@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax import (architectures, data, dispatch, losses, presets, segments, sharding, synthetic,
-                        tokenizer as tokenizer_lib, train_state)
+                        tokenizer as tokenizer_lib, train_state, train_step)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
 # relative; bfloat16 rounds each product to 8 mantissa bits.
@@ -83,6 +83,7 @@ def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, positi
   if unknown:
     raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
   check_position_buckets(seq_len, position_buckets)
+  train_step.check_documents(config, modes, "--mode")
   train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
   if task := config.data.synthetic:
     synthetic.check_config(config)

@@ -208,6 +208,16 @@ def test_segment_ids_unlike_the_tokens_are_refused():
     losses.token_loss(graphdef, params, (tokens, None, jnp.asarray(IDS, jnp.float32)), "parallel")
 
 
+def test_the_torchscale_chunkwise_form_is_refused_before_evaluating():
+  config = retnet_config.get_config("tiny")
+  config.data.reset_at_documents = True
+  config.model.stability_norm_style = "torchscale"
+  evaluate.check_request(config, ("parallel", "recurrent"), 32)
+  with pytest.raises(ValueError, match=r"cannot reset the chunkwise form \(--mode\) of "
+                                       r"model.stability_norm_style='torchscale'.*data.reset_at_documents=False"):
+    evaluate.check_request(config, ("parallel", "chunkwise"), 32)
+
+
 def test_synthetic_rows_are_one_document_each():
   config = retnet_config.get_config("tiny")
   config.data.update(synthetic="mqar", reset_at_documents=True)
