@@ -114,6 +114,9 @@ def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.To
   return batches, lambda: data.eval_batches(valid_sequences, eval_batch, num_eval, batch_sharding, valid_ids)
 
 
+# Data fields added since checkpoints were first written -> the value a checkpoint without the field was trained with.
+ADDED_DATA_FIELDS = {"reset_at_documents": False}
+
 # errno -> (what went wrong with the workdir's disk, the fix)
 _DISK_FAULTS = {
     errno.ENOSPC: ("its disk is full", "free space there (or move the workdir to a disk with room)"),
@@ -175,8 +178,7 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
     step, (state, meta) = restored
     batches.set_state(meta["data"])
     metrics.log(f"resumed from {checkpointer.directory}/{step} (data position {meta['data']})")
-    changed = [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
-               if _field(meta["config"], name) != _field(config.to_dict(), name)]
+    changed = changed_data_fields(meta["config"], config)
     if changed:
       metrics.log(f"WARNING: {', '.join(changed)} changed since the checkpoint: the data position continues, but "
                   "the batches are no longer those an uninterrupted run would have seen.")
@@ -189,6 +191,14 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
   metrics.log(f"initialised {_count_params(state['params']):,} parameters on mesh "
               f"{dict(run.placement.mesh.shape)}; training from step 0")
   return state
+
+
+def changed_data_fields(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
+  """The fields that choose the batches (`train.seq_len`, `train.batch_size`, `seed`, `data`) on which a checkpoint's
+  config `saved` differs from `config`; a data field the checkpoint predates counts as its value then."""
+  saved = {**saved, "data": {**ADDED_DATA_FIELDS, **saved.get("data", {})}}
+  return [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
+          if _field(saved, name) != _field(config.to_dict(), name)]
 
 
 def _field(config: dict, dotted: str) -> str:

@@ -281,3 +281,12 @@ def test_a_run_with_documents_resumes_exactly(tmp_path, run_crashing_at_batch):
   config.train.steps = 1
   train.train_and_evaluate(config, tmp_path / "plain")
   assert abs(read_metrics(tmp_path / "plain")[1] - straight_losses[1]) > 1e-4
+
+
+def test_a_checkpoint_from_before_the_flag_resumes_without_a_data_warning():
+  config = retnet_config.get_config("tiny")
+  saved = config.to_dict()
+  del saved["data"]["reset_at_documents"]
+  assert train.changed_data_fields(saved, config) == []
+  config.data.reset_at_documents = True
+  assert train.changed_data_fields(saved, config) == ["data"]
