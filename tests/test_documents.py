@@ -198,6 +198,26 @@ def test_a_train_step_with_gradient_accumulation_takes_the_documents_loss():
   assert abs(float(metrics["loss"]) - expected) < 1e-5 and abs(evaluated - expected) < 1e-5
 
 
+@pytest.mark.slow
+def test_a_train_step_split_over_sequence_takes_the_documents_loss():
+  """Mesh (2, 1, 1, 4): each row of 64 tokens in slices of 16, documents crossing slices and one opening on a slice
+  edge; the chunkwise form's slice states combine only within a document."""
+  config = retnet_config.get_config("tiny")
+  config.data.reset_at_documents = True
+  config.train.update(batch_size=2, seq_len=64, mode="chunkwise")
+  config.mesh.shape = (2, 1, 1, 4)
+  run = train_step.setup(config, sharding.make_mesh(config.mesh, jax.devices()))
+  ids = np.cumsum([np.isin(np.arange(65), starts) for starts in ([5, 16, 30, 47], [9, 33, 34, 60])], axis=1,
+                  dtype=np.int32)
+  tokens = random_tokens(2, 65, seed=7)
+  with run.placement.active():
+    state = run.init()
+    params = jax.device_get(state["params"])
+    _, metrics = run.train_step(state, jax.device_put((tokens, None, ids), run.placement.batch_sharding))
+  expected = float(alone_nll(nnx.merge(run.graphdef, params), tokens, ids).mean())
+  assert abs(float(metrics["loss"]) - expected) < 1e-5
+
+
 def test_segment_ids_unlike_the_tokens_are_refused():
   graphdef, params = nnx.split(tiny_model())
   tokens = jnp.asarray(random_tokens(*IDS.shape))
