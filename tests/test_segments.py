@@ -8,7 +8,9 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from retnet_jax import losses, retention, segments, sequence_parallel
+from configs import retnet as retnet_config
+from retnet_jax import losses, retention, segments, sequence_parallel, sharding
+from retnet_jax.model import RetNet
 from tests import helpers
 from tests.test_retention import reference
 
@@ -276,3 +278,21 @@ def test_bad_segment_ids_are_refused_before_any_work():
     retention.chunkwise_retention(q, q, q, jnp.asarray(LOG_DECAY), 2, segment_ids=jnp.zeros((5,), jnp.int32))
   with pytest.raises(ValueError, match=r"\[batch, seq\] = \[2, 5\].*got shape \(2, 4\)"):  # tokens [B, L + 1]
     losses.token_loss(*nnx.split(model), tokens, "parallel", segment_ids=jnp.zeros((2, 4), jnp.int32))
+
+
+@pytest.mark.devices(8)
+def test_model_split_over_sequence_matches_one_device():
+  """RetNet with packed documents on mesh (2, 1, 1, 4) (each 32-token row over 4 devices in chunks of 4, documents
+  crossing slices) gives the logits and final state of one device, after a carried-in state."""
+  config = retnet_config.get_config("tiny")
+  config.model.update(chunk_size=4, num_layers=1)
+  config.mesh.shape = (2, 1, 1, 4)
+  model = RetNet(config.model, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(helpers.random_tokens(2, 3 + 32))
+  _, carried = forward(model, tokens[:, :3], None, "chunkwise")
+  expected = forward(model, tokens[:, 3:], carried, "chunkwise", jnp.asarray(MESH_IDS))
+  with sharding.placement(config.mesh, jax.devices()[:8]).active():
+    assert sharding.sequence_split() == ("sequence", 4)
+    got = forward(model, tokens[:, 3:], carried, "chunkwise", jnp.asarray(MESH_IDS))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    assert rel_err(a, b) < 1e-5, rel_err(a, b)
