@@ -55,8 +55,9 @@ def model_positions(segment_ids_BxL: jax.Array, position_B: jax.Array) -> jax.Ar
 
 
 def empty_rows(state, empty_B: jax.Array):
-  """`state` (any tree of arrays `[batch, ...]`) zeroed in the rows where `empty_B`: a model's empty state there
-  (position 0, no retention state), for a row whose next call opens a new document at its first token."""
+  """A model's `state` zeroed in the rows where `empty_B` (arrays `[batch, ...]`; scalars, such as a KV cache's next
+  slot, kept): position 0 and no retention state there (a Transformer's cached slots then read as left padding),
+  for a row whose next call opens a new document at its first token."""
   def empty(x):
-    return jnp.where(empty_B.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+    return x if x.ndim == 0 else jnp.where(empty_B.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
   return jax.tree.map(empty, state)
