@@ -249,8 +249,8 @@ def test_segmented_loss_matches_whole_sequences():
   graphdef, params = nnx.split(model)
   tokens = jnp.asarray(helpers.random_tokens(2, 25))
   ids = jnp.asarray([[0] * 8 + [1] + [2] * 8 + [3] * 8, [4] * 4 + [5] * 21], jnp.int32)  # a start at 8
-  loss = jax.jit(jax.value_and_grad(lambda p, n, ids: losses.token_loss(graphdef, p, tokens, "chunkwise",
-                                                                        segment_len=n, segment_ids=ids)),
+  loss = jax.jit(jax.value_and_grad(lambda p, n, ids: losses.token_loss(graphdef, p, (tokens, None, ids), "chunkwise",
+                                                                        segment_len=n)),
                  static_argnums=1)
   whole, whole_grads = loss(params, 0, ids)
   got, grads = loss(params, 8, ids)
@@ -277,7 +277,7 @@ def test_bad_segment_ids_are_refused_before_any_work():
   with pytest.raises(ValueError, match=r"\[batch, seq\] = \[2, 5\]"):
     retention.chunkwise_retention(q, q, q, jnp.asarray(LOG_DECAY), 2, segment_ids=jnp.zeros((5,), jnp.int32))
   with pytest.raises(ValueError, match=r"\[batch, seq\] = \[2, 5\].*got shape \(2, 4\)"):  # tokens [B, L + 1]
-    losses.token_loss(*nnx.split(model), tokens, "parallel", segment_ids=jnp.zeros((2, 4), jnp.int32))
+    losses.token_loss(*nnx.split(model), (tokens, None, jnp.zeros((2, 4), jnp.int32)), "parallel")
 
 
 @pytest.mark.devices(8)
