@@ -49,13 +49,18 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> None:
   """Refuses `data.reset_at_documents` with forms of `modes` (set by `option`) that cannot reset: the torchscale-style
-  chunkwise normaliser, whose per-chunk scalars span documents."""
+  chunkwise normaliser, whose per-chunk scalars span documents, and a Transformer's recurrent (decoding) step."""
   model = config.model
-  if (config.data.reset_at_documents and "chunkwise" in modes and model.get("stability_norm", False)
-      and model.get("stability_norm_style") == "torchscale"):
+  if not config.data.reset_at_documents:
+    return
+  if "chunkwise" in modes and model.get("stability_norm", False) and model.get("stability_norm_style") == "torchscale":
     raise ValueError(f"data.reset_at_documents=True cannot reset the chunkwise form ({option}) of "
                      "model.stability_norm_style='torchscale' (its per-chunk scalars span documents); use the "
                      "parallel or recurrent form, model.stability_norm_style='shared', or "
+                     "data.reset_at_documents=False.")
+  if "recurrent" in modes and architectures.architecture(model) == "transformer":
+    raise ValueError(f"data.reset_at_documents=True cannot reset a Transformer's recurrent form ({option}), whose "
+                     "decoding step attends over its whole cache; use the parallel form, or "
                      "data.reset_at_documents=False.")
 
 

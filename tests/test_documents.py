@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
+from configs import transformer as transformer_config
 from retnet_jax import data, evaluate, losses, segments, sharding, synthetic, tokenizer, train, train_step
 from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config, tiny_model, tiny_transformer
 from tests.test_data import bpe_path, byte_tokens, data_config, write_jsonl  # noqa: F401  (bpe_path: a fixture)
@@ -228,7 +229,7 @@ def test_segment_ids_unlike_the_tokens_are_refused():
     losses.token_loss(graphdef, params, (tokens, None, jnp.asarray(IDS, jnp.float32)), "parallel")
 
 
-def test_the_torchscale_chunkwise_form_is_refused_before_evaluating():
+def test_forms_that_cannot_reset_are_refused_before_evaluating():
   config = retnet_config.get_config("tiny")
   config.data.reset_at_documents = True
   config.model.stability_norm_style = "torchscale"
@@ -236,6 +237,12 @@ def test_the_torchscale_chunkwise_form_is_refused_before_evaluating():
   with pytest.raises(ValueError, match=r"cannot reset the chunkwise form \(--mode\) of "
                                        r"model.stability_norm_style='torchscale'.*data.reset_at_documents=False"):
     evaluate.check_request(config, ("parallel", "chunkwise"), 32)
+  config = transformer_config.get_config("tiny")
+  config.data.reset_at_documents = True
+  evaluate.check_request(config, ("parallel",), 32)
+  with pytest.raises(ValueError, match=r"cannot reset a Transformer's recurrent form \(--mode\), whose decoding "
+                                       r"step attends over its whole cache; use the parallel form"):
+    evaluate.check_request(config, ("parallel", "recurrent"), 32)
 
 
 def test_synthetic_rows_are_one_document_each():
