@@ -5,6 +5,13 @@
     batches = BatchIterator(pack(train_N, seq_len), batch_size, seed, sharding)
     tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
 
+With `data.reset_at_documents`, `load_documents` also gives where each document starts (a `.txt` file, a JSON-lines
+or Parquet row, a hub dataset row), `pack_split` packs the per-token document ids beside the tokens, and a batch is
+`(tokens, None, document ids)`, both `[batch, seq_len + 1]` (`losses.Batch`). A separator (the tokenizer's eos_id)
+opens the document after it, so every target is predicted from its own document: the separator from the document
+it ends, a document's first token from the separator alone, as from a BOS. Without a separator (the byte
+tokenizer) a document's first token is predicted from the end of the previous one: that one target crosses.
+
 Files are read and tokenized with HF `datasets`; batches are a deterministic function of (seed, epoch, index),
 so a run resumed from `get_state()` sees exactly the batches an uninterrupted run would. A synthetic task's
 batches (`data.synthetic`) come from `retnet_jax.synthetic` instead, placed by the same `global_array`.
@@ -16,7 +23,7 @@ import glob
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import datasets
 import jax
@@ -35,11 +42,25 @@ DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespe
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
+class Split(NamedTuple):
+  """A token stream and where its documents start."""
+  tokens: np.ndarray  # int32 [num_tokens]
+  starts: np.ndarray  # int64 [num_documents]: each document's first token (the separator opening it), from 0
+
+
 def load_splits(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-  """(train, valid) int32 token streams `[num_tokens]` from `config.data`.
+  """(train, valid) int32 token streams `[num_tokens]` from `config.data`: the tokens of `load_documents`."""
+  train, valid = load_documents(data_cfg, tokenizer)
+  return train.tokens, valid.tokens
+
+
+def load_documents(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[Split, Split]:
+  """(train, valid) `Split`s from `config.data`.
 
   Sources: `files`, else `hub_dataset`, else the shipped corpus. Validation: the `validation_files`, else
-  the last `validation_fraction` of the stream (a fixed split, so it never overlaps training data).
+  the last `validation_fraction` of the stream (a fixed split, so it never overlaps training data; the document
+  it cuts ends the training split and opens the validation split). With `reset_at_documents`, training data of
+  one document is refused: nothing would reset.
   """
   files, hub_dataset = _as_tuple(data_cfg.files), data_cfg.hub_dataset
   validation_files, fraction = _as_tuple(data_cfg.validation_files), data_cfg.validation_fraction
@@ -47,22 +68,45 @@ def load_splits(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tu
     raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {fraction}. "
                      "Set it to e.g. 0.1, or give data.validation_files.")
   if files:
-    tokens = _load_files(files, "data.files", data_cfg.text_field, tokenizer)
+    source, split = "data.files", _load_files(files, "data.files", data_cfg.text_field, tokenizer)
   elif hub_dataset:
-    tokens = _load_hub(hub_dataset, data_cfg.hub_config, data_cfg.text_field, tokenizer)
+    source, split = f"data.hub_dataset={hub_dataset!r}", _load_hub(hub_dataset, data_cfg.hub_config,
+                                                                   data_cfg.text_field, tokenizer)
   else:
     if not DEFAULT_CORPUS.is_file():
       raise FileNotFoundError(f"the shipped corpus {DEFAULT_CORPUS} is missing (data/ is not installed with "
                               "the package); set data.files to your own text files or run from the repository.")
-    tokens = _load_files((str(DEFAULT_CORPUS),), "the shipped corpus", data_cfg.text_field, tokenizer)
+    source = "the shipped corpus (data.files empty)"
+    split = _load_files((str(DEFAULT_CORPUS),), source, data_cfg.text_field, tokenizer)
+  if data_cfg.reset_at_documents and len(split.starts) == 1:
+    raise ValueError(f"data.reset_at_documents=True but {source} holds a single document (a .txt file is one, a "
+                     "JSON-lines, Parquet or hub dataset row one each), so nothing would reset; give several files "
+                     "or rows, or set data.reset_at_documents=False.")
 
   if validation_files:
-    return tokens, _load_files(validation_files, "data.validation_files", data_cfg.text_field, tokenizer)
+    return split, _load_files(validation_files, "data.validation_files", data_cfg.text_field, tokenizer)
+  tokens, starts = split
   num_valid = int(len(tokens) * fraction)
   if num_valid == 0 or num_valid == len(tokens):
     raise ValueError(f"data.validation_fraction={fraction} of {len(tokens)} tokens leaves an empty split; "
                      "use more data, another fraction, or data.validation_files.")
-  return tokens[:-num_valid], tokens[-num_valid:]
+  cut = len(tokens) - num_valid
+  return (Split(tokens[:-num_valid], starts[starts < cut]),
+          Split(tokens[-num_valid:], np.concatenate([[0], starts[starts > cut] - cut])))
+
+
+def document_ids(split: Split) -> np.ndarray:
+  """int32 `[num_tokens]`: each token's document, counted from 0 along the stream."""
+  opens = np.zeros(len(split.tokens), np.int32)
+  opens[split.starts[1:]] = 1
+  return np.cumsum(opens, dtype=np.int32)
+
+
+def pack_split(split: Split, seq_len: int, name: str, reset_at_documents: bool
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+  """`pack` of the split's tokens and, with `reset_at_documents`, of its document ids (else None) alike."""
+  sequences = pack(split.tokens, seq_len, name)
+  return sequences, pack(document_ids(split), seq_len, name) if reset_at_documents else None
 
 
 def _as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -86,7 +130,7 @@ def _expand(files: Sequence[str], source: str) -> list[str]:
   return expanded
 
 
-def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> np.ndarray:
+def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> Split:
   """Token stream of local files in order (glob patterns expanded); the cache lives in a temporary directory."""
   files = _expand(files, source)
   for file in files:
@@ -100,7 +144,7 @@ def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: T
                        f"use one of {tuple(BUILDERS)}.")
     if path.stat().st_size == 0:
       raise ValueError(f"{source}: {file!r} is empty; remove it or add text.")
-  streams = []
+  splits = []
   with tempfile.TemporaryDirectory(prefix="retnet_jax_data_") as cache_dir:
     for file in files:
       builder = BUILDERS[Path(file).suffix.lower()]
@@ -112,14 +156,14 @@ def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: T
         raise ValueError(f"{source}: {file!r} could not be read as {builder} ({e.__cause__ or e}); "
                          "check the file format.") from e
       field = "text" if builder == "text" else text_field
-      stream = _tokenize(dataset, field, tokenizer, f"{source}: {file!r}")
-      if not len(stream):
+      split = _tokenize(dataset, field, tokenizer, f"{source}: {file!r}")
+      if not len(split.tokens):
         raise ValueError(f"{source}: {file!r} holds no text in field {field!r}; remove it or add text.")
-      streams.append(stream)
-  return _join(streams, tokenizer.eos_id)
+      splits.append(split)
+  return _join(splits, tokenizer.eos_id)
 
 
-def _load_hub(name: str, config_name: str | None, text_field: str, tokenizer: Tokenizer) -> np.ndarray:
+def _load_hub(name: str, config_name: str | None, text_field: str, tokenizer: Tokenizer) -> Split:
   """Token stream of a hub dataset's train split (downloaded into the usual HF cache)."""
   try:
     dataset = datasets.load_dataset(name, config_name, split="train")
@@ -129,14 +173,14 @@ def _load_hub(name: str, config_name: str | None, text_field: str, tokenizer: To
   except datasets.exceptions.DatasetNotFoundError as e:
     raise FileNotFoundError(f"data.hub_dataset={name!r} was not found on the hub ({e}); check the name and "
                             "data.hub_config, or use local files with data.files.") from e
-  stream = _tokenize(dataset, text_field, tokenizer, f"data.hub_dataset={name!r}")
-  if not len(stream):
+  split = _tokenize(dataset, text_field, tokenizer, f"data.hub_dataset={name!r}")
+  if not len(split.tokens):
     raise ValueError(f"data.hub_dataset={name!r} holds no text in field {text_field!r}; check data.text_field.")
-  return stream
+  return split
 
 
-def _tokenize(dataset: datasets.Dataset, field: str, tokenizer: Tokenizer, source: str) -> np.ndarray:
-  """int32 `[num_tokens]`: the dataset's non-empty documents in order, joined by the tokenizer's eos_id."""
+def _tokenize(dataset: datasets.Dataset, field: str, tokenizer: Tokenizer, source: str) -> Split:
+  """The dataset's non-empty documents (rows) in order, joined by the tokenizer's eos_id."""
   if field not in dataset.column_names:
     raise ValueError(f"{source} has no field {field!r} (fields: {dataset.column_names}); "
                      "set data.text_field to the field holding the text.")
@@ -157,16 +201,25 @@ def _tokenize(dataset: datasets.Dataset, field: str, tokenizer: Tokenizer, sourc
 
   ids = dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
                     desc="Tokenizing")
-  stream = pc.list_flatten(ids.with_format("arrow")["ids"]).to_numpy().astype(np.int32)
-  return stream[:-1] if len(eos) and len(stream) else stream  # separators between documents, not after the last
+  column = ids.with_format("arrow")["ids"]
+  stream = pc.list_flatten(column).to_numpy().astype(np.int32)
+  lengths = pc.list_value_length(column).to_numpy()
+  ends = np.cumsum(lengths[lengths > 0])  # each document's end, after its separator
+  starts = np.concatenate([[0], ends[:-1] - len(eos)])  # a separator opens the next document
+  # separators between documents, not after the last
+  return Split(stream[:-1], starts) if len(eos) and len(stream) else Split(stream, starts)
 
 
-def _join(streams: Sequence[np.ndarray], eos_id: int | None) -> np.ndarray:
-  """Concatenation of token streams, with `eos_id` between consecutive ones when the tokenizer has it."""
+def _join(splits: Sequence[Split], eos_id: int | None) -> Split:
+  """Concatenation of splits, with `eos_id` between consecutive ones (opening the next) when the tokenizer has it."""
+  streams, gap = [split.tokens for split in splits], int(eos_id is not None)
+  offsets = np.cumsum([0] + [len(stream) + gap for stream in streams[:-1]])
+  starts = [np.concatenate([[max(offset - gap, 0)], split.starts[1:] + offset])
+            for split, offset in zip(splits, offsets)]
   if eos_id is not None:
     separator = np.asarray([eos_id], dtype=np.int32)
     streams = [part for stream in streams for part in (separator, stream)][1:]
-  return np.concatenate(streams)
+  return Split(np.concatenate(streams), np.concatenate(starts))
 
 
 def pack(tokens: np.ndarray, seq_len: int, split: str = "data") -> np.ndarray:
@@ -206,16 +259,27 @@ def global_array(sequences: np.ndarray, rows: np.ndarray,
   return jax.make_array_from_process_local_data(sharding, sequences[rows[local]], global_shape)
 
 
-def _check_batch(sequences: np.ndarray, global_batch_size: int, split: str) -> None:
+def _check_batch(sequences: np.ndarray, global_batch_size: int, split: str,
+                 document_ids: np.ndarray | None = None) -> None:
   if sequences.ndim != 2:
     raise ValueError(f"{split} sequences must be packed as [num_sequences, seq_len + 1]; "
                      f"got shape {sequences.shape}. Use pack().")
+  if document_ids is not None and document_ids.shape != sequences.shape:
+    raise ValueError(f"{split} document_ids of shape {document_ids.shape} do not match the sequences' "
+                     f"{sequences.shape}; pack both with pack_split().")
   if global_batch_size < 1:
     raise ValueError(f"train.batch_size must be a positive integer; got {global_batch_size}.")
   if len(sequences) < global_batch_size:
     raise ValueError(f"the {split} data holds {len(sequences)} sequences, fewer than one batch of "
                      f"train.batch_size={global_batch_size}; use a smaller train.batch_size or train.seq_len, "
                      "or more data.")
+
+
+def _batch(sequences: np.ndarray, document_ids: np.ndarray | None, rows: np.ndarray,
+           sharding: jax.sharding.NamedSharding | None) -> jax.Array | tuple[jax.Array, None, jax.Array]:
+  """The tokens of `rows`, or with `document_ids` the `losses.Batch` `(tokens, None, document ids)`."""
+  tokens = global_array(sequences, rows, sharding)
+  return tokens if document_ids is None else (tokens, None, global_array(document_ids, rows, sharding))
 
 
 class BatchIterator:
@@ -225,13 +289,16 @@ class BatchIterator:
   shuffling), in consecutive batches; the last incomplete batch of an epoch is dropped. The position is
   (epoch, index of the next batch in the epoch), saved by `get_state` and restored by `set_state`.
   With `sharding`, each process reads only its own rows and the result is one global jax.Array; without,
-  it is the whole batch as a plain single-host array.
+  it is the whole batch as a plain single-host array. With `document_ids` (`pack_split`'s, the sequences'
+  shape) a batch is `(tokens, None, document ids)`, the ids of the same rows placed alike.
   """
 
   def __init__(self, sequences: np.ndarray, global_batch_size: int, seed: int,
-               sharding: jax.sharding.NamedSharding | None = None, shuffle: bool = True):
+               sharding: jax.sharding.NamedSharding | None = None, shuffle: bool = True,
+               document_ids: np.ndarray | None = None):
     self.sequences = np.asarray(sequences, dtype=np.int32)
-    _check_batch(self.sequences, global_batch_size, "training")
+    self.document_ids = None if document_ids is None else np.asarray(document_ids, dtype=np.int32)
+    _check_batch(self.sequences, global_batch_size, "training", self.document_ids)
     process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fail early, not at next()
     self.global_batch_size = global_batch_size
     self.seed = seed
@@ -250,16 +317,16 @@ class BatchIterator:
       self._order_epoch = self.epoch
     return self._order
 
-  def __iter__(self) -> Iterator[jax.Array]:
+  def __iter__(self) -> Iterator[jax.Array | tuple[jax.Array, None, jax.Array]]:
     return self
 
-  def __next__(self) -> jax.Array:
+  def __next__(self) -> jax.Array | tuple[jax.Array, None, jax.Array]:
     start = self.index * self.global_batch_size
     rows = self._epoch_order()[start:start + self.global_batch_size]
     self.index += 1
     if self.index == self.num_batches_per_epoch:
       self.epoch, self.index = self.epoch + 1, 0
-    return global_array(self.sequences, rows, self.sharding)
+    return _batch(self.sequences, self.document_ids, rows, self.sharding)
 
   def get_state(self) -> dict[str, int]:
     """Position of the next batch, for checkpoints."""
@@ -288,15 +355,18 @@ def eval_rows(num_sequences: int, global_batch_size: int, max_batches: int | Non
 
 
 def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int | None,
-                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[jax.Array]:
-  """The validation batches `[global_batch_size, seq_len + 1]` of `eval_rows` (all when `max_batches` is None).
+                 sharding: jax.sharding.NamedSharding | None = None, document_ids: np.ndarray | None = None
+                 ) -> Iterator[jax.Array | tuple[jax.Array, None, jax.Array]]:
+  """The validation batches `[global_batch_size, seq_len + 1]` of `eval_rows` (all when `max_batches` is None),
+  with `document_ids` as `BatchIterator` gives them.
 
   Checks run on the call, not on the first `next()`.
   """
   sequences = np.asarray(sequences, dtype=np.int32)
-  _check_batch(sequences, global_batch_size, "validation")
+  document_ids = None if document_ids is None else np.asarray(document_ids, dtype=np.int32)
+  _check_batch(sequences, global_batch_size, "validation", document_ids)
   rows_NxB = eval_rows(len(sequences), global_batch_size, max_batches)
-  return (global_array(sequences, rows, sharding) for rows in rows_NxB)
+  return (_batch(sequences, document_ids, rows, sharding) for rows in rows_NxB)
 
 
 def check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:

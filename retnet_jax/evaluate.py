@@ -21,8 +21,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import (architectures, data, dispatch, losses, presets, sharding, synthetic, tokenizer as tokenizer_lib,
-                        train_state)
+from retnet_jax import (architectures, data, dispatch, losses, presets, segments, sharding, synthetic,
+                        tokenizer as tokenizer_lib, train_state, train_step)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
 # relative; bfloat16 rounds each product to 8 mantissa bits.
@@ -36,14 +36,26 @@ def count_bytes(tokenizer: tokenizer_lib.Tokenizer, targets_NxL: np.ndarray) -> 
   return sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets_NxL)
 
 
+def position_buckets_of(segment_ids_BxL1, buckets: int):
+  """Each input's position bucket `[B, L]` (int32): its position within its document, in `buckets` equal buckets of
+  the `L` positions."""
+  width = (segment_ids_BxL1.shape[1] - 1) // buckets
+  return segments.positions_in_document(segment_ids_BxL1[:, :-1]) // width
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "buckets"))
-def bucket_nll(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str, buckets: int
+def bucket_nll(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str, buckets: int
                ) -> tuple[jax.Array, jax.Array]:
   """Summed next-token NLL per sequence and position bucket `[B, buckets]` (float32; bucket k holds the inputs'
-  positions `[k L / buckets, (k + 1) L / buckets)`) and the logits of the last position `[B, V]`."""
-  logits, _ = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1], mode=mode)
-  nll_BxL = losses.token_nll(logits, tokens_BxL1[:, 1:])
-  return nll_BxL.reshape(nll_BxL.shape[0], buckets, -1).sum(axis=-1), logits[:, -1]
+  positions `[k L / buckets, (k + 1) L / buckets)`, with segment ids their positions within their documents) and
+  the logits of the last position `[B, V]`."""
+  nll_BxL, logits = losses.batch_nll(graphdef, params, batch, mode)
+  segment_ids_BxL1 = losses.split_batch(batch)[2]
+  if segment_ids_BxL1 is None:
+    return nll_BxL.reshape(nll_BxL.shape[0], buckets, -1).sum(axis=-1), logits[:, -1]
+  rows_Bx1 = jnp.arange(nll_BxL.shape[0])[:, None]
+  sums_BxK = jnp.zeros((nll_BxL.shape[0], buckets), jnp.float32)
+  return sums_BxK.at[rows_Bx1, position_buckets_of(segment_ids_BxL1, buckets)].add(nll_BxL), logits[:, -1]
 
 
 def check_position_buckets(seq_len: int, buckets: int) -> None:
@@ -71,6 +83,7 @@ def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, positi
   if unknown:
     raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
   check_position_buckets(seq_len, position_buckets)
+  train_step.check_documents(config, modes, "--mode")
   train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
   if task := config.data.synthetic:
     synthetic.check_config(config)
@@ -80,14 +93,14 @@ def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, positi
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode"))
-def answer_stats(graphdef: nnx.GraphDef, params, batch: tuple[jax.Array, jax.Array], mode: str
+def answer_stats(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per sequence of a `(tokens [B, L + 1], weights [B, L])` batch: the weighted NLL sum `[B]`, the logits of the
-  last position `[B, V]`, and the weighted count of targets whose logits' argmax is the target `[B]`."""
-  tokens_BxL1, weights_BxL = batch
-  logits_BxLxV, _ = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1], mode=mode)
+  """Per sequence of a `(tokens [B, L + 1], weights [B, L][, segment ids])` batch: the weighted NLL sum `[B]`, the
+  logits of the last position `[B, V]`, and the weighted count of targets whose logits' argmax is the target `[B]`."""
+  tokens_BxL1, weights_BxL, _ = losses.split_batch(batch)
+  nll_BxL, logits_BxLxV = losses.batch_nll(graphdef, params, batch, mode)
   targets_BxL = tokens_BxL1[:, 1:]
-  nll_B = jnp.sum(losses.token_nll(logits_BxLxV, targets_BxL) * weights_BxL, axis=-1)
+  nll_B = jnp.sum(nll_BxL * weights_BxL, axis=-1)
   hits_B = jnp.sum((jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL) * weights_BxL, axis=-1)
   return nll_B, logits_BxLxV[:, -1], hits_B
 
@@ -107,10 +120,13 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     seq_len: tokens per validation sequence (None: `train.seq_len`); it may exceed the training length. Text only.
     position_buckets: 0, or a count K dividing `seq_len`: each mode also reports the mean loss of the positions
       `[k L / K, (k + 1) L / K)` of every sequence (position p predicts token p + 1 from tokens 0 to p). Text only.
+      With `data.reset_at_documents`, positions within each document (its first token's is 0), and a bucket no
+      input falls in is left out.
   Returns:
     `{"seq_len", "tokens", "bytes", "sequences", "modes": {mode: {loss, perplexity, bits_per_token,
     bits_per_byte}}}` plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`,
-    `modes_agree`; with `position_buckets`, each mode's `loss_by_position`: a list of `{"start", "end", "loss"}`.
+    `modes_agree`; with `position_buckets`, each mode's `loss_by_position`: a list of `{"start", "end", "loss",
+    "tokens"}` (`tokens`: the inputs in the bucket).
     With `data.synthetic` (e.g. `mqar`): `{"task", "answers", "sequences", "modes": {mode: {loss, perplexity,
     bits_per_token, mqar_accuracy}}}`, the loss over the answers only and `TASK_accuracy` the fraction of answers
     whose logits' argmax is the answer (exact recall), plus the same agreement keys.
@@ -125,19 +141,25 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
   if task:
     batches = list(synthetic.eval_batches(config, batch_size, max_batches or config.train.eval_batches,
                                           placement.batch_sharding))
-    num_sequences, num_tokens = batch_size * len(batches), int(sum(float(weights.sum()) for _, weights in batches))
+    num_sequences, num_tokens = batch_size * len(batches), int(sum(float(batch[1].sum()) for batch in batches))
     results: dict[str, Any] = {"task": task, "answers": num_tokens, "sequences": num_sequences, "modes": {}}
   else:
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
-    _, valid_tokens = data.load_splits(config.data, tokenizer)
+    _, valid_split = data.load_documents(config.data, tokenizer)
+    valid_tokens = valid_split.tokens
     if len(valid_tokens) // (seq_len + 1) < batch_size and seq_len != config.train.seq_len:
       raise ValueError(f"the validation split holds {len(valid_tokens)} tokens: {len(valid_tokens) // (seq_len + 1)} "
                        f"sequences of --eval_seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of {batch_size} "
                        "(train.batch_size / train.grad_accum_steps); use a shorter --eval_seq_len, a smaller "
                        "--config.train.batch_size, or more validation data (--config.data.validation_files).")
-    sequences = data.pack(valid_tokens, seq_len, "validation split")
-    batches = list(data.eval_batches(sequences, batch_size, max_batches, placement.batch_sharding))
-    targets = sequences[data.eval_rows(len(sequences), batch_size, max_batches).reshape(-1), 1:]
+    sequences, ids = data.pack_split(valid_split, seq_len, "validation split", config.data.reset_at_documents)
+    batches = list(data.eval_batches(sequences, batch_size, max_batches, placement.batch_sharding, ids))
+    rows = data.eval_rows(len(sequences), batch_size, max_batches).reshape(-1)
+    targets = sequences[rows, 1:]
+    if position_buckets:  # inputs per bucket: every sequence's `width`, or by positions within documents
+      bucket_tokens = (np.full(position_buckets, len(rows) * (seq_len // position_buckets)) if ids is None else
+                       np.bincount(np.asarray(position_buckets_of(ids[rows], position_buckets)).reshape(-1),
+                                   minlength=position_buckets))
     num_sequences, num_tokens, num_bytes = len(targets), int(targets.size), count_bytes(tokenizer, targets)
     results = {"seq_len": seq_len, "tokens": num_tokens, "bytes": num_bytes, "sequences": num_sequences,
                "modes": {}}
@@ -163,8 +185,8 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
       if position_buckets:
         width = seq_len // position_buckets
         results["modes"][mode]["loss_by_position"] = [
-            {"start": k * width, "end": (k + 1) * width, "loss": float(total / (num_sequences * width))}
-            for k, total in enumerate(nll.sum(axis=0))]
+            {"start": k * width, "end": (k + 1) * width, "loss": float(total / count), "tokens": int(count)}
+            for k, (total, count) in enumerate(zip(nll.sum(axis=0), bucket_tokens)) if count]
   if len(modes) > 1:
     first = modes[0]
     loss_diff = max(abs(results["modes"][m]["loss"] - results["modes"][first]["loss"]) for m in modes)

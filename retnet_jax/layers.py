@@ -166,7 +166,8 @@ class MultiScaleRetention(nnx.Module):
   scale that all heads share. With `stability_norm`, each head's raw output is divided by the
   `stability_norm_style` scalars of `retnet_jax.stability`. Positions below 0 are left padding: their keys are
   zeroed, so they add nothing to the state, and as retention depends on relative positions only, a left-padded
-  prompt gives the outputs it gives alone.
+  prompt gives the outputs it gives alone. With `segment_ids` (packed documents, `retnet_jax.segments`) every form
+  retains within a document only, and positions count from each document's start, so the normaliser restarts too.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
@@ -194,25 +195,27 @@ class MultiScaleRetention(nnx.Module):
     self.head_norm_scale = (_param(rngs, nnx.initializers.ones, (self.value_dim,), (None,))
                             if cfg.head_norm_scale else None)
 
-  def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False, split_over=None):
+  def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False, split_over=None,
+                 segment_ids=None):
     """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only.
 
     `split_over`: the (mesh axis, size) that splits the sequence (`sharding.sequence_split`), where the parallel and
     chunkwise modes both run the chunkwise form per slice (`sequence_parallel`), or None."""
     if split_over is not None:
       return sequence_parallel.sharded_chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums,
-                                                 axis_name=split_over[0])
+                                                 segment_ids, axis_name=split_over[0])
     if mode == "parallel":
-      return *retention.parallel_retention(q, k, v, log_decay_H, state), None, None
+      return *retention.parallel_retention(q, k, v, log_decay_H, state, segment_ids), None, None
     if mode == "chunkwise":
-      return retention._chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums)
-    return *retention.recurrent_retention(q, k, v, log_decay_H, state), None, None
+      return retention._chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums, segment_ids)
+    return *retention.recurrent_retention(q, k, v, log_decay_H, state, segment_ids), None, None
 
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, state: dict[str, jax.Array] | None,
-               mode: str) -> tuple[jax.Array, dict[str, jax.Array]]:
+               mode: str, segment_ids_BxL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`x [B, L, D]` at `positions [B, L]` with the layer's incoming state (None: empty) -> (y, new state).
 
     `rotation_tables`: `rotation.rotation_tables(positions, d_model // num_heads, rotation_base, rotation_freqs)`.
+    `segment_ids`: the documents `[B, L]` (positions then count within each), or None: one document per row.
     """
     batch, length, _ = x_BxLxD.shape
     heads = self.num_heads
@@ -229,9 +232,10 @@ class MultiScaleRetention(nnx.Module):
     # No state (training from the start of a sequence): the forms skip the cross term with a zero state.
     split_over = None if mode == "recurrent" else sharding.sequence_split()
     if mode == "chunkwise" and self.kernel and split_over is None:
-      out_BxLxHxV, new_state = self._fused(q, k, v, log_decay_H, state, positions_BxL)
+      out_BxLxHxV, new_state = self._fused(q, k, v, log_decay_H, state, positions_BxL, segment_ids_BxL)
     else:
-      out_BxLxHxV, new_state = self._unfused(mode, q, k, v, log_decay_H, state, positions_BxL, split_over)
+      out_BxLxHxV, new_state = self._unfused(mode, q, k, v, log_decay_H, state, positions_BxL, split_over,
+                                             segment_ids_BxL)
     y = rms_norm(out_BxLxHxV, self.head_norm_eps)
     if self.head_norm_scale is not None:
       y = y * self.head_norm_scale[...]
@@ -239,33 +243,37 @@ class MultiScaleRetention(nnx.Module):
     gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))
     return self.out_proj((gate * y).astype(self.dtype)), new_state
 
-  def _fused(self, q, k, v, log_decay_H, state, positions_BxL):
+  def _fused(self, q, k, v, log_decay_H, state, positions_BxL, segment_ids_BxL=None):
     """The chunkwise form and the shared normaliser's q . z from one pass of the Pallas kernels, on each device's
     batch and head shards: (normalised float32 output, new state)."""
     qkv_axes, state_axes = ("batch", None, "heads", None), ("batch", "heads", None, None)
     kv_in = None if state is None else state["kv"]
+    # The documents reach the kernels as a keyword only when there are some; split over the batch like q.
+    docs = lambda ids: {} if ids is None else {"segment_ids": ids}
+    doc_axes = ("batch", None)
     if not self.stability_norm:
-      kernel = lambda q, k, v, log_decay, kv: kernels.chunkwise_retention(
-          q, k, v, log_decay, self.chunk_size, kv, precision=self.precision)
-      out, kv = sharding.per_shard(kernel, [qkv_axes] * 3 + [("heads",), state_axes],
-                                   [qkv_axes, state_axes])(q, k, v, log_decay_H, kv_in)
+      kernel = lambda q, k, v, log_decay, kv, ids: kernels.chunkwise_retention(
+          q, k, v, log_decay, self.chunk_size, kv, precision=self.precision, **docs(ids))
+      out, kv = sharding.per_shard(kernel, [qkv_axes] * 3 + [("heads",), state_axes, doc_axes],
+                                   [qkv_axes, state_axes])(q, k, v, log_decay_H, kv_in, segment_ids_BxL)
       return out.astype(jnp.float32), {"kv": kv}
-    kernel = lambda q, k, v, log_decay, kv, z: kernels.chunkwise_retention_with_key_sum(
-        q, k, v, log_decay, self.chunk_size, kv, z, precision=self.precision)
+    kernel = lambda q, k, v, log_decay, kv, z, ids: kernels.chunkwise_retention_with_key_sum(
+        q, k, v, log_decay, self.chunk_size, kv, z, precision=self.precision, **docs(ids))
     z_in = None if state is None else state["key_sum"]
     out, kv, qz, key_sum = sharding.per_shard(
-        kernel, [qkv_axes] * 3 + [("heads",), state_axes, ("batch", "heads", None)],
+        kernel, [qkv_axes] * 3 + [("heads",), state_axes, ("batch", "heads", None), doc_axes],
         [qkv_axes, state_axes, ("batch", None, "heads"), ("batch", "heads", None)],
-    )(q, k, v, log_decay_H, kv_in, z_in)
+    )(q, k, v, log_decay_H, kv_in, z_in, segment_ids_BxL)
     divisor = stability.divisor(self.stability_norm_style, "chunkwise", qz, positions_BxL, log_decay_H)
     return out.astype(jnp.float32) / divisor[..., None], {"kv": kv, "key_sum": key_sum}
 
-  def _unfused(self, mode: str, q, k, v, log_decay_H, state, positions_BxL, split_over=None):
+  def _unfused(self, mode: str, q, k, v, log_decay_H, state, positions_BxL, split_over=None, segment_ids_BxL=None):
     """The XLA form of `mode` (split over `split_over`, as in `_retention`), then the normaliser from a second call
     on a ones value column: (normalised float32 output, new state)."""
     batch, length, heads = q.shape[:3]
     kv_in = None if state is None else state["kv"]
-    out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in, split_over=split_over)
+    out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in, split_over=split_over,
+                                                       segment_ids=segment_ids_BxL)
     new_state = {"kv": kv}
     out_BxLxHxV = out_BxLxHxV.astype(jnp.float32)
     if self.stability_norm:
@@ -277,7 +285,7 @@ class MultiScaleRetention(nnx.Module):
       ones = jnp.ones((batch, length, heads, 1), q.dtype)
       z_in = None if state is None else state["key_sum"][..., None]
       qz, key_sum, _, abs_sums = self._retention(mode, q_sg, k_sg, ones, log_decay_H, z_in, torchscale_chunks,
-                                                 split_over)
+                                                 split_over, segment_ids_BxL)
       new_state["key_sum"] = key_sum[..., 0]
       if torchscale_chunks:
         divisor = stability.torchscale_chunkwise_divisor(abs_sums, entry_states, self.chunk_size, log_decay_H)
@@ -310,7 +318,9 @@ class RetNetBlock(nnx.Module):
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = GLUFeedForward(cfg, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_BxLxD, positions_BxL, rotation_tables, state: dict[str, Any] | None, mode: str):
-    y, state = self.retention(self.retention_norm(x_BxLxD), positions_BxL, rotation_tables, state, mode)
+  def __call__(self, x_BxLxD, positions_BxL, rotation_tables, state: dict[str, Any] | None, mode: str,
+               segment_ids_BxL=None):
+    y, state = self.retention(self.retention_norm(x_BxLxD), positions_BxL, rotation_tables, state, mode,
+                              segment_ids_BxL)
     x_BxLxD = x_BxLxD + y
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), state

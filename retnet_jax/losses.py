@@ -1,7 +1,9 @@
 """Next-token losses shared by training and evaluation: the mean token loss, its segmented form, per-sequence NLL.
 
 A batch is `tokens [B, L + 1]` (text: every target counts alike) or `(tokens [B, L + 1], weights [B, L])` (synthetic
-tasks: float32 weights over the targets, 1 at the answers and 0 elsewhere).
+tasks: float32 weights over the targets, 1 at the answers and 0 elsewhere), or with packed documents
+(`data.reset_at_documents`) `(tokens, weights or None, segment_ids [B, L + 1])`: each token's document id, the
+inputs' `[:, :-1]` passed to the model, so a target is predicted from its input's document alone.
 """
 
 from __future__ import annotations
@@ -13,18 +15,35 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from retnet_jax import segments
+
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
   """Cross-entropy (nats) of each target token under the logits: `[B, L]` float32."""
   return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
 
 
-Batch = jax.Array | tuple[jax.Array, jax.Array]
+Batch = jax.Array | tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array | None, jax.Array]
 
 
-def split_batch(batch: Batch) -> tuple[jax.Array, jax.Array | None]:
-  """(tokens `[B, L + 1]`, weights `[B, L]` or None for text) of a batch."""
-  return batch if isinstance(batch, tuple) else (batch, None)
+def split_batch(batch: Batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """(tokens `[B, L + 1]`, weights `[B, L]` or None for text, segment ids `[B, L + 1]` or None) of a batch; ids of
+  another shape than the tokens are refused."""
+  tokens_BxL1, weights_BxL, segment_ids_BxL1 = (*batch, None)[:3] if isinstance(batch, tuple) else (batch, None, None)
+  segments.check_segment_ids(segment_ids_BxL1, *tokens_BxL1.shape, name="the batch's segment_ids (like its tokens)")
+  return tokens_BxL1, weights_BxL, segment_ids_BxL1
+
+
+def input_ids(segment_ids_BxL1: jax.Array | None) -> jax.Array | None:
+  """The inputs' segment ids `[B, L]` of a batch's `[B, L + 1]` (None stays None)."""
+  return None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1]
+
+
+def call(graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, segment_ids_BxL: jax.Array | None, **kwargs):
+  """`model(inputs, **kwargs)`, with `segment_ids` only when there are some (a model of one document per row, such
+  as a test's stub, need not take them)."""
+  documents = {} if segment_ids_BxL is None else {"segment_ids": segment_ids_BxL}
+  return nnx.merge(graphdef, params)(inputs_BxL, **kwargs, **documents)
 
 
 def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: str = "none",
@@ -33,44 +52,59 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
 
   Args:
     graphdef, params: the model, as `nnx.split` gives them.
-    batch: int32 tokens `[B, L + 1]`, or (tokens, weights `[B, L]`): then the weighted mean over the targets.
+    batch: int32 tokens `[B, L + 1]`, or (tokens, weights `[B, L]`): then the weighted mean over the targets; or
+      (tokens, weights or None, segment ids `[B, L + 1]`): packed documents, the inputs' ids passed to the model.
     mode: the retention form (`parallel`, `chunkwise`, `recurrent`).
     remat: `none` or a `model.REMAT_POLICIES` key: each block recomputed in the backward pass.
     segment_len: in (0, L): backpropagate through segments of this many tokens that carry the state, each
       under `jax.checkpoint`, so activation memory grows with the segment, not L; same loss and gradients to
-      float rounding. Otherwise whole sequences.
+      float rounding. Otherwise whole sequences. With segment ids, a row whose segment opens a document at its
+      first token starts that segment from the empty state.
   Returns:
     The scalar mean loss, float32.
   """
-  tokens_BxL1, weights_BxL = split_batch(batch)
-  inputs_BxL, targets_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+  tokens_BxL1, weights_BxL, segment_ids_BxL1 = split_batch(batch)
+  inputs_BxL, targets_BxL, ids_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:], input_ids(segment_ids_BxL1)
   batch_size, length = inputs_BxL.shape
   if not 0 < segment_len < length:
-    logits, _ = nnx.merge(graphdef, params)(inputs_BxL, mode=mode, remat=remat)
+    logits, _ = call(graphdef, params, inputs_BxL, ids_BxL, mode=mode, remat=remat)
     nll_BxL = token_nll(logits, targets_BxL)
     return nll_BxL.mean() if weights_BxL is None else jnp.sum(nll_BxL * weights_BxL) / jnp.sum(weights_BxL)
   num_segments = -(-length // segment_len)
   # Padding goes after the last token, so (causal) it changes no real position's output; its loss is masked.
   pad = num_segments * segment_len - length
-  segments = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (0, pad))).reshape(
+  split = lambda x_BxL, mode="constant": jnp.pad(x_BxL, ((0, 0), (0, pad)), mode=mode).reshape(
       batch_size, num_segments, segment_len).swapaxes(0, 1)
 
   # params enter as an argument, not a closure: a block's own `remat` must see them at this trace level.
   @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the recomputation
   def segment(params, state, xs):
-    inputs, targets, weights = xs
-    logits, state = nnx.merge(graphdef, params)(inputs, mode=mode, state=state, remat=remat)
+    inputs, targets, weights, ids, opens_B = xs
+    if ids is not None:  # a document opening on the segment's first token starts from the empty state
+      state = segments.empty_rows(state, opens_B)
+    logits, state = call(graphdef, params, inputs, ids, mode=mode, state=state, remat=remat)
     return state, jnp.sum(token_nll(logits, targets) * weights)
 
   weights = jnp.ones((batch_size, length), jnp.float32) if weights_BxL is None else weights_BxL
-  xs = (segments(inputs_BxL), segments(targets_BxL), segments(weights))
+  opens_KxB = None
+  if ids_BxL is not None:  # where a document starts on a segment's first token (never on the first segment's)
+    opens_KxB = segments.starts(ids_BxL)[:, ::segment_len].T
+  xs = (split(inputs_BxL), split(targets_BxL), split(weights), None if ids_BxL is None else split(ids_BxL, "edge"),
+        opens_KxB)
   _, sums = jax.lax.scan(functools.partial(segment, params), nnx.merge(graphdef, params).init_state(batch_size), xs)
   return sums.sum() / (batch_size * length if weights_BxL is None else jnp.sum(weights_BxL))
 
 
+def batch_nll(graphdef: nnx.GraphDef, params, batch: Batch, mode: str) -> tuple[jax.Array, jax.Array]:
+  """Next-token NLL of each target `[B, L]` (float32) of a text batch and the logits `[B, L, V]`."""
+  tokens_BxL1, _, segment_ids_BxL1 = split_batch(batch)
+  logits, _ = call(graphdef, params, tokens_BxL1[:, :-1], input_ids(segment_ids_BxL1), mode=mode)
+  return token_nll(logits, tokens_BxL1[:, 1:]), logits
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode"))
-def sequence_nll(graphdef: nnx.GraphDef, params, tokens_BxL1: jax.Array, mode: str
-                 ) -> tuple[jax.Array, jax.Array]:
-  """Summed next-token NLL per sequence `[B]` (float32) and the logits of the last position `[B, V]`."""
-  logits, _ = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1], mode=mode)
-  return token_nll(logits, tokens_BxL1[:, 1:]).sum(axis=-1), logits[:, -1]
+def sequence_nll(graphdef: nnx.GraphDef, params, batch: Batch, mode: str) -> tuple[jax.Array, jax.Array]:
+  """Summed next-token NLL per sequence `[B]` (float32) of a text batch and the logits of the last position
+  `[B, V]`."""
+  nll_BxL, logits = batch_nll(graphdef, params, batch, mode)
+  return nll_BxL.sum(axis=-1), logits[:, -1]

@@ -6,6 +6,8 @@
 `state` holds the position reached and every layer's retention state; every mode takes and returns it, so a
 prompt prefilled in one mode continues in any other. A state whose position starts at -p treats the first p
 tokens as left padding (they do not enter the state): prompts of different lengths share one batch.
+`segment_ids [batch, seq]` packs documents into a row (`retnet_jax.segments`): each is computed as if alone, the
+state passed in continues each row's first document and the state returned is its last document's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import decay, layers, retention, rotation, sharding, stability
+from retnet_jax import decay, layers, retention, rotation, segments, sharding, stability
 
 MODES = ("parallel", "chunkwise", "recurrent")  # the retention forms (`architectures.MODES`)
 State = dict[str, Any]
@@ -131,6 +133,16 @@ def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
                        f"{expected}; the state was made by another model config or batch size.")
 
 
+def check_segments(cfg: ml_collections.ConfigDict, segment_ids: Any, shape: tuple[int, int], mode: str) -> None:
+  """Checks `segment_ids` against the tokens' shape, and refuses them where the torchscale chunkwise normaliser
+  (whose per-chunk scalars cannot restart inside a chunk) would run."""
+  segments.check_segment_ids(segment_ids, *shape)
+  if segment_ids is not None and cfg.stability_norm and cfg.stability_norm_style == "torchscale" and mode == "chunkwise":
+    raise ValueError("segment_ids cannot reset the chunkwise form of model.stability_norm_style='torchscale' (its "
+                     "per-chunk scalars span documents): use mode='parallel' or 'recurrent', or "
+                     "stability_norm_style='shared'.")
+
+
 class RetNet(nnx.Module):
   """Decoder-only RetNet LM: embedding, `num_layers` pre-norm blocks, final RMSNorm, tied or untied head.
 
@@ -157,7 +169,7 @@ class RetNet(nnx.Module):
             "layers": [layers.init_layer_state(self.config, batch_size) for _ in range(self.config.num_layers)]}
 
   def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
-               remat: str = "none") -> tuple[jax.Array, State]:
+               remat: str = "none", segment_ids: jax.Array | None = None) -> tuple[jax.Array, State]:
     """Runs the model over a token batch in one retention form.
 
     Args:
@@ -166,6 +178,8 @@ class RetNet(nnx.Module):
       state: the state a previous call returned (position `[batch]`, each layer's retention state), or None to start
         at position 0.
       remat: `none`, or a key of REMAT_POLICIES to recompute each block in the backward pass and save memory.
+      segment_ids: integer document ids `[batch, seq]` (a document: a run of equal ids in a row), or None: one
+        document per row. A row whose first token opens a new document takes a zero (`init_state`) state row.
     Returns:
       `(logits [batch, seq, vocab]` float32, the state after the last token).
     """
@@ -173,17 +187,22 @@ class RetNet(nnx.Module):
       raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
     precision = layers.MATMUL_PRECISIONS[self.config.matmul_precision]
     with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
-      return self._forward(tokens_BxL, mode, state, remat)
+      return self._forward(tokens_BxL, mode, state, remat, segment_ids)
 
-  def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str) -> tuple[jax.Array, State]:
+  def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
+               ) -> tuple[jax.Array, State]:
     call_block = block_caller(remat, static_argnums=(5,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
+    check_segments(self.config, segment_ids, tokens_BxL.shape, mode)
     if state is None:  # no carried state: the blocks skip the cross terms with an all-zero state
       state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * self.config.num_layers}
     else:
       check_state(self.config, state, batch)
-    positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
+    if segment_ids is None:
+      positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
+    else:
+      positions_BxL = segments.model_positions(segment_ids, state["position"])
     tables = rotation_tables_for(self.config, positions_BxL)
     x = self.embed(tokens_BxL)
     if self.embed_scale is not None:
@@ -193,9 +212,10 @@ class RetNet(nnx.Module):
     x = sharding.constrain(x, ("batch", "length", None))
     layer_states = []
     for block, layer_state in zip(self.blocks, state["layers"]):
-      x, layer_state = call_block(block, x, positions_BxL, tables, layer_state, mode)
+      x, layer_state = call_block(block, x, positions_BxL, tables, layer_state, mode, segment_ids)
       x = sharding.constrain(x, ("batch", "length", None))
       layer_states.append(layer_state)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)
-    return logits, {"position": state["position"] + length, "layers": layer_states}
+    position_B = state["position"] + length if segment_ids is None else positions_BxL[:, -1] + 1
+    return logits, {"position": position_B, "layers": layer_states}

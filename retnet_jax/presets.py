@@ -231,6 +231,9 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
       tokenizer="byte",  # byte | path to a tokenizers tokenizer.json
       validation_files=(),  # explicit validation files; empty: hold out the last validation_fraction
       validation_fraction=0.1,
+      # packed documents: batches carry each token's document id and retention (attention) resets where a
+      # document (a .txt file, a JSON-lines / Parquet / hub dataset row; a synthetic task's row) starts
+      reset_at_documents=False,
       # a synthetic task instead of text (retnet_jax/synthetic.py), the loss on its answers only: None | mqar |
       # passkey
       synthetic=config_dict.placeholder(str),

@@ -7,6 +7,11 @@ Each computes one layer's raw retention per head (no normalisation; q and k alre
 
 and returns `(out, final_state)`. Products accumulate in float32 (float64 for float64 inputs) and the state
 stays in that precision, so a prompt prefilled in one form continues in any other.
+
+With `segment_ids [batch, seq]` (packed documents, `retnet_jax.segments`) token n retains token m only within one
+document, S_in reaches the row's first document only and S_out holds the last document's keys: a document start is
+a decay of zero. Inside, a document start is a bool `starts [batch, seq]`, which may be True at position 0 (a row
+whose first token opens a new document: S_in reaches no token).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from retnet_jax import segments
 
 
 def _acc_dtype(x: jax.Array) -> jnp.dtype:
@@ -43,6 +50,12 @@ def _check_inputs(q, k, v, log_decay, state):
     expected = (q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     if state.shape != expected:
       raise ValueError(f"state must be [batch, heads, d_k, d_v] = {expected}; got {state.shape}.")
+
+
+def _starts(segment_ids, q):
+  """The document starts `[batch, seq]` of `segment_ids` checked against q's batch and length, or None."""
+  segments.check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+  return None if segment_ids is None else segments.starts(segment_ids)
 
 
 def _powers(log_decay_H: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -94,16 +107,19 @@ def _zeros_state(q, v, acc):
   return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), acc)
 
 
-def parallel_retention(q, k, v, log_decay, state=None):
-  """Parallel form: `O = ((Q K^T) * D) V` with the `[L, L]` decay mask D of each head.
+def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
+  """Parallel form: `O = ((Q K^T) * D) V` with the `[L, L]` decay mask D of each head (block-diagonal over the
+  documents of `segment_ids`).
 
   Args:
     q, k: `[batch, seq, heads, d_k]`. v: `[batch, seq, heads, d_v]`. log_decay: log(gamma), `[heads]`.
     state: the carried-in state `[batch, heads, d_k, d_v]`, or None for an empty one.
+    segment_ids: integer `[batch, seq]` document ids (module docstring), or None: one document per row.
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` in the accumulation dtype).
   """
   _check_inputs(q, k, v, log_decay, state)
+  starts_BxL = _starts(segment_ids, q)
   acc = _acc_dtype(q)
   length = q.shape[1]
   log_decay_H = log_decay.astype(acc)
@@ -113,37 +129,50 @@ def parallel_retention(q, k, v, log_decay, state=None):
   q_h, k_h, v_h = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, L, *]
   scores_BxHxLxL = jnp.einsum("bhnk,bhmk->bhnm", q_h, k_h, preferred_element_type=acc)
   scores_BxHxLxL = scores_BxHxLxL * _decay_mask(log_decay_H, length, acc)
+  zeta_BxHxLx1 = _powers(log_decay_H, length - 1 - pos_L)[None, :, :, None]  # gamma^(L-1-m): from m to the end
+  if starts_BxL is not None:  # within a document only, and the final state from the last one's keys
+    doc_BxL = jnp.cumsum(starts_BxL, axis=1)
+    scores_BxHxLxL = jnp.where((doc_BxL[:, :, None] == doc_BxL[:, None, :])[:, None], scores_BxHxLxL, 0)
+    zeta_BxHxLx1 = jnp.where((doc_BxL == doc_BxL[:, -1:])[:, None, :, None], zeta_BxHxLx1, 0)
   out_BxHxLxV = jnp.einsum("bhnm,bhmv->bhnv", scores_BxHxLxL.astype(v.dtype), v_h, preferred_element_type=acc)
 
-  zeta_HxL = _powers(log_decay_H, length - 1 - pos_L)  # gamma^(L-1-m): decay from m to the end
-  state_out = _decayed_state("bhmk,bhmv->bhkv", k_h, zeta_HxL[None, :, :, None], v_h, acc)
+  state_out = _decayed_state("bhmk,bhmv->bhkv", k_h, zeta_BxHxLx1, v_h, acc)
   if state is not None:
     state = state.astype(acc)
-    xi_HxL = _powers(log_decay_H, pos_L + 1)  # gamma^(n+1): decay from the carried state to n
+    xi_BxHxLx1 = _powers(log_decay_H, pos_L + 1)[None, :, :, None]  # gamma^(n+1): from the carried state to n
+    carried = _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None] * state
+    if starts_BxL is not None:  # the first document only, and the final state only where it is the last
+      xi_BxHxLx1 = jnp.where((doc_BxL == 0)[:, None, :, None], xi_BxHxLx1, 0)
+      carried = jnp.where((doc_BxL[:, -1] == 0)[:, None, None, None], carried, 0)
     # In the accumulation dtype: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for this dot.
     cross = jnp.einsum("bhnk,bhkv->bhnv", q_h.astype(acc), state)
-    out_BxHxLxV = out_BxHxLxV + cross * xi_HxL[None, :, :, None]
-    state_out = state_out + _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None] * state
+    out_BxHxLxV = out_BxHxLxV + cross * xi_BxHxLx1
+    state_out = state_out + carried
   out_BxLxHxV = jnp.swapaxes(out_BxHxLxV, 1, 2)
   return out_BxLxHxV.astype(v.dtype), state_out
 
 
-def recurrent_retention(q, k, v, log_decay, state=None):
-  """Recurrent form: `S_n = gamma S_(n-1) + k_n^T v_n`, `o_n = q_n S_n`, one `lax.scan` step per token.
+def recurrent_retention(q, k, v, log_decay, state=None, segment_ids=None):
+  """Recurrent form: `S_n = gamma S_(n-1) + k_n^T v_n`, `o_n = q_n S_n`, one `lax.scan` step per token (S_(n-1)
+  zeroed where a document of `segment_ids` starts).
 
   Args and returns as in `parallel_retention`.
   """
   _check_inputs(q, k, v, log_decay, state)
+  starts_BxL = _starts(segment_ids, q)
   acc = _acc_dtype(q)
   expm1_decay = jnp.expm1(log_decay.astype(acc))[None, :, None, None]
   state = _zeros_state(q, v, acc) if state is None else state.astype(acc)
 
   def step(s_BxHxKxV, inputs):
+    if starts_BxL is not None:
+      *inputs, start_B = inputs
+      s_BxHxKxV = jnp.where(start_B[:, None, None, None], 0, s_BxHxKxV)
     q_BxHxK, k_BxHxK, v_BxHxV = (x.astype(acc) for x in inputs)
     s_BxHxKxV = _decay_and_add(s_BxHxKxV, expm1_decay, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
     return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q_BxHxK, s_BxHxKxV)
 
-  time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+  time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v) + (() if starts_BxL is None else (starts_BxL,)))
   state_out, out_LxBxHxV = jax.lax.scan(step, state, time_major)
   return jnp.swapaxes(out_LxBxHxV, 0, 1).astype(v.dtype), state_out
 
@@ -178,9 +207,21 @@ def _from_chunks(x_BxCxHxS, length: int):
   return jnp.swapaxes(x_BxCxHxS, 2, 3).reshape((batch, -1, heads) + x_BxCxHxS.shape[4:])[:, :length]
 
 
-def _chunk_states(k, v, log_decay_H, size, state):
+def _chunk_documents(starts_BxL, size):
+  """Each position's document index `[batch, chunks, size]` (padding continues the last document), and whether the
+  state entering its chunk reaches it (no document starts in its chunk up to it), `[batch, chunks, size]` bool."""
+  batch, length = starts_BxL.shape
+  pad = -(-length // size) * size - length
+  doc_BxCxS = jnp.pad(jnp.cumsum(starts_BxL, axis=1), ((0, 0), (0, pad)), mode="edge").reshape(batch, -1, size)
+  starts_BxCxS = jnp.pad(starts_BxL, ((0, 0), (0, pad))).reshape(batch, -1, size)
+  return doc_BxCxS, jnp.cumsum(starts_BxCxS, axis=2) == 0
+
+
+def _chunk_states(k, v, log_decay_H, size, state, starts_BxL=None):
   """The state entering each chunk, `[chunks, batch, heads, d_k, d_v]` (chunk c's: as at the last position of chunk
-  c - 1), and the final state; the last chunk decays the state by its true length only."""
+  c - 1), and the final state; the last chunk decays the state by its true length only. With document `starts`
+  (module docstring), a chunk adds its last document's keys only and drops the state entering it if one starts
+  inside it."""
   acc = log_decay_H.dtype
   length = k.shape[1]
   num_chunks = -(-length // size)
@@ -193,21 +234,29 @@ def _chunk_states(k, v, log_decay_H, size, state):
   valid = pos_CxS < length
   to_end_CxS = jnp.where(valid, (size * jnp.arange(num_chunks) + chunk_len_C)[:, None] - 1 - pos_CxS, 0)
   zeta_HxCxS = jnp.where(valid, _powers(log_decay_H, to_end_CxS.astype(acc)), 0)
-  kv_CxBxHxKxV = _decayed_state("bchmk,bchmv->cbhkv", k_c, jnp.moveaxis(zeta_HxCxS, 0, 1)[None, ..., None], v_c, acc)
+  zeta_BxCxHxSx1 = jnp.moveaxis(zeta_HxCxS, 0, 1)[None, ..., None]
   expm1_decay_CxH = jnp.expm1(log_decay_H[None, :] * chunk_len_C[:, None].astype(acc))
+  xs = (expm1_decay_CxH,)
+  if starts_BxL is not None:
+    doc_BxCxS, reached_BxCxS = _chunk_documents(starts_BxL, size)
+    zeta_BxCxHxSx1 = jnp.where((doc_BxCxS == doc_BxCxS[..., -1:])[:, :, None, :, None], zeta_BxCxHxSx1, 0)
+    xs += (jnp.swapaxes(reached_BxCxS[..., -1], 0, 1),)  # [C, B]: no document starts in the chunk
+  kv_CxBxHxKxV = _decayed_state("bchmk,bchmv->cbhkv", k_c, zeta_BxCxHxSx1, v_c, acc)
 
   def step(state_BxHxKxV, inputs):
-    kv, expm1_decay_H = inputs
-    return _decay_and_add(state_BxHxKxV, expm1_decay_H[None, :, None, None], kv), state_BxHxKxV
+    kv, expm1_decay_H, *kept = inputs
+    entering = state_BxHxKxV if not kept else jnp.where(kept[0][:, None, None, None], state_BxHxKxV, 0)
+    return _decay_and_add(entering, expm1_decay_H[None, :, None, None], kv), state_BxHxKxV
 
   state = _zeros_state(k, v, acc) if state is None else state.astype(acc)
-  state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (kv_CxBxHxKxV, expm1_decay_CxH))
+  state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (kv_CxBxHxKxV,) + xs)
   return before_CxBxHxKxV, state_out
 
 
-def _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums):
+def _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL=None):
   """The chunkwise form's outputs given the state entering each chunk (`_chunk_states`), and the in-chunk |score| row
-  sums (None unless `score_abs_sums`); as in `_chunkwise`."""
+  sums (None unless `score_abs_sums`); as in `_chunkwise`. With document `starts`, scores within a document only and
+  the entering state up to the chunk's first start."""
   acc = log_decay_H.dtype
   length = q.shape[1]
   # Head-major inside chunks, as in parallel_retention.
@@ -216,18 +265,22 @@ def _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs
   # Inside each chunk: the parallel form.
   scores = jnp.einsum("bchnk,bchmk->bchnm", q_c, k_c, preferred_element_type=acc)
   scores = scores * _decay_mask(log_decay_H, size, acc)
+  xi_BxCxHxSx1 = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc))[None, None, :, :, None]
+  if starts_BxL is not None:
+    doc_BxCxS, reached_BxCxS = _chunk_documents(starts_BxL, size)
+    scores = jnp.where((doc_BxCxS[..., :, None] == doc_BxCxS[..., None, :])[:, :, None], scores, 0)
+    xi_BxCxHxSx1 = jnp.where(reached_BxCxS[:, :, None, :, None], xi_BxCxHxSx1, 0)
   inner = jnp.einsum("bchnm,bchmv->bchnv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
   abs_sums = _from_chunks(jnp.sum(jnp.abs(scores), axis=-1), length) if score_abs_sums else None
 
-  # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position.
-  xi_HxS = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc))
+  # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position (xi above).
   # Chunk-major states: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for the batch-major dot.
   cross = jnp.einsum("bchnk,cbhkv->bchnv", q_c, entry_states_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
-  out = _from_chunks(inner + cross * xi_HxS[None, None, :, :, None], length)
+  out = _from_chunks(inner + cross * xi_BxCxHxSx1, length)
   return out.astype(v.dtype), abs_sums
 
 
-def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False):
+def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, segment_ids=None):
   """`chunkwise_retention` with two by-products of its pass, for normalisers built on it.
 
   Returns `(out, final_state, entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
@@ -235,23 +288,25 @@ def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False)
   in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums of the masked scores.
   """
   _check_inputs(q, k, v, log_decay, state)
+  starts_BxL = _starts(segment_ids, q)
   size = _chunk_len(chunk_size, q.shape[1])
   log_decay_H = log_decay.astype(_acc_dtype(q))
-  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state)
-  out, abs_sums = _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums)
+  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state, starts_BxL)
+  out, abs_sums = _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL)
   return out, state_out, entry_states_CxBxHxKxV, abs_sums
 
 
-def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None):
+def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, segment_ids=None):
   """Chunkwise recurrent form: the parallel form inside chunks of `chunk_size`, a `lax.scan` across them.
 
   The sequence is zero-padded to whole chunks; the last chunk decays the state by its true length only, so the
-  final state equals the recurrent form's for any length. Memory is linear in the length.
+  final state equals the recurrent form's for any length. Memory is linear in the length. Documents may start
+  anywhere, on or off chunk edges.
 
   Args:
-    q, k, v, log_decay, state: as in `parallel_retention`. chunk_size: a positive integer (at most seq is used).
+    q, k, v, log_decay, state, segment_ids: as in `parallel_retention`. chunk_size: a positive integer (at most seq is used).
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` in the accumulation dtype).
   """
-  out, state_out, _, _ = _chunkwise(q, k, v, log_decay, chunk_size, state)
+  out, state_out, _, _ = _chunkwise(q, k, v, log_decay, chunk_size, state, segment_ids=segment_ids)
   return out, state_out

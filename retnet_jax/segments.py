@@ -45,3 +45,19 @@ def positions_in_document(segment_ids_BxL: jax.Array) -> jax.Array:
 def in_first_document(segment_ids_BxL: jax.Array) -> jax.Array:
   """`[B, L]` bool: True on the tokens of the row's first document, the ones a carried-in state reaches."""
   return document_index(segment_ids_BxL) == 0
+
+
+def model_positions(segment_ids_BxL: jax.Array, position_B: jax.Array) -> jax.Array:
+  """`[B, L]` int32 positions of a model call: the row's first document continues from the carried `position [B]`,
+  every later one counts from 0 at its start (so rotation and normalisers restart with it)."""
+  continued_BxL = position_B[:, None] + jnp.arange(segment_ids_BxL.shape[1], dtype=jnp.int32)
+  return jnp.where(in_first_document(segment_ids_BxL), continued_BxL, positions_in_document(segment_ids_BxL))
+
+
+def empty_rows(state, empty_B: jax.Array):
+  """A model's `state` zeroed in the rows where `empty_B` (arrays `[batch, ...]`; scalars, such as a KV cache's next
+  slot, kept): position 0 and no retention state there (a Transformer's cached slots then read as left padding),
+  for a row whose next call opens a new document at its first token."""
+  def empty(x):
+    return x if x.ndim == 0 else jnp.where(empty_B.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+  return jax.tree.map(empty, state)

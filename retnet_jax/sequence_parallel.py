@@ -10,6 +10,9 @@ state entering its slice (as LASP-2 does for linear attention), and one sum over
 The state entering chunk c of a slice is its local one plus gamma^(c S) S_in(r) (chunks of S tokens), and each chunk's
 outputs follow from it as in the single-device form, at no extra matrix product. Autodiff runs backward through the
 collectives.
+
+With packed documents (`segment_ids`), a document start is a decay of zero: a term of the sums above is dropped where
+a document starts between it and the slice (or chunk) it enters, and S_loc(j) holds only slice j's last document.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from retnet_jax import retention
+from retnet_jax import retention, segments
 
 
 def check_length(length: int, devices: int, chunk_size, axis_name: str) -> None:
@@ -37,7 +40,17 @@ def _decay(log_decay_H, steps):
   return jnp.moveaxis(powers, 0, -1)[..., None, :, None, None]
 
 
-def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, score_abs_sums=False):
+def _slice_starts(segment_ids_BxL, axis_name: str):
+  """This slice's document starts `[batch, seq / R]`, its first token included where the id differs from the last one
+  of the slice before (one all-gather of the slices' last ids)."""
+  last_RxB = jax.lax.all_gather(segment_ids_BxL[:, -1], axis_name)
+  r = jax.lax.axis_index(axis_name)
+  opens_B = (r > 0) & (segment_ids_BxL[:, 0] != last_RxB[jnp.maximum(r - 1, 0)])
+  return segments.starts(segment_ids_BxL).at[:, 0].set(opens_B)
+
+
+def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, score_abs_sums=False,
+                    segment_ids=None):
   """Per-device body, to call inside `jax.shard_map` over mesh axis `axis_name`: `retention._chunkwise` of this
   device's slice of the sequence, with the states of the slices before it combined in.
 
@@ -47,12 +60,14 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
     axis_name: the mesh axis (of R devices) that splits the sequence, slice r on the r-th device along it.
     state: the state carried into the whole sequence, `[batch, heads, d_k, d_v]`, the same on every device; or None.
     score_abs_sums: as in `retention._chunkwise`.
+    segment_ids: this device's slice `[batch, seq / R]` of the document ids (`retention.parallel_retention`), or None.
   Returns:
     `(out [batch, seq / R, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` (the whole sequence's,
     the same on every device), `entry_states [chunks / R, batch, heads, d_k, d_v]` (this slice's chunks), `abs_sums`
     `[batch, seq / R, heads]` or None), as `retention._chunkwise` gives for the whole sequence.
   """
   retention._check_inputs(q, k, v, log_decay, state)
+  segments.check_segment_ids(segment_ids, q.shape[0], q.shape[1])
   devices, slice_len = jax.lax.axis_size(axis_name), q.shape[1]
   check_length(slice_len * devices, devices, chunk_size, axis_name)
   size = retention.check_chunk_size(chunk_size)
@@ -60,29 +75,41 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
 
   # From a zero state that varies over the axis, as the scan's keys and values do.
   zero = jax.lax.pcast(retention._zeros_state(q, v, log_decay_H.dtype), axis_name, to="varying")
-  local_entry_CxBxHxKxV, local_state = retention._chunk_states(k, v, log_decay_H, size, zero)
+  starts_BxL = None if segment_ids is None else _slice_starts(segment_ids, axis_name)
+  local_entry_CxBxHxKxV, local_state = retention._chunk_states(k, v, log_decay_H, size, zero, starts_BxL)
 
   # The state entering this slice from the slices before it (one all-gather), and the final state from all of them
   # (one sum, the same on every device): sum_j gamma^(L_s (r-1-j)) S_loc(j) over j < r, and over j < R.
   r = jax.lax.axis_index(axis_name)
   j_R = jnp.arange(devices)
   earlier_R = j_R < r
-  weights_Rx1xHx1x1 = jnp.where(earlier_R[:, None, None, None, None],
+  weights_RxBxHx1x1 = jnp.where(earlier_R[:, None, None, None, None],
                                 _decay(log_decay_H, jnp.where(earlier_R, (r - 1 - j_R) * slice_len, 0)), 0)
-  state_in = jnp.sum(weights_Rx1xHx1x1 * jax.lax.all_gather(local_state, axis_name), axis=0)
-  state_out = jax.lax.psum(_decay(log_decay_H, (devices - 1 - r) * slice_len) * local_state, axis_name)
+  kept = {}  # with documents: where each term survives, [batch] (or [chunks, batch]) broadcast against states
+  if starts_BxL is not None:  # drop the terms a document start separates from where they arrive
+    opened_BxL = jnp.cumsum(starts_BxL, axis=1)  # starts in this slice up to each token
+    # Starts in slices 0..j: slice j's state reaches slice r > j iff there are as many in slices 0..r-1.
+    upto_RxB = jnp.cumsum(jax.lax.all_gather(opened_BxL[:, -1], axis_name), axis=0)
+    before_B, total_B = upto_RxB[r] - opened_BxL[:, -1], jax.lax.psum(opened_BxL[:, -1], axis_name)  # the same
+    weights_RxBxHx1x1 = jnp.where((upto_RxB == before_B)[:, :, None, None, None], weights_RxBxHx1x1, 0)
+    opened_before_BxC = jnp.pad(opened_BxL[:, size - 1::size], ((0, 0), (1, 0)))[:, :-1]  # before each chunk
+    kept = {"out": upto_RxB[r] == total_B, "in": before_B == 0, "carried_out": total_B == 0,
+            "chunks": (opened_before_BxC == 0).T}
+  keep = lambda name, x: jnp.where(kept[name][..., None, None, None], x, 0) if name in kept else x
+  state_in = jnp.sum(weights_RxBxHx1x1 * jax.lax.all_gather(local_state, axis_name), axis=0)
+  state_out = jax.lax.psum(keep("out", _decay(log_decay_H, (devices - 1 - r) * slice_len) * local_state), axis_name)
   if state is not None:
     state = state.astype(log_decay_H.dtype)
-    state_in = state_in + _decay(log_decay_H, r * slice_len) * state
-    state_out = state_out + _decay(log_decay_H, devices * slice_len) * state
+    state_in = state_in + keep("in", _decay(log_decay_H, r * slice_len) * state)
+    state_out = state_out + keep("carried_out", _decay(log_decay_H, devices * slice_len) * state)
   chunk_start_C = size * jnp.arange(local_entry_CxBxHxKxV.shape[0])
-  entry_CxBxHxKxV = local_entry_CxBxHxKxV + _decay(log_decay_H, chunk_start_C) * state_in
-  out, abs_sums = retention._chunk_outputs(q, k, v, log_decay_H, size, entry_CxBxHxKxV, score_abs_sums)
+  entry_CxBxHxKxV = local_entry_CxBxHxKxV + keep("chunks", _decay(log_decay_H, chunk_start_C) * state_in)
+  out, abs_sums = retention._chunk_outputs(q, k, v, log_decay_H, size, entry_CxBxHxKxV, score_abs_sums, starts_BxL)
   return out, state_out, entry_CxBxHxKxV, abs_sums
 
 
-def sharded_chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, *, axis_name="sequence",
-                      mesh=None):
+def sharded_chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, segment_ids=None, *,
+                      axis_name="sequence", mesh=None):
   """`retention._chunkwise` (with its by-products) with the sequence split over mesh axis `axis_name`.
 
   A `jax.shard_map` of `chunkwise_slice`, manual over `axis_name` only: the other mesh axes stay automatic, so arrays
@@ -95,28 +122,32 @@ def sharded_chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums
     raise ValueError(f"sequence-parallel retention needs a mesh with an axis {axis_name!r}; the mesh has "
                      f"{tuple(mesh.axis_names)} (set one with jax.set_mesh or pass mesh=).")
   check_length(q.shape[1], mesh.shape[axis_name], chunk_size, axis_name)
+  segments.check_segment_ids(segment_ids, q.shape[0], q.shape[1])
   seq = P(None, axis_name)
   out_specs = (seq, P(), P(axis_name), seq if score_abs_sums else None)
-  in_specs = (seq, seq, seq, P()) + ((P(),) if state is not None else ())
+  optional = {name: x for name, x in (("state", state), ("segment_ids", segment_ids)) if x is not None}
+  in_specs = (seq, seq, seq, P(), {name: seq if name == "segment_ids" else P() for name in optional})
 
-  def body(q, k, v, log_decay, *carried):
-    return chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name, *carried, score_abs_sums=score_abs_sums)
+  def body(q, k, v, log_decay, optional):
+    return chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name, score_abs_sums=score_abs_sums, **optional)
 
   mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name})
-  return mapped(q, k, v, log_decay, *(() if state is None else (state,)))
+  return mapped(q, k, v, log_decay, optional)
 
 
-def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, axis_name="sequence", mesh=None):
+def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, segment_ids=None, *, axis_name="sequence",
+                        mesh=None):
   """`retention.chunkwise_retention` with the sequence split over the devices of mesh axis `axis_name`.
 
   Args:
-    q, k, v, log_decay, chunk_size, state: as in `retention.chunkwise_retention`; the length must be a multiple of
-      (devices along `axis_name`) x chunk_size.
+    q, k, v, log_decay, chunk_size, state, segment_ids: as in `retention.chunkwise_retention`; the length must be a
+      multiple of (devices along `axis_name`) x chunk_size.
     axis_name: the mesh axis that splits the sequence.
     mesh: the mesh (default: the one `jax.set_mesh` made current).
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, split over `axis_name` along seq, `final_state [batch, heads, d_k,
     d_v]` in the accumulation dtype, replicated over `axis_name`).
   """
-  out, state_out, _, _ = sharded_chunkwise(q, k, v, log_decay, chunk_size, state, axis_name=axis_name, mesh=mesh)
+  out, state_out, _, _ = sharded_chunkwise(q, k, v, log_decay, chunk_size, state, segment_ids=segment_ids,
+                                           axis_name=axis_name, mesh=mesh)
   return out, state_out

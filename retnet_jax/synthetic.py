@@ -8,7 +8,8 @@
 `config.data.synthetic` names a task of SOURCES (None: text data). Each source makes a global batch of token rows
 `[B, seq_len + 1]` (inputs `[:, :-1]`, targets `[:, 1:]`) and float32 weights `[B, seq_len]` over the targets: 1 at
 the answers, 0 elsewhere, so the loss is taken on the answers only. Batch `index` of a split is a function of
-`(config.seed, split, index)` alone, so a resumed run sees the batches an uninterrupted run would.
+`(config.seed, split, index)` alone, so a resumed run sees the batches an uninterrupted run would. Each row is one
+document: with `data.reset_at_documents` a batch also carries document ids, zero throughout (`losses.Batch`).
 
 `mqar` is multi-query associative recall as in Zoology (Arora et al. 2023): `num_pairs` key-value pairs
 `k1 v1 ... kn vn`, then a query region of two-token slots where every key is asked once, in random order, each
@@ -184,15 +185,17 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 def batch(config: ml_collections.ConfigDict, split: str, index: int, batch_size: int
-          ) -> tuple[np.ndarray, np.ndarray]:
+          ) -> tuple[np.ndarray, ...]:
   """Global batch `index` of `split` of the task `config.data.synthetic`: (tokens `[B, seq_len + 1]` int32,
-  weights `[B, seq_len]` float32), a function of `(config.seed, split, index)` and the task's config alone."""
+  weights `[B, seq_len]` float32), a function of `(config.seed, split, index)` and the task's config alone. With
+  `data.reset_at_documents`, also document ids like the tokens, zero: each row is one document."""
   rng = np.random.default_rng([config.seed, SPLITS.index(split), index])
-  return SOURCES[config.data.synthetic].generate(config, rng, batch_size)
+  tokens, weights = SOURCES[config.data.synthetic].generate(config, rng, batch_size)
+  return (tokens, weights, np.zeros_like(tokens)) if config.data.reset_at_documents else (tokens, weights)
 
 
 class SyntheticBatches:
-  """Endless global batches `(tokens [B, seq_len + 1] int32, loss weights [B, seq_len] float32)` of the task
+  """Endless global batches `(tokens [B, seq_len + 1] int32, loss weights [B, seq_len] float32[, ids])` of the task
   `config.data.synthetic`: batch i is `batch(config, "train", i, B)`, so the position is i alone, saved by
   `get_state` and restored by `set_state`. With `sharding`, each process places only its own rows."""
 
@@ -203,13 +206,13 @@ class SyntheticBatches:
     self.config, self.global_batch_size, self.sharding = config, global_batch_size, sharding
     self.index = 0
 
-  def __iter__(self) -> Iterator[tuple[jax.Array, jax.Array]]:
+  def __iter__(self) -> Iterator[tuple[jax.Array, ...]]:
     return self
 
-  def __next__(self) -> tuple[jax.Array, jax.Array]:
-    tokens_weights = batch(self.config, "train", self.index, self.global_batch_size)
+  def __next__(self) -> tuple[jax.Array, ...]:
+    arrays = batch(self.config, "train", self.index, self.global_batch_size)
     self.index += 1
-    return _global_batch(tokens_weights, self.sharding)
+    return _global_batch(arrays, self.sharding)
 
   def get_state(self) -> dict[str, int]:
     """Index of the next batch, for checkpoints."""
@@ -224,16 +227,17 @@ class SyntheticBatches:
 
 
 def eval_batches(config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int,
-                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[tuple[jax.Array, jax.Array]]:
-  """The first `num_batches` validation batches `(tokens, loss weights)` of the task `config.data.synthetic` (the
+                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[tuple[jax.Array, ...]]:
+  """The first `num_batches` validation batches `(tokens, loss weights[, ids])` of the task `config.data.synthetic` (the
   same every time, drawn apart from the training batches). Checks run on the call, not on the first `next()`."""
   check_config(config)
   data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
   return (_global_batch(batch(config, "valid", index, global_batch_size), sharding) for index in range(num_batches))
 
 
-def _global_batch(tokens_weights: tuple[np.ndarray, np.ndarray], sharding: jax.sharding.NamedSharding | None
-                  ) -> tuple[jax.Array, jax.Array]:
-  """Global (tokens, weights) arrays of a whole batch that every process generated; each places its own rows."""
-  rows = np.arange(len(tokens_weights[0]))
-  return tuple(data.global_array(array, rows, sharding) for array in tokens_weights)
+def _global_batch(arrays: tuple[np.ndarray, ...], sharding: jax.sharding.NamedSharding | None
+                  ) -> tuple[jax.Array, ...]:
+  """Global arrays (tokens, weights[, ids]) of a whole batch that every process generated; each places its own
+  rows."""
+  rows = np.arange(len(arrays[0]))
+  return tuple(data.global_array(array, rows, sharding) for array in arrays)

@@ -98,19 +98,24 @@ def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.To
                   batch_sharding: jax.sharding.NamedSharding
                   ) -> tuple[data.BatchIterator | synthetic.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
   """The training batches, and a function giving the `train.eval_batches` validation batches: packed text, or
-  the synthetic task's `(tokens, loss weights)` with `data.synthetic`. Fails here if either cannot be made."""
-  train_cfg = config.train
+  the synthetic task's `(tokens, loss weights)` with `data.synthetic`, each with document ids with
+  `data.reset_at_documents`. Fails here if either cannot be made."""
+  train_cfg, reset = config.train, config.data.reset_at_documents
   eval_batch, num_eval = train_cfg.batch_size // train_cfg.grad_accum_steps, train_cfg.eval_batches
   if config.data.synthetic:
     return (synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
             lambda: synthetic.eval_batches(config, eval_batch, num_eval, batch_sharding))
-  train_tokens, valid_tokens = data.load_splits(config.data, tokenizer)
-  train_sequences = data.pack(train_tokens, train_cfg.seq_len, "training split")
-  valid_sequences = data.pack(valid_tokens, train_cfg.seq_len, "validation split")
-  batches = data.BatchIterator(train_sequences, train_cfg.batch_size, config.seed, batch_sharding)
+  train_split, valid_split = data.load_documents(config.data, tokenizer)
+  train_sequences, train_ids = data.pack_split(train_split, train_cfg.seq_len, "training split", reset)
+  valid_sequences, valid_ids = data.pack_split(valid_split, train_cfg.seq_len, "validation split", reset)
+  batches = data.BatchIterator(train_sequences, train_cfg.batch_size, config.seed, batch_sharding,
+                               document_ids=train_ids)
   data.eval_batches(valid_sequences, eval_batch, 1)  # enough to evaluate?
-  return batches, lambda: data.eval_batches(valid_sequences, eval_batch, num_eval, batch_sharding)
+  return batches, lambda: data.eval_batches(valid_sequences, eval_batch, num_eval, batch_sharding, valid_ids)
 
+
+# Data fields added since checkpoints were first written -> the value a checkpoint without the field was trained with.
+ADDED_DATA_FIELDS = {"reset_at_documents": False}
 
 # errno -> (what went wrong with the workdir's disk, the fix)
 _DISK_FAULTS = {
@@ -173,8 +178,7 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
     step, (state, meta) = restored
     batches.set_state(meta["data"])
     metrics.log(f"resumed from {checkpointer.directory}/{step} (data position {meta['data']})")
-    changed = [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
-               if _field(meta["config"], name) != _field(config.to_dict(), name)]
+    changed = changed_data_fields(meta["config"], config)
     if changed:
       metrics.log(f"WARNING: {', '.join(changed)} changed since the checkpoint: the data position continues, but "
                   "the batches are no longer those an uninterrupted run would have seen.")
@@ -187,6 +191,14 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
   metrics.log(f"initialised {_count_params(state['params']):,} parameters on mesh "
               f"{dict(run.placement.mesh.shape)}; training from step 0")
   return state
+
+
+def changed_data_fields(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
+  """The fields that choose the batches (`train.seq_len`, `train.batch_size`, `seed`, `data`) on which a checkpoint's
+  config `saved` differs from `config`; a data field the checkpoint predates counts as its value then."""
+  saved = {**saved, "data": {**ADDED_DATA_FIELDS, **saved.get("data", {})}}
+  return [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
+          if _field(saved, name) != _field(config.to_dict(), name)]
 
 
 def _field(config: dict, dotted: str) -> str:

@@ -39,11 +39,29 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if not isinstance(train.segment_len, int) or train.segment_len < 0:
     raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "
                      f"got {train.segment_len!r}.")
+  check_documents(config, (train.mode,), "train.mode")
   if (train.segment_len and train.mode == "chunkwise" and config.model.stability_norm_style == "torchscale"
       and train.segment_len % config.model.chunk_size):
     raise ValueError(f"train.segment_len={train.segment_len} is not a multiple of model.chunk_size="
                      f"{config.model.chunk_size}: the torchscale-style chunkwise normaliser depends on where chunks "
                      "start; choose a multiple of the chunk size.")
+
+
+def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> None:
+  """Refuses `data.reset_at_documents` with forms of `modes` (set by `option`) that cannot reset: the torchscale-style
+  chunkwise normaliser, whose per-chunk scalars span documents, and a Transformer's recurrent (decoding) step."""
+  model = config.model
+  if not config.data.reset_at_documents:
+    return
+  if "chunkwise" in modes and model.get("stability_norm", False) and model.get("stability_norm_style") == "torchscale":
+    raise ValueError(f"data.reset_at_documents=True cannot reset the chunkwise form ({option}) of "
+                     "model.stability_norm_style='torchscale' (its per-chunk scalars span documents); use the "
+                     "parallel or recurrent form, model.stability_norm_style='shared', or "
+                     "data.reset_at_documents=False.")
+  if "recurrent" in modes and architectures.architecture(model) == "transformer":
+    raise ValueError(f"data.reset_at_documents=True cannot reset a Transformer's recurrent form ({option}), whose "
+                     "decoding step attends over its whole cache; use the parallel form, or "
+                     "data.reset_at_documents=False.")
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: ml_collections.ConfigDict):

@@ -10,7 +10,9 @@ cache: per layer `key` and `value` `[B, max_len, H, d]` in the compute dtype, th
 (shared by the batch) and each row's `position`. `parallel` processes all tokens at once (attending over the
 cached prefix too when a state is given); `recurrent` decodes incrementally, one token at a time through the
 cache. As in RetNet, a state starting at position -p treats its first p tokens as left padding, so
-`sampling.generate` decodes with this model unchanged (prefilling in the parallel form).
+`sampling.generate` decodes with this model unchanged (prefilling in the parallel form). With `segment_ids` (packed
+documents, `retnet_jax.segments`) the parallel form attends within each document only, the cached prefix reaching the
+first; the returned position is the last document's, so its earlier documents' slots read as left padding after.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import layers, rotation, sharding
+from retnet_jax import layers, rotation, segments, sharding
 from retnet_jax.model import block_caller, check_tokens, rotation_tables_for
 
 MODES = ("parallel", "recurrent")  # the forms (`architectures.MODES`): chunkwise is a retention form
@@ -60,18 +62,23 @@ def attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, 
   return jnp.einsum("bhls,bshk->blhk", probs.astype(v_BxSxHxK.dtype), v_BxSxHxK, preferred_element_type=jnp.float32)
 
 
-def _cached_attention(q, k, v, cache, slot, position_B):
+def _cached_attention(q, k, v, cache, slot, position_B, document_BxL=None):
   """Writes k, v at cache `slot` on, then attends over the whole cache: (out `[B, L, H, K]`, cache).
 
   Slot s holds the token at position `position_B - slot + s` (position_B: the first query's); slots after
-  the queries are not visible, and negative positions are left padding.
+  the queries are not visible, and negative positions are left padding. With the queries' document index
+  `document [B, L]` (0: the first document), a query sees its own document's slots, the cached ones belonging to 0.
   """
   key = jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(cache["key"].dtype), slot, axis=1)
   value = jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(cache["value"].dtype), slot, axis=1)
   slots_S = jnp.arange(key.shape[1])
   causal_LxS = slots_S[None, :] <= slot + jnp.arange(q.shape[1])[:, None]
-  real_BxS = (position_B - slot)[:, None] + slots_S >= 0
-  return attention(q, key, value, causal_LxS[None] & real_BxS[:, None]), {"key": key, "value": value}
+  visible_BxLxS = causal_LxS[None] & ((position_B - slot)[:, None] + slots_S >= 0)[:, None]
+  if document_BxL is not None:
+    slot_document_BxS = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((q.shape[0], key.shape[1]), jnp.int32),
+                                                            document_BxL, slot, axis=1)
+    visible_BxLxS = visible_BxLxS & (document_BxL[:, :, None] == slot_document_BxS[:, None, :])
+  return attention(q, key, value, visible_BxLxS), {"key": key, "value": value}
 
 
 class CausalSelfAttention(nnx.Module):
@@ -91,7 +98,8 @@ class CausalSelfAttention(nnx.Module):
     self.out_proj = layers.Dense(d, d, ("heads", "embed"), init=init, dtype=self.dtype, rngs=rngs)
 
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, cache: State, slot: jax.Array,
-               form: str) -> tuple[jax.Array, State]:
+               form: str, document_BxL: jax.Array | None = None) -> tuple[jax.Array, State]:
+    """`document [B, L]`: each token's document index in its row (`segments.document_index`), or None: one."""
     batch, length, d = x_BxLxD.shape
     # Columns grouped per head (q, k, v of head 0, then head 1, ...): a split of the `heads` axis over devices
     # (tensor parallelism) gives each device whole heads.
@@ -100,11 +108,14 @@ class CausalSelfAttention(nnx.Module):
     k, v = rotation.rotate(qkv[:, :, :, 1], rotation_tables), qkv[:, :, :, 2]
     if form == "self":
       causal_LxL = jnp.tril(jnp.ones((length, length), bool))
-      out = attention(q, k, v, causal_LxL[None] & (positions_BxL >= 0)[:, None, :])
+      visible_BxLxL = causal_LxL[None] & (positions_BxL >= 0)[:, None, :]
+      if document_BxL is not None:  # block-diagonal: within a document only
+        visible_BxLxL = visible_BxLxL & (document_BxL[:, :, None] == document_BxL[:, None, :])
+      out = attention(q, k, v, visible_BxLxL)
       cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], x.astype(cache[name].dtype), 0, axis=1)
                for name, x in (("key", k), ("value", v))}
     elif form == "cache":
-      out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0])
+      out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], document_BxL)
     else:
       def step(cache, inputs):
         q_t, k_t, v_t, t = inputs
@@ -128,8 +139,10 @@ class TransformerBlock(nnx.Module):
     self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = layers.GLUFeedForward(cfg, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_BxLxD, positions_BxL, rotation_tables, cache: State, slot: jax.Array, form: str):
-    y, cache = self.attention(self.attention_norm(x_BxLxD), positions_BxL, rotation_tables, cache, slot, form)
+  def __call__(self, x_BxLxD, positions_BxL, rotation_tables, cache: State, slot: jax.Array, form: str,
+               document_BxL=None):
+    y, cache = self.attention(self.attention_norm(x_BxLxD), positions_BxL, rotation_tables, cache, slot, form,
+                              document_BxL)
     x_BxLxD = x_BxLxD + y
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), cache
 
@@ -172,7 +185,7 @@ class Transformer(nnx.Module):
                        for _ in range(cfg.num_layers)]}
 
   def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
-               remat: str = "none") -> tuple[jax.Array, State]:
+               remat: str = "none", segment_ids: jax.Array | None = None) -> tuple[jax.Array, State]:
     """Logits `[batch, seq, vocab]` (float32) for `tokens [batch, seq]`, and the state after the last token.
 
     Args:
@@ -181,6 +194,7 @@ class Transformer(nnx.Module):
       state: the state a previous call or `init_state` returned, or None to start at position 0 (the returned
         cache then has max(max_len, seq) slots).
       remat: `none`, or a key of `model.REMAT_POLICIES` to recompute each block in the backward pass.
+      segment_ids: integer document ids `[batch, seq]` for the parallel form (as in `RetNet`), or None.
     Returns:
       `(logits [batch, seq, vocab]` float32, the state after the last token).
     """
@@ -188,26 +202,35 @@ class Transformer(nnx.Module):
       raise ValueError(f"unknown mode {mode!r}; a Transformer has {MODES} (chunkwise is a retention form).")
     precision = layers.MATMUL_PRECISIONS[self.config.matmul_precision]
     with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
-      return self._forward(tokens_BxL, mode, state, remat)
+      return self._forward(tokens_BxL, mode, state, remat, segment_ids)
 
-  def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str) -> tuple[jax.Array, State]:
+  def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
+               ) -> tuple[jax.Array, State]:
     call_block = block_caller(remat, static_argnums=(6,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
+    segments.check_segment_ids(segment_ids, batch, length)
+    if segment_ids is not None and mode == "recurrent":
+      raise ValueError("segment_ids cannot apply to a Transformer's recurrent (decoding) step, which attends over "
+                       "its whole cache: pass packed documents in mode='parallel', and decode without segment_ids.")
     form = "cache" if mode == "parallel" else "recurrent"
     if state is None:
       state = self.init_state(batch, max(self.config.max_len, length))
       form = "self" if mode == "parallel" else form
     check_state_room(state, length)
-    positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
+    if segment_ids is None:
+      positions_BxL, document_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32), None
+    else:
+      positions_BxL = segments.model_positions(segment_ids, state["position"])
+      document_BxL = segments.document_index(segment_ids)
     tables = rotation_tables_for(self.config, positions_BxL)
     x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
     caches = []
     for block, cache in zip(self.blocks, state["layers"]):
-      x, cache = call_block(block, x, positions_BxL, tables, cache, state["next_slot"], form)
+      x, cache = call_block(block, x, positions_BxL, tables, cache, state["next_slot"], form, document_BxL)
       x = sharding.constrain(x, ("batch", None, None))
       caches.append(cache)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)
-    return logits, {"position": state["position"] + length, "next_slot": state["next_slot"] + length,
-                    "layers": caches}
+    position_B = state["position"] + length if segment_ids is None else positions_BxL[:, -1] + 1
+    return logits, {"position": position_B, "next_slot": state["next_slot"] + length, "layers": caches}

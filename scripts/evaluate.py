@@ -7,7 +7,8 @@ the training config's (`--config.data.files=...`, `--config.data.validation_file
 
 Long context: `--eval_seq_len=4096 --by_position=16 --mode=chunkwise` evaluates sequences of 4096 tokens (longer
 than training: the length-extrapolation curve) and adds each mode's loss in 16 equal position buckets
-(`loss_by_position`), plotted to WORKDIR/eval_step_STEP_by_position.png.
+(`loss_by_position`), plotted to WORKDIR/eval_step_STEP_by_position.png. With `--config.data.reset_at_documents`
+every form runs each document as if alone and the buckets hold positions within the document.
 """
 
 from retnet_jax import cli
@@ -33,7 +34,8 @@ _EVAL_SEQ_LEN = flags.DEFINE_integer("eval_seq_len", None, "Tokens per validatio
                                      "train.seq_len); may be longer than training. The parallel form's memory grows "
                                      "with its square: use --mode=chunkwise or recurrent for long sequences.")
 _BY_POSITION = flags.DEFINE_integer("by_position", 0, "Number of equal position buckets (dividing the evaluation "
-                                    "length) to report the loss of, and plot (0: off).")
+                                    "length) to report the loss of, and plot (0: off); with "
+                                    "data.reset_at_documents, positions within each document.")
 
 
 def main():

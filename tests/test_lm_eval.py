@@ -4,6 +4,8 @@ and a Transformer, against log-likelihoods and greedy decoding computed directly
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,13 +14,14 @@ lm_eval = pytest.importorskip("lm_eval")
 import datasets  # noqa: E402
 import huggingface_hub  # noqa: E402
 import tokenizers  # noqa: E402
+from lm_eval import utils as harness_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from retnet_jax import train_state  # noqa: E402
 from retnet_jax import lm_eval as harness  # noqa: E402
 from retnet_jax.tokenizer import ByteTokenizer  # noqa: E402
-from tests.helpers import forward, run_script, tiny_transformer  # noqa: E402
+from tests.helpers import forward, run_script, tiny_model, tiny_transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = f"{REPO / 'configs' / 'retnet.py'}:tiny"
@@ -233,3 +236,30 @@ def test_results_that_cannot_be_written_are_not_reported_as_written(tmp_path):
   assert harness.write_results({"results": {}}, tmp_path / "out" / "results.json") == str(tmp_path / "out" /
                                                                                           "results.json")
   assert json.loads((tmp_path / "out" / "results.json").read_text()) == {"results": {}}
+
+
+
+def test_rolling_loglikelihood_is_per_document():
+  """Each request is one document, each window starts from an empty state: a request scores the same alone or
+  batched with others, and its score is the sum of its windows' continuations in one packed row whose documents
+  (segment_ids) are the windows."""
+  model, tokenizer = tiny_model(), ByteTokenizer()
+  lm = harness.RetNetLM(model=model, tokenizer=tokenizer, max_length=16, batch_size=3)
+  texts = ["Now is the winter of our discontent made glorious summer", "To be, or not to be", "A horse!"]
+  batched = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)])
+  tokens, ids, scored = [], [], []  # scored: (request, first and last position predicting the continuation)
+  for i, text in enumerate(texts):
+    [alone] = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    assert batched[i] == pytest.approx(alone, rel=1e-6)
+    for context, continuation in map(harness_utils.make_disjoint_window, harness_utils.get_rolling_token_windows(
+        tokenizer.encode(text).tolist(), harness.NEWLINE_BYTE, 16, context_len=1)):
+      scored.append((i, len(tokens) + len(context) - 1, len(tokens) + len(context) + len(continuation) - 1))
+      ids += [len(scored)] * (len(context) + len(continuation))
+      tokens += context + continuation
+  assert len(scored) > 2 * len(texts)  # several windows per request
+  logits, _ = model(jnp.asarray([tokens]), mode="parallel", segment_ids=jnp.asarray([ids]))
+  logprobs = np.asarray(jax.nn.log_softmax(logits[0]), np.float64)
+  expected = [0.0] * len(texts)
+  for i, first, last in scored:
+    expected[i] += logprobs[np.arange(first, last), tokens[first + 1:last + 1]].sum()
+  assert batched == pytest.approx(expected, rel=1e-5)

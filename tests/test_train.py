@@ -157,6 +157,12 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
      "train.segment_len=12 is not a multiple of model.chunk_size=8"),
     (lambda c: c.model.update(vocab_size=100), "the tokenizer has 256 tokens but model.vocab_size=100"),
     (lambda c: c.data.update(validation_fraction=1.5), "validation_fraction must lie strictly between 0 and 1"),
+    (lambda c: c.data.update(reset_at_documents=True), r"data.reset_at_documents=True but data.files holds a single "
+                                                       r"document .* or set data.reset_at_documents=False"),
+    (lambda c: c.data.update(reset_at_documents=True) or c.train.update(mode="chunkwise")
+     or c.model.update(stability_norm_style="torchscale"),
+     r"data.reset_at_documents=True cannot reset the chunkwise form \(train.mode\) of "
+     r"model.stability_norm_style='torchscale'"),
     (lambda c: c.train.update(learning_rate=-1.0), r"train.learning_rate must be positive; got -1.0"),
     (lambda c: c.train.update(warmup_steps=-5), r"train.warmup_steps must be at least 0; got -5"),
     (lambda c: c.train.update(b2=1.0), r"train.b2 must be in \[0, 1\); got 1.0"),
