@@ -229,11 +229,12 @@ def check_targets(results) -> list[dict[str, Any]]:
        lambda v: v < 1.2),
       (f"chunkwise forward at {forward_longest['seq_len']} tokens >= 1,800 tokens/s",
        forward_longest["seq_len"] / forward_longest["seconds"]["median"], lambda v: v >= 1800),
-      ("document resets cost <= 5% of training throughput: lowest with / without",
-       min(c["ratio"] for c in results["document_resets"]["cases"].values()), lambda v: v >= 0.95),
       (f"chunkwise training at {long['seq_len']} tokens (train.segment_len={long['segment_len']}) under 4 GB: "
        "peak memory, GB", long["segmented"]["memory"]["peak_bytes"] / 1e9, lambda v: v < 4),
   ]
+  if "document_resets" in results:  # (`documents.measure`: absent from the results of earlier runs)
+    targets.append(("document resets cost <= 5% of training throughput: lowest with / without",
+                    min(c["ratio"] for c in results["document_resets"]["cases"].values()), lambda v: v >= 0.95))
   return [{"target": name, "value": value, "met": None if value is None else bool(test(value))}
           for name, value, test in targets]
 
