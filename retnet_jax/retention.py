@@ -304,7 +304,8 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, segment_ids=
   anywhere, on or off chunk edges.
 
   Args:
-    q, k, v, log_decay, state, segment_ids: as in `parallel_retention`. chunk_size: a positive integer (at most seq is used).
+    q, k, v, log_decay, state, segment_ids: as in `parallel_retention`. chunk_size: a positive integer (at most seq
+      is used).
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` in the accumulation dtype).
   """

@@ -90,7 +90,8 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
     opened_BxL = jnp.cumsum(starts_BxL, axis=1)  # starts in this slice up to each token
     # Starts in slices 0..j: slice j's state reaches slice r > j iff there are as many in slices 0..r-1.
     upto_RxB = jnp.cumsum(jax.lax.all_gather(opened_BxL[:, -1], axis_name), axis=0)
-    before_B, total_B = upto_RxB[r] - opened_BxL[:, -1], jax.lax.psum(opened_BxL[:, -1], axis_name)  # the same
+    # Starts before this slice, and in all (a psum, so that the final state stays the same on every device).
+    before_B, total_B = upto_RxB[r] - opened_BxL[:, -1], jax.lax.psum(opened_BxL[:, -1], axis_name)
     weights_RxBxHx1x1 = jnp.where((upto_RxB == before_B)[:, :, None, None, None], weights_RxBxHx1x1, 0)
     opened_before_BxC = jnp.pad(opened_BxL[:, size - 1::size], ((0, 0), (1, 0)))[:, :-1]  # before each chunk
     kept = {"out": upto_RxB[r] == total_B, "in": before_B == 0, "carried_out": total_B == 0,

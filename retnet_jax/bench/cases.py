@@ -36,7 +36,8 @@ def param_count(model_cfg) -> int:
   return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
 
 
-def _train_case(step, state, batch, compile_s: float, buffers: int | None) -> Case:
+def train_case(step, state, batch, compile_s: float, buffers: int | None) -> Case:
+  """A Case that runs compiled `step(state, batch) -> (state, _)` once per unit, carrying the state."""
   holder = {"state": state}
 
   def one_step():
@@ -72,7 +73,7 @@ def retnet_train_case(config, mesh, states: InitialStates) -> Case:
     batch = jax.device_put(random_tokens(config.train.batch_size, config.train.seq_len + 1,
                                          config.model.vocab_size), run.placement.batch_sharding)
     step, compile_s, buffers = compile_timed(run.train_step, state, batch)
-  return _train_case(step, state, batch, compile_s, buffers)
+  return train_case(step, state, batch, compile_s, buffers)
 
 
 def compile_train_step(config, mesh) -> tuple[float, int | None]:
@@ -98,7 +99,7 @@ def transformer_train_case(config, mesh) -> Case:
   batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
   step_fn = jax.jit(train_step.make_train_step(graphdef, tx, config.train), donate_argnums=0)
   step, compile_s, buffers = compile_timed(step_fn, state, batch)
-  return _train_case(step, state, batch, compile_s, buffers)
+  return train_case(step, state, batch, compile_s, buffers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,6 +105,13 @@ def to_markdown(results) -> str:
             f"`train.segment_len={long['segment_len']}`: {fmt(seg['compiled_bytes'], 'B')} XLA buffers, peak memory "
             f"{fmt(seg['memory']['peak_bytes'], 'B')} (+{fmt(seg['memory']['above_start_bytes'], 'B')}), "
             f"step {fmt_range(seg['step_s'], 's')}, {fmt_range(seg['tokens_per_s'])} tokens/s."]
+  resets = results["document_resets"]
+  lines += ["", "## Document resets (packed documents, `segment_ids`)", "",
+            f"The same train step without and with the documents of a packed batch ({resets['documents_per_batch']} "
+            f"documents of mean length {resets['document_len']}), interleaved.", ""]
+  lines += _table(["form/dtype", "tokens/s without", "tokens/s with", "with / without"], [
+      [name, fmt_range(r["whole_tokens_per_s"]), fmt_range(r["documents_tokens_per_s"]), f"{r['ratio']:.3f}"]
+      for name, r in resets["cases"].items()])
   lines += ["", "## Targets", ""]
   met = {True: "yes", False: "no", None: "not measured"}
   lines += _table(["target", "value", "met"], [[t["target"], fmt(t["value"]), met[t["met"]]]
