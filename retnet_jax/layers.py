@@ -248,17 +248,15 @@ class MultiScaleRetention(nnx.Module):
     batch and head shards: (normalised float32 output, new state)."""
     qkv_axes, state_axes = ("batch", None, "heads", None), ("batch", "heads", None, None)
     kv_in = None if state is None else state["kv"]
-    # The documents reach the kernels as a keyword only when there are some; split over the batch like q.
-    docs = lambda ids: {} if ids is None else {"segment_ids": ids}
-    doc_axes = ("batch", None)
+    doc_axes = ("batch", None)  # the documents split over the batch like q
     if not self.stability_norm:
       kernel = lambda q, k, v, log_decay, kv, ids: kernels.chunkwise_retention(
-          q, k, v, log_decay, self.chunk_size, kv, precision=self.precision, **docs(ids))
+          q, k, v, log_decay, self.chunk_size, kv, segment_ids=ids, precision=self.precision)
       out, kv = sharding.per_shard(kernel, [qkv_axes] * 3 + [("heads",), state_axes, doc_axes],
                                    [qkv_axes, state_axes])(q, k, v, log_decay_H, kv_in, segment_ids_BxL)
       return out.astype(jnp.float32), {"kv": kv}
     kernel = lambda q, k, v, log_decay, kv, z, ids: kernels.chunkwise_retention_with_key_sum(
-        q, k, v, log_decay, self.chunk_size, kv, z, precision=self.precision, **docs(ids))
+        q, k, v, log_decay, self.chunk_size, kv, z, segment_ids=ids, precision=self.precision)
     z_in = None if state is None else state["key_sum"]
     out, kv, qz, key_sum = sharding.per_shard(
         kernel, [qkv_axes] * 3 + [("heads",), state_axes, ("batch", "heads", None), doc_axes],

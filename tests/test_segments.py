@@ -213,6 +213,19 @@ def test_retnet_logits_match_each_document_alone(style):
     assert rel_err(next_logits[:, 0], expected_next) < 1e-5, (mode, rel_err(next_logits[:, 0], expected_next))
 
 
+def test_pallas_kernels_in_the_model_match_each_document_alone():
+  """The chunkwise form through the Pallas kernels (interpreted here), after a carried state, with the shared
+  normaliser's key sum from the same pass: as each document run alone through the XLA form."""
+  kernel_model = helpers.tiny_model(chunk_size=4, num_layers=1, retention_impl="pallas")
+  model = helpers.tiny_model(chunk_size=4, num_layers=1)
+  tokens = helpers.random_tokens(BATCH, IDS.shape[1] + 3)
+  _, carried = forward(model, jnp.asarray(tokens[:, :3]), None, "chunkwise")
+  logits, state = forward(kernel_model, jnp.asarray(tokens[:, 3:]), carried, "chunkwise", jnp.asarray(IDS))
+  expected, _ = documents_alone(model, tokens[:, 3:], IDS, "chunkwise", carried, tokens[:, -1:])
+  assert state["position"].tolist() == [1, 16, 3]
+  assert rel_err(logits, expected) < 1e-5, rel_err(logits, expected)
+
+
 def test_transformer_logits_match_each_document_alone():
   """Parallel form from no state (block-diagonal mask) and after a cached prefix (reaching the first documents only);
   decoding from the returned state continues the last documents; its recurrent form refuses segment_ids."""
