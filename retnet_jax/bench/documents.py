@@ -34,7 +34,7 @@ def reset_train_case(config, ids: np.ndarray | None):
   graphdef, params = nnx.split(RetNet(config.model, rngs=nnx.Rngs(config.seed)))
   tx = optimizer.make_optimizer(config.train)
   loss_and_grad = jax.value_and_grad(lambda params, tokens, ids: losses.token_loss(
-      graphdef, params, tokens, config.train.mode, segment_ids=ids))
+      graphdef, params, tokens if ids is None else (tokens, None, ids), config.train.mode))
 
   def step(state, batch):
     params, opt_state = state
