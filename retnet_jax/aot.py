@@ -185,8 +185,8 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   """The collectives in a compiled HLO module's text, by kind: how many, and the bytes of their results (per
   device; an asynchronous pair counted once, by its start)."""
   found: dict[str, dict[str, int]] = {}
-  pattern = (r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
-  for result, kind, started in re.findall(pattern, hlo):
+  pattern = r"^\s*(?:ROOT )?%?\S+ = (.*?) (" + "|".join(_COLLECTIVES) + r")(-start)?\("
+  for result, kind, started in re.findall(pattern, hlo, flags=re.MULTILINE):
     arrays = [_array_bytes(dtype, dims) for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result)]
     size = max(arrays, default=0) if started else sum(arrays)  # a start's tuple holds its operands too
     entry = found.setdefault(kind, {"count": 0, "bytes": 0})
