@@ -150,10 +150,12 @@ def devices(target: Target) -> tuple[jax.Device, ...]:
                                             target_config=gpu_target_config(target.chip), topology=target.topology)
   else:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # no TPU VM here: libtpu asks no metadata server
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no chips to guard: compiles may run side by side
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.name)
     topology = topologies.get_topology_desc(
         platform="tpu", topology_name=f"{target.chip_name}:{target.topology}", num_slices=target.slices,
-        chip_config_name="megacore" if target.chip_name in _MEGACORE else "default")
+        chip_config_name="megacore" if target.chip_name in _MEGACORE else "default",
+        chips_per_host_bounds=(1, 1, 1) if target.chips == 1 else (2, 2, 1))  # hosts of 4 chips, as Cloud's
   found = tuple(topology.devices)
   if len(found) != target.num_devices:
     raise ValueError(f"--target={target.name}: XLA's topology {target.topology} gave {len(found)} devices, not "

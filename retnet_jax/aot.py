@@ -205,8 +205,9 @@ def _array_bytes(dtype: str, dims: str) -> int:
 def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_batch: int = 1 << 16
            ) -> dict[str, Any]:
   """Per remat policy (none and `model.REMAT_POLICIES`), the largest power-of-two global batch (a multiple of the
-  data shards and micro-batches) at the config's seq_len whose train step fits; the largest of those batches, and
-  the lightest policy reaching it (fewest compiled FLOPs: least recomputation). Every attempt is recorded."""
+  data shards and micro-batches, at most `max_batch`) at the config's seq_len whose train step fits, found by
+  doubling or halving from the config's batch (memory grows with the batch); the largest of those batches, and the
+  lightest policy reaching it (fewest XLA FLOPs: least recomputation). Every attempt is recorded."""
   check_request(config, target, ("train",))
   shape = dict(zip(config.mesh.axis_names, sharding.mesh_shape(config.mesh, target.num_devices)))
   batch_axes = sharding.logical_spec(("batch",), sharding.logical_rules(config.mesh))[0] or ()
@@ -214,20 +215,18 @@ def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_b
   unit = config.train.grad_accum_steps
   for axis in batch_axes:
     unit *= shape[axis]
-  attempts, largest = [], {}
-  for remat in ("none", *model_lib.REMAT_POLICIES):
-    fits_at: dict[int, dict[str, Any]] = {}
-    batch = unit
-    while batch <= max_batch:
-      trial = _with(config, batch_size=batch, remat=remat)
-      step = plan(trial, target, ("train",))["steps"]["train"]
+  attempts, largest, start = [], {}, min(config.train.batch_size, max_batch)
+  for remat in ("none", *model_lib.REMAT_POLICIES):  # each starts where the one before ended
+    batch = unit << (max(start // unit, 1).bit_length() - 1)  # the largest unit x 2^k up to `start`
+    fitted = failed = None
+    while unit <= batch <= max_batch and (fitted is None or failed is None):
+      step = plan(_with(config, batch_size=batch, remat=remat), target, ("train",))["steps"]["train"]
       attempts.append({"remat": remat, "batch_size": batch} | {k: step.get(k) for k in (
           "fits", "required_bytes_per_device", "xla_flops_per_device", "compile_seconds", "error")})
-      if not step["fits"]:
-        break
-      fits_at[batch] = step
-      batch *= 2
-    largest[remat] = max(fits_at, default=None)
+      fitted, failed = (batch, failed) if step["fits"] else (fitted, batch)
+      batch = batch * 2 if step["fits"] else batch // 2
+    largest[remat] = fitted
+    start = fitted or start
   best = max((b for b in largest.values() if b), default=None)
   reaching = [a for a in attempts if a["fits"] and a["batch_size"] == best]
   lightest = min(reaching, key=lambda a: a["xla_flops_per_device"] or 0.0)["remat"] if reaching else None

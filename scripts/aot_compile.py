@@ -58,7 +58,7 @@ def main():
   else:
     report, name = aot.plan(config, target, _STEPS.value), "report"
     table = aot.format_table(report)
-  report["config"] = f"{flags.FLAGS['config'].config_filename}:{config.preset}"
+  report["config"] = flags.FLAGS["config"].config_filename
   out = Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   (out / f"{name}.md").write_text(table + "\n")
