@@ -52,10 +52,11 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
          ) -> dict[str, Any]:
   """Compiles `steps` of `config` for `target`; the report of each step under "steps", and what they share."""
   check_request(config, target, steps)
-  mesh = sharding.make_mesh(config.mesh, accelerators.devices(target))
+  devices = accelerators.devices(target)
+  mesh = sharding.make_mesh(config.mesh, devices)
   chip = target.chip
   report = {"target": target.name, "platform": chip.platform, "device_kind": chip.device_kind,
-            "devices": target.num_devices, "hosts": target.hosts, "slices": target.slices,
+            "devices": target.num_devices, "hosts": len({d.process_index for d in devices}), "slices": target.slices,
             "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "batch_size": config.train.batch_size,
             "seq_len": config.train.seq_len, "mode": config.train.mode, "remat": config.train.remat,
             "retention_impl": config.model.get("retention_impl"), "dtype": config.model.dtype,
