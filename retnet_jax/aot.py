@@ -120,7 +120,7 @@ def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:
 
 def _compile(lower, config: ml_collections.ConfigDict, target: accelerators.Target, step: str) -> dict[str, Any]:
   """Lowers and compiles one step; its memory, FLOPs, collectives, compile time and bound, or the compiler's
-  out-of-memory as `fits: false`."""
+  out-of-memory as `fits: false` with the bytes its message says were needed (a TPU's: the temporaries alone)."""
   chip, devices = target.chip, target.num_devices
   start = time.perf_counter()
   lowered = lower()
@@ -145,12 +145,15 @@ def _compile(lower, config: ml_collections.ConfigDict, target: accelerators.Targ
               + sizes["generated_code_bytes"])
   cost, source = _cost(compiled, lowered, devices)
   hlo = compiled.as_text()
-  moved = max(cost.get("bytes accessed", 0.0) if source == "compiled" else 0.0,
-              sizes["argument_bytes"] + sizes["output_bytes"])
+  # What the step cannot avoid: reading its arguments and writing its outputs once, and the FLOPs of the model or
+  # of the compiled program (XLA counts a loop's body once), whichever is more. XLA's bytes accessed are an
+  # estimate of its own, not a bound.
+  moved = sizes["argument_bytes"] + sizes["output_bytes"]
   compute = max(cost.get("flops", 0.0), result["model_flops_per_device"] or 0.0)
   return result | sizes | {
       "required_bytes_per_device": required, "fits": required <= chip.memory_bytes,
-      "xla_flops_per_device": cost.get("flops"), "xla_flops_source": source,
+      "xla_flops_per_device": cost.get("flops"), "xla_bytes_accessed_per_device": cost.get("bytes accessed"),
+      "xla_flops_source": source,
       "pallas_kernel_calls": hlo.count("__gpu$xla.gpu.triton") + hlo.count("triton_kernel_call"),
       "collectives": collectives(hlo),
       "step_seconds_lower_bound": max(compute / chip.peak_bf16_flops, moved / chip.hbm_bytes_per_second),
@@ -259,5 +262,6 @@ def format_table(report: dict[str, Any]) -> str:
                  f"| {tflop(r.get('xla_flops_per_device'))} | {tflop(r['model_flops_per_device'])} | {comm or '-'} "
                  f"| {r['compile_seconds']:.1f} | {'-' if bound is None else f'{bound:.4f}'} |")
   lines.append("")
-  lines.append("Per device. `step >= s` is a lower bound: max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth).")
+  lines.append("Per device. `step >= s` is a lower bound: max(FLOPs / peak bf16 FLOP/s, (arguments + outputs) / HBM "
+               "bandwidth), FLOPs the larger of XLA's and the model's.")
   return "\n".join(lines)
