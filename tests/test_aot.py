@@ -5,10 +5,12 @@ Compiles need the aot extra (pip install -e '.[aot]'); without it those tests ar
 import json
 import re
 
+import jax.numpy as jnp
 import pytest
 
 from retnet_jax import accelerators, aot, flops, presets
 from retnet_jax.bench import cases
+from retnet_jax.kernels import support
 from tests.helpers import run_script
 
 
@@ -74,6 +76,17 @@ def test_compiler_out_of_memory_is_a_result():
   step = aot.plan(config, accelerators.parse_target("v5e-1"), ("train",))["steps"]["train"]
   assert not step["fits"] and "RESOURCE_EXHAUSTED" in step["error"]
   assert step["required_bytes_per_device"] > accelerators.CHIPS["v5e"].memory_bytes * 0.9
+
+
+def test_kernels_are_judged_against_the_target_platform():
+  assert support.default_backend() == "cpu" and support.resolve_interpret(None)
+  with support.target_backend("gpu"):
+    assert support.is_supported(64, 64, jnp.bfloat16, 64) and not support.resolve_interpret(None)
+    with support.target_backend("tpu"):
+      with pytest.raises(ValueError, match="compile for GPUs only .* the backend is 'tpu'"):
+        support.check_supported(64, 64, jnp.bfloat16, 64)
+    assert support.default_backend() == "gpu"
+  assert support.default_backend() == "cpu" and not support.is_supported(64, 64, jnp.bfloat16, 64)
 
 
 @pytest.mark.parametrize("name,topology,devices", [
