@@ -65,21 +65,23 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
   with support.target_backend(chip.platform):
     run = train_step_lib.setup(config, mesh)
     with run.placement.active():
-      lowerings = _lowerings(config, run, steps)
+      lowerings = _lowerings(config, run)
       for step in steps:
         report["steps"][step] = _compile(lowerings[step], config, target, step)
   report["fits"] = all(r["fits"] for r in report["steps"].values())
   return report
 
 
-def _lowerings(config: ml_collections.ConfigDict, run: train_step_lib.Setup, steps: Sequence[str]):
-  """Per step, a function that lowers it: the same jitted functions training and generation call."""
+def _lowerings(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
+  """Per step, a function that lowers it: the same jitted functions training and generation call. Batches are
+  `train.batch_size` rows of `train.seq_len` tokens (and the next token), prompts as long: the prefill runs
+  `train.seq_len` tokens."""
   batch, seq_len = config.train.batch_size, config.train.seq_len
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=run.placement.batch_sharding)
   params = run.abstract_state["params"]
   sampler = sampling.Sampler()
   prefill_mode = architectures.prefill_modes(config.model)[0]
-  prompts = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=run.placement.batch_sharding)
+  prompts = tokens
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
   prefill_args = (params, prompts, lengths)
   prefill_kwargs = {"graphdef": run.graphdef, "prefill_mode": prefill_mode}
