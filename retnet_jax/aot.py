@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
 
 from retnet_jax import (accelerators, architectures, flops, model as model_lib, sampling, sharding, train_state,
@@ -41,7 +43,7 @@ def check_request(config: ml_collections.ConfigDict, target: accelerators.Target
     raise ValueError(f"--steps={','.join(steps)}: choose steps among {','.join(STEPS)}.")
   accelerators.check_installed(target.chip.platform)
   try:
-    sharding.mesh_shape(config.mesh, target.num_devices)
+    _slice_axis(sharding.mesh_shape(config.mesh, target.num_devices), target.slices)
   except ValueError as e:
     raise ValueError(f"--target={target.name} has {target.num_devices} devices: {e}") from None
   with support.target_backend(target.chip.platform):
@@ -53,7 +55,7 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
   """Compiles `steps` of `config` for `target`; the report of each step under "steps", and what they share."""
   check_request(config, target, steps)
   devices = accelerators.devices(target)
-  mesh = sharding.make_mesh(config.mesh, devices)
+  mesh = _mesh(config.mesh, target, devices)
   chip = target.chip
   report = {"target": target.name, "platform": chip.platform, "device_kind": chip.device_kind,
             "devices": target.num_devices, "hosts": len({d.process_index for d in devices}), "slices": target.slices,
@@ -70,6 +72,30 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
         report["steps"][step] = _compile(lowerings[step], config, target, step)
   report["fits"] = all(r["fits"] for r in report["steps"].values())
   return report
+
+
+def _slice_axis(shape: tuple[int, ...], slices: int) -> int | None:
+  """The first mesh axis that `slices` slices split evenly (None for one slice), or ValueError naming the fix."""
+  if slices == 1:
+    return None
+  axis = next((i for i, size in enumerate(shape) if size % slices == 0), None)
+  if axis is None:
+    raise ValueError(f"no axis of mesh.shape={shape} splits over the {slices} slices; make one of them (the data "
+                     f"axis, usually) a multiple of {slices}.")
+  return axis
+
+
+def _mesh(mesh_cfg: ml_collections.ConfigDict, target: accelerators.Target, devices) -> jax.sharding.Mesh:
+  """`config.mesh` on the target's devices; over several slices the first axis they split spans them (over the
+  data-center network), the others stay within a slice."""
+  shape = sharding.mesh_shape(mesh_cfg, len(devices))
+  axis = _slice_axis(shape, target.slices)
+  if axis is None:
+    return sharding.make_mesh(mesh_cfg, devices)
+  across = tuple(target.slices if i == axis else 1 for i in range(len(shape)))
+  grid = mesh_utils.create_hybrid_device_mesh(tuple(s // a for s, a in zip(shape, across)), across, devices,
+                                              allow_split_physical_axes=True)
+  return jax.sharding.Mesh(grid, tuple(mesh_cfg.axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
 def _lowerings(config: ml_collections.ConfigDict, run: train_step_lib.Setup):

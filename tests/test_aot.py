@@ -71,6 +71,16 @@ def test_tpu_train_and_decode_steps_with_their_collectives():
 
 
 @needs_tpu
+def test_several_slices_reduce_over_the_network_last():
+  report = aot.plan(tiny(), accelerators.parse_target("v5e-4", slices=2), ("train",))
+  collectives = report["steps"]["train"]["collectives"]
+  assert (report["devices"], report["slices"], report["mesh"]["data"]) == (8, 2, 8) and report["fits"]
+  assert {"reduce-scatter", "all-reduce", "all-gather"} <= set(collectives)  # within a slice, across, within
+  with pytest.raises(ValueError, match=r"no axis of mesh.shape=\(2, 2, 1, 1\) splits over the 4 slices"):
+    aot.check_request(tiny(mesh__shape=(2, 2, 1, 1)), accelerators.parse_target("v5e-1", slices=4), ("train",))
+
+
+@needs_tpu
 def test_compiler_out_of_memory_is_a_result():
   config = tiny(train__batch_size=4096, train__seq_len=2048)
   step = aot.plan(config, accelerators.parse_target("v5e-1"), ("train",))["steps"]["train"]
