@@ -85,6 +85,11 @@ class Target:
     return f"{2 ** (log // 2)}x{2 ** (log - log // 2)}"  # 1x1, 2x2, 2x4, 4x4, ...
 
 
+def chip_of(device_kind: str) -> Chip | None:
+  """The CHIPS entry of a JAX `device_kind` (e.g. training's devices, for their peak), or None (CPUs, others)."""
+  return next((chip for chip in CHIPS.values() if chip.device_kind == device_kind), None)
+
+
 def parse_target(name: str, hosts: int = 1, slices: int = 1) -> Target:
   """The Target of `name` (`h100:8`, `v5e-16`); ValueError naming the known names or sizes otherwise."""
   gpu, tpu = re.fullmatch(r"(\w+):(\d+)", name), re.fullmatch(r"(\w+)-(\d+)", name)

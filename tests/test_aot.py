@@ -107,6 +107,16 @@ def test_target_names_follow_the_clouds(name, topology, devices):
   assert (target.topology, target.num_devices) == (topology, devices)
 
 
+@needs_gpu
+@needs_tpu
+def test_each_chip_is_the_device_xla_describes():
+  for name in ("h100:1", "h200:1", "a100:1", "v4-8", "v5e-1", "v5p-8", "v6e-1"):
+    target = accelerators.parse_target(name)
+    kind = accelerators.devices(target)[0].device_kind
+    assert kind == target.chip.device_kind and accelerators.chip_of(kind) is target.chip
+  assert accelerators.chip_of("cpu") is None
+
+
 def test_gpu_target_description_names_the_chip():
   text = accelerators.gpu_target_config(accelerators.CHIPS["a100"])
   assert "core_count: 108" in text and "cuda_compute_capability: { major: 8 }" in text
