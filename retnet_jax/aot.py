@@ -13,6 +13,7 @@ config's mesh shape. A compiler out-of-memory is a result (`fits: false`), not a
 from __future__ import annotations
 
 import copy
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -228,10 +229,8 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
-  count = 1
-  for d in filter(None, dims.split(",")):
-    count *= int(d)
-  return count * _DTYPE_BYTES.get(dtype, 4)
+  """Bytes of an HLO array `dtype[dims]` (e.g. `bf16`, `4,8`)."""
+  return math.prod(int(d) for d in filter(None, dims.split(","))) * _DTYPE_BYTES.get(dtype, 4)
 
 
 def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_batch: int = 1 << 16
