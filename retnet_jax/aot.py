@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
@@ -254,6 +255,8 @@ def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_b
       step = plan(_with(config, batch_size=batch, remat=remat), target, ("train",))["steps"]["train"]
       attempts.append({"remat": remat, "batch_size": batch} | {k: step.get(k) for k in (
           "fits", "required_bytes_per_device", "xla_flops_per_device", "compile_seconds", "error")})
+      logging.info("remat %s, batch %d: %s", remat, batch, "fits" if step["fits"] else "does not fit")
+      jax.clear_caches()  # the attempt's executable is not needed again
       fitted, failed = (batch, failed) if step["fits"] else (fitted, batch)
       batch = batch * 2 if step["fits"] else batch // 2
     largest[remat] = fitted

@@ -22,7 +22,7 @@ if __name__ == "__main__":
 import json
 from pathlib import Path
 
-from absl import flags
+from absl import flags, logging
 
 from retnet_jax import accelerators, aot
 
@@ -50,6 +50,7 @@ def search_table(found: dict) -> str:
 
 
 def main():
+  logging.set_verbosity(logging.INFO)  # a search's attempts as they end
   target = accelerators.parse_target(_TARGET.value, hosts=_HOSTS.value, slices=_SLICES.value)
   config = _CONFIG.value
   if _SEARCH.value:
