@@ -132,6 +132,14 @@ def test_collectives_are_counted_with_their_bytes():
                                   "collective-permute": {"count": 1, "bytes": 12}}
 
 
+def test_out_of_memory_messages_give_the_bytes_needed():
+  assert aot._bytes_needed("RESOURCE_EXHAUSTED: the total memory required for HLO temporaries (69.54G) exceeds "
+                           "available HBM (15.75G).") == int(69.54 * 2**30)
+  assert aot._bytes_needed("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.5G of 15.75G hbm."
+                           ) == int(20.5 * 2**30)
+  assert aot._bytes_needed("RESOURCE_EXHAUSTED: something else") is None
+
+
 @pytest.mark.parametrize("name,message", [
     ("h100-8", r"unknown --target='h100-8'; choose one of h100:N, h200:N, a100:N, v4-N, v5e-N, v5p-N, v6e-N"),
     ("v5e-2", r"no v5e slice of that size; Cloud TPU's v5e-N has N in 1, 4, 8"),
