@@ -119,8 +119,9 @@ def parse_target(name: str, hosts: int = 1, slices: int = 1) -> Target:
 
 def check_installed(platform: str) -> None:
   """Raises ValueError with the pip command unless the `aot` extra's packages for `platform` are installed."""
-  needed = {"gpu": ("jax_cuda12_plugin", "nvidia.cuda_nvcc"), "tpu": ("libtpu",)}[platform]
-  missing = [module for module in needed if _find_spec(module) is None]
+  needed = {"gpu": {"jax_cuda12_plugin": "jax-cuda12-plugin", "nvidia.cuda_nvcc": "nvidia-cuda-nvcc-cu12"},
+            "tpu": {"libtpu": "libtpu"}}[platform]
+  missing = [package for module, package in needed.items() if _find_spec(module) is None]
   if missing:
     raise ValueError(f"compiling for {platform.upper()}s needs {', '.join(missing)}, from the aot extra: {_INSTALL}.")
 
