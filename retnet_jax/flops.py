@@ -53,13 +53,18 @@ def attention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int) -> i
   return cfg.num_layers * 4 * seq_len * cfg.d_model
 
 
-def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
-  """Forward + backward: 3 x (2 x matmul params + retention products in `mode`, or a Transformer's attention)."""
+def forward_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward: 2 x matmul params + the retention products in `mode`, or a Transformer's attention."""
   if cfg.architecture == "transformer":
     mixing = attention_flops_per_token(cfg, seq_len)
   else:
     mixing = retention_flops_per_token(cfg, seq_len, mode)
-  return 3 * (2 * matmul_params(cfg) + mixing)
+  return 2 * matmul_params(cfg) + mixing
+
+
+def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward + backward: 3 x the forward (the backward pass costs two forwards)."""
+  return 3 * forward_flops_per_token(cfg, seq_len, mode)
 
 
 @functools.cache

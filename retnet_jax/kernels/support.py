@@ -7,8 +7,10 @@ asking for `retention_impl=pallas` fails before training starts, naming the limi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 CHUNK_SIZES = (16, 32, 64)
 KEY_DIMS = (16, 32, 64, 128, 256)  # whole key rows per program and a [d_k, block_v] float32 state in registers
 _FIX = "use retention_impl='xla' (or 'auto', which picks the XLA form wherever the kernel does not compile)"
+_TARGETS: list[str] = []  # the platforms `target_backend` names, innermost last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +59,26 @@ def default_config(key_dim: int, value_dim: int) -> KernelConfig:
   return KernelConfig(forward=Tiling(min(forward_block, narrow)), backward=Tiling(min(64, narrow)))
 
 
+@contextlib.contextmanager
+def target_backend(backend: str) -> Iterator[None]:
+  """Within it the kernels are judged, and compiled rather than interpreted, for `backend` instead of JAX's default
+  backend: compiling ahead of time for accelerators this process does not have."""
+  _TARGETS.append(backend)
+  try:
+    yield
+  finally:
+    _TARGETS.pop()
+
+
+def default_backend() -> str:
+  """The backend the kernels are judged against: the innermost `target_backend`, else JAX's default."""
+  return _TARGETS[-1] if _TARGETS else jax.default_backend()
+
+
 def _unsupported_reason(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> str | None:
-  """Why the compiled kernels cannot run these per-head sizes on `backend` (default: JAX's), or None if they can."""
-  backend = backend or jax.default_backend()
+  """Why the compiled kernels cannot run these per-head sizes on `backend` (default: `default_backend()`), or None
+  if they can."""
+  backend = backend or default_backend()
   if backend != "gpu":
     return f"the Pallas retention kernels compile for GPUs only (Triton); the backend is {backend!r}"
   if jnp.dtype(dtype) not in DTYPES:
@@ -78,7 +98,7 @@ def check_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backen
   Args:
     key_dim, value_dim: the per-head dims d_k and d_v (any d_v: it is padded to whole value tiles).
     dtype: the compute dtype of q, k and v. chunk_size: the chunk length.
-    backend: a JAX backend name (`gpu`, `cpu`, `tpu`); default `jax.default_backend()`.
+    backend: a JAX backend name (`gpu`, `cpu`, `tpu`); default `default_backend()`.
   """
   reason = _unsupported_reason(key_dim, value_dim, dtype, chunk_size, backend)
   if reason is not None:
@@ -91,5 +111,5 @@ def is_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: 
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-  """`interpret=None`: interpreted unless JAX's default backend is a GPU, the one the kernels compile for."""
-  return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+  """`interpret=None`: interpreted unless `default_backend()` is a GPU, the one the kernels compile for."""
+  return default_backend() != "gpu" if interpret is None else bool(interpret)
