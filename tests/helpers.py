@@ -7,6 +7,7 @@ for a test that writes into the workdir.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ from retnet_jax import presets
 from retnet_jax.model import RetNet
 from retnet_jax.transformer import Transformer
 
+# What XLA's C++ logging writes to stderr by itself when jax is imported (the aot extra's CUDA plugin on a machine
+# without a GPU: "Could not find cuda drivers"), before a script can say anything: not the script's own lines.
+XLA_LOG_LINE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)"
+                          r"|[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] )")
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "data" / "tinyshakespeare.txt"
 # The tiny run's training: 8 steps of 8 x 32 tokens, logging every step, evaluating (2 batches) every 4 steps.
@@ -126,3 +131,8 @@ def script_stdout(name: str, *flags: str, **env_vars: str) -> str:
   result = run_script(name, *flags, **env_vars)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
+
+
+def script_lines(output: str) -> list[str]:
+  """The non-empty lines a script printed, without XLA's own log lines (XLA_LOG_LINE)."""
+  return [line for line in output.splitlines() if line.strip() and not XLA_LOG_LINE.match(line)]

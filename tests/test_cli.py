@@ -10,7 +10,7 @@ import time
 import pytest
 
 from retnet_jax import cli
-from tests.helpers import REPO, run_script
+from tests.helpers import REPO, run_script, script_lines
 
 
 @pytest.mark.slow
@@ -95,6 +95,6 @@ def test_a_signal_during_start_up_is_one_line(tmp_path):
     process.send_signal(sig)
   for sig, process in processes.items():
     _, stderr = process.communicate(timeout=120)
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = script_lines(stderr)
     assert process.returncode == 128 + sig and len(lines) == 1, stderr[-3000:]
     assert lines[0].startswith(f"error: stopped by {sig.name}; ") and "rerun the same command" in lines[0], stderr
