@@ -47,6 +47,8 @@ class _OrbaxWarningsOnly(logging.Filter):
     if record.exc_info and any(frame.filename.startswith(_ORBAX_DIR)
                                for frame in traceback.extract_tb(record.exc_info[2])):
       return False  # also asyncio's report of a failed orbax write whose future nobody awaited
+    if record.name == "asyncio" and record.exc_info and record.exc_info[2] is None:
+      return False  # the same for a TensorStore write's future, whose error carries no traceback
     if not record.pathname.startswith(_ORBAX_DIR):
       return True
     return record.levelno >= logging.WARNING and not record.getMessage().startswith(_EXPECTED_WARNINGS)
