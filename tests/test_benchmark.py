@@ -120,8 +120,7 @@ def test_quick_suite_writes_every_result(tmp_path):
     assert {"crossover_seq_len", "time_growth_exponent"} <= set(results["lengths"][f"{kind}_analysis"])
   assert "compiled_bytes" in results["long_training"]["whole"]
   assert {"tokens_per_s", "step_s", "memory", "compiled_bytes"} <= set(results["long_training"]["segmented"])
-  assert {f"retnet/{mode}/{dtype}" for mode in ("parallel", "chunkwise") for dtype in ("float32", "bfloat16")} == set(
-      results["document_resets"]["cases"])
+  assert {"retnet/chunkwise/float32"} == set(results["document_resets"]["cases"])  # quick: one row
   assert all(r["ratio"] > 0 for r in results["document_resets"]["cases"].values())
   for model in ("retnet", "transformer"):
     assert {"batch_1", "batch_32"} <= set(results["decoding"]["throughput"][model])

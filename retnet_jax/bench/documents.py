@@ -13,11 +13,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from retnet_jax import architectures, losses, optimizer
+from retnet_jax import losses, optimizer
 from retnet_jax.bench.cases import make_config, train_case
 from retnet_jax.bench.harness import compile_timed, interleave, random_tokens, rate
 from retnet_jax.bench.suites import Suite
-from retnet_jax.layers import DTYPES
 from retnet_jax.model import RetNet
 
 
@@ -52,11 +51,10 @@ def measure(base, suite: Suite, source: str) -> dict[str, Any]:
   """Per form and dtype: tokens/s without and with document resets (interleaved, alternated) and their ratio."""
   ids = document_ids(suite.batch_size, suite.seq_len + 1, suite.document_len)
   cases = {}
-  for dtype in DTYPES:
-    for mode in architectures.SEQUENCE_MODES:
-      config = make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size)
-      for name, docs in (("whole", None), ("documents", ids)):
-        cases[f"retnet/{mode}/{dtype}/{name}"] = reset_train_case(config, docs)
+  for mode, dtype in suite.document_forms:
+    config = make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size)
+    for name, docs in (("whole", None), ("documents", ids)):
+      cases[f"retnet/{mode}/{dtype}/{name}"] = reset_train_case(config, docs)
   documents_per_batch = int(ids[:, -1].sum()) + len(ids)
   print(f"document resets: {len(cases)} cases, {documents_per_batch} documents per batch", flush=True)
   interleave(cases, suite.rounds, source)

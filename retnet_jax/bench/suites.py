@@ -27,6 +27,7 @@ class Suite:
   long_train_len: int  # chunkwise training of one sequence this long, whole and in segments (batch 1)
   segment_len: int  # train.segment_len of the segmented long training step
   document_len: int  # mean document length of the packed batches that time document resets
+  document_forms: tuple[tuple[str, str], ...]  # the (mode, dtype) train steps timed with and without resets
   matmul_size: int
 
 
@@ -35,13 +36,16 @@ SUITES = {
                              chunk_size=16),
                    seq_len=64, batch_size=4, rounds=2, sweep_rounds=2, decode_rounds=2, lengths=(32, 64),
                    train_lengths=(32,), quadratic_max_len=64, prompt_len=16, decode_batch=32, new_tokens=8,
-                   contexts=(16, 32), long_train_len=256, segment_len=64, document_len=16, matmul_size=256),
+                   contexts=(16, 32), long_train_len=256, segment_len=64, document_len=16,
+                   document_forms=(("chunkwise", "float32"),), matmul_size=256),
     "full": Suite(size=dict(d_model=512, num_layers=6, num_heads=4, value_dim=1024, ffn_dim=1024, vocab_size=256,
                             chunk_size=128),
                   seq_len=512, batch_size=8, rounds=3, sweep_rounds=2, decode_rounds=4,
                   lengths=(512, 1024, 2048, 4096, 8192, 16384), train_lengths=(512, 1024, 2048, 4096),
                   quadratic_max_len=4096, prompt_len=2048, decode_batch=32, new_tokens=64,
                   contexts=(128, 512, 2048, 8192), long_train_len=16384, segment_len=2048, document_len=128,
+                  document_forms=tuple((mode, dtype) for dtype in ("float32", "bfloat16")
+                                       for mode in ("parallel", "chunkwise")),
                   matmul_size=2048),
 }
 
