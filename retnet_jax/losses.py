@@ -39,13 +39,6 @@ def input_ids(segment_ids_BxL1: jax.Array | None) -> jax.Array | None:
   return None if segment_ids_BxL1 is None else segment_ids_BxL1[:, :-1]
 
 
-def call(graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, segment_ids_BxL: jax.Array | None, **kwargs):
-  """`model(inputs, **kwargs)`, with `segment_ids` only when there are some (a model of one document per row, such
-  as a test's stub, need not take them)."""
-  documents = {} if segment_ids_BxL is None else {"segment_ids": segment_ids_BxL}
-  return nnx.merge(graphdef, params)(inputs_BxL, **kwargs, **documents)
-
-
 def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: str = "none",
                segment_len: int = 0) -> jax.Array:
   """Mean next-token cross-entropy (nats) of `tokens [B, L + 1]`: inputs `[:, :-1]`, targets `[:, 1:]`.
@@ -67,7 +60,7 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
   inputs_BxL, targets_BxL, ids_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:], input_ids(segment_ids_BxL1)
   batch_size, length = inputs_BxL.shape
   if not 0 < segment_len < length:
-    logits, _ = call(graphdef, params, inputs_BxL, ids_BxL, mode=mode, remat=remat)
+    logits, _ = nnx.merge(graphdef, params)(inputs_BxL, mode=mode, remat=remat, segment_ids=ids_BxL)
     nll_BxL = token_nll(logits, targets_BxL)
     return nll_BxL.mean() if weights_BxL is None else jnp.sum(nll_BxL * weights_BxL) / jnp.sum(weights_BxL)
   num_segments = -(-length // segment_len)
@@ -82,7 +75,7 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
     inputs, targets, weights, ids, opens_B = xs
     if ids is not None:  # a document opening on the segment's first token starts from the empty state
       state = segments.empty_rows(state, opens_B)
-    logits, state = call(graphdef, params, inputs, ids, mode=mode, state=state, remat=remat)
+    logits, state = nnx.merge(graphdef, params)(inputs, mode=mode, state=state, remat=remat, segment_ids=ids)
     return state, jnp.sum(token_nll(logits, targets) * weights)
 
   weights = jnp.ones((batch_size, length), jnp.float32) if weights_BxL is None else weights_BxL
@@ -98,7 +91,7 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
 def batch_nll(graphdef: nnx.GraphDef, params, batch: Batch, mode: str) -> tuple[jax.Array, jax.Array]:
   """Next-token NLL of each target `[B, L]` (float32) of a text batch and the logits `[B, L, V]`."""
   tokens_BxL1, _, segment_ids_BxL1 = split_batch(batch)
-  logits, _ = call(graphdef, params, tokens_BxL1[:, :-1], input_ids(segment_ids_BxL1), mode=mode)
+  logits, _ = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1], mode=mode, segment_ids=input_ids(segment_ids_BxL1))
   return token_nll(logits, tokens_BxL1[:, 1:]), logits
 
 

@@ -122,7 +122,7 @@ class Stub(nnx.Module):
   def __init__(self, table):
     self.table = nnx.Param(jnp.asarray(table, jnp.float32))
 
-  def __call__(self, inputs_BxL, mode="parallel", state=None, remat="none"):
+  def __call__(self, inputs_BxL, mode="parallel", state=None, remat="none", segment_ids=None):
     return self.table[...][inputs_BxL], state
 
   def init_state(self, batch_size):
@@ -175,7 +175,7 @@ class Recall(nnx.Module):
   def __init__(self, vocab_size, scale=5.0):
     self.vocab_size, self.scale = vocab_size, scale
 
-  def __call__(self, inputs_BxL, mode="parallel", state=None, remat="none"):
+  def __call__(self, inputs_BxL, mode="parallel", state=None, remat="none", segment_ids=None):
     length = inputs_BxL.shape[1]
     positions = jnp.arange(length)
     earlier_BxLxL = (inputs_BxL[:, :, None] == inputs_BxL[:, None, :]) & (positions[None, :] < positions[:, None])
