@@ -200,10 +200,7 @@ class RetNet(nnx.Module):
       state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * self.config.num_layers}
     else:
       check_state(self.config, state, batch)
-    if segment_ids is None:
-      positions_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32)
-    else:
-      positions_BxL = segments.model_positions(segment_ids, state["position"])
+    positions_BxL = segments.model_positions(segment_ids, state["position"], length)
     tables = rotation_tables_for(self.config, positions_BxL)
     x = self.embed(tokens_BxL)
     if self.embed_scale is not None:
@@ -218,5 +215,4 @@ class RetNet(nnx.Module):
       layer_states.append(layer_state)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)
-    position_B = state["position"] + length if segment_ids is None else positions_BxL[:, -1] + 1
-    return logits, {"position": position_B, "layers": layer_states}
+    return logits, {"position": positions_BxL[:, -1] + 1, "layers": layer_states}

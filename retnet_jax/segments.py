@@ -47,10 +47,13 @@ def in_first_document(segment_ids_BxL: jax.Array) -> jax.Array:
   return document_index(segment_ids_BxL) == 0
 
 
-def model_positions(segment_ids_BxL: jax.Array, position_B: jax.Array) -> jax.Array:
-  """`[B, L]` int32 positions of a model call: the row's first document continues from the carried `position [B]`,
-  every later one counts from 0 at its start (so rotation and normalisers restart with it)."""
-  continued_BxL = position_B[:, None] + jnp.arange(segment_ids_BxL.shape[1], dtype=jnp.int32)
+def model_positions(segment_ids_BxL: jax.Array | None, position_B: jax.Array, length: int) -> jax.Array:
+  """`[B, L]` int32 positions of a model call of `length` tokens: the row's first document (the whole row where
+  `segment_ids` is None) continues from the carried `position [B]`, every later one counts from 0 at its start (so
+  rotation and normalisers restart with it). The state's next position is the last column's + 1."""
+  continued_BxL = position_B[:, None] + jnp.arange(length, dtype=jnp.int32)
+  if segment_ids_BxL is None:
+    return continued_BxL
   return jnp.where(in_first_document(segment_ids_BxL), continued_BxL, positions_in_document(segment_ids_BxL))
 
 

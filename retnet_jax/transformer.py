@@ -218,11 +218,8 @@ class Transformer(nnx.Module):
       state = self.init_state(batch, max(self.config.max_len, length))
       form = "self" if mode == "parallel" else form
     check_state_room(state, length)
-    if segment_ids is None:
-      positions_BxL, document_BxL = state["position"][:, None] + jnp.arange(length, dtype=jnp.int32), None
-    else:
-      positions_BxL = segments.model_positions(segment_ids, state["position"])
-      document_BxL = segments.document_index(segment_ids)
+    positions_BxL = segments.model_positions(segment_ids, state["position"], length)
+    document_BxL = None if segment_ids is None else segments.document_index(segment_ids)
     tables = rotation_tables_for(self.config, positions_BxL)
     x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
     caches = []
@@ -232,5 +229,4 @@ class Transformer(nnx.Module):
       caches.append(cache)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)
-    position_B = state["position"] + length if segment_ids is None else positions_BxL[:, -1] + 1
-    return logits, {"position": position_B, "next_slot": state["next_slot"] + length, "layers": caches}
+    return logits, {"position": positions_BxL[:, -1] + 1, "next_slot": state["next_slot"] + length, "layers": caches}

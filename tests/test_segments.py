@@ -76,7 +76,8 @@ def test_helpers():
   assert documents([7, 7, 3, 3, 7]) == [(0, 2), (2, 4), (4, 5)]
   ids = jnp.asarray(IDS[:1])
   assert segments.positions_in_document(ids).tolist() == [[0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5, 6, 0]]
-  assert segments.model_positions(ids, jnp.asarray([10])).tolist() == [[10, 11, 12, 13, 0, 0, 1, 2, 3, 4, 5, 6, 0]]
+  assert segments.model_positions(ids, jnp.asarray([10]), 13).tolist() == [[10, 11, 12, 13, 0, 0, 1, 2, 3, 4, 5, 6, 0]]
+  assert segments.model_positions(None, jnp.asarray([10]), 3).tolist() == [[10, 11, 12]]
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-5)])
