@@ -248,7 +248,8 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
   compiled, interval_start, interval_steps = False, time.perf_counter(), 0
   peers = {p: workdir_lib.writer_lock(workdir, p).path for p in range(jax.process_count()) if p != jax.process_index()}
   newest = lambda: (workdir_lib.listed_steps(workdir) or [None])[-1]
-  with preemption.StopRequest() as stop, peer_watch.PeerWatch(peers, newest) as watch:
+  with preemption.StopRequest() as stop, peer_watch.PeerWatch(
+      peers, newest, peer_watch.Pulse.of_this_run()) as watch:
     while step < train_cfg.steps:
       watch.progress()
       if profile and step == profile[0]:
