@@ -62,8 +62,8 @@ def load_documents(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) ->
   it cuts ends the training split and opens the validation split). With `reset_at_documents`, training data of
   one document is refused: nothing would reset.
   """
-  files, hub_dataset = _as_tuple(data_cfg.files), data_cfg.hub_dataset
-  validation_files, fraction = _as_tuple(data_cfg.validation_files), data_cfg.validation_fraction
+  files, hub_dataset = as_tuple(data_cfg.files), data_cfg.hub_dataset
+  validation_files, fraction = as_tuple(data_cfg.validation_files), data_cfg.validation_fraction
   if not validation_files and not 0 < fraction < 1:
     raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {fraction}. "
                      "Set it to e.g. 0.1, or give data.validation_files.")
@@ -109,15 +109,16 @@ def pack_split(split: Split, seq_len: int, name: str, reset_at_documents: bool
   return sequences, pack(document_ids(split), seq_len, name) if reset_at_documents else None
 
 
-def _as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
-  """A single path given on the command line as a string counts as one file."""
+def as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
+  """A single path given on the command line as a string counts as one file (or directory)."""
   if not files:
     return ()
   return (files,) if isinstance(files, str) else tuple(files)
 
 
-def _expand(files: Sequence[str], source: str) -> list[str]:
-  """The paths, each glob pattern (`*`, `?`, `[`) replaced by the files it matches, sorted."""
+def expand_files(files: Sequence[str], source: str) -> list[str]:
+  """The paths, each glob pattern (`*`, `?`, `[`) replaced by the files it matches, sorted; each checked to be a
+  non-empty file of a readable type (ValueError / FileNotFoundError naming it and the fix)."""
   expanded = []
   for file in files:
     if any(c in file for c in "*?["):
@@ -127,13 +128,7 @@ def _expand(files: Sequence[str], source: str) -> list[str]:
       expanded += matches
     else:
       expanded.append(file)
-  return expanded
-
-
-def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> Split:
-  """Token stream of local files in order (glob patterns expanded); the cache lives in a temporary directory."""
-  files = _expand(files, source)
-  for file in files:
+  for file in expanded:
     path = Path(file)
     if path.is_dir():
       raise ValueError(f"{source}: {file!r} is a directory; list the files in it (e.g. a tuple of paths).")
@@ -144,6 +139,12 @@ def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: T
                        f"use one of {tuple(BUILDERS)}.")
     if path.stat().st_size == 0:
       raise ValueError(f"{source}: {file!r} is empty; remove it or add text.")
+  return expanded
+
+
+def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> Split:
+  """Token stream of local files in order (glob patterns expanded); the cache lives in a temporary directory."""
+  files = expand_files(files, source)
   splits = []
   with tempfile.TemporaryDirectory(prefix="retnet_jax_data_") as cache_dir:
     for file in files:
@@ -373,5 +374,6 @@ def check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:
   """Refuses a saved iterator position whose keys are not `keys` (one written by another kind of data source)."""
   if set(state) != set(keys):
     raise ValueError(f"data iterator state {dict(state)} was saved by another kind of data source (text data "
-                     "saves epoch and index, a synthetic task the batch index); set data.synthetic as in the run "
-                     "that wrote the checkpoint, or use another --workdir.")
+                     "saves epoch and index, a prepared corpus Grain's position, a synthetic task the batch index); "
+                     "set data.synthetic and data.prepared as in the run that wrote the checkpoint, or use another "
+                     "--workdir.")

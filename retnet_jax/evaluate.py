@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import (architectures, data, dispatch, losses, presets, segments, sharding, synthetic,
+from retnet_jax import (architectures, data, dispatch, loader, losses, presets, segments, sharding, synthetic,
                         tokenizer as tokenizer_lib, train_state, train_step)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
@@ -145,20 +145,30 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     results: dict[str, Any] = {"task": task, "answers": num_tokens, "sequences": num_sequences, "modes": {}}
   else:
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
-    _, valid_split = data.load_documents(config.data, tokenizer)
-    valid_tokens = valid_split.tokens
-    if len(valid_tokens) // (seq_len + 1) < batch_size and seq_len != config.train.seq_len:
-      raise ValueError(f"the validation split holds {len(valid_tokens)} tokens: {len(valid_tokens) // (seq_len + 1)} "
-                       f"sequences of --eval_seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of {batch_size} "
-                       "(train.batch_size / train.grad_accum_steps); use a shorter --eval_seq_len, a smaller "
-                       "--config.train.batch_size, or more validation data (--config.data.validation_files).")
-    sequences, ids = data.pack_split(valid_split, seq_len, "validation split", config.data.reset_at_documents)
-    batches = list(data.eval_batches(sequences, batch_size, max_batches, placement.batch_sharding, ids))
-    rows = data.eval_rows(len(sequences), batch_size, max_batches).reshape(-1)
-    targets = sequences[rows, 1:]
+    reset = config.data.reset_at_documents
+    if config.data.prepared:  # only the rows evaluated are read
+      corpora = loader.open_corpora(config.data, tokenizer)
+      valid, num_tokens = loader.validation_rows(corpora, seq_len, reset), sum(c.num_tokens("validation") for c in corpora)
+      num_rows, take = len(valid), valid.take
+    else:
+      valid_split = data.load_documents(config.data, tokenizer)[1]
+      num_tokens, num_rows = len(valid_split.tokens), len(valid_split.tokens) // (seq_len + 1)
+      if num_rows:
+        sequences, ids = data.pack_split(valid_split, seq_len, "validation split", reset)
+        take = lambda rows: sequences[rows] if ids is None else (sequences[rows], ids[rows])
+    if num_rows < batch_size:
+      raise ValueError(f"the validation split holds {num_tokens} tokens: {num_rows} sequences of --eval_seq_len + 1 = {seq_len + 1} "
+                       f"tokens, fewer than one batch of {batch_size} (train.batch_size / train.grad_accum_steps); "
+                       "use a shorter --eval_seq_len, a smaller --config.train.batch_size, or more validation data "
+                       "(--config.data.validation_files).")
+    rows = data.eval_rows(num_rows, batch_size, max_batches).reshape(-1)
+    taken = take(rows)
+    sequences, ids = taken if isinstance(taken, tuple) else (taken, None)
+    batches = list(data.eval_batches(sequences, batch_size, None, placement.batch_sharding, ids))
+    targets = sequences[:, 1:]
     if position_buckets:  # inputs per bucket: every sequence's `width`, or by positions within documents
       bucket_tokens = (np.full(position_buckets, len(rows) * (seq_len // position_buckets)) if ids is None else
-                       np.bincount(np.asarray(position_buckets_of(ids[rows], position_buckets)).reshape(-1),
+                       np.bincount(np.asarray(position_buckets_of(ids, position_buckets)).reshape(-1),
                                    minlength=position_buckets))
     num_sequences, num_tokens, num_bytes = len(targets), int(targets.size), count_bytes(tokenizer, targets)
     results = {"seq_len": seq_len, "tokens": num_tokens, "bytes": num_bytes, "sequences": num_sequences,

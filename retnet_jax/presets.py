@@ -225,6 +225,10 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
 
   config.data = config_dict.ConfigDict(dict(
       files=(),  # local .txt / .jsonl / .json / .parquet files; empty: the shipped corpus data/tinyshakespeare.txt
+      # corpora prepared by scripts/prepare_data.py (directories), read through Grain instead of files; several
+      # are mixed by prepared_weights (empty: in proportion to their training tokens)
+      prepared=(),
+      prepared_weights=(),
       hub_dataset=config_dict.placeholder(str),  # a datasets hub name (needs network), instead of files
       hub_config=config_dict.placeholder(str),
       text_field="text",  # the column holding text in JSON lines / parquet / hub datasets

@@ -177,7 +177,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if task not in SOURCES:
     raise ValueError(f"unknown data.synthetic {task!r}; choose one of {tuple(SOURCES)}, or leave it unset for text "
                      "data.")
-  for name in ("files", "validation_files", "hub_dataset"):
+  for name in ("files", "validation_files", "hub_dataset", "prepared"):
     if config.data[name]:
       raise ValueError(f"data.{name}={config.data[name]!r} is text data, unused by data.synthetic={task!r} (the "
                        "task makes its own examples); drop it, or unset data.synthetic to train on the text.")

@@ -20,8 +20,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (architectures, checkpointing, data, dispatch, flops, layers, losses, metrics, peer_watch,
-                        preemption, sharding, synthetic, tokenizer as tokenizer_lib, train_state,
+from retnet_jax import (architectures, checkpointing, data, dispatch, flops, layers, loader, losses, metrics,
+                        peer_watch, preemption, sharding, synthetic, tokenizer as tokenizer_lib, train_state,
                         train_step as train_step_lib, workdir as workdir_lib, workdir_lock)
 
 
@@ -96,15 +96,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
 def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer | None,
                   batch_sharding: jax.sharding.NamedSharding
-                  ) -> tuple[data.BatchIterator | synthetic.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
-  """The training batches, and a function giving the `train.eval_batches` validation batches: packed text, or
-  the synthetic task's `(tokens, loss weights)` with `data.synthetic`, each with document ids with
+                  ) -> tuple[data.BatchIterator | loader.PreparedBatches | synthetic.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
+  """The training batches, and a function giving the `train.eval_batches` validation batches: packed text (read
+  from `data.prepared` through Grain, or from the files), or the synthetic task's `(tokens, loss weights)` with `data.synthetic`, each with document ids with
   `data.reset_at_documents`. Fails here if either cannot be made."""
   train_cfg, reset = config.train, config.data.reset_at_documents
   eval_batch, num_eval = train_cfg.batch_size // train_cfg.grad_accum_steps, train_cfg.eval_batches
   if config.data.synthetic:
     return (synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
             lambda: synthetic.eval_batches(config, eval_batch, num_eval, batch_sharding))
+  if config.data.prepared:
+    corpora = loader.open_corpora(config.data, tokenizer)
+    valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
+    batches = loader.PreparedBatches(config.data, tokenizer, train_cfg.seq_len, train_cfg.batch_size, config.seed,
+                                     batch_sharding, corpora)
+    loader.eval_batches(valid_rows, eval_batch, 1)  # enough to evaluate?
+    return batches, lambda: loader.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding)
   train_split, valid_split = data.load_documents(config.data, tokenizer)
   train_sequences, train_ids = data.pack_split(train_split, train_cfg.seq_len, "training split", reset)
   valid_sequences, valid_ids = data.pack_split(valid_split, train_cfg.seq_len, "validation split", reset)
@@ -115,7 +122,7 @@ def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.To
 
 
 # Data fields added since checkpoints were first written -> the value a checkpoint without the field was trained with.
-ADDED_DATA_FIELDS = {"reset_at_documents": False}
+ADDED_DATA_FIELDS = {"reset_at_documents": False, "prepared": (), "prepared_weights": ()}
 
 # errno -> (what went wrong with the workdir's disk, the fix)
 _DISK_FAULTS = {

@@ -1,0 +1,123 @@
+"""Training and validation batches from prepared corpora (`retnet_jax.prepared`), read through Grain.
+
+    batches = PreparedBatches(config.data, tokenizer, seq_len, batch_size, seed, sharding)
+    tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1], as data.BatchIterator gives
+    meta = batches.get_state()   # into the checkpoint: resume continues with the next batch, mid-epoch too
+
+The rows of every corpus in `data.prepared` are a Grain `MapDataset` over the memory-mapped shards, shuffled from the
+seed (another order each epoch) and repeated; several corpora are mixed by `data.prepared_weights` (empty: in
+proportion to their training tokens). Process p of P reads only the rows p, p + P, p + 2P, ... of that sequence:
+global batch b is rows [bB, (b+1)B), each process holding B/P of them. A thread pool reads ahead. Host memory is
+the prefetched batches and the page cache, whatever the corpus's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from retnet_jax import data, prepared
+from retnet_jax.tokenizer import Tokenizer
+
+PREFETCH_THREADS = 2
+PREFETCH_BATCHES = 4
+
+
+def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> list[prepared.Corpus]:
+  """The corpora of `data.prepared`, checked with their weights before anything is read."""
+  paths = data.as_tuple(data_cfg.prepared)
+  weights = tuple(data_cfg.prepared_weights or ())
+  if weights and len(weights) != len(paths):
+    raise ValueError(f"data.prepared_weights={weights} gives {len(weights)} weights for {len(paths)} prepared "
+                     "corpora; give one weight per directory of data.prepared, or none (in proportion to tokens).")
+  if any(not isinstance(w, (int, float)) or not np.isfinite(w) or w <= 0 for w in weights):
+    raise ValueError(f"data.prepared_weights={weights}: every weight must be a positive number; fix or drop it.")
+  for field, value in (("files", data.as_tuple(data_cfg.files)), ("hub_dataset", data_cfg.hub_dataset),
+                       ("validation_files", data.as_tuple(data_cfg.validation_files))):
+    if value:
+      raise ValueError(f"data.prepared and data.{field} are both set; a prepared corpus holds its own splits: drop "
+                       f"data.{field} (or data.prepared to read the files directly).")
+  return [prepared.open_corpus(path, tokenizer, f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared")
+          for i, path in enumerate(paths)]
+
+
+def mixture_weights(corpora: Sequence[prepared.Corpus], weights: Sequence[float]) -> list[float]:
+  """The sampling weights: as given, else each corpus's share of the training tokens."""
+  return list(weights) if weights else [c.num_tokens("train") for c in corpora]
+
+
+def _placed(local: np.ndarray | tuple[np.ndarray, np.ndarray], global_rows: int,
+            sharding: jax.sharding.NamedSharding | None):
+  """This process's rows as (a part of) one global batch: tokens, or `(tokens, None, document ids)`."""
+  def place(array):
+    if sharding is None:
+      return jnp.asarray(array)
+    return jax.make_array_from_process_local_data(sharding, array, (global_rows, array.shape[1]))
+  if isinstance(local, tuple):
+    return place(local[0]), None, place(local[1])
+  return place(local)
+
+
+class PreparedBatches:
+  """Endless global batches `[global_batch_size, seq_len + 1]` int32 from the corpora of `data.prepared` (with
+  `data.reset_at_documents`, `(tokens, None, document ids)`), placed by `sharding` (None: one host's array)."""
+
+  def __init__(self, data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, seq_len: int, global_batch_size: int,
+               seed: int, sharding: jax.sharding.NamedSharding | None = None,
+               corpora: Sequence[prepared.Corpus] | None = None):
+    corpora = corpora if corpora is not None else open_corpora(data_cfg, tokenizer)
+    local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
+    sources = [c.rows("train", seq_len, data_cfg.reset_at_documents) for c in corpora]
+    for corpus, rows in zip(corpora, sources):
+      if len(rows) < global_batch_size:
+        raise ValueError(f"data.prepared={str(corpus.path)!r}: its training split holds {len(rows)} sequences of "
+                         f"train.seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of train.batch_size="
+                         f"{global_batch_size}; use a smaller batch or seq_len, or prepare more data.")
+    datasets = [grain.MapDataset.source(rows).shuffle(seed=seed + i).repeat() for i, rows in enumerate(sources)]
+    mixed = (datasets[0] if len(datasets) == 1 else
+             grain.MapDataset.mix(datasets, mixture_weights(corpora, tuple(data_cfg.prepared_weights or ()))))
+    per_process = mixed[jax.process_index()::jax.process_count()].batch(local.stop - local.start)
+    self._dataset = per_process.to_iter_dataset(grain.ReadOptions(num_threads=PREFETCH_THREADS,
+                                                                  prefetch_buffer_size=PREFETCH_BATCHES))
+    self._iterator = iter(self._dataset)
+    self.global_batch_size, self.sharding = global_batch_size, sharding
+
+  def __iter__(self) -> Iterator[Any]:
+    return self
+
+  def __next__(self):
+    return _placed(next(self._iterator), self.global_batch_size, self.sharding)
+
+  def get_state(self) -> dict[str, Any]:
+    """Grain's position of the next batch, for checkpoints."""
+    return {"grain": self._iterator.get_state()}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from a `get_state()` position (read back from a checkpoint)."""
+    data.check_state_keys(state, ("grain",))
+    saved = {key: int(value) for key, value in dict(state["grain"]).items()}
+    self._iterator = iter(self._dataset)
+    self._iterator.set_state(saved)
+
+
+def validation_rows(corpora: Sequence[prepared.Corpus], seq_len: int, documents: bool) -> prepared.PackedRows:
+  """Every corpus's validation split, one after another, as rows."""
+  return prepared.PackedRows([shard for c in corpora for shard in c.shards["validation"]], seq_len, documents)
+
+
+def eval_batches(rows: prepared.PackedRows, global_batch_size: int, max_batches: int | None,
+                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[Any]:
+  """Validation batches of `data.eval_rows` (every full batch, or `max_batches` spread over the split), each
+  process reading only its own rows; checked on the call."""
+  if len(rows) < global_batch_size:
+    raise ValueError(f"the prepared validation split holds {len(rows)} sequences, fewer than one batch of "
+                     f"{global_batch_size}; use a smaller batch size or seq_len, or prepare more validation data.")
+  local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
+  rows_NxB = data.eval_rows(len(rows), global_batch_size, max_batches)
+  return (_placed(rows.take(batch_rows[local]), global_batch_size, sharding) for batch_rows in rows_NxB)

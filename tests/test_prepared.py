@@ -1,0 +1,237 @@
+"""Prepared corpora: prepare_data.py's shards hold exactly the documents (held-out ones in validation), resume after an
+interruption to the same bytes, refuse what is not a complete corpus for this run; the Grain loader covers every row
+once per epoch, resumes exactly, mixes by weight and gives each process disjoint rows of the global batch."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+import tokenizers
+
+from retnet_jax import data, loader, prepared, tokenizer as tokenizer_lib, train
+from tests.helpers import REPO, read_metrics, script_stdout, tiny_config
+
+DOCUMENTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def bpe_path(tmp_path_factory):
+  """A tiny byte-level BPE tokenizer.json whose separator is <|endoftext|>."""
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                           initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(DOCUMENTS, trainer)
+  path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+  tok.save(str(path))
+  return str(path)
+
+
+def prepare(out, documents=DOCUMENTS, spec="byte", **options):
+  options = {"shard_tokens": 500, "batch_documents": 4, **options}
+  return prepared.write(out, documents, None, spec, ["test"], 0.1, **options)
+
+
+def data_config(paths, **fields):
+  fields = {"prepared_weights": (), "reset_at_documents": False, **fields}
+  return ml_collections.ConfigDict(dict(prepared=tuple(map(str, paths)), files=(), hub_dataset=None,
+                                        validation_files=(), **fields))
+
+
+def split_documents(corpus, split):
+  """The documents of a split as lists of ids, separators dropped."""
+  eos = corpus.metadata["tokenizer"]["eos_id"]
+  documents = []
+  for shard in corpus.shards[split]:
+    bounds = list(shard.starts) + [len(shard.tokens)]
+    for begin, end in zip(bounds[:-1], bounds[1:]):
+      ids = np.asarray(shard.tokens[begin:end], np.int32)
+      documents.append(list(ids[1:] if eos is not None and begin > 0 else ids))
+      if eos is not None and begin > 0:
+        assert ids[0] == eos  # the separator opens the document
+  return documents
+
+
+@pytest.mark.parametrize("spec", ["byte", "bpe"])
+def test_shards_hold_every_document_once_and_hold_out_every_tenth(tmp_path, bpe_path, spec):
+  spec = bpe_path if spec == "bpe" else spec
+  tok = tokenizer_lib.load(spec)
+  metadata = prepare(tmp_path / "c", spec=spec, workers=2)
+  corpus = prepared.open_corpus(tmp_path / "c", tok)
+  encoded = [list(ids) for ids in tok.encode_batch(DOCUMENTS)]
+  held_out = [i for i in range(len(DOCUMENTS)) if prepared._is_held_out(i, 0.1)]  # pylint: disable=protected-access
+  assert len(held_out) == 6 and held_out == [9, 19, 29, 39, 49, 59]
+  assert split_documents(corpus, "validation") == [encoded[i] for i in held_out]
+  assert split_documents(corpus, "train") == [e for i, e in enumerate(encoded) if i not in held_out]
+  assert len(corpus.shards["train"]) > 1 and corpus.shards["train"][0].tokens.dtype == np.uint16
+  assert metadata["documents"] == {"train": 54, "validation": 6}
+  assert not (tmp_path / "c" / prepared.PROGRESS).exists()
+
+
+def test_an_interrupted_prepare_resumes_to_the_same_bytes_and_never_trains_half_written(tmp_path):
+  prepare(tmp_path / "whole")
+
+  def interrupted():
+    for i, text in enumerate(DOCUMENTS):
+      if i == 40:
+        raise KeyboardInterrupt
+      yield text
+
+  with pytest.raises(KeyboardInterrupt):
+    prepare(tmp_path / "part", interrupted())
+  with pytest.raises(prepared.CorpusError, match=r"is half-written \(a prepare was interrupted\); rerun "
+                                                  r"scripts/prepare_data.py --out=.*part to finish"):
+    prepared.open_corpus(tmp_path / "part", tokenizer_lib.load("byte"))
+  (tmp_path / "part" / f"train-{len(list((tmp_path / 'part').glob('train-*.tokens'))):05d}.tokens").write_bytes(b"x")
+  prepare(tmp_path / "part")  # resumes after its last finished shard; a stray partial shard is dropped
+  for whole in sorted((tmp_path / "whole").iterdir()):
+    assert (tmp_path / "part" / whole.name).read_bytes() == whole.read_bytes(), whole.name
+  assert sorted(p.name for p in (tmp_path / "part").iterdir()) == sorted(p.name for p in (tmp_path / "whole").iterdir())
+  with pytest.raises(prepared.CorpusError, match="already holds a prepared corpus"):
+    prepare(tmp_path / "part")
+
+
+def test_max_tokens_stops_early(tmp_path):
+  metadata = prepare(tmp_path / "c", max_tokens=3000)
+  assert 3000 <= metadata["tokens"]["train"] < 3000 + 4 * 300 and metadata["documents"]["validation"] >= 1
+
+
+def test_bad_directories_are_refused_by_name(tmp_path, bpe_path):
+  byte = tokenizer_lib.load("byte")
+  with pytest.raises(prepared.CorpusError, match=r"data.prepared='.*nowhere' is not a directory"):
+    prepared.open_corpus(tmp_path / "nowhere", byte)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(prepared.CorpusError, match=r"is not a prepared corpus \(no metadata.json\); prepare one"):
+    prepared.open_corpus(tmp_path / "empty", byte)
+  prepare(tmp_path / "c")
+  with pytest.raises(prepared.CorpusError, match=r"was tokenized by 'byte' \(vocab 256, fingerprint byte\), not by "
+                                                  r"this run's data.tokenizer \(vocab 30\d"):
+    prepared.open_corpus(tmp_path / "c", tokenizer_lib.load(bpe_path))
+  shard = tmp_path / "c" / "train-00001.tokens"
+  shard.write_bytes(shard.read_bytes()[:-2])
+  with pytest.raises(prepared.CorpusError, match=r"shard train-00001.tokens holds \d+ bytes, not \d+ \(damaged or "
+                                                  r"truncated\); rerun scripts/prepare_data.py"):
+    prepared.open_corpus(tmp_path / "c", byte)
+  shard.unlink()
+  with pytest.raises(prepared.CorpusError, match=r"shard train-00001.tokens is missing"):
+    prepared.open_corpus(tmp_path / "c", byte)
+  (tmp_path / "c" / "metadata.json").write_text("{not json")
+  with pytest.raises(prepared.CorpusError, match="its metadata.json is unreadable or of another format"):
+    prepared.open_corpus(tmp_path / "c", byte)
+
+
+def test_mixture_settings_and_sizes_are_refused_before_reading(tmp_path):
+  prepare(tmp_path / "c")
+  byte = tokenizer_lib.load("byte")
+  for weights, message in (((1.0, 2.0), r"gives 2 weights for 1 prepared corpora"),
+                           ((0.0,), r"every weight must be a positive number"),
+                           ((float("nan"),), r"every weight must be a positive number")):
+    with pytest.raises(ValueError, match=message):
+      loader.open_corpora(data_config([tmp_path / "c"], prepared_weights=weights), byte)
+  with pytest.raises(ValueError, match=r"data.prepared and data.files are both set"):
+    loader.open_corpora(ml_collections.ConfigDict({**data_config([tmp_path / "c"]).to_dict(), "files": ("a",)}), byte)
+  with pytest.raises(ValueError, match=r"its training split holds \d+ sequences of train.seq_len \+ 1 = 257 tokens, "
+                                       r"fewer than one batch of train.batch_size=64"):
+    loader.PreparedBatches(data_config([tmp_path / "c"]), byte, 256, 64, 0)
+
+
+def test_rows_pack_each_shard_and_carry_document_ids(tmp_path):
+  prepare(tmp_path / "c")
+  corpus = prepared.open_corpus(tmp_path / "c", tokenizer_lib.load("byte"))
+  rows = corpus.rows("train", 15, documents=True)
+  expected = np.concatenate([data.pack(np.asarray(s.tokens, np.int32), 15) for s in corpus.shards["train"]])
+  ids = np.concatenate([data.pack(data.document_ids(data.Split(np.asarray(s.tokens), s.starts)), 15)
+                        for s in corpus.shards["train"]])
+  tokens, got_ids = rows.take(range(len(rows)))
+  np.testing.assert_array_equal(tokens, expected)
+  np.testing.assert_array_equal(got_ids, ids)
+  assert got_ids.max() > 0
+
+
+def test_batches_cover_each_row_once_per_epoch_resume_exactly_and_mix_by_weight(tmp_path):
+  prepare(tmp_path / "a")
+  prepare(tmp_path / "b", [text.upper() for text in DOCUMENTS])
+  byte = tokenizer_lib.load("byte")
+  batches = loader.PreparedBatches(data_config([tmp_path / "a"]), byte, 15, 4, seed=3)
+  rows = prepared.open_corpus(tmp_path / "a", byte).rows("train", 15)
+  epoch = np.concatenate([np.asarray(next(batches)) for _ in range(len(rows) // 4 + 1)])[:len(rows)]
+  all_rows = rows.take(range(len(rows)))
+  assert sorted(map(bytes, epoch)) == sorted(map(bytes, all_rows))  # every row once
+  assert not np.array_equal(epoch, all_rows)  # shuffled
+
+  mixed = loader.PreparedBatches(data_config([tmp_path / "a", tmp_path / "b"], prepared_weights=(3.0, 1.0)), byte,
+                                 15, 4, seed=0)
+  first = [np.asarray(next(mixed)) for _ in range(5)]
+  state = json.loads(json.dumps(mixed.get_state()))  # as a checkpoint keeps it
+  after = [np.asarray(next(mixed)) for _ in range(30)]
+  resumed = loader.PreparedBatches(data_config([tmp_path / "a", tmp_path / "b"], prepared_weights=(3.0, 1.0)), byte,
+                                   15, 4, seed=0)
+  resumed.set_state(state)
+  for expected in after:
+    np.testing.assert_array_equal(np.asarray(next(resumed)), expected)
+  upper = np.mean([not any(chr(c).islower() for c in row) for batch in first + after for row in batch])
+  assert 0.15 < upper < 0.35  # weight 1 of 4
+
+
+def test_two_processes_read_disjoint_rows_whose_union_is_the_global_batch(tmp_path):
+  prepare(tmp_path / "c")
+  program = textwrap.dedent(f"""
+      import sys
+      import jax
+      import numpy as np
+      process = int(sys.argv[1])
+      jax.distributed.initialize("127.0.0.1:{{}}".format(sys.argv[2]), 2, process)
+      sys.path.insert(0, {str(REPO)!r})
+      from retnet_jax import loader, tokenizer
+      from tests.test_prepared import data_config
+      mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+      sharding = jax.NamedSharding(mesh, jax.P("data"))
+      batches = loader.PreparedBatches(data_config([{str(tmp_path / "c")!r}]), tokenizer.load("byte"), 15, 8, 5,
+                                       sharding)
+      local = [np.asarray(next(batches).addressable_shards[0].data) for _ in range(3)]
+      np.save({str(tmp_path)!r} + f"/rows_{{process}}.npy", np.stack(local))
+      """)
+  import socket  # pylint: disable=import-outside-toplevel
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  processes = [subprocess.Popen([sys.executable, "-c", program, str(i), str(port)], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  for process in processes:
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+  local = [np.load(tmp_path / f"rows_{i}.npy") for i in range(2)]  # [batches, 4, 16] each
+  single = loader.PreparedBatches(data_config([tmp_path / "c"]), tokenizer_lib.load("byte"), 15, 8, 5)
+  for b in range(3):
+    expected = {bytes(row) for row in np.asarray(next(single))}
+    halves = [{bytes(row) for row in local[i][b]} for i in range(2)]
+    assert len(halves[0]) == len(halves[1]) == 4 and not halves[0] & halves[1]
+    assert halves[0] | halves[1] == expected
+
+
+@pytest.mark.slow
+def test_training_from_a_prepared_corpus_resumes_mid_epoch_exactly(tmp_path):
+  prepare(tmp_path / "c", DOCUMENTS * 4, shard_tokens=4000)
+  config = tiny_config(tmp_path, steps=12, eval_every_steps=6)
+  config.data.files = ()
+  config.data.prepared = (str(tmp_path / "c"),)
+  config.checkpoint.every_steps = 6
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(config, workdir)
+  straight = read_metrics(workdir)
+  shutil.rmtree(workdir / "checkpoints" / "12")  # as if stopped after step 6's checkpoint
+  shutil.rmtree(workdir / "params")
+  train.train_and_evaluate(config, workdir)  # resumes from step 6, mid-epoch
+  assert read_metrics(workdir) == straight and len(straight) == 12
+  output = script_stdout("evaluate.py", f"--workdir={workdir}", "--config=configs/retnet.py:tiny",
+                      f"--config.data.prepared={tmp_path / 'c'}", "--config.train.seq_len=32",
+                      "--config.train.batch_size=8", "--mode=chunkwise")
+  assert json.loads(output.splitlines()[-1])["modes"]["chunkwise"]["loss"] > 0
