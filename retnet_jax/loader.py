@@ -1,6 +1,7 @@
 """Training and validation batches from prepared corpora (`retnet_jax.prepared`), read through Grain.
 
-    batches = PreparedBatches(config.data, tokenizer, seq_len, batch_size, seed, sharding)
+    corpora = open_corpora(config.data, tokenizer)  # checked: directories, tokenizer, weights
+    batches = PreparedBatches(corpora, seq_len, batch_size, seed, sharding, config.data.prepared_weights)
     tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1], as data.BatchIterator gives
     meta = batches.get_state()   # into the checkpoint: resume continues with the next batch, mid-epoch too
 
@@ -65,15 +66,15 @@ def _placed(local: np.ndarray | tuple[np.ndarray, np.ndarray], global_rows: int,
 
 
 class PreparedBatches:
-  """Endless global batches `[global_batch_size, seq_len + 1]` int32 from the corpora of `data.prepared` (with
-  `data.reset_at_documents`, `(tokens, None, document ids)`), placed by `sharding` (None: one host's array)."""
+  """Endless global batches `[global_batch_size, seq_len + 1]` int32 from `corpora` (`open_corpora`), mixed by
+  `weights` (empty: in proportion to their training tokens); with `documents` (`data.reset_at_documents`)
+  `(tokens, None, document ids)`; placed by `sharding` (None: one host's array)."""
 
-  def __init__(self, data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, seq_len: int, global_batch_size: int,
-               seed: int, sharding: jax.sharding.NamedSharding | None = None,
-               corpora: Sequence[prepared.Corpus] | None = None):
-    corpora = corpora if corpora is not None else open_corpora(data_cfg, tokenizer)
+  def __init__(self, corpora: Sequence[prepared.Corpus], seq_len: int, global_batch_size: int, seed: int,
+               sharding: jax.sharding.NamedSharding | None = None, weights: Sequence[float] = (),
+               documents: bool = False):
     local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
-    sources = [c.rows("train", seq_len, data_cfg.reset_at_documents) for c in corpora]
+    sources = [c.rows("train", seq_len, documents) for c in corpora]
     for corpus, rows in zip(corpora, sources):
       if len(rows) < global_batch_size:
         raise ValueError(f"data.prepared={str(corpus.path)!r}: its training split holds {len(rows)} sequences of "
@@ -81,7 +82,7 @@ class PreparedBatches:
                          f"{global_batch_size}; use a smaller batch or seq_len, or prepare more data.")
     datasets = [grain.MapDataset.source(rows).shuffle(seed=seed + i).repeat() for i, rows in enumerate(sources)]
     mixed = (datasets[0] if len(datasets) == 1 else
-             grain.MapDataset.mix(datasets, mixture_weights(corpora, tuple(data_cfg.prepared_weights or ()))))
+             grain.MapDataset.mix(datasets, mixture_weights(corpora, weights)))
     per_process = mixed[jax.process_index()::jax.process_count()].batch(local.stop - local.start)
     self._dataset = per_process.to_iter_dataset(grain.ReadOptions(num_threads=PREFETCH_THREADS,
                                                                   prefetch_buffer_size=PREFETCH_BATCHES))

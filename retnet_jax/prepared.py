@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import multiprocessing
 import os
 from collections.abc import Iterable, Iterator
 from concurrent import futures
@@ -209,7 +210,9 @@ class _Encoder:
       tokenizer = tokenizer_lib.load(self.spec)
       yield from (tokenizer.encode_batch(texts) for texts in batches)
       return
-    with futures.ProcessPoolExecutor(self.workers, initializer=_init_worker, initargs=(self.spec,)) as pool:
+    spawn = multiprocessing.get_context("spawn")  # forking a process that runs JAX's threads can deadlock
+    with futures.ProcessPoolExecutor(self.workers, mp_context=spawn, initializer=_init_worker,
+                                     initargs=(self.spec,)) as pool:
       window: list[futures.Future] = []
       for texts in batches:
         window.append(pool.submit(_encode, texts))

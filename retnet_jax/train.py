@@ -108,8 +108,8 @@ def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.To
   if config.data.prepared:
     corpora = loader.open_corpora(config.data, tokenizer)
     valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
-    batches = loader.PreparedBatches(config.data, tokenizer, train_cfg.seq_len, train_cfg.batch_size, config.seed,
-                                     batch_sharding, corpora)
+    batches = loader.PreparedBatches(corpora, train_cfg.seq_len, train_cfg.batch_size, config.seed, batch_sharding,
+                                     config.data.prepared_weights, reset)
     loader.eval_batches(valid_rows, eval_batch, 1)  # enough to evaluate?
     return batches, lambda: loader.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding)
   train_split, valid_split = data.load_documents(config.data, tokenizer)

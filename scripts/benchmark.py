@@ -19,6 +19,10 @@ of a token's latency.
 buffers and step time of one long sequence split over 1, 2, 4 and 8 devices (simulated on a CPU), written to
 OUT/sequence_parallel.json, .md and .png.
 
+`--suite=data` measures the data path instead (`retnet_jax.bench.corpus`): preparing a corpus (byte and BPE
+tokenizers, 1 and 2 processes), Grain's loader per process at batch 64 x 2048 and the train step beside them, and
+with --memory_mb the peak RSS of training from prepared corpora of those sizes; OUT/data.json and .md.
+
 `--suite=gpu` runs the GPU suite instead (`retnet_jax.bench.gpu`), on one device, its parts chosen with --parts
 (one device command may not run them all): the retention op against fla's Triton kernel and cuDNN attention, train
 steps of a ~350M RetNet and the 1.3b preset (and their Transformers) with MFU, decoding, and the deep presets'
@@ -43,7 +47,7 @@ from pathlib import Path
 from absl import app, flags
 import jax
 
-from retnet_jax.bench import cases, gpu, sections, sequence
+from retnet_jax.bench import cases, corpus, gpu, sections, sequence
 from retnet_jax.bench.suites import GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
 from retnet_jax.model import REMAT_POLICIES
 
@@ -52,9 +56,10 @@ _CONFIG = cli.config_flag("Base config; the suite sets its model size and traini
 SUITE_CONFIG_FLAGS = tuple(f"--config.model.{name}" for name in SIZE_FIELDS) + (
     "--config.model.dtype", "--config.train.mode", "--config.train.seq_len", "--config.train.batch_size",
     "--config.train.grad_accum_steps")
-_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence", "gpu"], "quick: tiny sizes; full: the "
-                           "full-size preset; sequence: sequence-parallel training, the full suite's model; gpu: the "
-                           "GPU suite (retnet_jax/bench/suites.py).")
+_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence", "gpu", "data"], "quick: tiny sizes; full: "
+                           "the full-size preset; sequence: sequence-parallel training, the full suite's model; gpu: "
+                           "the GPU suite (retnet_jax/bench/suites.py); data: preparing, loading and training "
+                           "throughput of prepared corpora (retnet_jax/bench/corpus.py).")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).", lower_bound=1)
@@ -74,6 +79,10 @@ _TRAIN_MODELS = flags.DEFINE_list("train_models", None, "--suite=gpu: the named 
                                   "the sizes').")
 _REMAT = flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "--suite=gpu: train.remat of every train step "
                            "(default: the sizes').")
+_DATA_MB = flags.DEFINE_float("data_mb", 16, "--suite=data: size of the corpus prepared and loaded, in MB.",
+                               lower_bound=0.5)
+_MEMORY_MB = flags.DEFINE_list("memory_mb", [], "--suite=data: corpus sizes in MB to train `tiny` from, measuring "
+                               "peak RSS (e.g. 4,400).")
 GPU_FLAGS = ("--parts", "--gpu_sizes", "--op_head_dims", "--op_lengths", "--train_models", "--remat")
 
 
@@ -138,6 +147,13 @@ def main():
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     gpu.run(suite, _GPU_SIZES.value, tuple(_PARTS.value), out, " ".join(["python"] + sys.argv))
+    return
+  if _SUITE.value == "data":
+    try:
+      memory_mb = tuple(float(x) for x in _MEMORY_MB.value)
+    except ValueError:
+      raise app.UsageError(f"--memory_mb={','.join(_MEMORY_MB.value)}: give sizes in MB, e.g. 4,400.") from None
+    corpus.run(_CONFIG.value, Path(_OUT.value), " ".join(["python"] + sys.argv), _DATA_MB.value, memory_mb)
     return
   if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):

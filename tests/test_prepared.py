@@ -16,7 +16,7 @@ import pytest
 import tokenizers
 
 from retnet_jax import data, loader, prepared, tokenizer as tokenizer_lib, train
-from tests.helpers import REPO, read_metrics, script_stdout, tiny_config
+from tests.helpers import REPO, read_metrics, run_script, script_stdout, tiny_config
 
 DOCUMENTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(60)]
 
@@ -139,7 +139,7 @@ def test_mixture_settings_and_sizes_are_refused_before_reading(tmp_path):
     loader.open_corpora(ml_collections.ConfigDict({**data_config([tmp_path / "c"]).to_dict(), "files": ("a",)}), byte)
   with pytest.raises(ValueError, match=r"its training split holds \d+ sequences of train.seq_len \+ 1 = 257 tokens, "
                                        r"fewer than one batch of train.batch_size=64"):
-    loader.PreparedBatches(data_config([tmp_path / "c"]), byte, 256, 64, 0)
+    loader.PreparedBatches(loader.open_corpora(data_config([tmp_path / "c"]), byte), 256, 64, 0)
 
 
 def test_rows_pack_each_shard_and_carry_document_ids(tmp_path):
@@ -159,20 +159,19 @@ def test_batches_cover_each_row_once_per_epoch_resume_exactly_and_mix_by_weight(
   prepare(tmp_path / "a")
   prepare(tmp_path / "b", [text.upper() for text in DOCUMENTS])
   byte = tokenizer_lib.load("byte")
-  batches = loader.PreparedBatches(data_config([tmp_path / "a"]), byte, 15, 4, seed=3)
+  batches = loader.PreparedBatches(loader.open_corpora(data_config([tmp_path / "a"]), byte), 15, 4, seed=3)
   rows = prepared.open_corpus(tmp_path / "a", byte).rows("train", 15)
   epoch = np.concatenate([np.asarray(next(batches)) for _ in range(len(rows) // 4 + 1)])[:len(rows)]
   all_rows = rows.take(range(len(rows)))
   assert sorted(map(bytes, epoch)) == sorted(map(bytes, all_rows))  # every row once
   assert not np.array_equal(epoch, all_rows)  # shuffled
 
-  mixed = loader.PreparedBatches(data_config([tmp_path / "a", tmp_path / "b"], prepared_weights=(3.0, 1.0)), byte,
-                                 15, 4, seed=0)
+  both = loader.open_corpora(data_config([tmp_path / "a", tmp_path / "b"]), byte)
+  mixed = loader.PreparedBatches(both, 15, 4, seed=0, weights=(3.0, 1.0))
   first = [np.asarray(next(mixed)) for _ in range(5)]
   state = json.loads(json.dumps(mixed.get_state()))  # as a checkpoint keeps it
   after = [np.asarray(next(mixed)) for _ in range(30)]
-  resumed = loader.PreparedBatches(data_config([tmp_path / "a", tmp_path / "b"], prepared_weights=(3.0, 1.0)), byte,
-                                   15, 4, seed=0)
+  resumed = loader.PreparedBatches(both, 15, 4, seed=0, weights=(3.0, 1.0))
   resumed.set_state(state)
   for expected in after:
     np.testing.assert_array_equal(np.asarray(next(resumed)), expected)
@@ -193,8 +192,8 @@ def test_two_processes_read_disjoint_rows_whose_union_is_the_global_batch(tmp_pa
       from tests.test_prepared import data_config
       mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
       sharding = jax.NamedSharding(mesh, jax.P("data"))
-      batches = loader.PreparedBatches(data_config([{str(tmp_path / "c")!r}]), tokenizer.load("byte"), 15, 8, 5,
-                                       sharding)
+      corpora = loader.open_corpora(data_config([{str(tmp_path / "c")!r}]), tokenizer.load("byte"))
+      batches = loader.PreparedBatches(corpora, 15, 8, 5, sharding)
       local = [np.asarray(next(batches).addressable_shards[0].data) for _ in range(3)]
       np.save({str(tmp_path)!r} + f"/rows_{{process}}.npy", np.stack(local))
       """)
@@ -209,7 +208,8 @@ def test_two_processes_read_disjoint_rows_whose_union_is_the_global_batch(tmp_pa
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output[-3000:]
   local = [np.load(tmp_path / f"rows_{i}.npy") for i in range(2)]  # [batches, 4, 16] each
-  single = loader.PreparedBatches(data_config([tmp_path / "c"]), tokenizer_lib.load("byte"), 15, 8, 5)
+  single = loader.PreparedBatches(loader.open_corpora(data_config([tmp_path / "c"]), tokenizer_lib.load("byte")), 15,
+                                  8, 5)
   for b in range(3):
     expected = {bytes(row) for row in np.asarray(next(single))}
     halves = [{bytes(row) for row in local[i][b]} for i in range(2)]
@@ -235,3 +235,22 @@ def test_training_from_a_prepared_corpus_resumes_mid_epoch_exactly(tmp_path):
                       f"--config.data.prepared={tmp_path / 'c'}", "--config.train.seq_len=32",
                       "--config.train.batch_size=8", "--mode=chunkwise")
   assert json.loads(output.splitlines()[-1])["modes"]["chunkwise"]["loss"] > 0
+
+
+def test_prepare_data_script_reports_progress_and_json_and_refuses_a_second_run(tmp_path):
+  corpus = tmp_path / "docs.jsonl"
+  corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
+  flags = ["--config=configs/retnet.py:tiny", f"--config.data.files={corpus}", f"--out={tmp_path / 'out'}",
+           "--workers=2", "--shard_tokens=1000"]
+  result = run_script("prepare_data.py", *flags)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = json.loads(result.stdout.strip().splitlines()[-1])
+  assert summary["documents"] == {"train": 54, "validation": 6} and summary["out"] == str(tmp_path / "out")
+  assert "prepared 54 training and 6 validation documents" in result.stderr
+  prepared.open_corpus(tmp_path / "out", tokenizer_lib.load("byte"))
+  again = run_script("prepare_data.py", *flags)
+  assert again.returncode == 1 and again.stderr.strip().splitlines()[-1].startswith(
+      "error: --out=") and "already holds a prepared corpus" in again.stderr
+  one_document = run_script("prepare_data.py", "--config=configs/retnet.py:tiny", f"--out={tmp_path / 'shakespeare'}")
+  assert one_document.returncode == 1 and "the validation split of" in one_document.stderr and \
+      "came out empty: give more documents or data.validation_files" in one_document.stderr
