@@ -1,4 +1,5 @@
-"""Model FLOPs per token, counted analytically, and the machine's measured matmul rate (for MFU)."""
+"""Model FLOPs per token, counted analytically, and the peak FLOP/s that MFU divides by: the devices' nominal bf16
+peak on GPUs and TPUs (`accelerators.CHIPS`), the best measured matmul rate on CPUs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+
+from retnet_jax import accelerators
 
 
 def matmul_params(cfg: ml_collections.ConfigDict) -> int:
@@ -74,8 +77,8 @@ def _compiled_matmul(dtype, size: int):
   return jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)).lower(a, a).compile(), a
 
 
-def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5) -> float:
-  """Median FLOP/s of a `size`^2 matmul (accumulating in float32), after a warm-up call."""
+def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5, best: bool = False) -> float:
+  """Median (with `best`, the highest) FLOP/s of a `size`^2 matmul (accumulating in float32), after a warm-up."""
   matmul, a = _compiled_matmul(dtype, size)
   matmul(a, a).block_until_ready()
   times = []
@@ -83,4 +86,16 @@ def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5) 
     start = time.perf_counter()
     matmul(a, a).block_until_ready()
     times.append(time.perf_counter() - start)
-  return 2 * size**3 / float(np.median(times))
+  return 2 * size**3 / float(np.min(times) if best else np.median(times))
+
+
+def peak_flops(dtype, devices: list[jax.Device]) -> tuple[float, bool]:
+  """(FLOP/s of `devices` together, measured): GPUs and TPUs in `accelerators.CHIPS` give their nominal bf16 peak
+  (MFU's usual reference, whatever `dtype`); CPUs the fastest of 10 measured `dtype` matmuls per process (each
+  process's devices share its cores). A measured ceiling is a lower bound of the machine's: one taken while the
+  machine was busy reads low, so the training loop raises it to any faster rate it achieves."""
+  chip = accelerators.chip_of(devices[0].device_kind)
+  if chip is not None:
+    return chip.peak_bf16_flops * len(devices), False
+  processes = len({device.process_index for device in devices})
+  return measure_matmul_flops(dtype, repeats=10, best=True) * processes, True

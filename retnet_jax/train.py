@@ -233,8 +233,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
   workdir = lock.workdir
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
   flops_per_token = flops.train_flops_per_token(config.model, train_cfg.seq_len, train_cfg.mode)
-  peak = flops.measure_matmul_flops(layers.compute_dtype(config.model.dtype))
-  peak *= jax.process_count() if jax.devices()[0].platform == "cpu" else jax.device_count()
+  peak, measured_peak = flops.peak_flops(layers.compute_dtype(config.model.dtype), jax.devices())
   profile = tuple(train_cfg.profile_steps or ())
   saved_step = int(state["step"])
 
@@ -284,8 +283,9 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
         values["nonfinite_steps"] = int(state["nonfinite_steps"])
         seconds = (time.perf_counter() - interval_start) / interval_steps if interval_steps else float("nan")
         if interval_steps:
-          values.update(step_time=seconds, tokens_per_sec=tokens_per_step / seconds,
-                        mfu=tokens_per_step * flops_per_token / seconds / peak)
+          achieved = tokens_per_step * flops_per_token / seconds
+          peak = max(peak, achieved) if measured_peak else peak  # a ceiling measured while busy read low
+          values.update(step_time=seconds, tokens_per_sec=tokens_per_step / seconds, mfu=achieved / peak)
         writer.write(step, values)
         metrics.log(metrics.progress_line(step, train_cfg.steps, values, seconds))
         last.update(values)

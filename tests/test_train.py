@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, losses, sharding, train, train_state, train_step, workdir as workdir_lib
+from retnet_jax import (checkpointing, flops, losses, sharding, train, train_state, train_step,
+                        workdir as workdir_lib)
 from retnet_jax.model import RetNet
 from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config
 
@@ -292,3 +293,16 @@ def test_segmented_backprop_bounds_the_compiled_buffers():
 
   whole, segmented = temp_bytes(0), temp_bytes(256)
   assert segmented < whole / 3, (whole, segmented)
+
+
+def test_mfu_uses_the_device_table_and_never_reads_above_one_on_a_busy_cpu(tmp_path, monkeypatch):
+  """GPUs and TPUs: their nominal peak. A CPU ceiling measured while the machine was busy reads low (here: 1
+  FLOP/s): the loop raises it to the rate it achieves, so MFU stays at most 1 (it printed 140% before)."""
+  h100 = type("Device", (), {"device_kind": "NVIDIA H100 80GB HBM3", "process_index": 0})()
+  assert flops.peak_flops(jnp.bfloat16, [h100] * 8) == (8 * 989e12, False)
+  peak, measured = flops.peak_flops(jnp.float32, jax.devices())
+  assert measured and peak > 1e8
+  monkeypatch.setattr(flops, "measure_matmul_flops", lambda *args, **kwargs: 1.0)
+  train.train_and_evaluate(tiny_config(tmp_path, steps=4, eval_every_steps=4), tmp_path / "run")
+  mfu = read_metrics(tmp_path / "run", "mfu")
+  assert mfu and all(0 < value <= 1.0 for value in mfu.values()), mfu
