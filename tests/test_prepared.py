@@ -254,3 +254,38 @@ def test_prepare_data_script_reports_progress_and_json_and_refuses_a_second_run(
   one_document = run_script("prepare_data.py", "--config=configs/retnet.py:tiny", f"--out={tmp_path / 'shakespeare'}")
   assert one_document.returncode == 1 and "the validation split of" in one_document.stderr and \
       "came out empty: give more documents or data.validation_files" in one_document.stderr
+
+
+def test_sources_stream_parquet_rows_a_local_dataset_and_validation_files(tmp_path):
+  """Parquet rows and a dataset directory (read as data.hub_dataset reads a hub name) are documents; with
+  data.validation_files, those are the validation split and nothing is held out."""
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  from retnet_jax import sources  # pylint: disable=import-outside-toplevel
+  pq.write_table(pa.table({"body": DOCUMENTS[:30]}), tmp_path / "rows.parquet")
+  (tmp_path / "hub").mkdir()
+  (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCUMENTS[30:]))
+  (tmp_path / "valid.txt").write_text("a validation document")
+  config = ml_collections.ConfigDict(dict(files=(str(tmp_path / "rows.parquet"),), hub_dataset=None, hub_config=None,
+                                          text_field="body", validation_files=(str(tmp_path / "valid.txt"),)))
+  train_stream, validation = sources.of_config(config)
+  assert list(train_stream) == DOCUMENTS[:30] and list(validation) == ["a validation document"]
+  metadata = prepared.write(tmp_path / "c", train_stream, validation, "byte", train_stream.names(), 0.1)
+  assert metadata["documents"] == {"train": 30, "validation": 1} and not metadata["held_out"]
+  hub = sources.Stream((), str(tmp_path / "hub"), None, "text", "data.hub_dataset")
+  assert list(hub) == DOCUMENTS[30:] and hub.total_characters is None
+  with pytest.raises(ValueError, match=r"has no field 'body' \(fields: \['text'\]\); set data.text_field"):
+    list(sources.Stream((), str(tmp_path / "hub"), None, "body", "data.hub_dataset"))
+
+
+@pytest.mark.slow
+def test_training_resets_at_prepared_documents(tmp_path):
+  """data.reset_at_documents on a prepared corpus: batches carry the stored documents' ids into the model."""
+  prepare(tmp_path / "c", DOCUMENTS * 4, shard_tokens=4000)
+  config = tiny_config(tmp_path, steps=2, eval_every_steps=2)
+  config.data.update(files=(), prepared=(str(tmp_path / "c"),), reset_at_documents=True)
+  corpora = loader.open_corpora(config.data, tokenizer_lib.load("byte"))
+  tokens, _, ids = next(loader.PreparedBatches(corpora, 32, 8, 0, documents=True))
+  assert tokens.shape == ids.shape == (8, 33) and int((np.diff(np.asarray(ids), axis=1) > 0).sum()) > 0
+  final = train.train_and_evaluate(config, tmp_path / "run")
+  assert np.isfinite(final["eval_loss"])
