@@ -1,20 +1,19 @@
-"""Text files -> token stream -> packed sequences -> sharded global batches.
+"""Text files -> token stream (with where documents start) -> packed sequences -> sharded batches.
 
     tok = tokenizer.load(config.data.tokenizer, vocab_size=config.model.vocab_size)  # retnet_jax.tokenizer
-    train_N, valid_N = load_splits(config.data, tok)  # int32 token streams
-    batches = BatchIterator(pack(train_N, seq_len), batch_size, seed, sharding)
-    tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
+    train, valid = load_documents(config.data, tok)  # Splits: int32 token streams and document starts
+    sequences = pack(valid.tokens, seq_len)          # [num_sequences, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
+    batches = eval_batches(sequences, batch_size, max_batches, sharding)
 
-With `data.reset_at_documents`, `load_documents` also gives where each document starts (a `.txt` file, a JSON-lines
-or Parquet row, a hub dataset row), `pack_split` packs the per-token document ids beside the tokens, and a batch is
+Training reads these splits through the cached prepared corpus (`retnet_jax.corpus_cache`, `retnet_jax.loader`).
+With `data.reset_at_documents`, `pack_split` packs the per-token document ids beside the tokens, and a batch is
 `(tokens, None, document ids)`, both `[batch, seq_len + 1]` (`losses.Batch`). A separator (the tokenizer's eos_id)
 opens the document after it, so every target is predicted from its own document: the separator from the document
 it ends, a document's first token from the separator alone, as from a BOS. Without a separator (the byte
 tokenizer) a document's first token is predicted from the end of the previous one: that one target crosses.
 
-Files are read and tokenized with HF `datasets`; batches are a deterministic function of (seed, epoch, index),
-so a run resumed from `get_state()` sees exactly the batches an uninterrupted run would. A synthetic task's
-batches (`data.synthetic`) come from `retnet_jax.synthetic` instead, placed by the same `global_array`.
+Files are read and tokenized with HF `datasets`. A synthetic task's batches (`data.synthetic`) come from
+`retnet_jax.synthetic` instead, placed by the same `global_array`.
 """
 
 from __future__ import annotations
@@ -283,67 +282,6 @@ def _batch(sequences: np.ndarray, document_ids: np.ndarray | None, rows: np.ndar
   return tokens if document_ids is None else (tokens, None, global_array(document_ids, rows, sharding))
 
 
-class BatchIterator:
-  """Endless global batches `[global_batch_size, seq_len + 1]` int32 of packed sequences.
-
-  Epoch e visits the sequences in the order `default_rng([seed, e]).permutation(N)` (identity without
-  shuffling), in consecutive batches; the last incomplete batch of an epoch is dropped. The position is
-  (epoch, index of the next batch in the epoch), saved by `get_state` and restored by `set_state`.
-  With `sharding`, each process reads only its own rows and the result is one global jax.Array; without,
-  it is the whole batch as a plain single-host array. With `document_ids` (`pack_split`'s, the sequences'
-  shape) a batch is `(tokens, None, document ids)`, the ids of the same rows placed alike.
-  """
-
-  def __init__(self, sequences: np.ndarray, global_batch_size: int, seed: int,
-               sharding: jax.sharding.NamedSharding | None = None, shuffle: bool = True,
-               document_ids: np.ndarray | None = None):
-    self.sequences = np.asarray(sequences, dtype=np.int32)
-    self.document_ids = None if document_ids is None else np.asarray(document_ids, dtype=np.int32)
-    _check_batch(self.sequences, global_batch_size, "training", self.document_ids)
-    process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fail early, not at next()
-    self.global_batch_size = global_batch_size
-    self.seed = seed
-    self.sharding = sharding
-    self.shuffle = shuffle
-    self.num_batches_per_epoch = len(self.sequences) // global_batch_size
-    self.epoch, self.index = 0, 0
-    self._order_epoch, self._order = None, None
-
-  def _epoch_order(self) -> np.ndarray:
-    """Sequence indices `[N]` of the current epoch, computed once per epoch."""
-    if self._order_epoch != self.epoch:
-      num = len(self.sequences)
-      self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(num) if self.shuffle
-                     else np.arange(num))
-      self._order_epoch = self.epoch
-    return self._order
-
-  def __iter__(self) -> Iterator[jax.Array | tuple[jax.Array, None, jax.Array]]:
-    return self
-
-  def __next__(self) -> jax.Array | tuple[jax.Array, None, jax.Array]:
-    start = self.index * self.global_batch_size
-    rows = self._epoch_order()[start:start + self.global_batch_size]
-    self.index += 1
-    if self.index == self.num_batches_per_epoch:
-      self.epoch, self.index = self.epoch + 1, 0
-    return _batch(self.sequences, self.document_ids, rows, self.sharding)
-
-  def get_state(self) -> dict[str, int]:
-    """Position of the next batch, for checkpoints."""
-    return dict(epoch=self.epoch, index=self.index)
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    """Continues from a `get_state()` position (values may be numpy or jax scalars from a checkpoint)."""
-    check_state_keys(state, ("epoch", "index"))
-    epoch, index = int(state["epoch"]), int(state["index"])
-    if epoch < 0 or not 0 <= index < self.num_batches_per_epoch:
-      raise ValueError(f"data iterator state {dict(epoch=epoch, index=index)} is out of range (epoch >= 0, "
-                       f"0 <= index < {self.num_batches_per_epoch}); was it saved with another batch size, "
-                       "seq_len or data set?")
-    self.epoch, self.index = epoch, index
-
-
 def eval_rows(num_sequences: int, global_batch_size: int, max_batches: int | None) -> np.ndarray:
   """Rows of the validation batches, `[num_batches, global_batch_size]`: every full batch in order, or with
   `max_batches` fewer than those, that many batches of rows spread evenly over the whole split (the same every
@@ -359,7 +297,7 @@ def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int
                  sharding: jax.sharding.NamedSharding | None = None, document_ids: np.ndarray | None = None
                  ) -> Iterator[jax.Array | tuple[jax.Array, None, jax.Array]]:
   """The validation batches `[global_batch_size, seq_len + 1]` of `eval_rows` (all when `max_batches` is None),
-  with `document_ids` as `BatchIterator` gives them.
+  with `document_ids` (`pack_split`'s) `(tokens, None, document ids)`, each process reading only its own rows.
 
   Checks run on the call, not on the first `next()`.
   """
@@ -374,6 +312,5 @@ def check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:
   """Refuses a saved iterator position whose keys are not `keys` (one written by another kind of data source)."""
   if set(state) != set(keys):
     raise ValueError(f"data iterator state {dict(state)} was saved by another kind of data source (text data "
-                     "saves epoch and index, a prepared corpus Grain's position, a synthetic task the batch index); "
-                     "set data.synthetic and data.prepared as in the run that wrote the checkpoint, or use another "
-                     "--workdir.")
+                     "saves Grain's position, earlier runs epoch and index, a synthetic task the batch index); set "
+                     "data.synthetic as in the run that wrote the checkpoint, or use another --workdir.")

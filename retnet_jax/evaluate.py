@@ -146,16 +146,9 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
   else:
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
     reset = config.data.reset_at_documents
-    if config.data.prepared:  # only the rows evaluated are read
-      corpora = loader.open_corpora(config.data, tokenizer)
-      valid, num_tokens = loader.validation_rows(corpora, seq_len, reset), sum(c.num_tokens("validation") for c in corpora)
-      num_rows, take = len(valid), valid.take
-    else:
-      valid_split = data.load_documents(config.data, tokenizer)[1]
-      num_tokens, num_rows = len(valid_split.tokens), len(valid_split.tokens) // (seq_len + 1)
-      if num_rows:
-        sequences, ids = data.pack_split(valid_split, seq_len, "validation split", reset)
-        take = lambda rows: sequences[rows] if ids is None else (sequences[rows], ids[rows])
+    corpora = loader.open_corpora(config.data, tokenizer)  # only the rows evaluated are read
+    valid, num_tokens = loader.validation_rows(corpora, seq_len, reset), sum(c.num_tokens("validation") for c in corpora)
+    num_rows, take = len(valid), valid.take
     if num_rows < batch_size:
       raise ValueError(f"the validation split holds {num_tokens} tokens: {num_rows} sequences of --eval_seq_len + 1 = {seq_len + 1} "
                        f"tokens, fewer than one batch of {batch_size} (train.batch_size / train.grad_accum_steps); "

@@ -1,15 +1,16 @@
-"""Training and validation batches from prepared corpora (`retnet_jax.prepared`), read through Grain.
+"""Training and validation batches of prepared corpora (`retnet_jax.prepared`), read through Grain: the one loader
+of text, whether from `data.prepared` or from plain files through their cached corpus (`retnet_jax.corpus_cache`).
 
-    corpora = open_corpora(config.data, tokenizer)  # checked: directories, tokenizer, weights
+    corpora = open_corpora(config.data, tokenizer)  # checked: directories, tokenizer, weights, documents
     batches = PreparedBatches(corpora, seq_len, batch_size, seed, sharding, config.data.prepared_weights)
-    tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1], as data.BatchIterator gives
+    tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
     meta = batches.get_state()   # into the checkpoint: resume continues with the next batch, mid-epoch too
 
-The rows of every corpus in `data.prepared` are a Grain `MapDataset` over the memory-mapped shards, shuffled from the
-seed (another order each epoch) and repeated; several corpora are mixed by `data.prepared_weights` (empty: in
-proportion to their training tokens). Process p of P reads only the rows p, p + P, p + 2P, ... of that sequence:
-global batch b is rows [bB, (b+1)B), each process holding B/P of them. A thread pool reads ahead. Host memory is
-the prefetched batches and the page cache, whatever the corpus's size.
+The rows of every corpus are a Grain `MapDataset` over the memory-mapped shards, shuffled from the seed (another
+order each epoch) and repeated; several corpora are mixed by `data.prepared_weights` (empty: in proportion to their
+training tokens). Process p of P reads only the rows p, p + P, p + 2P, ... of that sequence: global batch b is rows
+[bB, (b+1)B), each process holding B/P of them. A thread pool reads ahead. Host memory is the prefetched batches
+and the page cache, whatever the corpus's size.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from retnet_jax import data, prepared
+from retnet_jax import corpus_cache, data, prepared
 from retnet_jax.tokenizer import Tokenizer
 
 PREFETCH_THREADS = 2
@@ -31,8 +33,17 @@ PREFETCH_BATCHES = 4
 
 
 def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> list[prepared.Corpus]:
-  """The corpora of `data.prepared`, checked with their weights before anything is read."""
+  """The corpora of `data.prepared`, checked with their weights before anything is read; without it, the cached
+  corpus of `data.files` (`corpus_cache`, built on first use). With `data.reset_at_documents`, a training split of
+  one document is refused: nothing would reset."""
   paths = data.as_tuple(data_cfg.prepared)
+  if not paths:
+    files = data.as_tuple(data_cfg.files)
+    source = ("data.files" if files else f"data.hub_dataset={data_cfg.hub_dataset!r}" if data_cfg.hub_dataset
+              else "the shipped corpus (data.files empty)")
+    corpora = [prepared.open_corpus(corpus_cache.prepared_dir(data_cfg, tokenizer), tokenizer, "the cache of "
+                                    + source)]
+    return _check_documents(corpora, data_cfg, source)
   weights = tuple(data_cfg.prepared_weights or ())
   if weights and len(weights) != len(paths):
     raise ValueError(f"data.prepared_weights={weights} gives {len(weights)} weights for {len(paths)} prepared "
@@ -44,8 +55,18 @@ def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> l
     if value:
       raise ValueError(f"data.prepared and data.{field} are both set; a prepared corpus holds its own splits: drop "
                        f"data.{field} (or data.prepared to read the files directly).")
-  return [prepared.open_corpus(path, tokenizer, f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared")
-          for i, path in enumerate(paths)]
+  corpora = [prepared.open_corpus(path, tokenizer, f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared")
+             for i, path in enumerate(paths)]
+  return _check_documents(corpora, data_cfg, f"data.prepared={data_cfg.prepared!r}")
+
+
+def _check_documents(corpora: list[prepared.Corpus], data_cfg: ml_collections.ConfigDict, source: str
+                     ) -> list[prepared.Corpus]:
+  if data_cfg.reset_at_documents and sum(c.metadata["documents"]["train"] for c in corpora) == 1:
+    raise ValueError(f"data.reset_at_documents=True but {source} holds a single document (a .txt file is one, a "
+                     "JSON-lines, Parquet or hub dataset row one each), so nothing would reset; give several files "
+                     "or rows, or set data.reset_at_documents=False.")
+  return corpora
 
 
 def mixture_weights(corpora: Sequence[prepared.Corpus], weights: Sequence[float]) -> list[float]:
@@ -87,7 +108,7 @@ class PreparedBatches:
     self._dataset = per_process.to_iter_dataset(grain.ReadOptions(num_threads=PREFETCH_THREADS,
                                                                   prefetch_buffer_size=PREFETCH_BATCHES))
     self._iterator = iter(self._dataset)
-    self.global_batch_size, self.sharding = global_batch_size, sharding
+    self._rows, self.global_batch_size, self.sharding = sources, global_batch_size, sharding
 
   def __iter__(self) -> Iterator[Any]:
     return self
@@ -100,7 +121,13 @@ class PreparedBatches:
     return {"grain": self._iterator.get_state()}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    """Continues from a `get_state()` position (read back from a checkpoint)."""
+    """Continues from a `get_state()` position (read back from a checkpoint). A position saved before batches came
+    through Grain (epoch, index) continues after as many batches, in Grain's order."""
+    if set(state) == {"epoch", "index"} and len(self._rows) == 1:
+      consumed = int(state["epoch"]) * (len(self._rows[0]) // self.global_batch_size) + int(state["index"])
+      logging.info(f"NOTE: the checkpoint's data position (epoch {state['epoch']}, batch {state['index']}) predates "
+                   f"Grain's loader: training continues after {consumed} batches in Grain's order.")
+      state = {"grain": {"next_index": consumed}}
     data.check_state_keys(state, ("grain",))
     saved = {key: int(value) for key, value in dict(state["grain"]).items()}
     self._iterator = iter(self._dataset)

@@ -337,3 +337,26 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   _write_json(out / METADATA, metadata)
   (out / PROGRESS).unlink()
   return metadata
+
+
+def write_splits(out: str | os.PathLike, splits: dict[str, tuple[np.ndarray, np.ndarray]],
+                 tokenizer: tokenizer_lib.Tokenizer, tokenizer_spec: str, sources: list[str]) -> dict[str, Any]:
+  """A prepared corpus in `out` of splits already in memory: name -> (tokens, document starts), one shard each
+  (`data.load_documents`' splits, for the cache of plain files). The metadata is written last."""
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  dtype = token_dtype(tokenizer.vocab_size)
+  entries = {}
+  for split, (tokens, starts) in splits.items():
+    tokens_path, starts_path = _shard_paths(out, split, 0)
+    np.asarray(tokens).astype(dtype).tofile(tokens_path)
+    np.asarray(starts, np.int64).tofile(starts_path)
+    entries[split] = [{"tokens": len(tokens), "documents": len(starts)}]
+  metadata = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
+              "tokenizer": {"name": tokenizer_spec, "fingerprint": fingerprint(tokenizer),
+                            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+              "sources": sources, "splits": entries,
+              "documents": {s: e[0]["documents"] for s, e in entries.items()},
+              "tokens": {s: e[0]["tokens"] for s, e in entries.items()}}
+  _write_json(out / METADATA, metadata)
+  return metadata

@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (architectures, checkpointing, data, dispatch, flops, layers, loader, losses, metrics,
+from retnet_jax import (architectures, checkpointing, dispatch, flops, layers, loader, losses, metrics,
                         peer_watch, preemption, sharding, synthetic, tokenizer as tokenizer_lib, train_state,
                         train_step as train_step_lib, workdir as workdir_lib, workdir_lock)
 
@@ -96,29 +96,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
 def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer | None,
                   batch_sharding: jax.sharding.NamedSharding
-                  ) -> tuple[data.BatchIterator | loader.PreparedBatches | synthetic.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
-  """The training batches, and a function giving the `train.eval_batches` validation batches: packed text (read
-  from `data.prepared` through Grain, or from the files), or the synthetic task's `(tokens, loss weights)` with `data.synthetic`, each with document ids with
-  `data.reset_at_documents`. Fails here if either cannot be made."""
+                  ) -> tuple[loader.PreparedBatches | synthetic.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
+  """The training batches, and a function giving the `train.eval_batches` validation batches: packed text read
+  through Grain (from `data.prepared`, or the cached corpus of the files), or the synthetic task's `(tokens, loss
+  weights)` with `data.synthetic`, each with document ids with `data.reset_at_documents`. Fails here if either
+  cannot be made."""
   train_cfg, reset = config.train, config.data.reset_at_documents
   eval_batch, num_eval = train_cfg.batch_size // train_cfg.grad_accum_steps, train_cfg.eval_batches
   if config.data.synthetic:
     return (synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
             lambda: synthetic.eval_batches(config, eval_batch, num_eval, batch_sharding))
-  if config.data.prepared:
-    corpora = loader.open_corpora(config.data, tokenizer)
-    valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
-    batches = loader.PreparedBatches(corpora, train_cfg.seq_len, train_cfg.batch_size, config.seed, batch_sharding,
-                                     config.data.prepared_weights, reset)
-    loader.eval_batches(valid_rows, eval_batch, 1)  # enough to evaluate?
-    return batches, lambda: loader.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding)
-  train_split, valid_split = data.load_documents(config.data, tokenizer)
-  train_sequences, train_ids = data.pack_split(train_split, train_cfg.seq_len, "training split", reset)
-  valid_sequences, valid_ids = data.pack_split(valid_split, train_cfg.seq_len, "validation split", reset)
-  batches = data.BatchIterator(train_sequences, train_cfg.batch_size, config.seed, batch_sharding,
-                               document_ids=train_ids)
-  data.eval_batches(valid_sequences, eval_batch, 1)  # enough to evaluate?
-  return batches, lambda: data.eval_batches(valid_sequences, eval_batch, num_eval, batch_sharding, valid_ids)
+  corpora = loader.open_corpora(config.data, tokenizer)
+  valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
+  batches = loader.PreparedBatches(corpora, train_cfg.seq_len, train_cfg.batch_size, config.seed, batch_sharding,
+                                   config.data.prepared_weights, reset)
+  loader.eval_batches(valid_rows, eval_batch, 1)  # enough to evaluate?
+  return batches, lambda: loader.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding)
 
 
 # Data fields added since checkpoints were first written -> the value a checkpoint without the field was trained with.
@@ -176,7 +169,7 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
                      checkpointer: checkpointing.Checkpointer,
-                     batches: data.BatchIterator | synthetic.SyntheticBatches):
+                     batches: loader.PreparedBatches | synthetic.SyntheticBatches):
   """The newest checkpoint's state that reads back whole (`workdir.restore_newest`: an unreadable one is set aside
   with a warning, another model config's refused), else a fresh one."""
   restored = workdir_lib.restore_newest(checkpointer, config,
@@ -226,7 +219,7 @@ def _check_finite(state: train_state.TrainState, policy: str, checkpointer: chec
 
 
 def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState,
-                batches: data.BatchIterator | synthetic.SyntheticBatches,
+                batches: loader.PreparedBatches | synthetic.SyntheticBatches,
                 valid_batches: Callable[[], Iterable[losses.Batch]], checkpointer: checkpointing.Checkpointer,
                 writer: metrics.MetricsWriter, lock: workdir_lock.WriterLock) -> dict[str, float]:
   train_cfg = config.train

@@ -38,10 +38,10 @@ class Crash(Exception):
 @pytest.fixture
 def run_crashing_at_batch(monkeypatch):
   """`run_crashing_at_batch(n, fn, *args)`: calls fn with the n-th training batch fetch raising Crash."""
-  from retnet_jax import data
+  from retnet_jax import loader
 
   def run(n, fn, *args):
-    original, calls = data.BatchIterator.__next__, []
+    original, calls = loader.PreparedBatches.__next__, []
 
     def next_or_crash(self):
       calls.append(1)
@@ -49,12 +49,12 @@ def run_crashing_at_batch(monkeypatch):
         raise Crash
       return original(self)
 
-    monkeypatch.setattr(data.BatchIterator, "__next__", next_or_crash)
+    monkeypatch.setattr(loader.PreparedBatches, "__next__", next_or_crash)
     try:
       with pytest.raises(Crash):
         fn(*args)
     finally:
-      monkeypatch.setattr(data.BatchIterator, "__next__", original)
+      monkeypatch.setattr(loader.PreparedBatches, "__next__", original)
 
   return run
 

@@ -252,47 +252,6 @@ def sequences(num=10, width=5):
   return np.arange(num * width, dtype=np.int32).reshape(num, width)
 
 
-def take(iterator, count):
-  return [np.asarray(next(iterator)) for _ in range(count)]
-
-
-def test_batch_iterator_epochs_and_determinism():
-  seqs = sequences()
-  batches = take(data.BatchIterator(seqs, 3, seed=0), 6)
-  assert all(b.shape == (3, 5) and b.dtype == np.int32 for b in batches)
-  for epoch in (batches[:3], batches[3:]):  # 3 batches per epoch, each sequence at most once
-    rows = np.concatenate(epoch)[:, 0] // 5
-    assert len(set(rows)) == 9
-  np.testing.assert_array_equal(np.concatenate(batches[:3]),
-                                seqs[np.random.default_rng([0, 0]).permutation(10)[:9]])
-  np.testing.assert_array_equal(np.stack(batches), np.stack(take(data.BatchIterator(seqs, 3, seed=0), 6)))
-  assert not np.array_equal(np.stack(batches), np.stack(take(data.BatchIterator(seqs, 3, seed=1), 6)))
-  in_order = take(data.BatchIterator(seqs, 3, seed=0, shuffle=False), 4)
-  np.testing.assert_array_equal(np.concatenate(in_order), seqs[[0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
-
-
-@pytest.mark.parametrize("stop", [2, 3, 4])  # mid-epoch, at the epoch boundary, just after it
-def test_batch_iterator_resume_matches_uninterrupted_run(stop):
-  seqs = sequences()
-  uninterrupted = take(data.BatchIterator(seqs, 3, seed=7), 8)
-  first = data.BatchIterator(seqs, 3, seed=7)
-  take(first, stop)
-  state = first.get_state()
-  assert state == dict(epoch=stop // 3, index=stop % 3)
-  resumed = data.BatchIterator(seqs, 3, seed=7)
-  resumed.set_state({k: np.int64(v) for k, v in state.items()})  # as restored from a checkpoint
-  np.testing.assert_array_equal(np.stack(take(resumed, 8 - stop)), np.stack(uninterrupted[stop:]))
-
-
-def test_batch_iterator_errors():
-  with pytest.raises(ValueError, match=r"4 sequences, fewer than one batch of train.batch_size=8.*smaller"):
-    data.BatchIterator(sequences(4), 8, seed=0)
-  iterator = data.BatchIterator(sequences(), 3, seed=0)
-  assert iterator.num_batches_per_epoch == 3
-  with pytest.raises(ValueError, match="out of range"):
-    iterator.set_state(dict(epoch=0, index=3))
-
-
 @pytest.mark.parametrize("process_count", [1, 2, 4])
 def test_process_rows_split_global_batch(process_count):
   blocks = [data.process_rows(8, index, process_count) for index in range(process_count)]
@@ -313,20 +272,12 @@ def data_sharding():
   return NamedSharding(mesh, P("data"))
 
 
-def test_sharded_batch(data_sharding):
-  seqs = sequences(40, 9)
-  batch = next(data.BatchIterator(seqs, 16, seed=3, sharding=data_sharding))
-  assert isinstance(batch, jax.Array) and batch.shape == (16, 9) and batch.dtype == np.int32
-  assert batch.sharding == data_sharding
-  assert {shard.data.shape for shard in batch.addressable_shards} == {(2, 9)}
-  np.testing.assert_array_equal(np.asarray(batch), seqs[np.random.default_rng([3, 0]).permutation(40)[:16]])
-
-
 def test_eval_batches(data_sharding):
   seqs = sequences(40, 9)
   batches = list(data.eval_batches(seqs, 16, max_batches=8, sharding=data_sharding))
   assert len(batches) == 2  # 40 sequences hold two full batches
-  assert all(b.sharding == data_sharding for b in batches)
+  assert all(b.sharding == data_sharding and {s.data.shape for s in b.addressable_shards} == {(2, 9)}
+             for b in batches)
   np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in batches]), seqs[:32])
   # One batch of two: its rows are spread evenly over the whole split, not its first 16 sequences.
   sample = list(data.eval_batches(seqs, 16, max_batches=1, sharding=None))

@@ -289,3 +289,43 @@ def test_training_resets_at_prepared_documents(tmp_path):
   assert tokens.shape == ids.shape == (8, 33) and int((np.diff(np.asarray(ids), axis=1) > 0).sum()) > 0
   final = train.train_and_evaluate(config, tmp_path / "run")
   assert np.isfinite(final["eval_loss"])
+
+
+def test_a_position_saved_before_grain_continues_after_as_many_batches(tmp_path):
+  """Checkpoints of earlier runs hold (epoch, index): resuming continues after epoch * batches per epoch + index."""
+  prepare(tmp_path / "c")
+  corpora = loader.open_corpora(data_config([tmp_path / "c"]), tokenizer_lib.load("byte"))
+  batches = loader.PreparedBatches(corpora, 15, 4, seed=0)
+  per_epoch = len(corpora[0].rows("train", 15)) // 4
+  old = loader.PreparedBatches(corpora, 15, 4, seed=0)
+  old.set_state({"epoch": np.int64(1), "index": np.int64(2)})
+  assert old.get_state() == {"grain": {"next_index": per_epoch + 2}}
+  for _ in range(per_epoch + 2):
+    next(batches)
+  np.testing.assert_array_equal(np.asarray(next(old)), np.asarray(next(batches)))
+
+
+def test_plain_files_train_through_their_cached_corpus(tmp_path, monkeypatch):
+  """data.files are prepared once into the cache (keyed by the files and tokenizer), then mapped: the same rows
+  as packing the split in memory, a changed file makes another entry."""
+  monkeypatch.setenv("RETNET_JAX_CACHE", str(tmp_path / "cache"))
+  path = tmp_path / "docs.jsonl"
+  path.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCUMENTS))
+  config = ml_collections.ConfigDict(dict(files=(str(path),), validation_files=(), validation_fraction=0.1,
+                                          hub_dataset=None, hub_config=None, text_field="text", tokenizer="byte",
+                                          reset_at_documents=False, prepared=(), prepared_weights=()))
+  byte = tokenizer_lib.load("byte")
+  (corpus,) = loader.open_corpora(config, byte)
+  train_split, valid_split = data.load_documents(config, byte)
+  np.testing.assert_array_equal(corpus.rows("train", 15).take(range(3)), data.pack(train_split.tokens, 15)[:3])
+  np.testing.assert_array_equal(loader.validation_rows([corpus], 15, False).take(range(len(data.pack(
+      valid_split.tokens, 15)))), data.pack(valid_split.tokens, 15))
+  assert loader.open_corpora(config, byte)[0].path == corpus.path  # reused
+  path.write_text(path.read_text() + json.dumps({"text": "one more"}) + "\n")
+  assert loader.open_corpora(config, byte)[0].path != corpus.path
+  config.reset_at_documents = True
+  one = tmp_path / "one.txt"
+  one.write_text("a single document")
+  config.files = (str(one),)
+  with pytest.raises(ValueError, match=r"data.reset_at_documents=True but data.files holds a single document"):
+    loader.open_corpora(config, byte)
