@@ -3,14 +3,17 @@ shared fixtures (the shared functions are in tests/helpers.py).
 
 On an accelerator, float32 matmuls run at full precision (`highest`: the forms' agreement tolerances assume exact
 float32 products, which TF32 would not give) and tests marked `devices(n)` are skipped where fewer devices are
-present: run them on the CPU as usual.
+present: run them on the CPU as usual. Corpora of plain files are cached (retnet_jax/corpus_cache.py) in a temporary
+directory per test process, not in the user's cache.
 """
 import os
+import tempfile
 
 BACKEND = os.environ.get("RETNET_TEST_BACKEND", "cpu")
 if BACKEND == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["RETNET_JAX_CACHE"] = tempfile.mkdtemp(prefix="retnet_jax_test_cache_")
 
 import copy  # noqa: E402
 import shutil  # noqa: E402
