@@ -124,31 +124,30 @@ def test_an_error_leaving_the_steps_names_a_peer_whose_pulse_stays_still(tmp_pat
   store = Store()
   mine, peer = pulses(store, 0, 1)
   lost = []
-  beating = threading.Event()
 
-  def beat():
-    for i in itertools.count():
-      if beating.wait(0.01) and not stop.is_set():
-        peer.beat(str(i))
-      if stop.is_set():
-        return
+  def fail_while_watched(pulse_seconds):
+    with pytest.raises(RuntimeError, match="collective failed"):
+      with peer_watch.PeerWatch({1: tmp_path / "train_1.lock"}, lambda: 4, mine, stall_seconds=3600.0,
+                                pulse_seconds=pulse_seconds, interval=0.01, on_lost=lost.append):
+        raise RuntimeError("collective failed")
 
   stop = threading.Event()
-  thread = threading.Thread(target=beat)
+  thread = threading.Thread(target=_beat_until, args=(peer, stop))
   thread.start()
-  beating.set()
-  with pytest.raises(RuntimeError, match="collective failed"):
-    with peer_watch.PeerWatch({1: tmp_path / "train_1.lock"}, lambda: 4, mine, stall_seconds=3600.0,
-                              pulse_seconds=5.0, interval=0.01, on_lost=lost.append):
-      raise RuntimeError("collective failed")
+  fail_while_watched(pulse_seconds=5.0)
   assert lost == []
   stop.set()
   thread.join()
-  with pytest.raises(RuntimeError, match="collective failed"):
-    with peer_watch.PeerWatch({1: tmp_path / "train_1.lock"}, lambda: 4, mine, stall_seconds=3600.0,
-                              pulse_seconds=0.2, interval=0.01, on_lost=lost.append):
-      raise RuntimeError("collective failed")
+  fail_while_watched(pulse_seconds=0.2)
   assert len(lost) == 1 and lost[0].startswith("error: training process 1 is gone (no sign of life")
+
+
+def _beat_until(pulse, stop):
+  """Beats `pulse` every 10 ms until `stop` is set: a live peer."""
+  for i in itertools.count():
+    if stop.wait(0.01):
+      return
+    pulse.beat(str(i))
 
 
 def test_finished_steps_mark_the_pulse_left(tmp_path):
