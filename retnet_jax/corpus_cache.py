@@ -1,7 +1,6 @@
 """Plain `data.files` (or a hub dataset) prepared once into a cached corpus, so every text run reads one way.
 
-    path = corpus_cache.prepared_dir(config.data, tokenizer)  # built on first use, then reused
-    corpus = prepared.open_corpus(path, tokenizer)
+    corpus = corpus_cache.open_cached(config.data, tokenizer, "data.files")  # built on first use, then mapped
 
 The cache key covers what decides the tokens: the files (path, size, modification time), the validation files or
 fraction, the hub dataset, the text field and the tokenizer's fingerprint. The first run tokenizes as
@@ -51,8 +50,9 @@ def cache_key(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> str:
   return hashlib.sha256(json.dumps(described_key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def prepared_dir(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
-  """The cached corpus of `config.data`'s files, built now if missing (errors of the data as `load_documents`)."""
+def open_cached(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, source: str) -> prepared.Corpus:
+  """The cached corpus of `config.data`'s files (errors name `source`), built now if missing, rebuilt if damaged;
+  errors of the data itself as `data.load_documents` gives them."""
   if not (data.as_tuple(data_cfg.files) or data_cfg.hub_dataset) and not data.DEFAULT_CORPUS.is_file():
     data.load_documents(data_cfg, tokenizer)  # its error names the missing shipped corpus
   key = cache_key(data_cfg, tokenizer)
@@ -66,13 +66,17 @@ def prepared_dir(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> P
   try:
     if lock is not None:
       fcntl.flock(lock, fcntl.LOCK_EX)
-    if not (directory / prepared.METADATA).is_file():
-      whole = ml_collections.ConfigDict({**data_cfg.to_dict(), "reset_at_documents": False})  # checked on use
-      train, valid = data.load_documents(whole, tokenizer)
-      shutil.rmtree(directory, ignore_errors=True)  # a build that was interrupted
-      sources = [str(f) for f in data.as_tuple(data_cfg.files)] or [data_cfg.hub_dataset or str(data.DEFAULT_CORPUS)]
-      prepared.write_splits(directory, {"train": train, "validation": valid}, tokenizer, data_cfg.tokenizer, sources)
+    if (directory / prepared.METADATA).is_file():
+      try:
+        return prepared.open_corpus(directory, tokenizer, source)
+      except prepared.CorpusError:  # damaged since: build it again
+        pass
+    whole = ml_collections.ConfigDict({**data_cfg.to_dict(), "reset_at_documents": False})  # checked on use
+    train, valid = data.load_documents(whole, tokenizer)
+    shutil.rmtree(directory, ignore_errors=True)  # an interrupted or damaged build
+    sources = [str(f) for f in data.as_tuple(data_cfg.files)] or [data_cfg.hub_dataset or str(data.DEFAULT_CORPUS)]
+    prepared.write_splits(directory, {"train": train, "validation": valid}, tokenizer, data_cfg.tokenizer, sources)
+    return prepared.open_corpus(directory, tokenizer, source)
   finally:
     if lock is not None:
       lock.close()
-  return directory

@@ -41,8 +41,7 @@ def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> l
     files = data.as_tuple(data_cfg.files)
     source = ("data.files" if files else f"data.hub_dataset={data_cfg.hub_dataset!r}" if data_cfg.hub_dataset
               else "the shipped corpus (data.files empty)")
-    corpora = [prepared.open_corpus(corpus_cache.prepared_dir(data_cfg, tokenizer), tokenizer, "the cache of "
-                                    + source)]
+    corpora = [corpus_cache.open_cached(data_cfg, tokenizer, source)]
     return _check_documents(corpora, data_cfg, source)
   weights = tuple(data_cfg.prepared_weights or ())
   if weights and len(weights) != len(paths):
@@ -97,10 +96,14 @@ class PreparedBatches:
     local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
     sources = [c.rows("train", seq_len, documents) for c in corpora]
     for corpus, rows in zip(corpora, sources):
+      if not len(rows):
+        raise ValueError(f"{corpus.label}: its training split holds {corpus.num_tokens('train')} tokens, too few for "
+                         f"one sequence of train.seq_len + 1 = {seq_len + 1} tokens in any of its shards; use a "
+                         "smaller train.seq_len or more data.")
       if len(rows) < global_batch_size:
-        raise ValueError(f"data.prepared={str(corpus.path)!r}: its training split holds {len(rows)} sequences of "
-                         f"train.seq_len + 1 = {seq_len + 1} tokens, fewer than one batch of train.batch_size="
-                         f"{global_batch_size}; use a smaller batch or seq_len, or prepare more data.")
+        raise ValueError(f"{corpus.label}: its training split holds {len(rows)} sequences of train.seq_len + 1 = "
+                         f"{seq_len + 1} tokens, fewer than one batch of train.batch_size={global_batch_size}; use a "
+                         "smaller batch or seq_len, or more data.")
     datasets = [grain.MapDataset.source(rows).shuffle(seed=seed + i).repeat() for i, rows in enumerate(sources)]
     mixed = (datasets[0] if len(datasets) == 1 else
              grain.MapDataset.mix(datasets, mixture_weights(corpora, weights)))

@@ -97,8 +97,9 @@ class PackedRows:
 class Corpus:
   """An opened prepared directory: its metadata and memory-mapped shards."""
 
-  def __init__(self, path: Path, metadata: dict[str, Any], shards: dict[str, list[Shard]]):
+  def __init__(self, path: Path, metadata: dict[str, Any], shards: dict[str, list[Shard]], label: str):
     self.path, self.metadata, self.shards = path, metadata, shards
+    self.label = label  # how errors name it: `data.prepared='DIR'`, or the source of a cached corpus
 
   def num_tokens(self, split: str) -> int:
     return sum(len(shard.tokens) for shard in self.shards[split])
@@ -151,7 +152,7 @@ def open_corpus(path: str | os.PathLike, tokenizer: tokenizer_lib.Tokenizer, fie
           raise CorpusError(f"{field}={str(path)!r}: shard {file.name} {what} (damaged or truncated); {remedy}.")
       shards[split].append(Shard(np.memmap(tokens_path, dtype, "r", shape=(entry["tokens"],)),
                                  np.memmap(starts_path, np.int64, "r", shape=(entry["documents"],))))
-  return Corpus(path, metadata, shards)
+  return Corpus(path, metadata, shards, f"{field}={str(path)!r}" if field.startswith("data.prepared") else field)
 
 
 class _ShardWriter:

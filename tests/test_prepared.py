@@ -137,8 +137,8 @@ def test_mixture_settings_and_sizes_are_refused_before_reading(tmp_path):
       loader.open_corpora(data_config([tmp_path / "c"], prepared_weights=weights), byte)
   with pytest.raises(ValueError, match=r"data.prepared and data.files are both set"):
     loader.open_corpora(ml_collections.ConfigDict({**data_config([tmp_path / "c"]).to_dict(), "files": ("a",)}), byte)
-  with pytest.raises(ValueError, match=r"its training split holds \d+ sequences of train.seq_len \+ 1 = 257 tokens, "
-                                       r"fewer than one batch of train.batch_size=64"):
+  with pytest.raises(ValueError, match=r"data.prepared='.*c': its training split holds \d+ sequences of "
+                                       r"train.seq_len \+ 1 = 257 tokens, fewer than one batch of train.batch_size=64"):
     loader.PreparedBatches(loader.open_corpora(data_config([tmp_path / "c"]), byte), 256, 64, 0)
 
 
@@ -321,6 +321,10 @@ def test_plain_files_train_through_their_cached_corpus(tmp_path, monkeypatch):
   np.testing.assert_array_equal(loader.validation_rows([corpus], 15, False).take(range(len(data.pack(
       valid_split.tokens, 15)))), data.pack(valid_split.tokens, 15))
   assert loader.open_corpora(config, byte)[0].path == corpus.path  # reused
+  shard = corpus.path / "train-00000.tokens"
+  shard.write_bytes(shard.read_bytes()[:-3])
+  rebuilt = loader.open_corpora(config, byte)[0]  # a damaged entry is built again
+  assert rebuilt.path == corpus.path and rebuilt.num_tokens("train") == len(train_split.tokens)
   path.write_text(path.read_text() + json.dumps({"text": "one more"}) + "\n")
   assert loader.open_corpora(config, byte)[0].path != corpus.path
   config.reset_at_documents = True

@@ -124,7 +124,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
   assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
   exported = checkpointing.load_params(tmp_path / "run" / "params" / "4", run.abstract_state["params"])
   assert max_tree_diff(state["params"], exported) == 0
-  assert int(state["step"]) == 4 and meta["data"] == {"epoch": 0, "index": 4}
+  assert int(state["step"]) == 4 and meta["data"] == {"grain": {"next_index": 4}}
   config.train.steps = 6  # and training continues on the new mesh, warning that the batches now differ
   config.seed = 7
   verbosity = absl.logging.get_verbosity()
