@@ -9,8 +9,10 @@ of text, whether from `data.prepared` or from plain files through their cached c
 The rows of every corpus are a Grain `MapDataset` over the memory-mapped shards, shuffled from the seed (another
 order each epoch) and repeated; several corpora are mixed by `data.prepared_weights` (empty: in proportion to their
 training tokens). Process p of P reads only the rows p, p + P, p + 2P, ... of that sequence: global batch b is rows
-[bB, (b+1)B), each process holding B/P of them. A thread pool reads ahead. Host memory is the prefetched batches
-and the page cache, whatever the corpus's size.
+[bB, (b+1)B), each process holding B/P of them. Batches are read when asked for, without Grain's prefetch threads:
+a batch takes microseconds per row and training dispatches steps ahead of the device, so reading overlaps its work;
+on a 2-core CPU the threads slowed the steps by about 5% and the loader itself (docs/benchmarks.md, entry 29). Host
+memory is a batch and the page cache, whatever the corpus's size.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ import numpy as np
 from retnet_jax import corpus_cache, data, prepared
 from retnet_jax.tokenizer import Tokenizer
 
-PREFETCH_THREADS = 2
-PREFETCH_BATCHES = 4
 
 
 def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> list[prepared.Corpus]:
@@ -108,8 +108,7 @@ class PreparedBatches:
     mixed = (datasets[0] if len(datasets) == 1 else
              grain.MapDataset.mix(datasets, mixture_weights(corpora, weights)))
     per_process = mixed[jax.process_index()::jax.process_count()].batch(local.stop - local.start)
-    self._dataset = per_process.to_iter_dataset(grain.ReadOptions(num_threads=PREFETCH_THREADS,
-                                                                  prefetch_buffer_size=PREFETCH_BATCHES))
+    self._dataset = per_process.to_iter_dataset(grain.ReadOptions(num_threads=0))
     self._iterator = iter(self._dataset)
     self._rows, self.global_batch_size, self.sharding = sources, global_batch_size, sharding
 
