@@ -147,15 +147,14 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
     reset = config.data.reset_at_documents
     corpora = loader.open_corpora(config.data, tokenizer)  # only the rows evaluated are read
-    valid, num_tokens = loader.validation_rows(corpora, seq_len, reset), sum(c.num_tokens("validation") for c in corpora)
-    num_rows, take = len(valid), valid.take
-    if num_rows < batch_size:
-      raise ValueError(f"the validation split holds {num_tokens} tokens: {num_rows} sequences of --eval_seq_len + 1 = {seq_len + 1} "
-                       f"tokens, fewer than one batch of {batch_size} (train.batch_size / train.grad_accum_steps); "
-                       "use a shorter --eval_seq_len, a smaller --config.train.batch_size, or more validation data "
-                       "(--config.data.validation_files).")
-    rows = data.eval_rows(num_rows, batch_size, max_batches).reshape(-1)
-    taken = take(rows)
+    valid = loader.validation_rows(corpora, seq_len, reset)
+    if len(valid) < batch_size:
+      raise ValueError(f"the validation split holds {sum(c.num_tokens('validation') for c in corpora)} tokens: "
+                       f"{len(valid)} sequences of --eval_seq_len + 1 = {seq_len + 1} tokens, fewer than one batch "
+                       f"of {batch_size} (train.batch_size / train.grad_accum_steps); use a shorter --eval_seq_len, a "
+                       "smaller --config.train.batch_size, or more validation data (--config.data.validation_files).")
+    rows = data.eval_rows(len(valid), batch_size, max_batches).reshape(-1)
+    taken = valid.take(rows)
     sequences, ids = taken if isinstance(taken, tuple) else (taken, None)
     batches = list(data.eval_batches(sequences, batch_size, None, placement.batch_sharding, ids))
     targets = sequences[:, 1:]

@@ -280,9 +280,7 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   out.mkdir(parents=True, exist_ok=True)
   tokenizer = tokenizer_lib.load(tokenizer_spec)
   dtype = token_dtype(tokenizer.vocab_size)
-  recorded = {"name": tokenizer_spec, "fingerprint": fingerprint(tokenizer), "vocab_size": tokenizer.vocab_size,
-              "eos_id": tokenizer.eos_id}
-  settings = {"tokenizer": recorded, "sources": sources, "validation_fraction": validation_fraction,
+  settings = {"tokenizer": _recorded(tokenizer, tokenizer_spec), "sources": sources, "validation_fraction": validation_fraction,
               "held_out": validation_documents is None, "shard_tokens": shard_tokens, "max_tokens": max_tokens}
   if (out / METADATA).exists():
     raise CorpusError(f"--out={str(out)!r} already holds a prepared corpus; choose another --out or delete it.")
@@ -299,8 +297,7 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
         leftover.unlink()
   writers = {split: _ShardWriter(out, split, dtype, tokenizer.eos_id, shard_tokens, state["shards"][split])
              for split in SPLITS}
-  consumed = state["consumed"]
-  counts = {"documents": consumed, "tokens": sum(e["tokens"] for e in state["shards"]["train"])}
+  consumed, train_tokens = state["consumed"], sum(e["tokens"] for e in state["shards"]["train"])
 
   def checkpoint() -> None:
     for writer in writers.values():
@@ -312,17 +309,16 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   encoder = _Encoder(tokenizer_spec, 1 if tokenizer_spec == "byte" else workers)
   remaining = (text for i, text in enumerate(documents) if i >= state["consumed"])
   for encoded in encoder.map(_batched(remaining, batch_documents)):
-    if max_tokens is not None and counts["tokens"] >= max_tokens:
+    if max_tokens is not None and train_tokens >= max_tokens:
       break
     for ids in encoded:
       index, consumed = consumed, consumed + 1
       held_out = validation_documents is None and _is_held_out(index, validation_fraction)
       if len(ids):
         writers["validation" if held_out else "train"].add(ids)
-        counts["tokens"] += 0 if held_out else len(ids)
-    counts["documents"] = consumed
+        train_tokens += 0 if held_out else len(ids)
     if progress is not None:
-      progress(counts["documents"], counts["tokens"])
+      progress(consumed, train_tokens)
     if writers["train"].full:
       checkpoint()
   checkpoint()
@@ -339,10 +335,7 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
       raise CorpusError(f"the {split} split of {sources} came out empty: "
                         + ("give more documents or data.validation_files (a .txt file is one document)"
                            if split == "validation" else "the sources hold no text") + ".")
-  metadata = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, **settings, "splits": state["shards"],
-              "documents": {s: sum(e["documents"] for e in state["shards"][s]) for s in SPLITS},
-              "tokens": {s: sum(e["tokens"] for e in state["shards"][s]) for s in SPLITS}}
-  _write_json(out / METADATA, metadata)
+  metadata = _write_metadata(out, dtype, state["shards"], **settings)
   (out / PROGRESS).unlink()
   return metadata
 
@@ -360,11 +353,20 @@ def write_splits(out: str | os.PathLike, splits: dict[str, tuple[np.ndarray, np.
     np.asarray(tokens).astype(dtype).tofile(tokens_path)
     np.asarray(starts, np.int64).tofile(starts_path)
     entries[split] = [{"tokens": len(tokens), "documents": len(starts)}]
-  metadata = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
-              "tokenizer": {"name": tokenizer_spec, "fingerprint": fingerprint(tokenizer),
-                            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
-              "sources": sources, "splits": entries,
-              "documents": {s: e[0]["documents"] for s, e in entries.items()},
-              "tokens": {s: e[0]["tokens"] for s, e in entries.items()}}
+  return _write_metadata(out, dtype, entries, tokenizer=_recorded(tokenizer, tokenizer_spec), sources=sources)
+
+
+def _recorded(tokenizer: tokenizer_lib.Tokenizer, spec: str) -> dict[str, Any]:
+  """What the metadata keeps of the tokenizer, for `open_corpus` to check a run's against."""
+  return {"name": spec, "fingerprint": fingerprint(tokenizer), "vocab_size": tokenizer.vocab_size,
+          "eos_id": tokenizer.eos_id}
+
+
+def _write_metadata(out: Path, dtype: np.dtype, shards: dict[str, list[dict[str, int]]], **fields: Any
+                    ) -> dict[str, Any]:
+  """Writes metadata.json, last: `fields`, the shards' entries per split and their totals; returns it."""
+  metadata = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, **fields, "splits": shards,
+              "documents": {s: sum(e["documents"] for e in entries) for s, entries in shards.items()},
+              "tokens": {s: sum(e["tokens"] for e in entries) for s, entries in shards.items()}}
   _write_json(out / METADATA, metadata)
   return metadata
