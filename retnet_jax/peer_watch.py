@@ -152,18 +152,20 @@ class PeerWatch:
     return self
 
   def __exit__(self, exc_type, *_) -> None:
-    """Stops the thread; an error leaving the steps while a peer is gone (its lock free, or its pulse still) is that
-    peer's loss (a collective or a joint save failing with it), reported at once: cleaning up would wait on the
-    lost peer. Steps finished
-    without an error mark the pulse LEFT, so peers still finishing theirs do not take this process for lost."""
+    """Stops the thread. An error leaving the steps while a peer is gone (its lock free, or its pulse still after
+    the error) is that peer's loss (a collective or a joint save failing with it), reported before any clean-up,
+    which would wait on the lost peer. Steps finished without an error mark the pulse LEFT, so peers still
+    finishing theirs do not take this process for lost."""
     self._stopped.set()
-    if exc_type is None and self.pulse is not None and self.peer_locks:
-      self._thread.join()
+    if not self.peer_locks:
+      return
+    self._thread.join()  # listen() below runs alone
+    if exc_type is None and self.pulse is not None:
       try:
         self.pulse.beat(LEFT)
       except Exception:  # pylint: disable=broad-exception-caught  (the coordinator may have finished first)
         pass
-    if exc_type is not None and issubclass(exc_type, Exception) and self.peer_locks:
+    if exc_type is not None and issubclass(exc_type, Exception):
       if (line := self.lost_line() or self.silent_line_after_error()) is not None:
         self.on_lost(line)
 
