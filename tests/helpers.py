@@ -8,6 +8,7 @@ for a test that writes into the workdir.
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,13 @@ class TrainedRun(NamedTuple):
   config: ml_collections.ConfigDict
   workdir: Path
   flags: list[str]
+
+
+def free_port() -> int:
+  """A TCP port free on this host now (for a coordinator of several local processes)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def run_python(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from retnet_jax import data, tokenizer
+from retnet_jax.bench import corpus as bench_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,16 +37,9 @@ def byte_tokens(text):
 @pytest.fixture(scope="module")
 def bpe_path(tmp_path_factory):
   """A tiny byte-level BPE tokenizer.json with an end-of-text token, trained on the fly."""
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = tokenizers.decoders.ByteLevel()
-  trainer = tokenizers.trainers.BpeTrainer(
-      vocab_size=300, special_tokens=["<|endoftext|>"],
-      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(["the quick brown fox", "jumps over the lazy dog", "the dog sleeps"] * 10, trainer)
   path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-  tok.save(str(path))
-  return path
+  return bench_corpus.train_bpe(["the quick brown fox", "jumps over the lazy dog", "the dog sleeps"] * 10, path,
+                                vocab_size=300)
 
 
 def write_jsonl(path, rows):

@@ -13,10 +13,10 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-import tokenizers
 
 from retnet_jax import data, loader, prepared, tokenizer as tokenizer_lib, train
-from tests.helpers import REPO, read_metrics, run_script, script_stdout, tiny_config
+from retnet_jax.bench import corpus as bench_corpus
+from tests.helpers import REPO, free_port, read_metrics, run_script, script_stdout, tiny_config
 
 DOCUMENTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(60)]
 
@@ -24,14 +24,8 @@ DOCUMENTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " 
 @pytest.fixture(scope="module")
 def bpe_path(tmp_path_factory):
   """A tiny byte-level BPE tokenizer.json whose separator is <|endoftext|>."""
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-  trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                           initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(DOCUMENTS, trainer)
   path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-  tok.save(str(path))
-  return str(path)
+  return str(bench_corpus.train_bpe(DOCUMENTS, path, vocab_size=300))
 
 
 def prepare(out, documents=DOCUMENTS, spec="byte", **options):
@@ -197,10 +191,7 @@ def test_two_processes_read_disjoint_rows_whose_union_is_the_global_batch(tmp_pa
       local = [np.asarray(next(batches).addressable_shards[0].data) for _ in range(3)]
       np.save({str(tmp_path)!r} + f"/rows_{{process}}.npy", np.stack(local))
       """)
-  import socket  # pylint: disable=import-outside-toplevel
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
   processes = [subprocess.Popen([sys.executable, "-c", program, str(i), str(port)], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 from retnet_jax import checkpointing, sharding, train, train_state, train_step
-from tests.helpers import corpus_slice, flip_bytes, read_metrics, run_script, tiny_config
+from tests.helpers import corpus_slice, flip_bytes, free_port, read_metrics, run_script, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_batches=1)
@@ -333,12 +332,6 @@ def test_same_seed_same_losses(tmp_path, corpus):
   config.seed = 1
   train.train_and_evaluate(config, tmp_path / "c")
   assert read_metrics(tmp_path / "c") != read_metrics(tmp_path / "a")
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -16,17 +16,19 @@ from __future__ import annotations
 import datetime
 import json
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import jax
 import tokenizers
 
-from retnet_jax import data, loader, prepared, sources, tokenizer as tokenizer_lib, train_step
+from retnet_jax import data, loader, prepared, sharding, sources, tokenizer as tokenizer_lib, train_step
 from retnet_jax.bench.harness import random_tokens
 from retnet_jax.bench.sections import cpu_name
 
@@ -48,14 +50,14 @@ def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
   return path
 
 
-def train_bpe(corpus: Path, out: Path, vocab_size: int = 4096) -> Path:
-  """A byte-level BPE tokenizer.json with <|endoftext|>, trained on the corpus."""
+def train_bpe(texts: Iterable[str], out: Path, vocab_size: int = 4096) -> Path:
+  """A byte-level BPE tokenizer.json with <|endoftext|> (its separator), trained on `texts`."""
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = tokenizers.decoders.ByteLevel()
   trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator((json.loads(line)["text"] for line in corpus.open()), trainer)
+  tok.train_from_iterator(texts, trainer)
   tok.save(str(out))
   return out
 
@@ -86,7 +88,7 @@ def loader_rate(corpus_dir: Path, seconds: float = 3.0) -> dict[str, float]:
 
 def train_rate(config, steps: int = 5) -> dict[str, float]:
   """Tokens/s of the config's own train step at its batch and length (compiled first, then `steps` timed)."""
-  run = train_step.setup(config, train_step.sharding.make_mesh(config.mesh))
+  run = train_step.setup(config, sharding.make_mesh(config.mesh))
   batch_size, seq_len = config.train.batch_size, config.train.seq_len
   with run.placement.active():
     state = run.init()
@@ -133,7 +135,7 @@ def run(config, out: Path, command: str, data_mb: float, memory_mb: tuple[float,
     scratch = Path(scratch)
     corpus = write_corpus(scratch / "corpus.jsonl", data_mb)
     results["prepare"]["byte_workers1"] = prepare_rate(corpus, "byte", 1, scratch / "byte_1")  # never in workers
-    bpe = str(train_bpe(corpus, scratch / "tokenizer.json"))
+    bpe = str(train_bpe((json.loads(line)["text"] for line in corpus.open()), scratch / "tokenizer.json"))
     for workers in (1, 2):
       results["prepare"][f"bpe4096_workers{workers}"] = prepare_rate(corpus, bpe, workers, scratch / f"bpe_{workers}")
     results["loader"] = loader_rate(scratch / "byte_1")
@@ -143,7 +145,7 @@ def run(config, out: Path, command: str, data_mb: float, memory_mb: tuple[float,
       prepare_rate(write_corpus(scratch / f"memory_{megabytes}.jsonl", megabytes, seed=1), "byte", 2, corpus_dir)
       results["memory"][f"{megabytes:g}MB"] = {"peak_rss_bytes": training_peak_rss(corpus_dir, scratch / "run"),
                                                "corpus_bytes": sum(f.stat().st_size for f in corpus_dir.iterdir())}
-      subprocess.run(["rm", "-rf", str(scratch / "run")], check=True)
+      shutil.rmtree(scratch / "run")
   (out / "data.json").write_text(json.dumps(results, indent=1) + "\n")
   (out / "data.md").write_text(format_table(results))
   print(format_table(results))
