@@ -27,7 +27,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
 
-from retnet_jax import (accelerators, architectures, flops, model as model_lib, sampling, sharding, train_state,
+from retnet_jax import (accelerators, architectures, flops, layer_stack, sampling, sharding, train_state,
                         train_step as train_step_lib)
 from retnet_jax.kernels import support
 
@@ -236,7 +236,7 @@ def _array_bytes(dtype: str, dims: str) -> int:
 
 def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_batch: int = 1 << 16
            ) -> dict[str, Any]:
-  """Per remat policy (none and `model.REMAT_POLICIES`), the largest power-of-two global batch (a multiple of the
+  """Per remat policy (none and `layer_stack.REMAT_POLICIES`), the largest power-of-two global batch (a multiple of the
   data shards and micro-batches, at most `max_batch`) at the config's seq_len whose train step fits, found by
   doubling or halving from the config's batch (memory grows with the batch); the largest of those batches, and the
   lightest policy reaching it (fewest XLA FLOPs: least recomputation). Every attempt is recorded."""
@@ -248,7 +248,7 @@ def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_b
   for axis in batch_axes:
     unit *= shape[axis]
   attempts, largest, start = [], {}, min(config.train.batch_size, max_batch)
-  for remat in ("none", *model_lib.REMAT_POLICIES):  # each starts where the one before ended
+  for remat in ("none", *layer_stack.REMAT_POLICIES):  # each starts where the one before ended
     batch = unit << (max(start // unit, 1).bit_length() - 1)  # the largest unit x 2^k up to `start`
     fitted = failed = None
     while unit <= batch <= max_batch and (fitted is None or failed is None):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from retnet_jax import host_memory
+from retnet_jax import host_memory, layer_stack
 
 _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
 _METRIC = "eval_loss"
@@ -184,6 +184,21 @@ def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str, 
       "or start a fresh directory.")
 
 
+def _as_stored(abstract_tree: Any, stored_metadata: Any) -> tuple[Any, bool | None]:
+  """`abstract_tree` in the layout of blocks the checkpoint was written in (`model.scan_layers` either way), and
+  the layout to convert the arrays read into: True scanned, False unrolled, None when the layouts agree."""
+  stored = layer_stack.stored_layout(list(ocp.tree.to_flat_dict(stored_metadata or {}, sep="/")))
+  wanted = layer_stack.stored_layout(list(ocp.tree.to_flat_dict(abstract_tree, sep="/")))
+  if stored is None or wanted is None or stored == wanted:
+    return abstract_tree, None
+  return layer_stack.relayout(abstract_tree, scanned=stored), wanted
+
+
+def _relayout(tree: Any, scanned: bool | None) -> Any:
+  """The arrays read in the checkpoint's layout moved into the `scanned` one (None: as read), one at a time."""
+  return tree if scanned is None else layer_stack.relayout(tree, scanned, delete_source=True)
+
+
 def _check_free_space(directory: str, state: Any) -> None:
   """OSError(ENOSPC) unless the disk of `directory` has room for this process's part of `state` uncompressed:
   a save that starts on a full disk fails inside orbax's threads, half-written."""
@@ -321,11 +336,12 @@ class Checkpointer:
     step = self.resolve(step)
     location = os.path.join(self.directory, str(step))
     stored = self._manager.metadata(step).item_metadata["state"]
-    _check_compatible(abstract_state, stored, location, partial)
+    read_as, scanned = _as_stored(abstract_state, stored)
+    _check_compatible(read_as, stored, location, partial)
     meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-    state = _read_arrays(os.path.join(location, "state"), abstract_state, stored, partial)
+    state = _read_arrays(os.path.join(location, "state"), read_as, stored, partial)
     _verify(meta.pop("checksums", None), state, f"the checkpoint at {location}")
-    return state, meta
+    return _relayout(state, scanned), meta
 
   def set_aside(self, step: int) -> str:
     """Renames an unreadable step folder to `<step>.corrupt` (`<step>.corrupt.1`, ... if that step was set aside
@@ -416,10 +432,11 @@ def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
   _quiet_orbax()
   with ocp.StandardCheckpointer() as checkpointer:
     stored = checkpointer.metadata(directory).item_metadata
-  _check_compatible(abstract_params, stored, directory)
-  params = _read_arrays(directory, abstract_params, stored)
+  read_as, scanned = _as_stored(abstract_params, stored)
+  _check_compatible(read_as, stored, directory)
+  params = _read_arrays(directory, read_as, stored)
   sums_file = os.path.join(directory, _EXPORT_CHECKSUMS)
   if os.path.isfile(sums_file):
     with open(sums_file, encoding="utf-8") as file:
       _verify(json.load(file), params, f"the params export at {directory}")
-  return params
+  return _relayout(params, scanned)

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import decay, kernels, retention, rotation, sequence_parallel, sharding, stability
+from retnet_jax import decay, kernels, layer_stack, retention, rotation, sequence_parallel, sharding, stability
 
 # model.retention_impl: the chunkwise form as XLA einsums, as the fused Pallas kernels, or the kernels where they
 # compile (GPU) and XLA elsewhere.
@@ -37,11 +38,7 @@ def xavier_uniform(gain: float) -> nnx.Initializer:
 
 def _param(rngs: nnx.Rngs, init: nnx.Initializer, shape: tuple[int, ...], axes: tuple[str | None, ...]):
   """A float32 parameter annotated with logical `axes`; under a mesh, placed as the module docstring says."""
-  value = init(rngs.params(), shape, jnp.float32)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    place = jax.sharding.reshard if mesh.are_all_axes_explicit else jax.lax.with_sharding_constraint
-    value = place(value, sharding.mesh_spec(mesh, shape, axes))
+  value = sharding.place(init(rngs.params(), shape, jnp.float32), axes)
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)  # placed above, not by flax's rules
 
 
@@ -219,10 +216,11 @@ class MultiScaleRetention(nnx.Module):
     """
     batch, length, _ = x_BxLxD.shape
     heads = self.num_heads
-    split = lambda y, num_heads: y.reshape(batch, length, num_heads, -1)
-    q = split(self.q_proj(x_BxLxD), heads)
-    k = split(self.k_proj(x_BxLxD), self.num_kv_heads) * jnp.asarray(self.key_dim**-0.5, self.dtype)
-    v = split(self.v_proj(x_BxLxD), self.num_kv_heads)
+    split = lambda proj, num_heads: checkpoint_name(proj(x_BxLxD), layer_stack.QKV).reshape(
+        batch, length, num_heads, -1)
+    q = split(self.q_proj, heads)
+    k = split(self.k_proj, self.num_kv_heads) * jnp.asarray(self.key_dim**-0.5, self.dtype)
+    v = split(self.v_proj, self.num_kv_heads)
     q, k = (rotation.rotate(y, rotation_tables, self.rotation_pairs) for y in (q, k))
     if self.num_kv_heads < heads:  # each key/value head serves a group of consecutive query heads
       k, v = (jnp.repeat(y, heads // self.num_kv_heads, axis=2) for y in (k, v))
@@ -239,7 +237,7 @@ class MultiScaleRetention(nnx.Module):
     y = rms_norm(out_BxLxHxV, self.head_norm_eps)
     if self.head_norm_scale is not None:
       y = y * self.head_norm_scale[...]
-    y = y.reshape(batch, length, -1)
+    y = checkpoint_name(y.reshape(batch, length, -1), layer_stack.MIXER_OUT)
     gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))
     return self.out_proj((gate * y).astype(self.dtype)), new_state
 

@@ -48,7 +48,7 @@ def token_loss(graphdef: nnx.GraphDef, params, batch: Batch, mode: str, remat: s
     batch: int32 tokens `[B, L + 1]`, or (tokens, weights `[B, L]`): then the weighted mean over the targets; or
       (tokens, weights or None, segment ids `[B, L + 1]`): packed documents, the inputs' ids passed to the model.
     mode: the retention form (`parallel`, `chunkwise`, `recurrent`).
-    remat: `none` or a `model.REMAT_POLICIES` key: each block recomputed in the backward pass.
+    remat: `none` or a `layer_stack.REMAT_POLICIES` key: each block recomputed in the backward pass.
     segment_len: in (0, L): backpropagate through segments of this many tokens that carry the state, each
       under `jax.checkpoint`, so activation memory grows with the segment, not L; same loss and gradients to
       float rounding. Otherwise whole sequences. With segment ids, a row whose segment opens a document at its

@@ -22,34 +22,10 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import decay, layers, retention, rotation, segments, sharding, stability
+from retnet_jax import decay, layer_stack, layers, retention, rotation, segments, sharding, stability
 
 MODES = ("parallel", "chunkwise", "recurrent")  # the retention forms (`architectures.MODES`)
 State = dict[str, Any]
-# jax.checkpoint policies for `remat`: what each block keeps for the backward pass instead of recomputing it.
-REMAT_POLICIES = {
-    "full": None,  # keep only the block input
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def _call_block(block, *args):
-  return block(*args)
-
-
-def block_caller(remat: str, static_argnums: tuple[int, ...]):
-  """`call(block, *args) = block(*args)`, under `nnx.remat` with the policy named `remat` (`none`: plain).
-
-  `static_argnums` index `(block, *args)`: the block's non-array arguments, such as the mode.
-  """
-  if remat == "none":
-    return _call_block
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"unknown remat {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
-  return nnx.remat(_call_block, policy=REMAT_POLICIES[remat], static_argnums=static_argnums)
-
-
 def rotation_tables_for(cfg: ml_collections.ConfigDict, positions_BxL: jax.Array):
   """The q/k rotation tables of a model config at `positions [B, L]`, shared by every layer of one call: their
   sines and cosines would cost more than the rotations."""
@@ -158,7 +134,8 @@ class RetNet(nnx.Module):
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
     self.embed_scale = cfg.d_model**0.5 if cfg.scale_embedding else None
     self.embed_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs) if cfg.embed_norm else None
-    self.blocks = nnx.List([layers.RetNetBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = layer_stack.build(lambda r: layers.RetNetBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers,
+                                    cfg.scan_layers, rngs)
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.head = None if cfg.tie_embeddings else layers.Dense(
         cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
@@ -178,7 +155,8 @@ class RetNet(nnx.Module):
       mode: the retention form: parallel, chunkwise or recurrent (MODES).
       state: the state a previous call returned (position `[batch]`, each layer's retention state), or None to start
         at position 0.
-      remat: `none`, or a key of REMAT_POLICIES to recompute each block in the backward pass and save memory.
+      remat: `none`, or a key of `layer_stack.REMAT_POLICIES` to recompute each block in the backward pass and save
+        memory.
       segment_ids: integer document ids `[batch, seq]` (a document: a run of equal ids in a row), or None: one
         document per row. A row whose first token opens a new document takes a zero (`init_state`) state row.
     Returns:
@@ -192,7 +170,6 @@ class RetNet(nnx.Module):
 
   def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
                ) -> tuple[jax.Array, State]:
-    call_block = block_caller(remat, static_argnums=(5,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     check_segments(self.config, segment_ids, tokens_BxL.shape, mode)
@@ -208,11 +185,11 @@ class RetNet(nnx.Module):
     if self.embed_norm is not None:
       x = self.embed_norm(x)
     x = sharding.constrain(x, ("batch", "length", None))
-    layer_states = []
-    for block, layer_state in zip(self.blocks, state["layers"]):
-      x, layer_state = call_block(block, x, positions_BxL, tables, layer_state, mode, segment_ids)
-      x = sharding.constrain(x, ("batch", "length", None))
-      layer_states.append(layer_state)
+
+    def call(block, x, layer_state):
+      x, layer_state = block(x, positions_BxL, tables, layer_state, mode, segment_ids)
+      return sharding.constrain(x, ("batch", "length", None)), layer_state
+    x, layer_states = layer_stack.run(self.blocks, x, state["layers"], call, remat)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)
     return logits, {"position": positions_BxL[:, -1] + 1, "layers": layer_states}

@@ -164,6 +164,9 @@ def model_config(name: str) -> config_dict.ConfigDict:
       matmul_precision="default",
       # the chunkwise form: xla (einsums) | pallas (fused kernels, GPU) | auto (pallas where it compiles, else xla)
       retention_impl="xla",
+      # the blocks' parameters stacked on a leading layer axis and run under nnx.scan: compile time independent
+      # of depth; the same function as the unrolled blocks, and checkpoints restore across the two layouts
+      scan_layers=False,
   ))
   model.update(dict(sizes.options))
   return model
@@ -193,6 +196,7 @@ def transformer_config(retnet_model: config_dict.ConfigDict, max_len: int) -> co
       dtype=retnet_model.dtype,
       matmul_precision=retnet_model.matmul_precision,
       max_len=max_len,  # KV-cache length: the longest prompt + generation a decoding state holds
+      scan_layers=retnet_model.scan_layers,  # as RetNet's model.scan_layers
   ))
 
 

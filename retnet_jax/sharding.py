@@ -18,6 +18,8 @@ from flax import nnx
 from flax.core import spmd as flax_spmd  # the rules `nnx.logical_axis_rules` sets
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+LAYER_AXIS = "layers"  # the leading axis of stacked blocks' parameters (`layer_stack`)
+
 
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
   """`config.mesh.shape` with a single -1 replaced by the devices left over; checked against the count.
@@ -53,8 +55,10 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]
 
 
 def logical_rules(mesh_cfg: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
-  """`config.mesh.rules` as the (logical axis, mesh axes) pairs `nnx.logical_axis_rules` takes."""
-  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes) for name, axes in mesh_cfg.rules)
+  """`config.mesh.rules` as the (logical axis, mesh axes) pairs `nnx.logical_axis_rules` takes; the layer axis of
+  stacked blocks (`model.scan_layers`) is replicated unless the rules name it."""
+  rules = tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes) for name, axes in mesh_cfg.rules)
+  return rules if any(name == LAYER_AXIS for name, _ in rules) else (*rules, (LAYER_AXIS, None))
 
 
 def logical_spec(axes: Sequence[str | None], rules: Sequence[tuple[str, Any]] | None = None) -> P:
@@ -76,6 +80,15 @@ def mesh_spec(mesh: Any, shape: Sequence[int], axes: Sequence[str | None]) -> P:
       names = ()
     spec.append(names[0] if len(names) == 1 else names or None)
   return P(*spec)
+
+
+def place(value: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """A new parameter's value, under a mesh placed where the active rules put its logical `axes` (`mesh_spec`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return value
+  move = jax.sharding.reshard if mesh.are_all_axes_explicit else jax.lax.with_sharding_constraint
+  return move(value, mesh_spec(mesh, value.shape, axes))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -19,7 +19,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import architectures, losses, model as model_lib, optimizer, sharding, train_state
+from retnet_jax import architectures, layer_stack, losses, optimizer, sharding, train_state
 
 # What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
 NONFINITE_POLICIES = ("stop", "skip")
@@ -33,9 +33,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                      "(the recurrent form is for decoding).")
   if train.nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"unknown train.nonfinite {train.nonfinite!r}; choose one of {NONFINITE_POLICIES}.")
-  if train.remat != "none" and train.remat not in model_lib.REMAT_POLICIES:
-    raise ValueError(f"unknown train.remat {train.remat!r}; choose none or one of "
-                     f"{tuple(model_lib.REMAT_POLICIES)}.")
+  layer_stack.check_remat(train.remat, field="train.remat")
   if not isinstance(train.segment_len, int) or train.segment_len < 0:
     raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "
                      f"got {train.segment_len!r}.")
@@ -128,6 +126,7 @@ def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Setup:
 
 @functools.lru_cache(maxsize=16)
 def _build_setup(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+  layer_stack.check_remat(config.train.remat, mesh.devices.flat[:1], field="train.remat")
   layout = train_state.make_layout(config, sharding.Placement(mesh, sharding.logical_rules(config.mesh)))
   shardings, batch_sharding = layout.shardings, layout.placement.batch_sharding
   tx = optimizer.make_optimizer(config.train)

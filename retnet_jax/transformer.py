@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import layers, rotation, segments, sharding
-from retnet_jax.model import block_caller, check_tokens, rotation_tables_for
+from retnet_jax import layer_stack, layers, rotation, segments, sharding
+from retnet_jax.model import check_tokens, rotation_tables_for
 
 MODES = ("parallel", "recurrent")  # the forms (`architectures.MODES`): chunkwise is a retention form
 State = dict[str, Any]
@@ -103,7 +104,8 @@ class CausalSelfAttention(nnx.Module):
     batch, length, d = x_BxLxD.shape
     # Columns grouped per head (q, k, v of head 0, then head 1, ...): a split of the `heads` axis over devices
     # (tensor parallelism) gives each device whole heads.
-    qkv = self.qkv_proj(x_BxLxD).reshape(batch, length, self.num_heads, 3, self.head_dim)
+    qkv = checkpoint_name(self.qkv_proj(x_BxLxD), layer_stack.QKV).reshape(batch, length, self.num_heads, 3,
+                                                                            self.head_dim)
     q = rotation.rotate(qkv[:, :, :, 0], rotation_tables) * jnp.asarray(self.head_dim**-0.5, self.dtype)
     k, v = rotation.rotate(qkv[:, :, :, 1], rotation_tables), qkv[:, :, :, 2]
     if form == "self":
@@ -127,7 +129,8 @@ class CausalSelfAttention(nnx.Module):
       time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)) + (jnp.arange(length),)
       cache, out_LxBxHxK = jax.lax.scan(step, cache, time_major, unroll=length == 1)
       out = jnp.swapaxes(out_LxBxHxK, 0, 1)
-    return self.out_proj(out.reshape(batch, length, d).astype(self.dtype)), cache
+    out = checkpoint_name(out.reshape(batch, length, d), layer_stack.MIXER_OUT)
+    return self.out_proj(out.astype(self.dtype)), cache
 
 
 class TransformerBlock(nnx.Module):
@@ -169,7 +172,8 @@ class Transformer(nnx.Module):
     self.config = ml_collections.FrozenConfigDict(cfg)
     dtype = layers.compute_dtype(cfg.dtype)
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([TransformerBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = layer_stack.build(lambda r: TransformerBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers,
+                                    cfg.scan_layers, rngs)
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.head = None if cfg.tie_embeddings else layers.Dense(
         cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
@@ -193,7 +197,7 @@ class Transformer(nnx.Module):
       mode: parallel (all tokens at once) or recurrent (one token at a time through the cache) (MODES).
       state: the state a previous call or `init_state` returned, or None to start at position 0 (the returned
         cache then has max(max_len, seq) slots).
-      remat: `none`, or a key of `model.REMAT_POLICIES` to recompute each block in the backward pass.
+      remat: `none`, or a key of `layer_stack.REMAT_POLICIES` to recompute each block in the backward pass.
       segment_ids: integer document ids `[batch, seq]` for the parallel form (as in `RetNet`), or None.
     Returns:
       `(logits [batch, seq, vocab]` float32, the state after the last token).
@@ -206,7 +210,6 @@ class Transformer(nnx.Module):
 
   def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
                ) -> tuple[jax.Array, State]:
-    call_block = block_caller(remat, static_argnums=(6,))
     check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     segments.check_segment_ids(segment_ids, batch, length)
@@ -222,11 +225,11 @@ class Transformer(nnx.Module):
     document_BxL = None if segment_ids is None else segments.document_index(segment_ids)
     tables = rotation_tables_for(self.config, positions_BxL)
     x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
-    caches = []
-    for block, cache in zip(self.blocks, state["layers"]):
-      x, cache = call_block(block, x, positions_BxL, tables, cache, state["next_slot"], form, document_BxL)
-      x = sharding.constrain(x, ("batch", None, None))
-      caches.append(cache)
+
+    def call(block, x, cache):
+      x, cache = block(x, positions_BxL, tables, cache, state["next_slot"], form, document_BxL)
+      return sharding.constrain(x, ("batch", None, None)), cache
+    x, caches = layer_stack.run(self.blocks, x, state["layers"], call, remat)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)
     return logits, {"position": positions_BxL[:, -1] + 1, "next_slot": state["next_slot"] + length, "layers": caches}

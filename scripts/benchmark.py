@@ -49,7 +49,7 @@ import jax
 
 from retnet_jax.bench import cases, corpus, gpu, sections, sequence
 from retnet_jax.bench.suites import GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
-from retnet_jax.model import REMAT_POLICIES
+from retnet_jax.layer_stack import REMAT_POLICIES
 
 _CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
 # Config fields each case sets itself: overriding them with --config.X would be silently undone.
