@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 
-from retnet_jax import checkpointing, decay, presets, sharding, train_state, workdir as workdir_lib
+from retnet_jax import checkpointing, decay, layer_stack, presets, sharding, train_state, workdir as workdir_lib
 from retnet_jax.convert_fla import listing
 from retnet_jax.model import RetNet
 
@@ -204,7 +204,7 @@ def unwrap_fairseq(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
   return state_dict
 
 
-def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[str, Any]
+def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[str, Any], scan_layers: bool = False
                     ) -> tuple[RetNet, ml_collections.ConfigDict]:
   """A torchscale RetNetDecoder as a RetNet: `model(tokens, mode=...)` gives torchscale's logits in each form.
 
@@ -212,6 +212,7 @@ def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[st
     state_dict: the decoder's names -> numpy arrays or torch tensors (float32 or bfloat16), or a fairseq
       checkpoint holding them (`{"model": {"decoder.NAME": ...}, ...}`).
     torchscale_config: its RetNetConfig keyword values; unsupported options are refused by name.
+    scan_layers: build the model with its blocks stacked (`model.scan_layers`).
   Returns:
     (model, config): the model and the full config (the torchscale preset of its size, with its model fields).
   """
@@ -242,7 +243,8 @@ def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[st
       raise ValueError(f"{names[path]} has shape {tensor.shape} but the config needs {expected}.")
     arrays[path] = jnp.asarray(tensor.T if kernel else tensor)
   nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(arrays))
-  return nnx.merge(graphdef, state), config
+  config.model.scan_layers = scan_layers
+  return layer_stack.as_layout(nnx.merge(graphdef, state), scan_layers), config
 
 
 def model_overrides(config: ml_collections.ConfigDict) -> dict[str, Any]:

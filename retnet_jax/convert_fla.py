@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from retnet_jax import presets, sharding, tokenizer as tokenizer_lib
+from retnet_jax import layer_stack, presets, sharding, tokenizer as tokenizer_lib
 from retnet_jax.model import RetNet, check_model_config
 
 # fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
@@ -247,7 +247,7 @@ def _read_json(path: Path) -> dict[str, Any]:
   return value
 
 
-def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = None
+def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = None, scan_layers: bool = False
              ) -> tuple[RetNet, ml_collections.ConfigDict]:
   """An fla RetNet checkpoint folder as a RetNet: `model(tokens, mode=...)` gives fla's logits in every form.
 
@@ -255,6 +255,7 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
     checkpoint_dir: the folder: config.json (model_type retnet), model.safetensors or the shards of
       model.safetensors.index.json, and optionally tokenizer.json (then `config.data.tokenizer`).
     placement: the mesh and rules to place each parameter on as it is read (None: the default device).
+    scan_layers: build the model with its blocks stacked (`model.scan_layers`).
   Returns:
     (model, config): the model and the full config (the `fla` preset with the checkpoint's model fields).
   """
@@ -285,7 +286,8 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
     arrays[path] = jax.make_array_from_callback(target.shape, shardings[path], host.__getitem__)
     del host
   nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(arrays))
-  return nnx.merge(graphdef, state), config
+  config.model.scan_layers = scan_layers
+  return layer_stack.as_layout(nnx.merge(graphdef, state), scan_layers), config
 
 
 def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
@@ -353,7 +355,7 @@ def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | P
   """Writes `model` as an fla RetNet checkpoint folder that `RetNetForCausalLM.from_pretrained` loads.
 
   Args:
-    model: the model; its parameters may be sharded.
+    model: the model, in either layout of its blocks; its parameters may be sharded.
     config: its full config; `check_export` must accept it. A `data.tokenizer` tokenizer.json is copied, with the
       tokenizer files beside it.
     out_dir: a new or empty folder.
@@ -364,7 +366,7 @@ def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | P
   out = Path(out_dir)
   tokenizer = check_export(config, out)
   tokenizer_file = None if config.data.tokenizer == "byte" else Path(config.data.tokenizer)
-  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(layer_stack.as_layout(model, False), nnx.Param)))
   names = {path: fla_name(path) for path in params}
   shards = _shards({path: 4 * math.prod(value.shape) for path, value in params.items()}, max_shard_bytes)
   files = ([SINGLE_FILE] if len(shards) == 1 else

@@ -71,6 +71,17 @@ def is_scanned(blocks: nnx.Module) -> bool:
   return not isinstance(blocks, nnx.List)
 
 
+def as_layout(model: nnx.Module, scanned: bool) -> nnx.Module:
+  """`model` (built from `model.config`) with its blocks in the scanned or the unrolled layout: the same
+  parameters, moved (itself when already so). Conversions read and write the unrolled layout through it."""
+  if is_scanned(model.blocks) == scanned:
+    return model
+  cfg = model.config.as_configdict()
+  cfg.scan_layers = scanned
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))
+  return nnx.merge(graphdef, relayout(nnx.state(model), scanned))
+
+
 def run(blocks: nnx.Module, x: jax.Array, layer_states: Sequence[Any], call: Callable[..., tuple[jax.Array, Any]],
         remat: str) -> tuple[jax.Array, list[Any]]:
   """Runs `x` through the blocks in order: `x, layer_state = call(block, x, layer_state)` per layer, each block

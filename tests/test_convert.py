@@ -98,6 +98,18 @@ def test_logits_match_torchscale_in_each_form(shape):
   assert max_diff(theirs["chunkwise"], theirs["parallel"]) > 1e-3
 
 
+def test_scanned_import_gives_the_same_logits():
+  """`scan_layers=True` stacks the imported blocks: the logits of the unrolled import in every form."""
+  options, length = SHAPES[next(iter(SHAPES))]
+  state_dict = torchscale_decoder(options).state_dict()
+  tokens = random_tokens(2, length, options["vocab_size"])
+  unrolled, _ = convert.load_torchscale(state_dict, options)
+  scanned, config = convert.load_torchscale(state_dict, options, scan_layers=True)
+  assert config.model.scan_layers and not isinstance(scanned.blocks, nnx.List)
+  ours, theirs = our_logits(scanned, tokens), our_logits(unrolled, tokens)
+  assert all(max_diff(ours[mode], theirs[mode]) < 1e-5 for mode in MODES)
+
+
 def test_torchscale_forms_agree_without_norm_epsilon():
   """With eps = 0 the per-head norm cancels every normaliser exactly: torchscale's three forms agree with each
   other (and with ours) to float32 rounding. (The length is a multiple of the chunk: torchscale pads a partial

@@ -198,7 +198,8 @@ def our_fla_model(seed=3, **overrides):
   model = RetNet(config.model, rngs=nnx.Rngs(seed))
   params = nnx.state(model, nnx.Param)
   rng = np.random.default_rng(seed)
-  flat = {path: value + 0.3 * rng.standard_normal(value.shape, np.float32) if value.ndim == 1 else value
+  vector = lambda path, value: value.ndim == 1 + (config.model.scan_layers and path[0] == "blocks")  # scales
+  flat = {path: value + 0.3 * rng.standard_normal(value.shape, np.float32) if vector(path, value) else value
           for path, value in traverse_util.flatten_dict(nnx.to_pure_dict(params)).items()}
   nnx.replace_by_pure_dict(params, traverse_util.unflatten_dict(flat))
   nnx.update(model, params)
@@ -209,11 +210,11 @@ def flat_params(model):
   return traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-@pytest.mark.parametrize("tie,max_shard_bytes", [(False, 2**30), (True, 30_000)])
-def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes):
+@pytest.mark.parametrize("tie,max_shard_bytes,scan", [(False, 2**30, False), (True, 30_000, True)])
+def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes, scan):
   """JAX -> fla folder (one file, or shards with an index) -> fla's from_pretrained gives our logits; -> JAX again
-  gives the same parameters and model config; the tokenizer travels with it."""
-  model, config = our_fla_model(tie_embeddings=tie)
+  gives the same parameters and model config; the tokenizer travels with it. Either layout of the blocks."""
+  model, config = our_fla_model(tie_embeddings=tie, scan_layers=scan)
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
   out = convert_fla.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
   sharded = (out / convert_fla.INDEX_FILE).is_file()
@@ -222,7 +223,7 @@ def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes):
   theirs = fla_models.RetNetForCausalLM.from_pretrained(out).eval()
   tokens = random_tokens(2, LENGTH, 47)
   assert relative_error(forward(model, tokens, None, "chunkwise")[0], fla_logits(theirs, tokens)[0]) < 1e-4
-  back, back_config = convert_fla.load_fla(out)
+  back, back_config = convert_fla.load_fla(out, scan_layers=scan)
   assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(back), flat_params(model)))
   config.model.chunk_size = back_config.model.chunk_size  # a choice of computation, not stored by fla
   assert back_config.model == config.model and back_config.data.tokenizer == str((out / "tokenizer.json").resolve())
