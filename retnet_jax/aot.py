@@ -63,6 +63,7 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
             "devices": target.num_devices, "hosts": len({d.process_index for d in devices}), "slices": target.slices,
             "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "batch_size": config.train.batch_size,
             "seq_len": config.train.seq_len, "mode": config.train.mode, "remat": config.train.remat,
+            "scan_layers": config.model.get("scan_layers", False),
             "retention_impl": config.model.get("retention_impl"), "dtype": config.model.dtype,
             "peak_bf16_flops_per_device": chip.peak_bf16_flops, "hbm_bytes_per_second": chip.hbm_bytes_per_second,
             "device_memory_bytes": chip.memory_bytes, "steps": {}}
@@ -234,13 +235,16 @@ def _array_bytes(dtype: str, dims: str) -> int:
   return math.prod(int(d) for d in filter(None, dims.split(","))) * _DTYPE_BYTES.get(dtype, 4)
 
 
-def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_batch: int = 1 << 16
-           ) -> dict[str, Any]:
-  """Per remat policy (none and `layer_stack.REMAT_POLICIES`), the largest power-of-two global batch (a multiple of the
-  data shards and micro-batches, at most `max_batch`) at the config's seq_len whose train step fits, found by
-  doubling or halving from the config's batch (memory grows with the batch); the largest of those batches, and the
-  lightest policy reaching it (fewest XLA FLOPs: least recomputation). Every attempt is recorded."""
+def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_batch: int = 1 << 16,
+           remats: Sequence[str] = ("none", *layer_stack.REMAT_POLICIES)) -> dict[str, Any]:
+  """Per remat policy in `remats` (default: none and every `layer_stack.REMAT_POLICIES` key), the largest
+  power-of-two global batch (a multiple of the data shards and micro-batches, at most `max_batch`) at the config's
+  seq_len whose train step fits, found by doubling or halving from the config's batch (memory grows with the batch);
+  the largest of those batches, and the lightest policy reaching it (fewest XLA FLOPs: least recomputation). Every
+  attempt is recorded."""
   check_request(config, target, ("train",))
+  for remat in remats:
+    layer_stack.check_remat(remat, field="--remat_policies")
   shape = dict(zip(config.mesh.axis_names, sharding.mesh_shape(config.mesh, target.num_devices)))
   batch_axes = sharding.logical_spec(("batch",), sharding.logical_rules(config.mesh))[0] or ()
   batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
@@ -248,7 +252,7 @@ def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_b
   for axis in batch_axes:
     unit *= shape[axis]
   attempts, largest, start = [], {}, min(config.train.batch_size, max_batch)
-  for remat in ("none", *layer_stack.REMAT_POLICIES):  # each starts where the one before ended
+  for remat in remats:  # each starts where the one before ended
     batch = unit << (max(start // unit, 1).bit_length() - 1)  # the largest unit x 2^k up to `start`
     fitted = failed = None
     while unit <= batch <= max_batch and (fitted is None or failed is None):
@@ -281,7 +285,8 @@ def format_table(report: dict[str, Any]) -> str:
   gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
   tflop = lambda f: "-" if f is None else f"{f / 1e12:.2f}"
   lines = [f"{report['target']} ({report['devices']} x {report['device_kind']}), mesh {report['mesh']}, batch "
-           f"{report['batch_size']} x {report['seq_len']}, remat {report['remat']}, {report['mode']}",
+           f"{report['batch_size']} x {report['seq_len']}, remat {report['remat']}, {report['mode']}"
+           f"{', scanned layers' if report.get('scan_layers') else ''}",
            "", "| step | fits | required GiB | of GiB | args GiB | temp GiB | XLA TFLOP | model TFLOP | collectives "
            "| compile s | step >= s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, r in report["steps"].items():

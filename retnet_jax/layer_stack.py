@@ -1,5 +1,5 @@
 """A model's stack of blocks: one module per layer, or (`model.scan_layers`) one module whose parameters carry a
-leading layer axis, run under `nnx.scan` so that compile time stops growing with depth; remat in either.
+leading layer axis, run under `jax.lax.scan` so that compile time stops growing with depth; remat in either.
 
     blocks = build(lambda rngs: RetNetBlock(cfg, ...), cfg.num_layers, cfg.scan_layers, rngs)
     x, layer_states = run(blocks, x, layer_states, call, remat)  # call(block, x, layer_state) -> (x, layer_state)
@@ -47,8 +47,8 @@ def check_remat(remat: str, devices: Sequence[Any] = (), field: str = "remat") -
   if remat != "none" and remat not in REMAT_POLICIES:
     raise ValueError(f"unknown {field} {remat!r}; choose none or one of {tuple(REMAT_POLICIES)}.")
   for device in devices if remat in OFFLOADING else ():
-    kinds = {memory.kind for memory in device.addressable_memories()}
-    if "pinned_host" not in kinds:
+    kinds = {memory.kind for memory in device.addressable_memories()}  # none listed: a compile-only device
+    if kinds and "pinned_host" not in kinds:
       raise ValueError(f"{field}={remat!r} offloads to host memory, which {device.platform} devices here do not "
                        f"expose (memory kinds {sorted(kinds)}); choose save_qkv_mixer_out or another policy.")
 
@@ -108,9 +108,12 @@ def run(blocks: nnx.Module, x: jax.Array, layer_states: Sequence[Any], call: Cal
     return x, out
   num_layers = len(layer_states)
   given = None if all(s is None for s in layer_states) else jax.tree.map(lambda *s: jnp.stack(s), *layer_states)
-  scan = nnx.scan(call, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0),
-                  transform_metadata={nnx.PARTITION_NAME: LAYER_AXIS})
-  x, stacked = scan(blocks, x, given)
+  graphdef, params = nnx.split(blocks)
+
+  def body(x, layer):  # each layer's block is merged inside the scan's trace, from its slice of the parameters
+    layer_params, layer_state = layer
+    return call(nnx.merge(graphdef, layer_params), x, layer_state)
+  x, stacked = jax.lax.scan(body, x, (params, given))
   return x, [jax.tree.map(lambda s, i=i: s[i], stacked) for i in range(num_layers)]
 
 

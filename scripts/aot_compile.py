@@ -24,7 +24,7 @@ from pathlib import Path
 
 from absl import flags, logging
 
-from retnet_jax import accelerators, aot
+from retnet_jax import accelerators, aot, layer_stack
 
 _CONFIG = cli.config_flag("Config file and preset, with --config.x.y=... overrides.")
 _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {', '.join(accelerators.TARGET_NAMES)}.",
@@ -32,6 +32,8 @@ _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {', '.join(
 _STEPS = flags.DEFINE_list("steps", ["train"], f"Steps to compile, among {','.join(aot.STEPS)}.")
 _SEARCH = flags.DEFINE_boolean("search", False, "Find the largest power-of-two global batch whose train step fits, "
                                "per remat policy, and the lightest policy at that batch.")
+_REMATS = flags.DEFINE_list("remat_policies", ["none", *layer_stack.REMAT_POLICIES],
+                            "With --search: the train.remat policies to try, in order.")
 _HOSTS = flags.DEFINE_integer("hosts", 1, "GPU targets: hosts of N GPUs each.")
 _SLICES = flags.DEFINE_integer("slices", 1, "TPU targets: slices of the named size.")
 _OUT = flags.DEFINE_string("out", None, "Directory for the table and the JSON report.", required=True)
@@ -54,7 +56,7 @@ def main():
   target = accelerators.parse_target(_TARGET.value, hosts=_HOSTS.value, slices=_SLICES.value)
   config = _CONFIG.value
   if _SEARCH.value:
-    report, name = aot.search(config, target), "search"
+    report, name = aot.search(config, target, remats=_REMATS.value), "search"
     table = search_table(report)
   else:
     report, name = aot.plan(config, target, _STEPS.value), "report"

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from retnet_jax import accelerators, aot, flops, presets
+from retnet_jax import accelerators, aot, flops, layer_stack, presets
 from retnet_jax.bench import cases
 from retnet_jax.kernels import support
 from tests.helpers import run_script
@@ -54,6 +54,17 @@ def test_h100_train_step_calls_the_pallas_kernels():
   # XLA's count of the program before optimization, without the kernels' custom calls: below the model's.
   assert step["xla_flops_source"] == "lowered" and 0.3 * model < step["xla_flops_per_device"] < model
   assert step["step_seconds_lower_bound"] >= model / accelerators.CHIPS["h100"].peak_bf16_flops
+
+
+@needs_gpu
+def test_scanned_layers_compile_one_block_with_the_kernels():
+  """Two layers under nnx.scan: the kernels appear once, in the scanned body, and the memory is the unrolled
+  step's (the same buffers, stacked)."""
+  fields = dict(model__retention_impl="pallas", train__mode="chunkwise", model__chunk_size=16, model__num_layers=2)
+  steps = {scan: aot.plan(tiny(model__scan_layers=scan, **fields), accelerators.parse_target("h100:1"),
+                          ("train",))["steps"]["train"] for scan in (False, True)}
+  assert steps[False]["pallas_kernel_calls"] == 4 and steps[True]["pallas_kernel_calls"] == 2
+  assert steps[True]["fits"] and steps[True]["argument_bytes"] == steps[False]["argument_bytes"]
 
 
 @needs_tpu
@@ -178,9 +189,8 @@ def test_bad_requests_fail_before_compiling(target, fields, message):
 @needs_tpu
 def test_search_finds_the_largest_batch_per_remat_policy():
   found = aot.search(tiny(), accelerators.parse_target("v5e-1"), max_batch=2)
-  assert found["largest_batch_per_remat"] == {"none": 2, "full": 2, "dots_saveable": 2,
-                                              "dots_with_no_batch_dims_saveable": 2}
-  assert found["largest_batch"] == 2 and len(found["attempts"]) == 4  # 8 (the config's) capped at max_batch=2
+  assert found["largest_batch_per_remat"] == {name: 2 for name in ("none", *layer_stack.REMAT_POLICIES)}
+  assert found["largest_batch"] == 2 and len(found["attempts"]) == 7  # 8 (the config's) capped at max_batch=2
   assert found["lightest_remat_at_largest_batch"] == "none"  # keeps everything: no recomputation
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, layer_stack, sharding, train, train_state, train_step
+from retnet_jax import checkpointing, layer_stack, sampling, sharding, train, train_state, train_step
 from retnet_jax.model import MODES
 from tests.helpers import random_tokens, read_metrics, tiny_model, tiny_transformer
 
@@ -84,6 +84,16 @@ def test_scanned_transformer_computes_the_unrolled_function():
   assert max_rel_diff(steps[0][1]["layers"], steps[1][1]["layers"]) < 1e-5
   grads = [nnx.to_pure_dict(nnx.grad(lambda m: jnp.mean(m(tokens, remat="full")[0] ** 2))(m)) for m in models]
   assert max_rel_diff(layer_stack.relayout(grads[0], scanned=True), grads[1]) < 1e-5
+
+
+@pytest.mark.parametrize("architecture", ["retnet", "transformer"])
+def test_scanned_models_generate_the_unrolled_tokens(architecture):
+  """Prefill, then the compiled decoding loop (states stacked and unstacked at each step), on padded prompts."""
+  make = tiny_model if architecture == "retnet" else tiny_transformer
+  tokens, lengths = sampling.pad_prompts([[5, 17, 200, 3, 9], [42, 7]])
+  outs = [sampling.generate(make(num_layers=3, scan_layers=scan), tokens, lengths, max_new_tokens=6,
+                            key=jax.random.key(0), temperature=0.0) for scan in (False, True)]
+  np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
