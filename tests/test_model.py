@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import sharding
+from retnet_jax import layer_stack, sharding
 from retnet_jax.model import RetNet
 from tests.helpers import forward, random_tokens, tiny_model
 
