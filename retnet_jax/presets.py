@@ -164,7 +164,7 @@ def model_config(name: str) -> config_dict.ConfigDict:
       matmul_precision="default",
       # the chunkwise form: xla (einsums) | pallas (fused kernels, GPU) | auto (pallas where it compiles, else xla)
       retention_impl="xla",
-      # the blocks' parameters stacked on a leading layer axis and run under nnx.scan: compile time independent
+      # the blocks' parameters stacked on a leading layer axis and run under a scan: compile time independent
       # of depth; the same function as the unrolled blocks, and checkpoints restore across the two layouts
       scan_layers=False,
   ))
