@@ -1,7 +1,7 @@
 """A model's stack of blocks: one module per layer, or (`model.scan_layers`) one module whose parameters carry a
 leading layer axis, run under `jax.lax.scan` so that compile time stops growing with depth; remat in either.
 
-    blocks = build(lambda rngs: RetNetBlock(cfg, ...), cfg.num_layers, cfg.scan_layers, rngs)
+    blocks = build(lambda rngs, layer: RetNetBlock(cfg, ...), cfg.num_layers, cfg.scan_layers, rngs)
     x, layer_states = run(blocks, x, layer_states, call, remat)  # call(block, x, layer_state) -> (x, layer_state)
     tree = relayout(tree, scanned=True)  # parameters, optimizer moments: one layout to the other
 
@@ -53,11 +53,11 @@ def check_remat(remat: str, devices: Sequence[Any] = (), field: str = "remat") -
                        f"expose (memory kinds {sorted(kinds)}); choose save_qkv_mixer_out or another policy.")
 
 
-def build(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, scanned: bool, rngs: nnx.Rngs
+def build(make_block: Callable[[nnx.Rngs, int], nnx.Module], num_layers: int, scanned: bool, rngs: nnx.Rngs
           ) -> nnx.Module:
-  """`num_layers` blocks from `make_block(rngs)`, in order: an `nnx.List`, or with `scanned` one block whose
-  parameters are theirs stacked on a leading axis (logical name `LAYER_AXIS`)."""
-  blocks = [make_block(rngs) for _ in range(num_layers)]
+  """`num_layers` blocks from `make_block(rngs, layer)`, in order: an `nnx.List`, or with `scanned` (blocks of one
+  structure) one block whose parameters are theirs stacked on a leading axis (logical name `LAYER_AXIS`)."""
+  blocks = [make_block(rngs, layer) for layer in range(num_layers)]
   if not scanned:
     return nnx.List(blocks)
   graphdef, *_ = nnx.split(blocks[0])

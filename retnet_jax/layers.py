@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -118,6 +119,26 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return (rms_norm(x, self.eps) * self.scale[...]).astype(self.dtype)
+
+
+def check_tokens(tokens: Any, vocab_size: int) -> None:
+  """Checks rank, dtype and (for concrete arrays, outside jit) the id range of a token batch."""
+  if not hasattr(tokens, "ndim"):
+    raise ValueError(f"tokens must be an integer array [batch, seq]; got a {type(tokens).__name__} (convert it: "
+                     "jnp.asarray(ids, jnp.int32)).")
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be an integer array [batch, seq]; got shape {getattr(tokens, 'shape', None)} "
+                     f"dtype {getattr(tokens, 'dtype', None)}.")
+  if tokens.shape[0] < 1 or tokens.shape[1] < 1:
+    raise ValueError(f"tokens must hold at least one row and one position; got shape {tuple(tokens.shape)}.")
+  try:
+    host = np.asarray(tokens)
+  except jax.errors.TracerArrayConversionError:
+    return  # traced: ids cannot be checked before the computation runs
+  low, high = int(host.min()), int(host.max())
+  if low < 0 or high >= vocab_size:
+    raise ValueError(f"token ids must lie in [0, {vocab_size}); got ids from {low} to {high}. "
+                     "Check the tokenizer against model.vocab_size.")
 
 
 class Embed(nnx.Module):

@@ -22,14 +22,71 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import decay, layer_stack, layers, retention, rotation, segments, sharding, stability
+from retnet_jax import decay, layer_stack, layers, retention, rotation, segments, sharding, stability, transformer
+from retnet_jax.layers import check_tokens  # noqa: F401  (the model's input check, as callers import it)
 
 MODES = ("parallel", "chunkwise", "recurrent")  # the retention forms (`architectures.MODES`)
 State = dict[str, Any]
-def rotation_tables_for(cfg: ml_collections.ConfigDict, positions_BxL: jax.Array):
-  """The q/k rotation tables of a model config at `positions [B, L]`, shared by every layer of one call: their
-  sines and cosines would cost more than the rotations."""
-  return rotation.rotation_tables(positions_BxL, cfg.d_model // cfg.num_heads, cfg.rotation_base, cfg.rotation_freqs)
+def attention_heads(cfg: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(query heads, key/value heads) of a hybrid's attention layers: `attention_num_heads` (None: `num_heads`) and
+  `attention_num_kv_heads` (None: one per query head)."""
+  heads = cfg.attention_num_heads or cfg.num_heads
+  return heads, cfg.attention_num_kv_heads or heads
+
+
+def attention_cache_len(cfg: ml_collections.ConfigDict, max_len: int | None = None) -> int:
+  """Slots of an attention layer's KV cache: `attention_window` (a ring buffer of the last tokens, constant in the
+  context), else `max_len` (default `attention_max_len`)."""
+  return cfg.attention_window or max_len or cfg.attention_max_len
+
+
+def init_attention_state(cfg: ml_collections.ConfigDict, batch_size: int, size: int) -> dict[str, jax.Array]:
+  """An attention layer's empty state: its KV cache of `size` slots (`transformer.empty_cache`) and `next_slot`,
+  the tokens fed so far."""
+  return {**transformer.empty_cache(cfg, batch_size, size, *attention_heads(cfg)),
+          "next_slot": jnp.zeros((), jnp.int32)}
+
+
+def _check_attention(cfg: ml_collections.ConfigDict) -> None:
+  """The hybrid fields: layer indices in range and distinct, heads dividing the width, a window of at least one
+  token, and no attention option without attention layers."""
+  chosen = cfg.attention_layers
+  if not isinstance(chosen, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
+    raise ValueError(f"model.attention_layers must be a tuple of layer indices, e.g. (1,) or (3, 7); got {chosen!r}.")
+  if not chosen:
+    for name in ("attention_num_heads", "attention_num_kv_heads", "attention_window"):
+      if cfg[name] is not None:
+        raise ValueError(f"model.{name}={cfg[name]} configures attention layers, but model.attention_layers is "
+                         "empty: name them (e.g. --config.model.attention_layers='(1,)') or unset "
+                         f"model.{name}.")
+    return
+  bad = [i for i in chosen if not 0 <= i < cfg.num_layers]
+  if bad:
+    raise ValueError(f"model.attention_layers={tuple(chosen)} names layers {bad} outside [0, model.num_layers="
+                     f"{cfg.num_layers}); choose indices from 0 to {cfg.num_layers - 1}.")
+  repeated = sorted({i for i in chosen if list(chosen).count(i) > 1})
+  if repeated:
+    raise ValueError(f"model.attention_layers={tuple(chosen)} repeats layers {repeated}; name each layer once.")
+  heads, kv_heads = attention_heads(cfg)
+  if heads < 1 or cfg.d_model % heads:
+    raise ValueError(f"model.attention_num_heads={heads} must be a positive divisor of model.d_model={cfg.d_model} "
+                     "(or None: model.num_heads).")
+  if kv_heads < 1 or heads % kv_heads:
+    raise ValueError(f"model.attention_num_kv_heads={kv_heads} must be a positive divisor of the attention layers' "
+                     f"{heads} query heads (or None: one key/value head per query head).")
+  rotation.check_rotary_dim(cfg.d_model // heads)
+  if cfg.attention_window is not None and cfg.attention_window < 1:
+    raise ValueError(f"model.attention_window={cfg.attention_window} must be a positive number of tokens (or None: "
+                     "attend to every earlier token).")
+  if not math.isfinite(cfg.attention_rotation_base) or cfg.attention_rotation_base <= 0:
+    raise ValueError(f"model.attention_rotation_base must be a positive finite number; got "
+                     f"{cfg.attention_rotation_base}.")
+  if cfg.attention_max_len < 1:
+    raise ValueError(f"model.attention_max_len must be a positive number of tokens; got {cfg.attention_max_len}.")
+  if cfg.scan_layers:
+    raise ValueError(f"model.scan_layers stacks blocks of one structure, but model.attention_layers="
+                     f"{tuple(chosen)} mixes attention blocks into retention ones: set --config.model.scan_layers="
+                     "False for a hybrid.")
 
 
 def check_model_config(cfg: ml_collections.ConfigDict) -> None:
@@ -59,6 +116,7 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
     if not math.isfinite(cfg[name]) or cfg[name] < 0:
       raise ValueError(f"model.{name} must be a finite number >= 0; got {cfg[name]}.")
   retention.check_chunk_size(cfg.chunk_size, "model.chunk_size")
+  _check_attention(cfg)
   layers.compute_dtype(cfg.dtype)
   decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
   layers.check_activation(cfg.ffn_activation)
@@ -68,26 +126,6 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.stability_norm_style not in stability.NORM_STYLES:
     raise ValueError(f"unknown model.stability_norm_style {cfg.stability_norm_style!r}; "
                      f"choose one of {stability.NORM_STYLES}.")
-
-
-def check_tokens(tokens: Any, vocab_size: int) -> None:
-  """Checks rank, dtype and (for concrete arrays, outside jit) the id range of a token batch."""
-  if not hasattr(tokens, "ndim"):
-    raise ValueError(f"tokens must be an integer array [batch, seq]; got a {type(tokens).__name__} (convert it: "
-                     "jnp.asarray(ids, jnp.int32)).")
-  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"tokens must be an integer array [batch, seq]; got shape {getattr(tokens, 'shape', None)} "
-                     f"dtype {getattr(tokens, 'dtype', None)}.")
-  if tokens.shape[0] < 1 or tokens.shape[1] < 1:
-    raise ValueError(f"tokens must hold at least one row and one position; got shape {tuple(tokens.shape)}.")
-  try:
-    host = np.asarray(tokens)
-  except jax.errors.TracerArrayConversionError:
-    return  # traced: ids cannot be checked before the computation runs
-  low, high = int(host.min()), int(host.max())
-  if low < 0 or high >= vocab_size:
-    raise ValueError(f"token ids must lie in [0, {vocab_size}); got ids from {low} to {high}. "
-                     "Check the tokenizer against model.vocab_size.")
 
 
 def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
@@ -101,9 +139,14 @@ def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
   if len(state["layers"]) != cfg.num_layers:
     raise ValueError(f"the state holds {len(state['layers'])} layer states but model.num_layers={cfg.num_layers}; "
                      "it was made by another model config.")
-  expected = {k: v.shape for k, v in jax.eval_shape(lambda: layers.init_layer_state(cfg, batch)).items()}
+  shapes = lambda init: {k: v.shape for k, v in jax.eval_shape(init).items()}
+  retention_state = shapes(lambda: layers.init_layer_state(cfg, batch))
   for i, layer_state in enumerate(state["layers"]):
     found = {k: tuple(np.shape(v)) for k, v in layer_state.items()} if isinstance(layer_state, dict) else layer_state
+    expected = retention_state
+    if i in cfg.attention_layers:  # a KV cache: `attention_window` slots, or as many as the state was made with
+      size = found["key"][1] if not cfg.attention_window and isinstance(found, dict) and "key" in found else None
+      expected = shapes(lambda: init_attention_state(cfg, batch, attention_cache_len(cfg, size)))
     if found != expected:
       raise ValueError(f"layer {i} of the state holds {found}, but a batch of {batch} in this model config needs "
                        f"{expected}; the state was made by another model config or batch size.")
@@ -135,17 +178,21 @@ class RetNet(nnx.Module):
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
     self.embed_scale = cfg.d_model**0.5 if cfg.scale_embedding else None
     self.embed_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs) if cfg.embed_norm else None
-    self.blocks = layer_stack.build(lambda r: layers.RetNetBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers,
-                                    cfg.scan_layers, rngs)
+    self.blocks = layer_stack.build(lambda r, layer: _block(cfg, layer, dtype, r), cfg.num_layers, cfg.scan_layers,
+                                    rngs)
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.head = None if cfg.tie_embeddings else layers.Dense(
         cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
         dtype=dtype, out_dtype=jnp.float32, rngs=rngs)
 
-  def init_state(self, batch_size: int) -> State:
-    """The empty state: position 0 and zero retention state in every layer."""
+  def init_state(self, batch_size: int, max_len: int | None = None) -> State:
+    """The empty state: position 0, zero retention state in every retention layer and an empty KV cache in every
+    attention layer (`attention_cache_len(config, max_len)` slots)."""
+    cfg = self.config
     return {"position": jnp.zeros((batch_size,), jnp.int32),
-            "layers": [layers.init_layer_state(self.config, batch_size) for _ in range(self.config.num_layers)]}
+            "layers": [init_attention_state(cfg, batch_size, attention_cache_len(cfg, max_len))
+                       if layer in cfg.attention_layers else layers.init_layer_state(cfg, batch_size)
+                       for layer in range(cfg.num_layers)]}
 
   def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
                remat: str = "none", segment_ids: jax.Array | None = None) -> tuple[jax.Array, State]:
@@ -179,7 +226,8 @@ class RetNet(nnx.Module):
     else:
       check_state(self.config, state, batch)
     positions_BxL = segments.model_positions(segment_ids, state["position"], length)
-    tables = rotation_tables_for(self.config, positions_BxL)
+    tables = rotation.tables_for(self.config, positions_BxL)
+    attention = _Attention(self.config, positions_BxL, mode, segment_ids) if self.config.attention_layers else None
     x = self.embed(tokens_BxL)
     if self.embed_scale is not None:
       x = x * jnp.asarray(self.embed_scale, x.dtype)
@@ -188,9 +236,46 @@ class RetNet(nnx.Module):
     x = sharding.constrain(x, ("batch", "length", None))
 
     def call(block, x, layer_state):
-      x, layer_state = block(x, positions_BxL, tables, layer_state, mode, segment_ids)
+      if isinstance(block, transformer.TransformerBlock):
+        x, layer_state = attention(block, x, layer_state)
+      else:
+        x, layer_state = block(x, positions_BxL, tables, layer_state, mode, segment_ids)
       return sharding.constrain(x, ("batch", "length", None)), layer_state
     x, layer_states = layer_stack.run(self.blocks, x, state["layers"], call, remat)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x)
     return logits, {"position": positions_BxL[:, -1] + 1, "layers": layer_states}
+
+
+def _block(cfg: ml_collections.ConfigDict, layer: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+  """Block `layer` of a RetNet: retention's, or in a hybrid's `attention_layers` the Transformer's."""
+  if layer not in cfg.attention_layers:
+    return layers.RetNetBlock(cfg, dtype=dtype, rngs=rngs)
+  heads, kv_heads = attention_heads(cfg)
+  return transformer.TransformerBlock(cfg, dtype=dtype, rngs=rngs, num_heads=heads, num_kv_heads=kv_heads,
+                                      window=cfg.attention_window, rotation_pairs=cfg.rotation_pairs)
+
+
+class _Attention:
+  """Runs a hybrid's attention blocks in one call of the model: the form that a retention `mode` and the layer's
+  state give (parallel and chunkwise: all tokens at once; recurrent: one at a time), on a cache it starts where the
+  call brings no state."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, positions_BxL: jax.Array, mode: str, segment_ids):
+    self.cfg, self.positions_BxL, self.mode = cfg, positions_BxL, mode
+    self.tables = rotation.tables_for(cfg, positions_BxL, attention_heads(cfg)[0], cfg.attention_rotation_base)
+    self.document_BxL = None if segment_ids is None else segments.document_index(segment_ids)
+
+  def __call__(self, block: nnx.Module, x_BxLxD: jax.Array, layer_state: State | None) -> tuple[jax.Array, State]:
+    batch, length = self.positions_BxL.shape
+    if layer_state is None:  # a cache holding this call's tokens (unwindowed: at least attention_max_len)
+      size = attention_cache_len(self.cfg, max(length, self.cfg.attention_max_len))
+      cache = transformer.empty_cache(self.cfg, batch, size, *attention_heads(self.cfg))
+      step, form = jnp.zeros((), jnp.int32), "recurrent" if self.mode == "recurrent" else "self"
+    else:
+      cache, step = {k: layer_state[k] for k in ("key", "value")}, layer_state["next_slot"]
+      form = "recurrent" if self.mode == "recurrent" else "cache"
+      if not self.cfg.attention_window:
+        transformer.check_room(step, cache["key"].shape[1], length, "model.attention_max_len")
+    x_BxLxD, cache = block(x_BxLxD, self.positions_BxL, self.tables, cache, step, form, self.document_BxL)
+    return x_BxLxD, {**cache, "next_slot": step + length}

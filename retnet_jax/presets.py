@@ -167,6 +167,16 @@ def model_config(name: str) -> config_dict.ConfigDict:
       # the blocks' parameters stacked on a leading layer axis and run under a scan: compile time independent
       # of depth; the same function as the unrolled blocks, and checkpoints restore across the two layouts
       scan_layers=False,
+      # hybrids: these layers (indices) use softmax attention, the Transformer's, in place of retention
+      attention_layers=(),
+      attention_num_heads=config_dict.placeholder(int),  # None: num_heads
+      attention_num_kv_heads=config_dict.placeholder(int),  # None: one key/value head per query head
+      # attend to the last W tokens only, through a ring-buffer KV cache of W tokens (decoding memory constant in
+      # the context); None: every earlier token
+      attention_window=config_dict.placeholder(int),
+      attention_rotation_base=10000.0,  # the attention layers' rotary base (fla: rope_theta)
+      # KV-cache length of unwindowed attention layers: the longest prompt + generation a decoding state holds
+      attention_max_len=max(preset(name).train.seq_len, 1024),
   ))
   model.update(dict(sizes.options))
   return model

@@ -46,6 +46,15 @@ def rotation_tables(positions_BxL: jax.Array, head_dim: int, base: float = 10000
   return jnp.cos(angles_BxLx1xP), jnp.sin(angles_BxLx1xP)
 
 
+def tables_for(cfg, positions_BxL: jax.Array, num_heads: int | None = None, base: float | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+  """The rotation tables of a model config's heads at `positions [B, L]` (default: `cfg.num_heads` heads of
+  `cfg.d_model // num_heads` features at `cfg.rotation_base`), shared by every layer of one call: their sines and
+  cosines would cost more than the rotations."""
+  head_dim = cfg.d_model // (num_heads or cfg.num_heads)
+  return rotation_tables(positions_BxL, head_dim, cfg.rotation_base if base is None else base, cfg.rotation_freqs)
+
+
 def rotate(x_BxLxHxK: jax.Array, tables: tuple[jax.Array, jax.Array], pairs: str = "interleaved") -> jax.Array:
   """Rotates the feature pairs (`interleaved` or `half`) of `x [batch, seq, heads, head_dim]` by
   `rotation_tables(...)`."""

@@ -52,6 +52,10 @@ def check_sequence_split(config: ml_collections.ConfigDict, num_devices: int, le
   if config.model.architecture != "retnet":
     raise ValueError(f"{where}, but only retention splits sequences (sequence-parallel attention is not built): "
                      "give the Transformer a mesh whose sequence axis has size 1.")
+  if config.model.attention_layers:
+    raise ValueError(f"{where}, but model.attention_layers={tuple(config.model.attention_layers)} are attention "
+                     "layers, and only retention splits sequences (sequence-parallel attention is not built): give "
+                     "the hybrid a mesh whose sequence axis has size 1.")
   if "recurrent" in modes:
     raise ValueError(f"{where}, which the recurrent form (one token after another) cannot use: use the parallel "
                      "or chunkwise mode, or a mesh whose sequence axis has size 1.")

@@ -29,7 +29,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from retnet_jax import layer_stack, layers, rotation, segments, sharding
-from retnet_jax.model import check_tokens, rotation_tables_for
 
 MODES = ("parallel", "recurrent")  # the forms (`architectures.MODES`): chunkwise is a retention form
 State = dict[str, Any]
@@ -55,78 +54,134 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
   layers.check_matmul_precision(cfg.matmul_precision)
 
 
-def attention(q_BxLxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, visible_BxLxS: jax.Array
+def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_BxLxS: jax.Array
               ) -> jax.Array:
-  """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` float32."""
-  scores = jnp.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxSxHxK, preferred_element_type=jnp.float32)
-  probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None], scores, _MASKED), axis=-1)
-  return jnp.einsum("bhls,bshk->blhk", probs.astype(v_BxSxHxK.dtype), v_BxSxHxK, preferred_element_type=jnp.float32)
+  """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` float32. With G < H key/value
+  heads, each group of H / G consecutive query heads shares one (query head j reads key/value head j // (H / G))."""
+  batch, length, heads, key_dim = q_BxLxHxK.shape
+  groups = k_BxSxGxK.shape[2]
+  q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
+  scores = jnp.einsum("blgjk,bsgk->bgjls", q, k_BxSxGxK, preferred_element_type=jnp.float32)
+  probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None, None], scores, _MASKED), axis=-1)
+  out = jnp.einsum("bgjls,bsgk->blgjk", probs.astype(v_BxSxGxK.dtype), v_BxSxGxK, preferred_element_type=jnp.float32)
+  return out.reshape(batch, length, heads, -1)
 
 
-def _cached_attention(q, k, v, cache, slot, position_B, document_BxL=None):
-  """Writes k, v at cache `slot` on, then attends over the whole cache: (out `[B, L, H, K]`, cache).
+def _visible(query_step_L, key_step_S, key_position_BxS, window: int | None, query_document_BxL=None,
+             key_document_BxS=None) -> jax.Array:
+  """`[B, L, S]`: which keys each query sees. Steps count the tokens fed to a cache (negative: a slot never
+  written); a query sees written keys at or before its step (within the last `window` steps if set), not left
+  padding (negative positions), and with documents only its own document's."""
+  step_LxS = query_step_L[:, None] - key_step_S[None, :]
+  visible_LxS = (step_LxS >= 0) & (key_step_S >= 0)[None, :]
+  if window is not None:
+    visible_LxS = visible_LxS & (step_LxS < window)
+  visible_BxLxS = visible_LxS[None] & (key_position_BxS >= 0)[:, None, :]
+  if query_document_BxL is not None:
+    visible_BxLxS = visible_BxLxS & (query_document_BxL[:, :, None] == key_document_BxS[:, None, :])
+  return visible_BxLxS
 
-  Slot s holds the token at position `position_B - slot + s` (position_B: the first query's); slots after
-  the queries are not visible, and negative positions are left padding. With the queries' document index
-  `document [B, L]` (0: the first document), a query sees its own document's slots, the cached ones belonging to 0.
+
+def _slot_steps(last_step, size: int) -> jax.Array:
+  """`[S]`: the step each cache slot holds once steps up to `last_step` were written (step t goes to slot t mod S,
+  so a cache of S slots is a ring buffer of the last S tokens); negative: not written yet."""
+  slots_S = jnp.arange(size)
+  return last_step - (last_step - slots_S) % size
+
+
+def write_cache(cache: State, k, v, step, ring: bool) -> State:
+  """The cache with `k, v [B, L, G, K]` written for steps `step ... step + L - 1`, each at its step mod S (a `ring`
+  buffer: of more than S tokens, the last S), or from slot `step` on."""
+  length, size = k.shape[1], cache["key"].shape[1]
+  if not ring or length == 1 or (isinstance(step, int) and step + length <= size):
+    return {name: jax.lax.dynamic_update_slice_in_dim(cache[name], x.astype(cache[name].dtype), step % size, axis=1)
+            for name, x in (("key", k), ("value", v))}
+  kept = min(length, size)
+  slots = (step + length - kept + jnp.arange(kept)) % size
+  return {name: cache[name].at[:, slots].set(x[:, length - kept:].astype(cache[name].dtype))
+          for name, x in (("key", k), ("value", v))}
+
+
+def _cached_attention(q, k, v, cache, step, position_B, window: int | None, document_BxL=None):
+  """Writes k, v at `step` on into the cache and attends over it and them: (out `[B, L, H, K]`, cache).
+
+  The token fed at step t sits at position `position_B - step + t` (position_B: the first query's). A cache of
+  `window` slots (a ring buffer) cannot hold the keys of a multi-token call's first queries once it has written
+  their successors, so those attend over the old cache and the new keys side by side; otherwise the keys are
+  written first and the queries attend over the whole cache. With the queries' document index `document [B, L]`
+  (0: the first document), a query sees its own document's keys, the cached ones belonging to 0.
   """
-  key = jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(cache["key"].dtype), slot, axis=1)
-  value = jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(cache["value"].dtype), slot, axis=1)
-  slots_S = jnp.arange(key.shape[1])
-  causal_LxS = slots_S[None, :] <= slot + jnp.arange(q.shape[1])[:, None]
-  visible_BxLxS = causal_LxS[None] & ((position_B - slot)[:, None] + slots_S >= 0)[:, None]
+  length, size = q.shape[1], cache["key"].shape[1]
+  query_step_L = step + jnp.arange(length)
+  new_cache = write_cache(cache, k, v, step, window is not None)
+  if window is not None and length > 1:  # attend over [old cache, new keys]
+    key_step_S = jnp.concatenate([_slot_steps(step - 1, size), query_step_L])
+    keys, values = (jnp.concatenate([cache[name], x.astype(cache[name].dtype)], axis=1)
+                    for name, x in (("key", k), ("value", v)))
+  else:
+    key_step_S = _slot_steps(step + length - 1, size)
+    keys, values = new_cache["key"], new_cache["value"]
+  key_document_BxS = None
   if document_BxL is not None:
-    slot_document_BxS = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((q.shape[0], key.shape[1]), jnp.int32),
-                                                            document_BxL, slot, axis=1)
-    visible_BxLxS = visible_BxLxS & (document_BxL[:, :, None] == slot_document_BxS[:, None, :])
-  return attention(q, key, value, visible_BxLxS), {"key": key, "value": value}
+    offset_S = key_step_S - step
+    key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1), 0)
+  key_position_BxS = position_B[:, None] + (key_step_S - step)[None, :]
+  visible = _visible(query_step_L, key_step_S, key_position_BxS, window, document_BxL, key_document_BxS)
+  return attention(q, keys, values, visible), new_cache
 
 
 class CausalSelfAttention(nnx.Module):
-  """Multi-head causal attention: fused q/k/v projection, rotary positions, output projection.
+  """Multi-head causal attention: fused q/k/v projection, rotary positions, output projection; optionally grouped
+  key/value heads and a sliding window of the last `window` tokens.
 
   `form`: `self` attends among the given tokens only (no cache yet), `cache` writes them into the cache
-  and attends over it, `recurrent` does the latter one token at a time.
+  and attends over it, `recurrent` does the latter one token at a time. A windowed layer's cache needs only
+  `window` slots (a ring buffer), so its decoding memory stays constant in the context.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
-    d = cfg.d_model
-    self.num_heads = cfg.num_heads
-    self.head_dim = d // cfg.num_heads
+  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None, *, window: int | None = None,
+               rotation_pairs: str = "interleaved", dtype, rngs: nnx.Rngs):
+    self.num_heads = num_heads
+    self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    self.head_dim = d_model // num_heads
+    self.window = window
+    self.rotation_pairs = rotation_pairs
     self.dtype = dtype
     init = layers.xavier_uniform(1.0)
-    self.qkv_proj = layers.Dense(d, 3 * d, ("embed", "heads"), init=init, dtype=self.dtype, rngs=rngs)
-    self.out_proj = layers.Dense(d, d, ("heads", "embed"), init=init, dtype=self.dtype, rngs=rngs)
+    width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+    self.qkv_proj = layers.Dense(d_model, width, ("embed", "heads"), init=init, dtype=self.dtype, rngs=rngs)
+    self.out_proj = layers.Dense(d_model, d_model, ("heads", "embed"), init=init, dtype=self.dtype, rngs=rngs)
 
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, cache: State, slot: jax.Array,
                form: str, document_BxL: jax.Array | None = None) -> tuple[jax.Array, State]:
-    """`document [B, L]`: each token's document index in its row (`segments.document_index`), or None: one."""
+    """`cache`: `key`, `value` `[B, S, G, K]`, `slot` the step it has reached (tokens fed so far). `document
+    [B, L]`: each token's document index in its row (`segments.document_index`), or None: one."""
     batch, length, d = x_BxLxD.shape
-    # Columns grouped per head (q, k, v of head 0, then head 1, ...): a split of the `heads` axis over devices
-    # (tensor parallelism) gives each device whole heads.
-    qkv = checkpoint_name(self.qkv_proj(x_BxLxD), layer_stack.QKV).reshape(batch, length, self.num_heads, 3,
+    groups, group_size = self.num_kv_heads, self.num_heads // self.num_kv_heads
+    # Columns grouped per key/value head (its query heads, then its key and its value): a split of the `heads`
+    # axis over devices (tensor parallelism) gives each device whole groups. One group per head: q, k, v per head.
+    qkv = checkpoint_name(self.qkv_proj(x_BxLxD), layer_stack.QKV).reshape(batch, length, groups, group_size + 2,
                                                                             self.head_dim)
-    q = rotation.rotate(qkv[:, :, :, 0], rotation_tables) * jnp.asarray(self.head_dim**-0.5, self.dtype)
-    k, v = rotation.rotate(qkv[:, :, :, 1], rotation_tables), qkv[:, :, :, 2]
+    rotate = lambda x: rotation.rotate(x, rotation_tables, self.rotation_pairs)
+    q = rotate(qkv[:, :, :, :group_size].reshape(batch, length, self.num_heads, self.head_dim))
+    q = q * jnp.asarray(self.head_dim**-0.5, self.dtype)
+    k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
     if form == "self":
-      causal_LxL = jnp.tril(jnp.ones((length, length), bool))
-      visible_BxLxL = causal_LxL[None] & (positions_BxL >= 0)[:, None, :]
-      if document_BxL is not None:  # block-diagonal: within a document only
-        visible_BxLxL = visible_BxLxL & (document_BxL[:, :, None] == document_BxL[:, None, :])
-      out = attention(q, k, v, visible_BxLxL)
-      cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], x.astype(cache[name].dtype), 0, axis=1)
-               for name, x in (("key", k), ("value", v))}
+      steps_L = jnp.arange(length)
+      visible = _visible(steps_L, steps_L, positions_BxL, self.window, document_BxL, document_BxL)
+      out = attention(q, k, v, visible)
+      cache = write_cache(cache, k, v, 0, self.window is not None)
     elif form == "cache":
-      out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], document_BxL)
+      out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)
     else:
-      def step(cache, inputs):
-        q_t, k_t, v_t, t = inputs
-        out_t, cache = _cached_attention(q_t[:, None], k_t[:, None], v_t[:, None], cache, slot + t,
-                                         positions_BxL[:, 0] + t)
+      def step(cache, inputs):  # a key before the query's document start has a negative position: unseen
+        q_t, k_t, v_t, position_B, t = inputs
+        out_t, cache = _cached_attention(q_t[:, None], k_t[:, None], v_t[:, None], cache, slot + t, position_B,
+                                         self.window)
         return cache, out_t[:, 0]
 
       # One token (decoding) is inlined rather than looped, so the cache updates in place in an outer loop.
-      time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)) + (jnp.arange(length),)
+      time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, positions_BxL)) + (jnp.arange(length),)
       cache, out_LxBxHxK = jax.lax.scan(step, cache, time_major, unroll=length == 1)
       out = jnp.swapaxes(out_LxBxHxK, 0, 1)
     out = checkpoint_name(out.reshape(batch, length, d), layer_stack.MIXER_OUT)
@@ -134,11 +189,17 @@ class CausalSelfAttention(nnx.Module):
 
 
 class TransformerBlock(nnx.Module):
-  """Pre-norm block: Y = Attention(LN(X)) + X, then X' = FFN(LN(Y)) + Y; `dtype` is the compute dtype."""
+  """Pre-norm block: Y = Attention(LN(X)) + X, then X' = FFN(LN(Y)) + Y; `dtype` is the compute dtype.
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
+  The attention's heads, key/value heads, window and rotation pairs default to a Transformer's (`cfg.num_heads`,
+  one key/value head each, no window, interleaved); a hybrid RetNet's attention layers pass their own.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs, num_heads: int | None = None,
+               num_kv_heads: int | None = None, window: int | None = None, rotation_pairs: str = "interleaved"):
     self.attention_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
-    self.attention = CausalSelfAttention(cfg, dtype=dtype, rngs=rngs)
+    self.attention = CausalSelfAttention(cfg.d_model, num_heads or cfg.num_heads, num_kv_heads, window=window,
+                                         rotation_pairs=rotation_pairs, dtype=dtype, rngs=rngs)
     self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = layers.GLUFeedForward(cfg, dtype=dtype, rngs=rngs)
 
@@ -150,18 +211,31 @@ class TransformerBlock(nnx.Module):
     return x_BxLxD + self.ffn(self.ffn_norm(x_BxLxD)), cache
 
 
-def check_state_room(state: State, length: int) -> None:
-  """For a concrete state (outside jit): its cache must hold `length` more tokens (a traced one is not checked:
-  inside jit, tokens past the cache's end would overwrite its last slots)."""
+def empty_cache(cfg: ml_collections.ConfigDict, batch_size: int, size: int, num_heads: int, num_kv_heads: int
+                ) -> State:
+  """One layer's empty KV cache of `size` slots: `key`, `value` `[B, size, num_kv_heads, d_model // num_heads]` in
+  the compute dtype."""
+  shape = (batch_size, size, num_kv_heads, cfg.d_model // num_heads)
+  dtype = layers.compute_dtype(cfg.dtype)
+  return {"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
+
+
+def check_room(next_slot: Any, size: int, length: int, field: str) -> None:
+  """For a concrete `next_slot` (outside jit): a cache of `size` slots must hold `length` more tokens, or
+  ValueError naming `field` (its size) and the fix. A traced one is not checked: inside jit, tokens past the cache's
+  end would overwrite its first slots."""
   try:
-    used = int(np.asarray(state["next_slot"]))
+    used = int(np.asarray(next_slot))
   except jax.errors.TracerArrayConversionError:
     return
-  size = state["layers"][0]["key"].shape[1]
   if used + length > size:
     raise ValueError(f"the KV cache holds {size} tokens; {used} are used and {length} more do not fit. Raise "
-                     f"model.max_len to at least {used + length} (--config.model.max_len={used + length}), or use "
-                     "fewer tokens.")
+                     f"{field} to at least {used + length} (--config.{field}={used + length}), or use fewer tokens.")
+
+
+def check_state_room(state: State, length: int) -> None:
+  """`check_room` for a Transformer's state."""
+  check_room(state["next_slot"], state["layers"][0]["key"].shape[1], length, "model.max_len")
 
 
 class Transformer(nnx.Module):
@@ -172,7 +246,7 @@ class Transformer(nnx.Module):
     self.config = ml_collections.FrozenConfigDict(cfg)
     dtype = layers.compute_dtype(cfg.dtype)
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
-    self.blocks = layer_stack.build(lambda r: TransformerBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers,
+    self.blocks = layer_stack.build(lambda r, _: TransformerBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers,
                                     cfg.scan_layers, rngs)
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.head = None if cfg.tie_embeddings else layers.Dense(
@@ -182,10 +256,8 @@ class Transformer(nnx.Module):
   def init_state(self, batch_size: int, max_len: int | None = None) -> State:
     """An empty KV cache of `max_len` (default `config.max_len`) slots per layer, at position 0."""
     cfg = self.config
-    shape = (batch_size, max_len or cfg.max_len, cfg.num_heads, cfg.d_model // cfg.num_heads)
-    dtype = layers.compute_dtype(cfg.dtype)
     return {"position": jnp.zeros((batch_size,), jnp.int32), "next_slot": jnp.zeros((), jnp.int32),
-            "layers": [{"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
+            "layers": [empty_cache(cfg, batch_size, max_len or cfg.max_len, cfg.num_heads, cfg.num_heads)
                        for _ in range(cfg.num_layers)]}
 
   def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
@@ -210,7 +282,7 @@ class Transformer(nnx.Module):
 
   def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
                ) -> tuple[jax.Array, State]:
-    check_tokens(tokens_BxL, self.config.vocab_size)
+    layers.check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     segments.check_segment_ids(segment_ids, batch, length)
     if segment_ids is not None and mode == "recurrent":
@@ -223,7 +295,7 @@ class Transformer(nnx.Module):
     check_state_room(state, length)
     positions_BxL = segments.model_positions(segment_ids, state["position"], length)
     document_BxL = None if segment_ids is None else segments.document_index(segment_ids)
-    tables = rotation_tables_for(self.config, positions_BxL)
+    tables = rotation.tables_for(self.config, positions_BxL)
     x = sharding.constrain(self.embed(tokens_BxL), ("batch", None, None))
 
     def call(block, x, cache):

@@ -315,7 +315,8 @@ def test_retention_options_and_mixed_sections_are_refused(tmp_path):
   mixed = tiny_config(tmp_path)
   mixed.model.architecture = "transformer"
   with pytest.raises(ValueError, match=r"model.architecture='transformer' does not fit this model section \(it lacks "
-                                       r"model.max_len; model.chunk_size, .* are not transformer fields\); take the "
+                                       r"model.max_len; model.attention_layers, .* are not transformer fields\); "
+                                       r"take the "
                                        r"whole section from configs/transformer.py"):
     train.train_and_evaluate(mixed, tmp_path / "run")
 

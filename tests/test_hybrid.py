@@ -1,0 +1,211 @@
+"""Hybrid RetNets (`model.attention_layers`): softmax attention in chosen layers, optionally over a sliding window
+through a ring-buffer KV cache. The three modes and every hand-off agree to float32 rounding, a windowed prefill then
+decoding equals the parallel logits past the window, the attention layer equals a float64 reference, packed documents
+and left padding act as alone, bad fields are refused by name."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from retnet_jax import losses, model as model_lib, sampling, transformer
+from tests.helpers import forward, random_tokens, tiny_model
+
+MODES = model_lib.MODES
+# Layer 1 of the tiny preset's two is attention: every earlier token with grouped key/value heads, or a window of 5
+# tokens (shorter than the calls below, so the ring buffer wraps) with the tiny preset's heads.
+HYBRIDS = {"full_gqa": dict(attention_layers=(1,), attention_num_heads=4, attention_num_kv_heads=2),
+           "window": dict(attention_layers=(1,), attention_window=5, attention_rotation_base=500.0)}
+
+
+def max_abs_diff(a, b):
+  return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRIDS))
+def hybrid(request):
+  return tiny_model(chunk_size=4, **HYBRIDS[request.param])
+
+
+def test_modes_agree(hybrid):
+  """13 tokens (chunk 4, window 5): logits and states of the three forms agree to float32 rounding."""
+  tokens = random_tokens(2, 13)
+  results = {mode: forward(hybrid, tokens, None, mode) for mode in MODES}
+  scale = float(jnp.max(jnp.abs(results["parallel"][0])))
+  for a, b in itertools.combinations(MODES, 2):
+    assert max_abs_diff(results[a][0], results[b][0]) < 1e-5 * scale, (a, b)
+    assert max_abs_diff(results[a][1], results[b][1]) < 1e-5, (a, b)
+  state = results["parallel"][1]["layers"][1]
+  assert int(state["next_slot"]) == 13 and set(state) == {"key", "value", "next_slot"}
+
+
+@pytest.mark.parametrize("first,second", [("chunkwise", "recurrent"), ("parallel", "chunkwise"),
+                                          ("recurrent", "parallel")])
+def test_prefill_in_one_mode_continues_in_another(hybrid, first, second):
+  """A state handed from one form to another, twice (7 + 5 + 7 tokens: the window's ring wraps inside a call and
+  across calls), continues the whole sequence's parallel logits; the states agree too."""
+  tokens = random_tokens(2, 19, seed=1)
+  whole, whole_state = forward(hybrid, tokens, None, "parallel")
+  logits1, state = forward(hybrid, tokens[:, :7], None, first)
+  logits2, state = forward(hybrid, tokens[:, 7:12], state, second)
+  logits3, state = forward(hybrid, tokens[:, 12:], state, first)
+  assert max_abs_diff(jnp.concatenate([logits1, logits2, logits3], axis=1), whole) < 5e-5
+  assert max_abs_diff(state, whole_state) < 1e-5
+
+
+def test_window_decoding_matches_parallel_past_the_window():
+  """Prefill 3 tokens, then decode 14 one at a time through a 4-token ring buffer: the logits equal the parallel
+  form's at every position, far past the window; the cache stays 4 slots, and the window does matter (the
+  unwindowed model's logits differ past it)."""
+  windowed = tiny_model(attention_layers=(0,), attention_window=4)
+  tokens = random_tokens(1, 17, seed=2)
+  whole, _ = forward(windowed, tokens, None, "parallel")
+  logits, state = forward(windowed, tokens[:, :3], windowed.init_state(1), "chunkwise")
+  steps = [logits]
+  for n in range(3, tokens.shape[1]):
+    logits, state = forward(windowed, tokens[:, n:n + 1], state, "recurrent")
+    steps.append(logits)
+    assert state["layers"][0]["key"].shape[1] == 4
+  assert max_abs_diff(jnp.concatenate(steps, axis=1), whole) < 5e-5
+  unwindowed = forward(tiny_model(attention_layers=(0,)), tokens, None, "parallel")[0]
+  assert max_abs_diff(unwindowed[:, :4], whole[:, :4]) < 5e-5
+  assert max_abs_diff(unwindowed[:, 4:], whole[:, 4:]) > 1e-2
+
+
+def _reference_attention(block, x, positions, window, cfg):
+  """Block `block`'s attention output for `x [B, L, D]` in float64 numpy: fla's layout read from the fused kernel,
+  rotation by the model's pairs and frequencies, softmax over the visible keys."""
+  attention = block.attention
+  heads, groups, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+  size = heads // groups
+  x = np.asarray(x, np.float64)
+  h = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + cfg.norm_eps) * np.asarray(block.attention_norm.scale[...])
+  qkv = (h @ np.asarray(attention.qkv_proj.kernel[...], np.float64)).reshape(*x.shape[:2], groups, size + 2, head_dim)
+  q = qkv[:, :, :, :size].reshape(*x.shape[:2], heads, head_dim)
+  k, v = qkv[:, :, :, size], qkv[:, :, :, size + 1]
+  theta = cfg.attention_rotation_base ** -np.linspace(0, 1, head_dim // 2)  # the tiny preset's linspace frequencies
+  angle = positions[:, :, None, None] * theta
+
+  def rotate(y):  # interleaved pairs, as the tiny preset
+    even, odd = y[..., 0::2], y[..., 1::2]
+    out = np.empty_like(y)
+    out[..., 0::2], out[..., 1::2] = even * np.cos(angle) - odd * np.sin(angle), odd * np.cos(angle) + even * np.sin(angle)
+    return out
+  q, k = rotate(q) / np.sqrt(head_dim), rotate(k)
+  k, v = np.repeat(k, size, axis=2), np.repeat(v, size, axis=2)
+  scores = np.einsum("blhk,bshk->bhls", q, k)
+  n = np.arange(x.shape[1])
+  visible = (n[None, :] <= n[:, None]) & ((n[:, None] - n[None, :] < window) if window else True)
+  scores = np.where(visible, scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  out = np.einsum("bhls,bshk->blhk", probs / probs.sum(-1, keepdims=True), v).reshape(*x.shape[:2], -1)
+  return out @ np.asarray(attention.out_proj.kernel[...], np.float64)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_layer_matches_a_float64_reference(window):
+  """The attention block's mixer (grouped heads, window, its own rotary base) equals softmax attention computed
+  in float64 from the same parameters, to float32 rounding."""
+  model = tiny_model(attention_layers=(0,), attention_num_heads=4, attention_num_kv_heads=1, attention_window=window,
+                     attention_rotation_base=300.0)
+  block = model.blocks[0]
+  x = jax.random.normal(jax.random.key(1), (2, 11, model.config.d_model))
+  positions = np.tile(np.arange(11), (2, 1))
+  tables = jax.tree.map(jnp.asarray, model_lib.rotation.tables_for(model.config, jnp.asarray(positions), 4, 300.0))
+  cache = transformer.empty_cache(model.config, 2, 11, 4, 1)
+  ours, _ = block.attention(block.attention_norm(x), jnp.asarray(positions), tables, cache, 0, "self")
+  reference = _reference_attention(block, x, positions, window, model.config)
+  assert np.max(np.abs(np.asarray(ours) - reference)) < 1e-5 * np.max(np.abs(reference))
+
+
+def test_packed_documents_act_as_alone(hybrid):
+  """Two documents packed in a row (5 + 8 tokens) give, in every form, the logits each gives alone."""
+  tokens = random_tokens(1, 13, seed=3)
+  segment_ids = jnp.asarray([[0] * 5 + [1] * 8])
+  alone = jnp.concatenate([forward(hybrid, tokens[:, :5], None, "parallel")[0],
+                           forward(hybrid, tokens[:, 5:], None, "parallel")[0]], axis=1)
+  for mode in MODES:
+    packed, _ = hybrid(jnp.asarray(tokens), mode=mode, segment_ids=segment_ids)
+    assert max_abs_diff(packed, alone) < 5e-5, mode
+
+
+def test_left_padding_matches_the_prompt_alone(hybrid):
+  """A prompt left-padded by 4 (its state starting at position -4) gives the logits it gives alone."""
+  tokens = random_tokens(1, 9, seed=4)
+  alone, _ = forward(hybrid, tokens, None, "parallel")
+  padded = np.concatenate([np.zeros((1, 4), np.int32), tokens], axis=1)
+  for mode in MODES:
+    state = hybrid.init_state(1)
+    state["position"] = jnp.asarray([-4])
+    logits, _ = forward(hybrid, padded, state, mode)
+    assert max_abs_diff(logits[:, 4:], alone) < 5e-5, mode
+
+
+def test_segmented_gradients_equal_whole_sequences(hybrid):
+  """Backpropagating through segments of 5 tokens that carry retention states and KV caches gives the
+  whole-sequence loss and gradients."""
+  graphdef, params = nnx.split(hybrid)
+  batch = jnp.asarray(random_tokens(2, 14, seed=5))
+  value_and_grad = jax.jit(jax.value_and_grad(
+      lambda p, segment_len: losses.token_loss(graphdef, p, batch, "chunkwise", segment_len=segment_len)),
+      static_argnums=1)
+  (whole, whole_grads), (segmented, segmented_grads) = value_and_grad(params, 0), value_and_grad(params, 5)
+  assert abs(float(whole) - float(segmented)) < 1e-5
+  assert max_abs_diff(whole_grads, segmented_grads) < 1e-5
+
+
+def test_greedy_generation_follows_the_parallel_logits():
+  """Greedy tokens from a windowed hybrid (two prompts of different lengths, prefilled chunkwise, decoded through
+  the ring buffer) are the argmax of the parallel form's logits over each row's prompt and its generated tokens."""
+  model = tiny_model(attention_layers=(1,), attention_window=3, attention_num_kv_heads=1)
+  prompts = [random_tokens(1, 6, seed=6)[0], random_tokens(1, 2, seed=7)[0]]
+  tokens, lengths = sampling.pad_prompts(prompts)
+  out = sampling.generate(model, tokens, lengths, max_new_tokens=7, key=jax.random.key(0), temperature=0)
+  for prompt, new in zip(prompts, out.tokens):
+    sequence = np.concatenate([prompt, new])[None]
+    logits, _ = forward(model, sequence, None, "parallel")
+    np.testing.assert_array_equal(np.argmax(np.asarray(logits[0, len(prompt) - 1:-1]), -1), new)
+
+
+def test_decoding_state_is_constant_in_the_context_with_a_window():
+  """A windowed hybrid's decoding state has the same size after 6 and 40 tokens; an unwindowed one's cache is
+  model.attention_max_len slots."""
+  windowed = tiny_model(attention_layers=(1,), attention_window=4)
+  sizes = [sum(x.nbytes for x in jax.tree.leaves(forward(windowed, random_tokens(1, n), None, "chunkwise")[1]))
+           for n in (6, 40)]
+  assert sizes[0] == sizes[1]
+  unwindowed = tiny_model(attention_layers=(1,), attention_max_len=64)
+  assert unwindowed.init_state(1)["layers"][1]["key"].shape[1] == 64
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(attention_layers=(2,)), r"model.attention_layers=\(2,\) names layers \[2\] outside \[0, model.num_layers=2"),
+    (dict(attention_layers=(1, 1)), r"repeats layers \[1\]; name each layer once"),
+    (dict(attention_layers=[0, "1"]), "must be a tuple of layer indices"),
+    (dict(attention_layers=(1,), attention_num_heads=5), "attention_num_heads=5 must be a positive divisor of "
+                                                         "model.d_model=32"),
+    (dict(attention_layers=(1,), attention_num_heads=4, attention_num_kv_heads=3),
+     "attention_num_kv_heads=3 must be a positive divisor of the attention layers' 4 query heads"),
+    (dict(attention_layers=(1,), attention_window=0), "attention_window=0 must be a positive number of tokens"),
+    (dict(attention_layers=(1,), attention_rotation_base=-1.0), "attention_rotation_base must be a positive"),
+    (dict(attention_layers=(1,), attention_max_len=0), "attention_max_len must be a positive number"),
+    (dict(attention_window=8), r"model.attention_window=8 configures attention layers, but model.attention_layers "
+                               r"is empty"),
+    (dict(attention_layers=(0,), scan_layers=True), "set --config.model.scan_layers=False for a hybrid"),
+])
+def test_bad_hybrid_fields_are_refused(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    tiny_model(**overrides)
+
+
+def test_a_full_cache_is_refused_by_name():
+  """An unwindowed cache of 8 slots holding 6 tokens refuses 3 more, naming model.attention_max_len."""
+  model = tiny_model(attention_layers=(1,), attention_max_len=8)
+  _, state = model(jnp.asarray(random_tokens(1, 6)), mode="chunkwise", state=model.init_state(1))
+  with pytest.raises(ValueError, match=r"holds 8 tokens; 6 are used and 3 more do not fit. Raise "
+                                       r"model.attention_max_len to at least 9"):
+    model(jnp.asarray(random_tokens(1, 3)), mode="recurrent", state=state)
