@@ -6,7 +6,9 @@
 fla's RetNet is RetNet with: half-split rotation pairs at RoPE frequencies (`rotation_pairs="half"`,
 `rotation_freqs="rope"`), no stability normaliser (`stability_norm=False`), a learned per-head norm scale shared
 by the heads (`head_norm_scale`, its `elementwise_affine`), one epsilon for every norm, shared key/value heads
-(`num_kv_heads`) and a swish GLU of width `intermediate_size`. fla scales queries by d_k^-1/2 where RetNet scales
+(`num_kv_heads`) and a swish GLU of width `intermediate_size`. fla's `attn` entry (hybrids: softmax attention in
+chosen layers, optionally over a sliding window) maps to `model.attention_layers` and the `attention_*` fields; its
+separate q, k, v projections are our attention's fused one, split per key/value head. fla scales queries by d_k^-1/2 where RetNet scales
 keys: the same function, with the retention state 1/sqrt(d_k) times fla's. fla builds its decays in float32, where
 1 - 2^(-5-h) is exactly 1 for heads h >= 20; RetNet keeps them below 1 (it matters only past 20 heads).
 
@@ -32,7 +34,7 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from retnet_jax import layer_stack, presets, sharding, tokenizer as tokenizer_lib
+from retnet_jax import layer_stack, model as model_lib, presets, sharding, tokenizer as tokenizer_lib
 from retnet_jax.model import RetNet, check_model_config
 
 # fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
@@ -57,7 +59,6 @@ UNSUPPORTED_OPTIONS = {
     "use_short_conv": (False, "short convolutions on q, k and v"),
     "feature_map": (None, "a feature map on q and k"),
     "use_output_gate": (True, "retention without its swish output gate"),
-    "attn": (None, "hybrid models with standard attention layers"),
     "attnres_block_size": (None, "attention residuals across layers"),
     "hidden_act": ("swish", "another activation in the FFN and the output gate"),
 }
@@ -69,7 +70,14 @@ DTYPES = {"F32", "BF16", "F16"}
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
-# Our parameter path inside block i -> fla's name inside `model.layers.{i}.`.
+# Our parameter path inside block i -> fla's name inside `model.layers.{i}.`: a retention block, then what differs in
+# a hybrid's attention block (its fused q/k/v kernel holds fla's three, `QKV_NAMES`).
+_FFN_NAMES = {
+    ("ffn_norm", "scale"): "mlp_norm.weight",
+    ("ffn", "fc1", "kernel"): "mlp.gate_proj.weight",
+    ("ffn", "gate", "kernel"): "mlp.up_proj.weight",
+    ("ffn", "fc2", "kernel"): "mlp.down_proj.weight",
+}
 BLOCK_NAMES = {
     ("retention_norm", "scale"): "attn_norm.weight",
     ("retention", "q_proj", "kernel"): "attn.q_proj.weight",
@@ -77,11 +85,19 @@ BLOCK_NAMES = {
     ("retention", "v_proj", "kernel"): "attn.v_proj.weight",
     ("retention", "g_proj", "kernel"): "attn.g_proj.weight",
     ("retention", "out_proj", "kernel"): "attn.o_proj.weight",
-    ("ffn_norm", "scale"): "mlp_norm.weight",
-    ("ffn", "fc1", "kernel"): "mlp.gate_proj.weight",
-    ("ffn", "gate", "kernel"): "mlp.up_proj.weight",
-    ("ffn", "fc2", "kernel"): "mlp.down_proj.weight",
+    **_FFN_NAMES,
 }
+QKV = ("attention", "qkv_proj", "kernel")
+QKV_NAMES = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight")
+ATTENTION_BLOCK_NAMES = {
+    ("attention_norm", "scale"): "attn_norm.weight",
+    ("attention", "out_proj", "kernel"): "attn.o_proj.weight",
+    **_FFN_NAMES,
+}
+# fla's `attn` entry: its keys (fla's AttentionSpec), their defaults, and the value of those we implement one way.
+ATTN_DEFAULTS = {"num_kv_heads": None, "qkv_bias": False, "window_size": None, "rope_theta": 10000.0}
+ATTN_KEYS = ("layers", "num_heads", *ATTN_DEFAULTS)
+MAX_ATTENTION_HEAD_DIM = 256  # flash-attn's largest head dim, which fla's Attention calls
 # The head norm: fla's fused norm-and-gate module when fuse_norm is on (its default), its plain RMSNorm otherwise.
 HEAD_NORM_NAMES = {True: "attn.g_norm_swish_gate.weight", False: "attn.g_norm.weight"}
 TOP_NAMES = {
@@ -97,13 +113,35 @@ def listing(names: list[str], limit: int = 12) -> str:
   return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def fla_name(path: tuple, fuse_norm: bool = True) -> str:
-  """fla's tensor name of our parameter at `path` (e.g. ("blocks", 0, "ffn", "fc1", "kernel"))."""
+def fla_names(path: tuple, fuse_norm: bool = True) -> tuple[str, ...]:
+  """fla's tensor names of our parameter at `path` (e.g. ("blocks", 0, "ffn", "fc1", "kernel")): one, or for an
+  attention block's fused q/k/v kernel fla's q, k and v."""
   if path[0] != "blocks":
-    return TOP_NAMES[tuple(path)]
+    return (TOP_NAMES[tuple(path)],)
   inner = tuple(path[2:])
-  name = HEAD_NORM_NAMES[fuse_norm] if inner == ("retention", "head_norm_scale") else BLOCK_NAMES[inner]
-  return f"model.layers.{path[1]}.{name}"
+  if inner == QKV:
+    names = QKV_NAMES
+  elif inner == ("retention", "head_norm_scale"):
+    names = (HEAD_NORM_NAMES[fuse_norm],)
+  else:
+    names = ((BLOCK_NAMES | ATTENTION_BLOCK_NAMES)[inner],)
+  return tuple(f"model.layers.{path[1]}.{name}" for name in names)
+
+
+def fuse_qkv(q_DxHK: np.ndarray, k_DxGK: np.ndarray, v_DxGK: np.ndarray, num_kv_heads: int) -> np.ndarray:
+  """fla's q, k, v kernels (ours: [in, out]) as our attention's fused one, columns grouped per key/value head (its
+  query heads, then its key and value: `transformer.CausalSelfAttention`)."""
+  d_model = q_DxHK.shape[0]
+  q, k, v = (x.reshape(d_model, num_kv_heads, -1, k_DxGK.shape[1] // num_kv_heads) for x in (q_DxHK, k_DxGK, v_DxGK))
+  return np.concatenate([q, k, v], axis=2).reshape(d_model, -1)
+
+
+def split_qkv(kernel: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[np.ndarray, ...]:
+  """`fuse_qkv` undone: (q, k, v) kernels `[in, out]`."""
+  d_model = kernel.shape[0]
+  grouped = kernel.reshape(d_model, num_kv_heads, num_heads // num_kv_heads + 2, -1)
+  return (grouped[:, :, :-2].reshape(d_model, -1), grouped[:, :, -2].reshape(d_model, -1),
+          grouped[:, :, -1].reshape(d_model, -1))
 
 
 def ffn_width(options: Mapping[str, Any]) -> int:
@@ -134,6 +172,7 @@ def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
   if problems:
     raise ValueError("the fla config uses what RetNet does not implement: " + "; ".join(problems) + ".")
   d_model = int(options["hidden_size"])
+  attention = _attention_fields(options["attn"], options["num_heads"])
   value_dim = round(d_model * options["expand_v"])
   if not math.isclose(d_model * options["expand_v"], value_dim):
     raise ValueError(f"hidden_size * expand_v = {d_model * options['expand_v']} is not an integer (fla refuses it "
@@ -147,9 +186,51 @@ def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
       value_dim=value_dim, ffn_dim=ffn_width(options), tie_embeddings=bool(options["tie_word_embeddings"]),
       norm_eps=float(options["norm_eps"]), head_norm_eps=float(options["norm_eps"]),
       head_norm_scale=bool(options["elementwise_affine"]), decay_schedule="retnet", rotation_base=10000.0,
-      dtype="float32")
+      dtype="float32", **attention)
   check_model_config(config.model)
   return config
+
+
+def _attention_fields(attn: Any, num_heads: int) -> dict[str, Any]:
+  """The `model.attention_*` fields of fla's `attn` entry (None, one specification, or a list of them sharing their
+  settings) in a model of `num_heads` retention heads, or ValueError naming what RetNet's hybrids do not express."""
+  if attn is None:
+    return {}
+  specs = [attn] if isinstance(attn, dict) else attn
+  if not isinstance(specs, list) or not all(isinstance(spec, dict) for spec in specs):
+    raise ValueError(f"config.json's attn must be an object (layers, num_heads, ...) or a list of them; got {attn!r}.")
+  for spec in specs:
+    unknown = sorted(set(spec) - set(ATTN_KEYS))
+    if unknown:
+      raise ValueError(f"config.json's attn gives {', '.join(unknown)}, which RetNet's hybrids do not implement "
+                       f"(supported: {', '.join(ATTN_KEYS)}).")
+    missing = [key for key in ("layers", "num_heads") if key not in spec]
+    if missing:
+      raise ValueError(f"config.json's attn lacks {', '.join(missing)} (fla requires them too).")
+  settings = [{**ATTN_DEFAULTS, **{k: v for k, v in spec.items() if k != "layers"}} for spec in specs]
+  if any(setting != settings[0] for setting in settings):
+    raise ValueError(f"config.json's attn gives {len(specs)} specifications with different settings ({settings}); "
+                     "RetNet's hybrids give every attention layer one setting.")
+  setting = settings[0]
+  if setting["qkv_bias"] is not False:
+    raise ValueError(f"config.json's attn has qkv_bias={setting['qkv_bias']!r} (biases on q, k and v; supported: "
+                     "false).")
+  layers = [layer for spec in specs for layer in (spec["layers"] if isinstance(spec["layers"], list) else [None])]
+  wrong = [f"layers={[spec['layers'] for spec in specs]!r} (needs lists of layer indices)"
+           if not all(_is_type(layer, "int") for layer in layers) else None]
+  wrong += [f"{name}={setting[name]!r} (needs {TYPE_NAMES[kind]})" for name, kind in (
+      ("num_heads", "int"), ("num_kv_heads", "int"), ("window_size", "int"), ("rope_theta", "number"))
+      if not (setting[name] is None and name in ("num_kv_heads", "window_size")) and not _is_type(setting[name], kind)]
+  if any(wrong):
+    raise ValueError("config.json's attn gives options of the wrong type: " + "; ".join(filter(None, wrong)) +
+                     "; fix config.json.")
+  heads = int(setting["num_heads"])
+  kv_heads = setting["num_kv_heads"]
+  return dict(attention_layers=tuple(sorted(int(layer) for layer in layers)),
+              attention_num_heads=None if heads == num_heads else heads,
+              attention_num_kv_heads=None if kv_heads in (None, heads) else int(kv_heads),
+              attention_window=None if setting["window_size"] is None else int(setting["window_size"]),
+              attention_rotation_base=float(setting["rope_theta"]))
 
 
 def _is_type(value: Any, kind: str) -> bool:
@@ -269,11 +350,17 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
   graphdef, state = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
   targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))
   fuse_norm = bool(fla_config.get("fuse_norm", FLA_DEFAULTS["fuse_norm"]))
-  names = {path: fla_name(path, fuse_norm) for path in targets}
+  names = {path: fla_names(path, fuse_norm) for path in targets}
   # fla ties lm_head to the embeddings whatever a stored lm_head.weight holds.
   ignored = {TOP_NAMES[("head", "kernel")]} if config.model.tie_embeddings else set()
-  _check_tensors(tensors.specs, {names[p]: tuple(t.shape)[::-1] if p[-1] == "kernel" else tuple(t.shape)
-                                 for p, t in targets.items()}, ignored)
+  heads, kv_heads = model_lib.attention_heads(config.model)
+  expected = {}
+  for path, target in targets.items():
+    shape = tuple(target.shape)
+    parts = split_qkv(np.empty(shape, np.bool_), heads, kv_heads) if len(names[path]) > 1 else [np.empty(shape)]
+    expected.update({name: part.shape[::-1] if path[-1] == "kernel" else part.shape
+                     for name, part in zip(names[path], parts)})
+  _check_tensors(tensors.specs, expected, ignored)
   if placement is None:
     shardings = {path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for path in targets}
   else:
@@ -281,8 +368,10 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
         sharding.tree_shardings(state, placement.mesh, placement.rules)))
   arrays = {}
   for path, target in targets.items():
-    host = tensors.read(names[path])
-    host = host.T if path[-1] == "kernel" else host  # torch Linear weights are [out, in]; our kernels [in, out]
+    # torch Linear weights are [out, in]; our kernels [in, out]
+    parts = [host.T if path[-1] == "kernel" else host for host in map(tensors.read, names[path])]
+    host = fuse_qkv(*parts, kv_heads) if len(parts) > 1 else parts[0]
+    del parts
     arrays[path] = jax.make_array_from_callback(target.shape, shardings[path], host.__getitem__)
     del host
   nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(arrays))
@@ -302,6 +391,10 @@ def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
   if cfg.d_model // cfg.num_heads > MAX_KEY_HEAD_DIM:
     problems.append(f"key head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} (fla allows at most "
                     f"{MAX_KEY_HEAD_DIM})")
+  heads = model_lib.attention_heads(cfg)[0]
+  if cfg.attention_layers and cfg.d_model // heads > MAX_ATTENTION_HEAD_DIM:
+    problems.append(f"attention head dim d_model / attention_num_heads = {cfg.d_model // heads} (flash-attn, which "
+                    f"fla's attention calls, allows at most {MAX_ATTENTION_HEAD_DIM})")
   return problems
 
 
@@ -314,8 +407,17 @@ def fla_config_of(cfg: ml_collections.ConfigDict, eos_id: int | None) -> dict[st
       "hidden_act": "swish", "norm_eps": cfg.norm_eps, "elementwise_affine": cfg.head_norm_scale,
       "fuse_norm": True, "use_output_gate": True, "use_short_conv": False, "feature_map": None,
       "tie_word_embeddings": cfg.tie_embeddings, "vocab_size": cfg.vocab_size, "bos_token_id": None,
-      "eos_token_id": eos_id, "pad_token_id": None, "dtype": "float32",
+      "eos_token_id": eos_id, "pad_token_id": None, "dtype": "float32", "attn": _fla_attn(cfg),
   }
+
+
+def _fla_attn(cfg: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """fla's `attn` entry of a hybrid model config (None: no attention layers)."""
+  if not cfg.attention_layers:
+    return None
+  heads, kv_heads = model_lib.attention_heads(cfg)
+  return {"layers": sorted(cfg.attention_layers), "num_heads": heads, "num_kv_heads": kv_heads, "qkv_bias": False,
+          "window_size": cfg.attention_window, "rope_theta": cfg.attention_rotation_base}
 
 
 def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
@@ -330,11 +432,16 @@ def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
   return shards
 
 
-def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple]) -> Iterator[tuple[tuple, np.ndarray]]:
-  """float32 numpy copies of `params[path]` in torch's layout ([out, in] for kernels), gathered across processes."""
+def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_collections.ConfigDict
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+  """fla's names and float32 numpy copies of `params[path]` in torch's layout ([out, in] for kernels; a fused q/k/v
+  kernel as fla's three), gathered across processes."""
   for path in paths:
     value = np.asarray(multihost_utils.process_allgather(params[path], tiled=True), np.float32)
-    yield path, np.ascontiguousarray(value.T if path[-1] == "kernel" else value)
+    names = fla_names(path)
+    parts = split_qkv(value, *model_lib.attention_heads(cfg)) if len(names) > 1 else (value,)
+    for name, part in zip(names, parts):
+      yield name, np.ascontiguousarray(part.T if path[-1] == "kernel" else part)
 
 
 def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> tokenizer_lib.Tokenizer:
@@ -367,7 +474,6 @@ def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | P
   tokenizer = check_export(config, out)
   tokenizer_file = None if config.data.tokenizer == "byte" else Path(config.data.tokenizer)
   params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(layer_stack.as_layout(model, False), nnx.Param)))
-  names = {path: fla_name(path) for path in params}
   shards = _shards({path: 4 * math.prod(value.shape) for path, value in params.items()}, max_shard_bytes)
   files = ([SINGLE_FILE] if len(shards) == 1 else
            [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
@@ -375,13 +481,13 @@ def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | P
   if writer:
     out.mkdir(parents=True, exist_ok=True)
   for file, paths in zip(files, shards):
-    tensors = {names[path]: value for path, value in _host_arrays(params, paths)}
+    tensors = dict(_host_arrays(params, paths, config.model))
     if writer:
       save_file(tensors, out / file, metadata={"format": "pt"})
     del tensors
   if writer:
     if len(shards) > 1:
-      weight_map = {names[path]: file for file, paths in zip(files, shards) for path in paths}
+      weight_map = {name: file for file, paths in zip(files, shards) for path in paths for name in fla_names(path)}
       total = sum(4 * math.prod(value.shape) for value in params.values())
       (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                indent=2))

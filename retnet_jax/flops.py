@@ -18,16 +18,25 @@ def matmul_params(cfg: ml_collections.ConfigDict) -> int:
   """Parameters used in matmuls per token: every projection and the output head (not the embedding lookup).
 
   RetNet: q (d^2), k (d^2), v (d d_v), each of k and v scaled by num_kv_heads / num_heads, g (d d_v), out (d_v d)
-  and the GLU FFN (3 d f) per layer; the Transformer: q, k, v, o (d^2 each) and the GLU FFN.
+  and the GLU FFN (3 d f) per layer; the Transformer, and a hybrid RetNet's attention layers: q, k, v, o (d^2
+  each, k and v scaled by the key/value heads' share) and the GLU FFN.
   """
   d, f = cfg.d_model, cfg.ffn_dim
   if cfg.architecture == "transformer":
-    per_layer = 4 * d * d + 3 * d * f
-  else:
-    v = cfg.value_dim
-    kv_share = (cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads) / cfg.num_heads
-    per_layer = d * d + round(kv_share * (d * d + d * v)) + d * v + v * d + 3 * d * f
-  return cfg.num_layers * per_layer + d * cfg.vocab_size
+    return cfg.num_layers * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
+  v = cfg.value_dim
+  kv_share = (cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads) / cfg.num_heads
+  per_layer = d * d + round(kv_share * (d * d + d * v)) + d * v + v * d + 3 * d * f
+  heads, kv_heads = _attention_heads(cfg)
+  attention_per_layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * f
+  num_attention = len(cfg.get("attention_layers", ()))
+  return (cfg.num_layers - num_attention) * per_layer + num_attention * attention_per_layer + d * cfg.vocab_size
+
+
+def _attention_heads(cfg: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(query heads, key/value heads) of a hybrid's attention layers (`model.attention_heads`)."""
+  heads = cfg.get("attention_num_heads") or cfg.num_heads
+  return heads, cfg.get("attention_num_kv_heads") or heads
 
 
 def retention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
@@ -47,21 +56,25 @@ def retention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode
     per_layer = state_rw
   else:
     raise ValueError(f"unknown mode {mode!r}; choose parallel, chunkwise or recurrent.")
-  return cfg.num_layers * per_layer
+  return (cfg.num_layers - len(cfg.get("attention_layers", ()))) * per_layer
 
 
-def attention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int) -> int:
-  """Forward FLOPs per token of a Transformer's attention products (all layers): the full [L, L] score matrix and
-  its product with V, 4 L d per token."""
-  return cfg.num_layers * 4 * seq_len * cfg.d_model
+def attention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str = "parallel") -> int:
+  """Forward FLOPs per token of the attention products (a Transformer's layers, a hybrid's attention layers): the
+  full [L, L] score matrix and its product with V, 4 L d per token (a window masks scores, it does not skip them);
+  a windowed layer decoding (recurrent) reads its W cached tokens, 4 W d."""
+  if cfg.architecture == "transformer":
+    return cfg.num_layers * 4 * seq_len * cfg.d_model
+  window = cfg.get("attention_window")
+  keys = min(seq_len, window) if window and mode == "recurrent" else seq_len
+  return len(cfg.get("attention_layers", ())) * 4 * keys * cfg.d_model
 
 
 def forward_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
-  """Forward: 2 x matmul params + the retention products in `mode`, or a Transformer's attention."""
+  """Forward: 2 x matmul params + the retention products in `mode` and the attention products."""
   if cfg.architecture == "transformer":
-    mixing = attention_flops_per_token(cfg, seq_len)
-  else:
-    mixing = retention_flops_per_token(cfg, seq_len, mode)
+    return 2 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+  mixing = retention_flops_per_token(cfg, seq_len, mode) + attention_flops_per_token(cfg, seq_len, mode)
   return 2 * matmul_params(cfg) + mixing
 
 

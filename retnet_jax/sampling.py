@@ -9,7 +9,8 @@
 chunkwise (or parallel) form in one compiled call; `decode` feeds one token at a time through the recurrent form in
 one compiled `lax.while_loop`, which stops once every row has emitted a stop token. RetNet's memory is constant in
 the context length; a Transformer prefills in the parallel form into a KV cache of `model.max_len` tokens, which
-must hold the prompt and the new tokens. Left-padded rows start at position -pad, so each decodes as if alone. The
+must hold the prompt and the new tokens (as must a hybrid RetNet's unwindowed attention layers, of
+`model.attention_max_len`; windowed ones keep the last `model.attention_window` tokens, constant memory again). Left-padded rows start at position -pad, so each decodes as if alone. The
 module functions share one `Sampler`: its prefill compiles once per (model structure, batch, prompt length,
 prefill_mode), its loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not, top_k, whether
 top_p is set, stream_every); new prompts, keys, temperatures and top_p do not recompile (one key and one key per
@@ -162,8 +163,7 @@ class Sampler:
     settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
     keys = _check_key(key, prefilled.last_tokens.shape[0])
-    if model.config.architecture == "transformer":
-      transformer.check_state_room(prefilled.state, settings.max_new_tokens)
+    _check_decoding_room(model, prefilled.state, settings.max_new_tokens)
     return self._decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
 
   def generate(self, model: architectures.Model, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int,
@@ -314,16 +314,35 @@ def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any,
   return batch, prefill_mode, padding
 
 
+def _cache_field(cfg) -> str | None:
+  """The model field that sizes a KV cache which must hold the whole context (a Transformer's, an unwindowed hybrid
+  attention layer's), or None: the state's size does not grow with the context."""
+  if cfg.architecture == "transformer":
+    return "max_len"
+  return "attention_max_len" if cfg.attention_layers and not cfg.attention_window else None
+
+
 def _check_cache(model: architectures.Model, prompt_len: int, max_new_tokens: int = 0) -> None:
-  """A Transformer's KV cache (model.max_len tokens) must hold every prompt token but the last, then one token per
-  decoding step."""
-  if model.config.architecture != "transformer":
+  """A KV cache that holds the whole context (`_cache_field`) must hold every prompt token but the last, then one
+  token per decoding step."""
+  field = _cache_field(model.config)
+  if field is None:
     return
-  needed, size = prompt_len - 1 + max_new_tokens, model.config.max_len
+  needed, size = prompt_len - 1 + max_new_tokens, model.config[field]
   if needed > size:
     what = f"prompts padded to {prompt_len} tokens" + (f" and {max_new_tokens} new tokens" if max_new_tokens else "")
-    raise ValueError(f"{what} need a KV cache of {needed} tokens, but model.max_len={size}; raise model.max_len "
-                     f"(--config.model.max_len={needed}), or shorten the prompts or max_new_tokens.")
+    raise ValueError(f"{what} need a KV cache of {needed} tokens, but model.{field}={size}; raise model.{field} "
+                     f"(--config.model.{field}={needed}), or shorten the prompts or max_new_tokens.")
+
+
+def _check_decoding_room(model: architectures.Model, state: dict[str, Any], max_new_tokens: int) -> None:
+  """A prefilled state's KV caches that hold the whole context must hold `max_new_tokens` more."""
+  field = _cache_field(model.config)
+  if field == "max_len":
+    transformer.check_state_room(state, max_new_tokens)
+  elif field is not None:
+    layer = state["layers"][model.config.attention_layers[0]]
+    transformer.check_room(layer["next_slot"], layer["key"].shape[1], max_new_tokens, f"model.{field}")
 
 
 def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> jax.Array:

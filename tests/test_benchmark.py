@@ -39,6 +39,15 @@ def test_flop_counter_matches_hand_count():
   # Training: forward (2 per multiply-add) + backward (twice the forward).
   assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36864 + 6144) == 239616
   assert flops.train_flops_per_token(cfg, 16, "chunkwise") == 3 * (2 * 36864 + 11264) == 254976
+  # A hybrid whose layer 1 attends with 4 query heads and 2 key/value heads (head dim 8): q, o 32x32 (2 x 1024), k, v
+  # 32x16 (2 x 512), the same GLU (6144): 9216 in place of 14336; it equals the model's kernels. Its attention
+  # products at 16 tokens: 4 * 16 * 32 = 2048 per token; decoding with a window of 4 reads 4 keys: 4 * 4 * 32 = 512.
+  cfg.update(attention_layers=(1,), attention_num_heads=4, attention_num_kv_heads=2, attention_window=4)
+  kernels = [x for path, x in nnx.to_flat_state(nnx.state(RetNet(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+             if path[-1] == "kernel"]
+  assert flops.matmul_params(cfg) == 14336 + 9216 + 8192 == sum(x[...].size for x in kernels)
+  assert flops.forward_flops_per_token(cfg, 16, "parallel") == 2 * (14336 + 9216 + 8192) + 3072 + 2048
+  assert flops.forward_flops_per_token(cfg, 16, "recurrent") == 2 * (14336 + 9216 + 8192) + 4096 + 512
 
 
 EXPECTED_KEYS = {
@@ -122,7 +131,7 @@ def test_quick_suite_writes_every_result(tmp_path):
   assert {"tokens_per_s", "step_s", "memory", "compiled_bytes"} <= set(results["long_training"]["segmented"])
   assert {"retnet/chunkwise/float32"} == set(results["document_resets"]["cases"])  # quick: one row
   assert all(r["ratio"] > 0 for r in results["document_resets"]["cases"].values())
-  for model in ("retnet", "transformer"):
+  for model in ("retnet", "transformer", "hybrid"):
     assert {"batch_1", "batch_32"} <= set(results["decoding"]["throughput"][model])
     assert all({"context", "latency_s", "state_bytes"} <= set(p) for p in results["decoding"]["latency"][model])
   assert [t["target"] for t in results["targets"]] and all("met" in t for t in results["targets"])

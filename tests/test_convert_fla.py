@@ -23,6 +23,7 @@ from tests.helpers import forward, random_tokens, run_script
 
 torch = pytest.importorskip("torch")
 fla_models = pytest.importorskip("fla.models")  # fla imports triton, which installs but does not run here
+import fla.layers.attn as fla_attn  # noqa: E402
 import fla.modules.mlp as fla_mlp  # noqa: E402
 import fla.modules.norm.fused_norm_gate as fla_norm_gate  # noqa: E402
 import fla.modules.norm.layernorm as fla_layernorm  # noqa: E402
@@ -47,6 +48,13 @@ CONFIGS = {
                        ("parallel", "chunkwise")),
     "one_kv_head_no_scale": (dict(hidden_size=32, num_hidden_layers=1, num_heads=4, num_kv_heads=1, vocab_size=40,
                                   intermediate_size=40, elementwise_affine=False), ("recurrent", "parallel")),
+    # Hybrids: attention in layer 1 of 2 over a window of 24 tokens (past the hand-off's split and LENGTH's
+    # reach), with grouped key/value heads and its own rotary base; attention over everything in layer 0 of 2.
+    "hybrid_window": (dict(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=61, intermediate_size=48,
+                           attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 24,
+                                 "rope_theta": 500.0}), ("chunkwise", "recurrent")),
+    "hybrid_full": (dict(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=61, tie_word_embeddings=True,
+                         attn=[{"layers": [0], "num_heads": 2}]), ("parallel", "chunkwise")),
 }
 LENGTH = 70  # past 64, so that fla runs its chunk or parallel form rather than the recurrent one
 
@@ -60,6 +68,21 @@ def _rotary_ref(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
   assert cu_seqlens is None and isinstance(seqlen_offsets, int)
   rows = slice(seqlen_offsets, seqlen_offsets + x.shape[1])
   return fla_rotary.rotary_embedding_ref(x, cos[rows], sin[rows], interleaved)
+
+
+def _flash_attn_ref(q, k, v, causal=True, window_size=(-1, -1), **_):
+  """flash-attn's flash_attn_func (which fla's Attention calls; it needs a GPU) in plain PyTorch: query i of L sees
+  the keys up to i + S - L of S (causal, aligned to the last key), the last window_size[0] + 1 of them if >= 0, each
+  group of query heads one key/value head."""
+  assert causal
+  group = q.shape[2] // k.shape[2]
+  k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+  scores = torch.einsum("blhd,bshd->bhls", q.float(), k.float()) * q.shape[-1]**-0.5
+  query = torch.arange(q.shape[1])[:, None] + k.shape[1] - q.shape[1]
+  key = torch.arange(k.shape[1])[None]
+  visible = (key <= query) & ((key >= query - window_size[0]) if window_size[0] >= 0 else True)
+  probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+  return torch.einsum("bhls,bshd->blhd", probs, v.float()).to(q.dtype)
 
 
 def _weight(weight, x):
@@ -87,6 +110,7 @@ def fla_reference():
     patch.setattr(fla_mlp, "swiglu_linear", lambda x, y, weight, bias: torch.nn.functional.linear(
         torch.nn.functional.silu(x) * y, weight, bias))
     patch.setattr(fla_mlp, "swiglu", lambda x, y: torch.nn.functional.silu(x) * y)
+    patch.setattr(fla_attn, "flash_attn_func", _flash_attn_ref)
     yield
 
 
@@ -176,7 +200,7 @@ def test_bfloat16_shards_written_by_transformers_load(tmp_path):
   assert (tmp_path / "fla" / convert_fla.INDEX_FILE).is_file()
   ours, config = convert_fla.load_fla(tmp_path / "fla")
   theirs = {name: value.float().numpy() for name, value in model.state_dict().items()}
-  assert all(np.array_equal(value.T if path[-1] == "kernel" else value, theirs[convert_fla.fla_name(path, False)])
+  assert all(np.array_equal(value.T if path[-1] == "kernel" else value, theirs[convert_fla.fla_names(path, False)[0]])
              for path, value in flat_params(ours).items())
 
 
@@ -210,11 +234,17 @@ def flat_params(model):
   return traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-@pytest.mark.parametrize("tie,max_shard_bytes,scan", [(False, 2**30, False), (True, 30_000, True)])
-def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes, scan):
+HYBRID = dict(attention_layers=(0,), attention_num_heads=8, attention_num_kv_heads=2, attention_window=20,
+              attention_rotation_base=300.0)
+
+
+@pytest.mark.parametrize("tie,max_shard_bytes,scan,hybrid", [(False, 2**30, False, {}), (True, 30_000, True, {}),
+                                                             (False, 30_000, False, HYBRID)])
+def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes, scan, hybrid):
   """JAX -> fla folder (one file, or shards with an index) -> fla's from_pretrained gives our logits; -> JAX again
-  gives the same parameters and model config; the tokenizer travels with it. Either layout of the blocks."""
-  model, config = our_fla_model(tie_embeddings=tie, scan_layers=scan)
+  gives the same parameters and model config; the tokenizer travels with it. Either layout of the blocks; a hybrid
+  (its fused q/k/v kernel as fla's three, its window, heads and rotary base in fla's attn entry)."""
+  model, config = our_fla_model(tie_embeddings=tie, scan_layers=scan, **hybrid)
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
   out = convert_fla.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
   sharded = (out / convert_fla.INDEX_FILE).is_file()
@@ -234,11 +264,30 @@ FLA_CONFIG = {"model_type": "retnet", "hidden_size": 32, "num_hidden_layers": 1,
 
 @pytest.mark.parametrize("option,value", [
     ("expand_k", 2.0), ("use_short_conv", True), ("feature_map", "relu"), ("use_output_gate", False),
-    ("attn", {"layers": [0], "num_heads": 2}), ("attnres_block_size", 2), ("hidden_act", "powlu"),
+    ("attnres_block_size", 2), ("hidden_act", "powlu"),
 ])
 def test_unsupported_fla_options_are_refused(tmp_path, option, value):
   (tmp_path / "config.json").write_text(json.dumps({**FLA_CONFIG, option: value}))
   with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
+    convert_fla.load_fla(tmp_path)
+
+
+@pytest.mark.parametrize("attn,message", [
+    ({"layers": [0], "num_heads": 2, "qkv_bias": True}, "attn has qkv_bias=True (biases on q, k and v"),
+    ({"layers": [0], "num_heads": 2, "qk_norm": True}, "attn gives qk_norm, which RetNet's hybrids do not implement"),
+    ({"layers": [0]}, "attn lacks num_heads"),
+    ([{"layers": [0], "num_heads": 2}, {"layers": [1], "num_heads": 2, "window_size": 8}],
+     "attn gives 2 specifications with different settings"),
+    ({"layers": [0], "num_heads": 2, "window_size": 1.5}, "window_size=1.5 (needs a whole number)"),
+    ({"layers": "0", "num_heads": 2}, "layers=['0'] (needs lists of layer indices)"),
+    ({"layers": [3], "num_heads": 2}, r"model.attention_layers=(3,) names layers [3] outside [0, model.num_layers=2"),
+    ({"layers": [0], "num_heads": 3}, "model.attention_num_heads=3 must be a positive divisor of model.d_model=32"),
+    ("attention", "attn must be an object (layers, num_heads, ...) or a list of them"),
+])
+def test_fla_attention_entries_we_cannot_express_are_refused(tmp_path, attn, message):
+  """fla's attn entry: what RetNet's hybrids do not implement, or a malformed entry, refused by name."""
+  (tmp_path / "config.json").write_text(json.dumps({**FLA_CONFIG, "num_hidden_layers": 2, "attn": attn}))
+  with pytest.raises(ValueError, match=re.escape(message)):
     convert_fla.load_fla(tmp_path)
 
 
@@ -253,6 +302,8 @@ def test_unsupported_fla_options_are_refused(tmp_path, option, value):
     (dict(ffn_activation="gelu"), "model.ffn_activation='gelu'"),
     (dict(head_norm_eps=1e-5), "model.head_norm_eps=1e-05 differs from model.norm_eps=1e-06"),
     (dict(d_model=1024, num_heads=2), "key head dim d_model / num_heads = 512"),
+    (dict(d_model=1024, num_heads=8, attention_layers=(0,), attention_num_heads=2),
+     "attention head dim d_model / attention_num_heads = 512"),
 ])
 def test_models_fla_cannot_express_are_refused(tmp_path, override, message):
   config = presets.get_config("fla")

@@ -151,8 +151,13 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inferen
   # A preallocated KV cache as long as the prompt and the new tokens: attention reads what the context needs.
   models["transformer"] = lambda context: inference.place(transformer.Transformer(
       presets.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed)))
+  # The hybrid: the last layer attends over a window of `prompt_len` tokens (a ring-buffer cache of that many).
+  hybrid_cfg = config.model.copy_and_resolve_references()
+  hybrid_cfg.update(attention_layers=(hybrid_cfg.num_layers - 1,), attention_window=suite.prompt_len)
+  hybrid = inference.place(RetNet(hybrid_cfg, rngs=nnx.Rngs(config.seed)))
+  models["hybrid"] = lambda context: hybrid
   for name, model_at in models.items():
-    prefill = "chunkwise" if name == "retnet" else "parallel"
+    prefill = "parallel" if name == "transformer" else "chunkwise"
     for context in contexts:
       cases[f"{name}/batch_1/{context}"] = decode_case(model_at(context), 1, context, suite.new_tokens, prefill)
     cases[f"{name}/batch_{suite.decode_batch}/{suite.prompt_len}"] = decode_case(
