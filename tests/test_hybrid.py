@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from retnet_jax import losses, model as model_lib, sampling, transformer
-from tests.helpers import forward, random_tokens, tiny_model
+from retnet_jax import (evaluate, losses, model as model_lib, passkey, passkey_eval, sampling, train, train_state,
+                        transformer)
+from retnet_jax.tokenizer import ByteTokenizer
+from tests.helpers import forward, random_tokens, read_metrics, tiny_config, tiny_model
 
 MODES = model_lib.MODES
 # Layer 1 of the tiny preset's two is attention: every earlier token with grouped key/value heads, or a window of 5
@@ -209,3 +211,25 @@ def test_a_full_cache_is_refused_by_name():
   with pytest.raises(ValueError, match=r"holds 8 tokens; 6 are used and 3 more do not fit. Raise "
                                        r"model.attention_max_len to at least 9"):
     model(jnp.asarray(random_tokens(1, 3)), mode="recurrent", state=state)
+
+
+def test_a_hybrid_trains_resumes_and_evaluates(tmp_path, run_crashing_at_batch):
+  """A windowed hybrid trained chunkwise in segments of 16 tokens (retention states and ring buffers carried):
+  crashed in step 6 and resumed, it logs the straight run's losses; its checkpoint evaluates alike in the three
+  modes, and the passkey evaluation decodes it."""
+  config = tiny_config(tmp_path, mode="chunkwise", segment_len=16)
+  config.model.update(attention_layers=(1,), attention_window=8)
+  straight = train.train_and_evaluate(config, tmp_path / "straight")
+  run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")  # after checkpoint 4
+  resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+  assert read_metrics(tmp_path / "resumed") == read_metrics(tmp_path / "straight")
+  assert sorted(read_metrics(tmp_path / "straight")) == list(range(1, 9))
+  assert resumed["eval_loss"] == straight["eval_loss"]
+  model, step = train_state.restore_model(config, tmp_path / "resumed")
+  assert step == 8 and isinstance(model.blocks[1], transformer.TransformerBlock)
+  results = evaluate.evaluate_model(model, config, modes=MODES, max_batches=1)
+  losses_by_mode = [results["modes"][mode]["loss"] for mode in MODES]
+  assert max(losses_by_mode) - min(losses_by_mode) < 1e-5 and losses_by_mode[0] < 5.0
+  grid = passkey.make_grid(ByteTokenizer(), [200], [0.5], samples=2)
+  scores = passkey_eval.evaluate(passkey_eval.greedy_generate(model), grid)
+  assert scores["samples"] == 2 and 0 <= scores["mean_accuracy"] <= 1

@@ -136,9 +136,12 @@ def test_simple_evaluate_by_registry_name_scores_as_the_parallel_logits(trained,
   assert 0 <= results["results"]["tiny_mc"]["acc,none"] <= 1
 
 
-def test_a_transformer_continues_from_its_kv_cache(tmp_path):
-  """The adapter is generic over model(tokens, mode, state): a Transformer's KV cache carries the contexts."""
-  model = tiny_transformer(max_len=128)
+@pytest.mark.parametrize("architecture", ["transformer", "hybrid"])
+def test_a_transformer_or_hybrid_continues_from_its_kv_cache(tmp_path, architecture):
+  """The adapter is generic over model(tokens, mode, state): a Transformer's KV cache carries the contexts, as do a
+  hybrid RetNet's retention states and (its layer 1 attending over a window of 6 tokens) ring buffer."""
+  model = (tiny_transformer(max_len=128) if architecture == "transformer" else
+           tiny_model(attention_layers=(1,), attention_window=6))
   tokenizer = ByteTokenizer()
   lm = harness.RetNetLM(model=model, tokenizer=tokenizer, max_length=16, batch_size=3)
   logits = parallel_logits(model)
