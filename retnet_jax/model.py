@@ -262,6 +262,11 @@ class _Attention:
   call brings no state."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, positions_BxL: jax.Array, mode: str, segment_ids):
+    if (split := sharding.sequence_split()) is not None:
+      raise ValueError(f"the active mesh splits sequences over its {split[0]!r} axis ({split[1]} devices), but "
+                       f"model.attention_layers={tuple(cfg.attention_layers)} are attention layers, and only "
+                       "retention splits sequences (sequence-parallel attention is not built): use a mesh whose "
+                       "sequence axis has size 1.")
     self.cfg, self.positions_BxL, self.mode = cfg, positions_BxL, mode
     self.tables = rotation.tables_for(cfg, positions_BxL, attention_heads(cfg)[0], cfg.attention_rotation_base)
     self.document_BxL = None if segment_ids is None else segments.document_index(segment_ids)

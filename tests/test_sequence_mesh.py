@@ -117,6 +117,14 @@ def test_bad_sequence_splits_are_refused_before_any_work():
   with pytest.raises(ValueError, match="Pallas kernels run whole sequences only"):
     train_state.check_sequence_split(config, 8, 256)
   config.model.retention_impl = "xla"
+  config.model.attention_layers = (1,)  # a hybrid: its config refused, and its model run under such a mesh
+  with pytest.raises(ValueError, match=r"model.attention_layers=\(1,\) are attention layers, and only retention "
+                                       r"splits sequences"):
+    train.check_config(config, 8)
+  model = RetNet(config.model, rngs=nnx.Rngs(0))
+  with sharding.placement(config.mesh).active(), pytest.raises(ValueError, match="sequence-parallel attention is not"):
+    model(np.zeros((1, 64), np.int32), mode="chunkwise")
+  config.model.attention_layers = ()
   config.mesh.rules = tuple(config.mesh.rules[:-1]) + (("length", ("tensor", "sequence")),)
   with pytest.raises(ValueError, match="splits sequences over one mesh axis"):
     train.check_config(config, 8)
