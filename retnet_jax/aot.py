@@ -135,7 +135,7 @@ def _lowerings(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
 
 def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:
   """`flops.py`'s count of the step's model FLOPs (all devices), or None where it has none (a Transformer's
-  decoding)."""
+  decoding); a hybrid's decoding reads its whole KV cache."""
   cfg, train = config.model, config.train
   tokens = train.batch_size * train.seq_len
   if step == "train":
@@ -146,7 +146,8 @@ def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:
     return flops.forward_flops_per_token(cfg, train.seq_len, architectures.prefill_modes(cfg)[0]) * tokens
   if cfg.architecture == "transformer":
     return None
-  return flops.forward_flops_per_token(cfg, 1, "recurrent") * train.batch_size * DECODE_TOKENS
+  context = (cfg.attention_window or cfg.attention_max_len) if cfg.attention_layers else 1  # a hybrid's cache
+  return flops.forward_flops_per_token(cfg, context, "recurrent") * train.batch_size * DECODE_TOKENS
 
 
 def _compile(lower, config: ml_collections.ConfigDict, target: accelerators.Target, step: str) -> dict[str, Any]:

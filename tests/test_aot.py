@@ -67,6 +67,19 @@ def test_scanned_layers_compile_one_block_with_the_kernels():
   assert steps[True]["fits"] and steps[True]["argument_bytes"] == steps[False]["argument_bytes"]
 
 
+@needs_gpu
+def test_a_hybrid_compiles_its_train_step_and_decoding_for_an_h100():
+  """A hybrid (layer 1 of 2 attends over a window of 16 tokens) compiles for an H100 with the kernels in its
+  retention layer only; its decoding's model FLOPs read the window's 16 cached tokens."""
+  config = tiny(model__num_layers=2, model__attention_layers=(1,), model__attention_window=16,
+                model__retention_impl="pallas", train__mode="chunkwise", model__chunk_size=16)
+  report = aot.plan(config, accelerators.parse_target("h100:1"), ("train", "decode"))
+  train, decode = report["steps"]["train"], report["steps"]["decode"]
+  assert report["fits"] and train["pallas_kernel_calls"] == 2  # one retention layer: forward and backward
+  assert decode["model_flops_per_device"] == (flops.forward_flops_per_token(config.model, 16, "recurrent")
+                                              * config.train.batch_size * aot.DECODE_TOKENS)
+
+
 @needs_tpu
 def test_tpu_train_and_decode_steps_with_their_collectives():
   config = tiny()
