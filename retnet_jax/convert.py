@@ -14,6 +14,7 @@ are refused by name. torch is never imported here: tensors are read duck-typed (
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import sys
 import types
 from collections.abc import Mapping
@@ -256,12 +257,12 @@ def model_overrides(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def load_flags(config: ml_collections.ConfigDict, workdir: str | Path) -> str:
   """The flags with which scripts/evaluate.py and scripts/generate.py load a converted `config` from `workdir`:
-  its preset, the model overrides and a tokenizer other than the byte one."""
+  its preset, the model overrides and a tokenizer other than the byte one, quoted for a shell where needed."""
   flags = [f"--config=configs/retnet.py:{config.preset}"]
   flags += [f"--config.model.{name}={value}" for name, value in model_overrides(config).items()]
   if config.data.tokenizer != "byte":
     flags.append(f"--config.data.tokenizer={config.data.tokenizer}")
-  return " ".join(flags + [f"--workdir={workdir}"])
+  return " ".join(map(shlex.quote, flags + [f"--workdir={workdir}"]))  # a tuple's parentheses quoted for the shell
 
 
 def check_empty_workdir(workdir: str | Path) -> None:

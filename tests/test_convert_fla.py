@@ -9,6 +9,7 @@ and gated-RMSNorm references, SwiGLU), so the reference is fla's modeling code a
 
 import json
 import re
+import shlex
 
 import jax
 import numpy as np
@@ -422,10 +423,10 @@ def test_bad_folders_are_refused(tmp_path):
 
 @pytest.mark.slow
 def test_script_converts_both_ways(tmp_path):
-  """fla folder -> scripts/convert_fla.py -> scripts/generate.py with the flags it prints: fla's greedy tokens;
-  the workdir -> --to_fla -> fla's from_pretrained: fla's logits. A tokenizer larger than the vocabulary is refused
-  before anything is written."""
-  options = CONFIGS["untied"][0]
+  """fla folder (a hybrid: windowed attention in layer 1) -> scripts/convert_fla.py -> scripts/generate.py with the
+  flags it prints: fla's greedy tokens; the workdir -> --to_fla -> fla's from_pretrained: fla's logits. A tokenizer
+  larger than the vocabulary is refused before anything is written."""
+  options = CONFIGS["hybrid_window"][0]
   model, folder = saved_fla(tmp_path, options)
   write_tokenizer(folder / "tokenizer.json", 80)
   workdir = tmp_path / "converted"
@@ -435,8 +436,9 @@ def test_script_converts_both_ways(tmp_path):
   write_tokenizer(folder / "tokenizer.json", 61)
   result = run_script("convert_fla.py", f"--checkpoint={folder}", f"--workdir={workdir}")
   assert result.returncode == 0, result.stderr[-3000:]
-  load_flags = next(line for line in result.stdout.splitlines() if "scripts/generate.py" in line).split()[2:]
+  load_flags = shlex.split(next(line for line in result.stdout.splitlines() if "scripts/generate.py" in line))[2:]
   assert load_flags[0] == "--config=configs/retnet.py:fla"
+  assert "--config.model.attention_layers=(1,)" in load_flags and "--config.model.attention_window=24" in load_flags
 
   prompt = "w3 w14 w15 w9"
   result = run_script("generate.py", *load_flags, f"--prompt={prompt}",

@@ -147,17 +147,19 @@ def test_left_padding_matches_the_prompt_alone(hybrid):
     assert max_abs_diff(logits[:, 4:], alone) < 5e-5, mode
 
 
-def test_segmented_gradients_equal_whole_sequences(hybrid):
-  """Backpropagating through segments of 5 tokens that carry retention states and KV caches gives the
-  whole-sequence loss and gradients."""
+def test_segmented_and_rematerialised_gradients_equal_whole_sequences(hybrid):
+  """Backpropagating through segments of 5 tokens that carry retention states and KV caches, or under a remat
+  policy that keeps the attention's q/k/v and output, gives the whole-sequence loss and gradients."""
   graphdef, params = nnx.split(hybrid)
   batch = jnp.asarray(random_tokens(2, 14, seed=5))
   value_and_grad = jax.jit(jax.value_and_grad(
-      lambda p, segment_len: losses.token_loss(graphdef, p, batch, "chunkwise", segment_len=segment_len)),
-      static_argnums=1)
-  (whole, whole_grads), (segmented, segmented_grads) = value_and_grad(params, 0), value_and_grad(params, 5)
-  assert abs(float(whole) - float(segmented)) < 1e-5
-  assert max_abs_diff(whole_grads, segmented_grads) < 1e-5
+      lambda p, segment_len, remat: losses.token_loss(graphdef, p, batch, "chunkwise", remat, segment_len)),
+      static_argnums=(1, 2))
+  whole, whole_grads = value_and_grad(params, 0, "none")
+  for segment_len, remat in ((5, "none"), (0, "save_qkv_mixer_out")):
+    loss, grads = value_and_grad(params, segment_len, remat)
+    assert abs(float(whole) - float(loss)) < 1e-5, (segment_len, remat)
+    assert max_abs_diff(whole_grads, grads) < 1e-5, (segment_len, remat)
 
 
 def test_greedy_generation_follows_the_parallel_logits():
