@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from retnet_jax import checkpointing, decay, layer_stack, presets, sharding, train_state, workdir as workdir_lib
-from retnet_jax.convert_fla import listing
+from retnet_jax.safetensors_folder import listing
 from retnet_jax.model import RetNet
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read

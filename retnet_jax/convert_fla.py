@@ -18,7 +18,6 @@ the peak host memory stays near the float32 parameters' size; every name, shape 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import shutil
@@ -31,11 +30,11 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from retnet_jax import layer_stack, model as model_lib, presets, sharding, tokenizer as tokenizer_lib
 from retnet_jax.model import RetNet, check_model_config
+from retnet_jax.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsFolder, listing
 
 # fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
 # these). Its other options act only in training (initializer_range, fuse_cross_entropy, use_l2warp, ...),
@@ -66,8 +65,6 @@ UNSUPPORTED_OPTIONS = {
 EXPORTABLE = {"stability_norm": False, "rotation_pairs": "half", "rotation_freqs": "rope", "rotation_base": 10000.0,
               "decay_schedule": "retnet", "scale_embedding": False, "embed_norm": False, "ffn_activation": "swish"}
 MAX_KEY_HEAD_DIM = 256  # fla's MultiScaleRetention asserts head_k_dim <= 256 (its rotary kernel)
-DTYPES = {"F32", "BF16", "F16"}
-INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 # Our parameter path inside block i -> fla's name inside `model.layers.{i}.`: a retention block, then what differs in
@@ -105,12 +102,6 @@ TOP_NAMES = {
     ("final_norm", "scale"): "model.norm.weight",
     ("head", "kernel"): "lm_head.weight",
 }
-
-
-def listing(names: list[str], limit: int = 12) -> str:
-  """`names` joined for an error message, the first `limit` of them."""
-  shown = ", ".join(names[:limit])
-  return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def fla_names(path: tuple, fuse_norm: bool = True) -> tuple[str, ...]:
@@ -240,66 +231,6 @@ def _is_type(value: Any, kind: str) -> bool:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
     return False
   return kind == "number" or float(value).is_integer()
-
-
-class SafetensorsFolder:
-  """The tensors of a Hugging Face checkpoint folder (`model.safetensors`, or the shards its index names), as
-  numpy: names, shapes and dtypes from the file headers; each tensor read on request, its file opened for it
-  alone so that no file stays mapped."""
-
-  def __init__(self, folder: Path):
-    self.folder = folder
-    if (folder / INDEX_FILE).is_file():
-      index = json.loads((folder / INDEX_FILE).read_text())
-      weight_map = index.get("weight_map") if isinstance(index, dict) else None
-      if not isinstance(weight_map, dict):
-        raise ValueError(f"{folder / INDEX_FILE} has no weight_map (tensor name -> shard file).")
-      files = sorted(set(weight_map.values()))
-    elif (folder / SINGLE_FILE).is_file():
-      weight_map, files = None, [SINGLE_FILE]
-    else:
-      other = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-      raise FileNotFoundError(f"{folder} holds no {SINGLE_FILE} nor {INDEX_FILE}" + (
-          f" (only {listing(other)}: load it with transformers and save_pretrained it as safetensors)" if other
-          else "; point --checkpoint at the folder of an fla RetNet checkpoint."))
-    self.specs: dict[str, tuple[str, tuple[int, ...], str]] = {}  # name -> (file, shape, dtype)
-    for file in files:
-      if not (folder / file).is_file():
-        raise FileNotFoundError(f"{folder / file}, a shard that {INDEX_FILE} names, is missing.")
-      with _opened(folder / file) as f:
-        for name in f.keys():
-          tensor = f.get_slice(name)
-          self.specs[name] = (file, tuple(tensor.get_shape()), tensor.get_dtype())
-    if weight_map is not None:
-      misplaced = sorted(name for name, file in weight_map.items() if self.specs.get(name, (file,))[0] != file)
-      if misplaced:
-        raise ValueError(f"{INDEX_FILE} places tensors in shards that do not hold them: {listing(misplaced)}.")
-
-  def read(self, name: str) -> np.ndarray:
-    """The tensor `name` as float32 (bfloat16 via ml_dtypes, which jax provides), refused if not finite."""
-    path = self.folder / self.specs[name][0]
-    with _opened(path) as f:
-      try:
-        tensor = np.asarray(f.get_tensor(name), np.float32)
-      except SafetensorError as e:
-        raise ValueError(f"{path}: the tensor {name} is unreadable ({e}); the file is damaged or truncated: "
-                         "download or save it again.") from None
-    if not np.isfinite(tensor).all():
-      raise ValueError(f"{path}: the tensor {name} holds {np.size(tensor) - np.isfinite(tensor).sum()} NaN or "
-                       "infinite values; the checkpoint is damaged (or diverged): use another.")
-    return tensor
-
-
-@contextlib.contextmanager
-def _opened(path: Path) -> Iterator[Any]:
-  """`safe_open(path)`, a damaged file (empty, truncated, not safetensors) refused by name."""
-  try:
-    handle = safe_open(path, framework="np")
-  except SafetensorError as e:
-    raise ValueError(f"{path} is not a readable safetensors file ({e}); it is damaged or truncated: download or "
-                     "save it again.") from None
-  with handle as f:
-    yield f
 
 
 def _check_tensors(specs: Mapping[str, tuple], expected: Mapping[str, tuple[int, ...]], ignored: set[str]) -> None:

@@ -8,6 +8,8 @@ prompt prefilled in one mode continues in any other. A state whose position star
 tokens as left padding (they do not enter the state): prompts of different lengths share one batch.
 `segment_ids [batch, seq]` packs documents into a row (`retnet_jax.segments`): each is computed as if alone, the
 state passed in continues each row's first document and the state returned is its last document's.
+A hybrid (`model.attention_layers`) runs the Transformer's attention in those layers, whose state is a KV cache
+(`key`, `value` and `next_slot`; with `attention_window`, a ring buffer of that many tokens) handed on the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax import decay, layer_stack, layers, retention, rotation, segments, sharding, stability, transformer
-from retnet_jax.layers import check_tokens  # noqa: F401  (the model's input check, as callers import it)
 
 MODES = ("parallel", "chunkwise", "recurrent")  # the retention forms (`architectures.MODES`)
 State = dict[str, Any]
@@ -218,7 +219,7 @@ class RetNet(nnx.Module):
 
   def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
                ) -> tuple[jax.Array, State]:
-    check_tokens(tokens_BxL, self.config.vocab_size)
+    layers.check_tokens(tokens_BxL, self.config.vocab_size)
     batch, length = tokens_BxL.shape
     check_segments(self.config, segment_ids, tokens_BxL.shape, mode)
     if state is None:  # no carried state: the blocks skip the cross terms with an all-zero state

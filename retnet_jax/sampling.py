@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from retnet_jax import architectures, sharding, transformer
-from retnet_jax.model import check_tokens
+from retnet_jax import architectures, layers, sharding, transformer
 
 PAD_ID = 0
 
@@ -362,7 +361,7 @@ def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> j
 
 def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
   """The batch size, after checking the padded prompts and their lengths."""
-  check_tokens(prompts_BxP, vocab_size)
+  layers.check_tokens(prompts_BxP, vocab_size)
   batch, prompt_len = prompts_BxP.shape
   lengths = np.asarray(lengths_B)
   if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):

@@ -13,6 +13,8 @@ cache. As in RetNet, a state starting at position -p treats its first p tokens a
 `sampling.generate` decodes with this model unchanged (prefilling in the parallel form). With `segment_ids` (packed
 documents, `retnet_jax.segments`) the parallel form attends within each document only, the cached prefix reaching the
 first; the returned position is the last document's, so its earlier documents' slots read as left padding after.
+Its attention (`CausalSelfAttention`: grouped key/value heads, a sliding window over a ring-buffer cache) and block
+also serve a hybrid RetNet's attention layers (`model.attention_layers`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ A finished tiny run is the `trained` fixture of tests/conftest.py (a `TrainedRun
 for a test that writes into the workdir.
 """
 
+import itertools
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -59,6 +61,23 @@ def random_tokens(batch: int, length: int, vocab_size: int = 256, seed: int = 0)
 def forward(model, tokens, state, mode):
   """`model(tokens, mode=mode, state=state)` compiled: logits `[B, L, V]` and the state after the tokens."""
   return model(tokens, mode=mode, state=state)
+
+
+def max_abs_diff(a, b) -> float:
+  """The largest absolute difference between two trees of arrays, compared in float32."""
+  return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def forms_agree(model, tokens, modes, rtol: float = 1e-5, state_atol: float = 1e-5) -> dict:
+  """`{mode: (logits, state)}` of `model` over `tokens` in each of `modes`, after asserting that every pair's logits
+  agree to `rtol` of the largest logit and their states to `state_atol`."""
+  results = {mode: forward(model, tokens, None, mode) for mode in modes}
+  scale = float(np.max(np.abs(results[modes[0]][0])))
+  for a, b in itertools.combinations(modes, 2):
+    assert max_abs_diff(results[a][0], results[b][0]) < rtol * scale, (a, b)
+    assert max_abs_diff(results[a][1], results[b][1]) < state_atol, (a, b)
+  return results
 
 
 def corpus_slice(directory: Path, text_bytes: int = 60_000) -> Path:

@@ -18,7 +18,7 @@ import tokenizers
 from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
-from retnet_jax import convert_fla, presets, sharding
+from retnet_jax import convert_fla, presets, safetensors_folder, sharding
 from retnet_jax.model import RetNet
 from tests.helpers import forward, random_tokens, run_script
 
@@ -198,7 +198,7 @@ def test_bfloat16_shards_written_by_transformers_load(tmp_path):
   """A bfloat16 checkpoint that transformers split into shards with an index: each tensor is its float32 value."""
   model = fla_model(CONFIGS["tied_shared_kv"][0]).to(torch.bfloat16)
   model.save_pretrained(tmp_path / "fla", max_shard_size="20KB")
-  assert (tmp_path / "fla" / convert_fla.INDEX_FILE).is_file()
+  assert (tmp_path / "fla" / safetensors_folder.INDEX_FILE).is_file()
   ours, config = convert_fla.load_fla(tmp_path / "fla")
   theirs = {name: value.float().numpy() for name, value in model.state_dict().items()}
   assert all(np.array_equal(value.T if path[-1] == "kernel" else value, theirs[convert_fla.fla_names(path, False)[0]])
@@ -248,7 +248,7 @@ def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes, scan, hybrid):
   model, config = our_fla_model(tie_embeddings=tie, scan_layers=scan, **hybrid)
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
   out = convert_fla.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
-  sharded = (out / convert_fla.INDEX_FILE).is_file()
+  sharded = (out / safetensors_folder.INDEX_FILE).is_file()
   assert sharded == (max_shard_bytes < 2**30) and (out / "tokenizer.json").is_file()
   assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
   theirs = fla_models.RetNetForCausalLM.from_pretrained(out).eval()
@@ -416,7 +416,7 @@ def test_bad_folders_are_refused(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"holds no model\.safetensors nor .* \(only pytorch_model\.bin"):
     convert_fla.load_fla(folder)
   index = {"weight_map": {"lm_head.weight": "model-00002.safetensors"}}
-  (folder / convert_fla.INDEX_FILE).write_text(json.dumps(index))
+  (folder / safetensors_folder.INDEX_FILE).write_text(json.dumps(index))
   with pytest.raises(FileNotFoundError, match="model-00002.safetensors, a shard that"):
     convert_fla.load_fla(folder)
 

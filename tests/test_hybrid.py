@@ -3,29 +3,22 @@ through a ring-buffer KV cache. The three modes and every hand-off agree to floa
 decoding equals the parallel logits past the window, the attention layer equals a float64 reference, packed documents
 and left padding act as alone, bad fields are refused by name."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from retnet_jax import (evaluate, losses, model as model_lib, passkey, passkey_eval, sampling, train, train_state,
-                        transformer)
+from retnet_jax import (evaluate, losses, model as model_lib, passkey, passkey_eval, rotation, sampling, train,
+                        train_state, transformer)
 from retnet_jax.tokenizer import ByteTokenizer
-from tests.helpers import forward, random_tokens, read_metrics, tiny_config, tiny_model
+from tests.helpers import forms_agree, forward, max_abs_diff, random_tokens, read_metrics, tiny_config, tiny_model
 
 MODES = model_lib.MODES
 # Layer 1 of the tiny preset's two is attention: every earlier token with grouped key/value heads, or a window of 5
 # tokens (shorter than the calls below, so the ring buffer wraps) with the tiny preset's heads.
 HYBRIDS = {"full_gqa": dict(attention_layers=(1,), attention_num_heads=4, attention_num_kv_heads=2),
            "window": dict(attention_layers=(1,), attention_window=5, attention_rotation_base=500.0)}
-
-
-def max_abs_diff(a, b):
-  return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRIDS))
@@ -35,12 +28,7 @@ def hybrid(request):
 
 def test_modes_agree(hybrid):
   """13 tokens (chunk 4, window 5): logits and states of the three forms agree to float32 rounding."""
-  tokens = random_tokens(2, 13)
-  results = {mode: forward(hybrid, tokens, None, mode) for mode in MODES}
-  scale = float(jnp.max(jnp.abs(results["parallel"][0])))
-  for a, b in itertools.combinations(MODES, 2):
-    assert max_abs_diff(results[a][0], results[b][0]) < 1e-5 * scale, (a, b)
-    assert max_abs_diff(results[a][1], results[b][1]) < 1e-5, (a, b)
+  results = forms_agree(hybrid, random_tokens(2, 13), MODES)
   state = results["parallel"][1]["layers"][1]
   assert int(state["next_slot"]) == 13 and set(state) == {"key", "value", "next_slot"}
 
@@ -117,7 +105,7 @@ def test_attention_layer_matches_a_float64_reference(window):
   block = model.blocks[0]
   x = jax.random.normal(jax.random.key(1), (2, 11, model.config.d_model))
   positions = np.tile(np.arange(11), (2, 1))
-  tables = jax.tree.map(jnp.asarray, model_lib.rotation.tables_for(model.config, jnp.asarray(positions), 4, 300.0))
+  tables = rotation.tables_for(model.config, jnp.asarray(positions), 4, 300.0)
   cache = transformer.empty_cache(model.config, 2, 11, 4, 1)
   ours, _ = block.attention(block.attention_norm(x), jnp.asarray(positions), tables, cache, 0, "self")
   reference = _reference_attention(block, x, positions, window, model.config)
