@@ -153,6 +153,16 @@ def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
                        f"{expected}; the state was made by another model config or batch size.")
 
 
+def check_attention_room(cfg: ml_collections.ConfigDict, state: State, length: int) -> None:
+  """For a concrete state (`transformer.check_room`): the KV caches of unwindowed attention layers must hold
+  `length` more tokens, or ValueError naming model.attention_max_len."""
+  if cfg.attention_window:
+    return
+  for layer in cfg.attention_layers:
+    cache = state["layers"][layer]
+    transformer.check_room(cache["next_slot"], cache["key"].shape[1], length, "model.attention_max_len")
+
+
 def check_segments(cfg: ml_collections.ConfigDict, segment_ids: Any, shape: tuple[int, int], mode: str) -> None:
   """Checks `segment_ids` against the tokens' shape, and refuses them where the torchscale chunkwise normaliser
   (whose per-chunk scalars cannot restart inside a chunk) would run."""
@@ -226,6 +236,7 @@ class RetNet(nnx.Module):
       state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * self.config.num_layers}
     else:
       check_state(self.config, state, batch)
+      check_attention_room(self.config, state, length)
     positions_BxL = segments.model_positions(segment_ids, state["position"], length)
     tables = rotation.tables_for(self.config, positions_BxL)
     attention = _Attention(self.config, positions_BxL, mode, segment_ids) if self.config.attention_layers else None
@@ -281,7 +292,5 @@ class _Attention:
     else:
       cache, step = {k: layer_state[k] for k in ("key", "value")}, layer_state["next_slot"]
       form = "recurrent" if self.mode == "recurrent" else "cache"
-      if not self.cfg.attention_window:
-        transformer.check_room(step, cache["key"].shape[1], length, "model.attention_max_len")
     x_BxLxD, cache = block(x_BxLxD, self.positions_BxL, self.tables, cache, step, form, self.document_BxL)
     return x_BxLxD, {**cache, "next_slot": step + length}

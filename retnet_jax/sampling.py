@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from retnet_jax import architectures, layers, sharding, transformer
+from retnet_jax import architectures, layers, model as model_lib, sharding, transformer
 
 PAD_ID = 0
 
@@ -340,8 +340,7 @@ def _check_decoding_room(model: architectures.Model, state: dict[str, Any], max_
   if field == "max_len":
     transformer.check_state_room(state, max_new_tokens)
   elif field is not None:
-    layer = state["layers"][model.config.attention_layers[0]]
-    transformer.check_room(layer["next_slot"], layer["key"].shape[1], max_new_tokens, f"model.{field}")
+    model_lib.check_attention_room(model.config, state, max_new_tokens)
 
 
 def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> jax.Array:

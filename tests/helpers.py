@@ -58,9 +58,10 @@ def random_tokens(batch: int, length: int, vocab_size: int = 256, seed: int = 0)
 
 
 @nnx.jit(static_argnames="mode")
-def forward(model, tokens, state, mode):
-  """`model(tokens, mode=mode, state=state)` compiled: logits `[B, L, V]` and the state after the tokens."""
-  return model(tokens, mode=mode, state=state)
+def forward(model, tokens, state, mode, segment_ids=None):
+  """`model(tokens, mode=mode, state=state, segment_ids=segment_ids)` compiled: logits `[B, L, V]` and the state
+  after the tokens."""
+  return model(tokens, mode=mode, state=state, segment_ids=segment_ids)
 
 
 def max_abs_diff(a, b) -> float:

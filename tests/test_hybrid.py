@@ -119,7 +119,7 @@ def test_packed_documents_act_as_alone(hybrid):
   alone = jnp.concatenate([forward(hybrid, tokens[:, :5], None, "parallel")[0],
                            forward(hybrid, tokens[:, 5:], None, "parallel")[0]], axis=1)
   for mode in MODES:
-    packed, _ = hybrid(jnp.asarray(tokens), mode=mode, segment_ids=segment_ids)
+    packed, _ = forward(hybrid, tokens, None, mode, segment_ids)
     assert max_abs_diff(packed, alone) < 5e-5, mode
 
 
@@ -197,7 +197,7 @@ def test_bad_hybrid_fields_are_refused(overrides, message):
 def test_a_full_cache_is_refused_by_name():
   """An unwindowed cache of 8 slots holding 6 tokens refuses 3 more, naming model.attention_max_len."""
   model = tiny_model(attention_layers=(1,), attention_max_len=8)
-  _, state = model(jnp.asarray(random_tokens(1, 6)), mode="chunkwise", state=model.init_state(1))
+  _, state = forward(model, random_tokens(1, 6), model.init_state(1), "chunkwise")
   with pytest.raises(ValueError, match=r"holds 8 tokens; 6 are used and 3 more do not fit. Raise "
                                        r"model.attention_max_len to at least 9"):
     model(jnp.asarray(random_tokens(1, 3)), mode="recurrent", state=state)
