@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from retnet_jax import (evaluate, losses, model as model_lib, passkey, passkey_eval, rotation, sampling, train,
-                        train_state, transformer)
+from configs import retnet as retnet_config
+from retnet_jax import (evaluate, losses, model as model_lib, passkey, passkey_eval, rotation, sampling, sharding,
+                        train, train_state, train_step, transformer)
 from retnet_jax.tokenizer import ByteTokenizer
 from tests.helpers import forms_agree, forward, max_abs_diff, random_tokens, read_metrics, tiny_config, tiny_model
 
@@ -223,3 +224,24 @@ def test_a_hybrid_trains_resumes_and_evaluates(tmp_path, run_crashing_at_batch):
   grid = passkey.make_grid(ByteTokenizer(), [200], [0.5], samples=2)
   scores = passkey_eval.evaluate(passkey_eval.greedy_generate(model), grid)
   assert scores["samples"] == 2 and 0 <= scores["mean_accuracy"] <= 1
+
+
+@pytest.mark.devices(8)
+def test_sharded_step_matches_the_single_device_step():
+  """A hybrid with grouped heads trained one step on a (data 2, fsdp 2, tensor 2) mesh: the single device's loss and
+  parameters; the fused q/k/v kernel splits over fsdp and tensor (whole key/value groups per device)."""
+  config = retnet_config.get_config("tiny")
+  config.model.update(attention_layers=(1,), attention_num_heads=4, attention_num_kv_heads=2, attention_window=16)
+  config.train.batch_size = 8
+  batch = random_tokens(8, config.train.seq_len + 1, config.model.vocab_size, seed=2)
+  results = []
+  for shape, devices in (((1, 1, 1), jax.devices()[:1]), ((2, 2, 2), jax.devices())):
+    config.mesh.shape = shape
+    run = train_step.setup(config, sharding.make_mesh(config.mesh, devices))
+    with run.placement.active():
+      results.append(run.train_step(run.init(), jax.device_put(batch, run.placement.batch_sharding)))
+  (single, single_metrics), (sharded, sharded_metrics) = results
+  assert abs(float(single_metrics["loss"]) - float(sharded_metrics["loss"])) < 1e-5
+  kernel = sharded["params"]["blocks"][1]["attention"]["qkv_proj"]["kernel"][...]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor") and len(kernel.devices()) == 8
+  assert max_abs_diff(single["params"], sharded["params"]) < 1e-5
