@@ -4,13 +4,14 @@
     write_fla(model, config, "exported")             # a folder fla's RetNetForCausalLM.from_pretrained loads
 
 fla's RetNet is RetNet with: half-split rotation pairs at RoPE frequencies (`rotation_pairs="half"`,
-`rotation_freqs="rope"`), no stability normaliser (`stability_norm=False`), a learned per-head norm scale shared
-by the heads (`head_norm_scale`, its `elementwise_affine`), one epsilon for every norm, shared key/value heads
+`rotation_freqs="rope"`), no stability normaliser (`stability_norm=False`), a learned per-head norm scale shared by
+the heads (`head_norm_scale`, its `elementwise_affine`), one epsilon for every norm, shared key/value heads
 (`num_kv_heads`) and a swish GLU of width `intermediate_size`. fla's `attn` entry (hybrids: softmax attention in
 chosen layers, optionally over a sliding window) maps to `model.attention_layers` and the `attention_*` fields; its
-separate q, k, v projections are our attention's fused one, split per key/value head. fla scales queries by d_k^-1/2 where RetNet scales
-keys: the same function, with the retention state 1/sqrt(d_k) times fla's. fla builds its decays in float32, where
-1 - 2^(-5-h) is exactly 1 for heads h >= 20; RetNet keeps them below 1 (it matters only past 20 heads).
+separate q, k, v projections are our attention's fused one, split per key/value head. fla scales queries by d_k^-1/2
+where RetNet scales keys: the same function, with the retention state 1/sqrt(d_k) times fla's. fla builds its decays
+in float32, where 1 - 2^(-5-h) is exactly 1 for heads h >= 20; RetNet keeps them below 1 (it matters only past 20
+heads).
 
 Tensors are read one at a time from the safetensors files (float32, bfloat16 or float16) and placed at once, so
 the peak host memory stays near the float32 parameters' size; every name, shape and dtype is checked first.
@@ -287,10 +288,11 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
   heads, kv_heads = model_lib.attention_heads(config.model)
   expected = {}
   for path, target in targets.items():
-    shape = tuple(target.shape)
-    parts = split_qkv(np.empty(shape, np.bool_), heads, kv_heads) if len(names[path]) > 1 else [np.empty(shape)]
-    expected.update({name: part.shape[::-1] if path[-1] == "kernel" else part.shape
-                     for name, part in zip(names[path], parts)})
+    d_model, width = target.shape if len(names[path]) > 1 else (None, None)
+    head_dim = None if width is None else width // (heads + 2 * kv_heads)
+    shapes = ([(d_model, n * head_dim) for n in (heads, kv_heads, kv_heads)] if width is not None else
+              [tuple(target.shape)])  # a fused q/k/v kernel: fla's q, k, v
+    expected.update({name: shape[::-1] if path[-1] == "kernel" else shape for name, shape in zip(names[path], shapes)})
   _check_tensors(tensors.specs, expected, ignored)
   if placement is None:
     shardings = {path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for path in targets}

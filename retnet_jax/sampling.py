@@ -10,11 +10,11 @@ chunkwise (or parallel) form in one compiled call; `decode` feeds one token at a
 one compiled `lax.while_loop`, which stops once every row has emitted a stop token. RetNet's memory is constant in
 the context length; a Transformer prefills in the parallel form into a KV cache of `model.max_len` tokens, which
 must hold the prompt and the new tokens (as must a hybrid RetNet's unwindowed attention layers, of
-`model.attention_max_len`; windowed ones keep the last `model.attention_window` tokens, constant memory again). Left-padded rows start at position -pad, so each decodes as if alone. The
-module functions share one `Sampler`: its prefill compiles once per (model structure, batch, prompt length,
-prefill_mode), its loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not, top_k, whether
-top_p is set, stream_every); new prompts, keys, temperatures and top_p do not recompile (one key and one key per
-row are different shapes).
+`model.attention_max_len`; windowed ones keep the last `model.attention_window` tokens, constant memory again).
+Left-padded rows start at position -pad, so each decodes as if alone. The module functions share one `Sampler`: its
+prefill compiles once per (model structure, batch, prompt length, prefill_mode), its loop once per (model structure,
+batch, max_new_tokens, stop tokens, greedy or not, top_k, whether top_p is set, stream_every); new prompts, keys,
+temperatures and top_p do not recompile (one key and one key per row are different shapes).
 """
 
 from __future__ import annotations

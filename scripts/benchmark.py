@@ -2,12 +2,13 @@
 
     python scripts/benchmark.py --suite=full --out=runs/benchmark
 
-Measures, in one run: the matmul ceilings (float32, bfloat16) and memory read bandwidth; training throughput
-and MFU of the real train step (`train_step.setup`) in the parallel and chunkwise forms, float32 and bfloat16;
-forward and training time and peak memory vs sequence length; greedy decoding with `sampling.decode`
-(tokens/s at batch 1 and a large batch, per-token latency vs context); the same for a Transformer of the same
-size, and decoding for a hybrid whose last layer attends over a window of the prompt's length; and torchscale's RetNet at the identical configuration when torch and torchscale import. Writes
-OUT/results.json, OUT/results.md (also printed) and PNG plots. The benchmark itself is `retnet_jax.bench`.
+Measures, in one run: the matmul ceilings (float32, bfloat16) and memory read bandwidth; training throughput and MFU
+of the real train step (`train_step.setup`) in the parallel and chunkwise forms, float32 and bfloat16; forward and
+training time and peak memory vs sequence length; greedy decoding with `sampling.decode` (tokens/s at batch 1 and a
+large batch, per-token latency vs context); the same for a Transformer of the same size, and decoding for a hybrid
+whose last layer attends over a window of the prompt's length; and torchscale's RetNet at the identical
+configuration when torch and torchscale import. Writes OUT/results.json, OUT/results.md (also printed) and PNG
+plots. The benchmark itself is `retnet_jax.bench`.
 
 Cases that are compared are measured interleaved: each is warmed up once (its peak memory is taken then),
 then timed once per round, round after round, because this machine's speed drifts between runs.

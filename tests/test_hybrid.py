@@ -84,7 +84,8 @@ def _reference_attention(block, x, positions, window, cfg):
   def rotate(y):  # interleaved pairs, as the tiny preset
     even, odd = y[..., 0::2], y[..., 1::2]
     out = np.empty_like(y)
-    out[..., 0::2], out[..., 1::2] = even * np.cos(angle) - odd * np.sin(angle), odd * np.cos(angle) + even * np.sin(angle)
+    out[..., 0::2] = even * np.cos(angle) - odd * np.sin(angle)
+    out[..., 1::2] = odd * np.cos(angle) + even * np.sin(angle)
     return out
   q, k = rotate(q) / np.sqrt(head_dim), rotate(k)
   k, v = np.repeat(k, size, axis=2), np.repeat(v, size, axis=2)
