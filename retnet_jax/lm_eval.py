@@ -263,8 +263,13 @@ class RetNetLM(TemplateLM):
       self._context = contextlib.nullcontext
     self.max_length = _integer("max_length", max_length, 1)
     self.tokenizer = tokenizer
-    vocab_size = config.model.vocab_size if model is None else model.config.vocab_size
-    self._prefix_token = self._choose_prefix_token(prefix_token, vocab_size)
+    model_cfg = config.model if model is None else model.config
+    self._prefix_token = self._choose_prefix_token(prefix_token, model_cfg.vocab_size)
+    field = sampling.cache_field(model_cfg)
+    if field is not None and self.max_length > model_cfg[field]:
+      raise ValueError(f"max_length={self.max_length} tokens of context and continuation do not fit the KV cache of "
+                       f"model.{field}={model_cfg[field]}; raise it (config.model.{field}={self.max_length}) or "
+                       "lower max_length.")
     if model is None:
       model, self.step = train_state.restore_model(config, workdir, step)
     self.model = model

@@ -313,7 +313,7 @@ def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any,
   return batch, prefill_mode, padding
 
 
-def _cache_field(cfg) -> str | None:
+def cache_field(cfg) -> str | None:
   """The model field that sizes a KV cache which must hold the whole context (a Transformer's, an unwindowed hybrid
   attention layer's), or None: the state's size does not grow with the context."""
   if cfg.architecture == "transformer":
@@ -322,9 +322,9 @@ def _cache_field(cfg) -> str | None:
 
 
 def _check_cache(model: architectures.Model, prompt_len: int, max_new_tokens: int = 0) -> None:
-  """A KV cache that holds the whole context (`_cache_field`) must hold every prompt token but the last, then one
+  """A KV cache that holds the whole context (`cache_field`) must hold every prompt token but the last, then one
   token per decoding step."""
-  field = _cache_field(model.config)
+  field = cache_field(model.config)
   if field is None:
     return
   needed, size = prompt_len - 1 + max_new_tokens, model.config[field]
@@ -336,7 +336,7 @@ def _check_cache(model: architectures.Model, prompt_len: int, max_new_tokens: in
 
 def _check_decoding_room(model: architectures.Model, state: dict[str, Any], max_new_tokens: int) -> None:
   """A prefilled state's KV caches that hold the whole context must hold `max_new_tokens` more."""
-  field = _cache_field(model.config)
+  field = cache_field(model.config)
   if field == "max_len":
     transformer.check_state_room(state, max_new_tokens)
   elif field is not None:

@@ -43,6 +43,13 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train.segment_len={train.segment_len} is not a multiple of model.chunk_size="
                      f"{config.model.chunk_size}: the torchscale-style chunkwise normaliser depends on where chunks "
                      "start; choose a multiple of the chunk size.")
+  model = config.model
+  if (0 < train.segment_len < train.seq_len and model.get("attention_layers") and not model.attention_window
+      and train.seq_len > model.attention_max_len):
+    raise ValueError(f"train.segment_len={train.segment_len} carries the attention layers' KV caches from segment to "
+                     f"segment, and without a window they hold the whole sequence: train.seq_len={train.seq_len} "
+                     f"exceeds model.attention_max_len={model.attention_max_len}. Raise it "
+                     f"(--config.model.attention_max_len={train.seq_len}) or set model.attention_window.")
 
 
 def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> None:

@@ -196,6 +196,17 @@ def test_bad_hybrid_fields_are_refused(overrides, message):
     tiny_model(**overrides)
 
 
+def test_segments_longer_than_an_unwindowed_cache_are_refused(tmp_path):
+  """Segmented training carries unwindowed caches through the whole sequence: it must fit model.attention_max_len."""
+  config = tiny_config(tmp_path, seq_len=64, segment_len=16)
+  config.model.update(attention_layers=(1,), attention_max_len=32)
+  with pytest.raises(ValueError, match=r"train.seq_len=64 exceeds model.attention_max_len=32. Raise it "
+                                       r"\(--config.model.attention_max_len=64\) or set model.attention_window"):
+    train.check_config(config, 1)
+  config.model.attention_window = 8
+  train.check_config(config, 1)
+
+
 def test_a_full_cache_is_refused_by_name():
   """An unwindowed cache of 8 slots holding 6 tokens refuses 3 more, naming model.attention_max_len."""
   model = tiny_model(attention_layers=(1,), attention_max_len=8)

@@ -200,6 +200,10 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
     harness.RetNetLM(workdir=str(workdir), config="configs/missing.py:tiny")
   with pytest.raises(ValueError, match="config.model.d_modle names no config field"):
     harness.RetNetLM(**args, **{"config.model.d_modle": 64})
+  # Requests longer than an unwindowed hybrid's KV cache (a Transformer's alike).
+  with pytest.raises(ValueError, match=r"max_length=2048 tokens of context and continuation do not fit the KV cache "
+                                       r"of model.attention_max_len=1024; raise it"):
+    harness.RetNetLM(**args, max_length=2048, **{"config.model.attention_layers": (1,)})
   # A tokenizer beyond the checkpoint's vocabulary, and one without an end-of-document token to score text after.
   for size, message in ((300, "the tokenizer has 300 tokens but model.vocab_size=256"),
                         (10, "no end-of-document token .* prefix_token=ID")):
