@@ -1,5 +1,7 @@
 """A model's stack of blocks: one module per layer, or (`model.scan_layers`) one module whose parameters carry a
 leading layer axis, run under `jax.lax.scan` so that compile time stops growing with depth; remat in either.
+Blocks of several structures (a hybrid's retention and attention blocks) are stacked by their period: the shortest
+run of blocks whose structures repeat through the stack (a `Group`) is the scanned unit, one group per step.
 
     blocks = build(lambda rngs, layer: RetNetBlock(cfg, ...), cfg.num_layers, cfg.scan_layers, rngs)
     x, layer_states = run(blocks, x, layer_states, call, remat)  # call(block, x, layer_state) -> (x, layer_state)
@@ -23,6 +25,7 @@ from retnet_jax import sharding
 
 LAYER_AXIS = sharding.LAYER_AXIS  # the logical name of the stacked axis (replicated unless `mesh.rules` names it)
 BLOCKS = "blocks"  # the attribute that holds the stack in every model
+GROUP = "layers"  # the attribute of a `Group` holding its blocks (a stacked state keyed so is grouped)
 # Activations named with `jax.ad_checkpoint.checkpoint_name` in the blocks, for the policies that keep them.
 QKV, MIXER_OUT = "qkv_proj", "mixer_out"  # query/key/value projections; the token mixer's output (retention's
 # normalised heads, or attention's), before the gate and output projection
@@ -53,14 +56,23 @@ def check_remat(remat: str, devices: Sequence[Any] = (), field: str = "remat") -
                        f"expose (memory kinds {sorted(kinds)}); choose save_qkv_mixer_out or another policy.")
 
 
+class Group(nnx.Module):
+  """A period of consecutive blocks of different structures: what a scan over a hybrid's blocks stacks."""
+
+  def __init__(self, blocks: Sequence[nnx.Module]):
+    setattr(self, GROUP, nnx.List(blocks))
+
+
 def build(make_block: Callable[[nnx.Rngs, int], nnx.Module], num_layers: int, scanned: bool, rngs: nnx.Rngs
           ) -> nnx.Module:
-  """`num_layers` blocks from `make_block(rngs, layer)`, in order: an `nnx.List`, or with `scanned` (blocks of one
-  structure) one block whose parameters are theirs stacked on a leading axis (logical name `LAYER_AXIS`)."""
+  """`num_layers` blocks from `make_block(rngs, layer)`, in order: an `nnx.List`, or with `scanned` one block (or
+  `Group` of blocks, for blocks of several structures) whose parameters are theirs stacked on a leading axis (logical
+  name `LAYER_AXIS`)."""
   blocks = [make_block(rngs, layer) for layer in range(num_layers)]
   if not scanned:
     return nnx.List(blocks)
-  graphdef, *_ = nnx.split(blocks[0])
+  period = _period([nnx.state(b).raw_mapping for b in blocks])
+  graphdef, *_ = nnx.split(blocks[0] if period == 1 else Group(blocks[:period]))
   stacked = relayout(nnx.State({BLOCKS: {i: nnx.state(b).raw_mapping for i, b in enumerate(blocks)}}), True)
   stacked = jax.tree.map(lambda v: v.replace(sharding.place(v.get_value(), v.get_metadata()["out_sharding"])),
                          stacked, is_leaf=_is_variable)
@@ -107,14 +119,22 @@ def run(blocks: nnx.Module, x: jax.Array, layer_states: Sequence[Any], call: Cal
       out.append(layer_state)
     return x, out
   num_layers = len(layer_states)
-  given = None if all(s is None for s in layer_states) else jax.tree.map(lambda *s: jnp.stack(s), *layer_states)
+  period = len(getattr(blocks, GROUP)) if isinstance(blocks, Group) else 1
+  # Per position in a group, the states of that position's layers stacked over the groups.
+  given = None if all(s is None for s in layer_states) else tuple(
+      jax.tree.map(lambda *s: jnp.stack(s), *layer_states[j::period]) for j in range(period))
   graphdef, params = nnx.split(blocks)
 
-  def body(x, layer):  # each layer's block is merged inside the scan's trace, from its slice of the parameters
-    layer_params, layer_state = layer
-    return call(nnx.merge(graphdef, layer_params), x, layer_state)
+  def body(x, group):  # each group's blocks are merged inside the scan's trace, from its slice of the parameters
+    group_params, group_states = group
+    merged = nnx.merge(graphdef, group_params)
+    states = []
+    for j, block in enumerate(getattr(merged, GROUP) if period > 1 else [merged]):
+      x, layer_state = call(block, x, None if group_states is None else group_states[j])
+      states.append(layer_state)
+    return x, tuple(states)
   x, stacked = jax.lax.scan(body, x, (params, given))
-  return x, [jax.tree.map(lambda s, i=i: s[i], stacked) for i in range(num_layers)]
+  return x, [jax.tree.map(lambda s, g=i // period: s[g], stacked[i % period]) for i in range(num_layers)]
 
 
 # Parameters and optimizer moments between the layouts.
@@ -148,8 +168,18 @@ def _is_variable(node: Any) -> bool:
   return isinstance(node, nnx.Variable)
 
 
+def _period(layers: Sequence[Any]) -> int:
+  """The shortest p dividing the layer count such that layer i has layer i mod p's structure (1: one structure)."""
+  structures = [jax.tree.structure(layer, is_leaf=_is_variable) for layer in layers]
+  return next(p for p in range(1, len(layers) + 1)
+              if len(layers) % p == 0 and all(s == structures[i % p] for i, s in enumerate(structures)))
+
+
 def _stack(blocks: Mapping, delete_source: bool) -> Any:
   layers = [blocks[k] for k in sorted(blocks, key=int)]
+  period = _period(layers)
+  if period > 1:  # a Group's state: each position's layers stacked over the groups
+    return {GROUP: {j: _stack(dict(enumerate(layers[j::period])), delete_source) for j in range(period)}}
 
   def stack(*leaves):
     if _is_variable(leaves[0]):  # the value stacked, the layer axis added to its logical axes
@@ -171,6 +201,12 @@ def _stack(blocks: Mapping, delete_source: bool) -> Any:
 
 
 def _unstack(blocks: Mapping, delete_source: bool) -> Any:
+  if GROUP in blocks:  # a Group's state: position j of group g is layer g * period + j
+    positions = [blocks[GROUP][k] for k in sorted(blocks[GROUP], key=int)]
+    period = len(positions)
+    layers_by_position = [_unstack(position, delete_source) for position in positions]
+    return type(blocks)({g * period + j: layer for j, layers in enumerate(layers_by_position)
+                         for g, layer in layers.items()})
   num_layers = jax.tree.leaves(blocks)[0].shape[0]
 
   def split(leaf):

@@ -84,10 +84,6 @@ def _check_attention(cfg: ml_collections.ConfigDict) -> None:
                      f"{cfg.attention_rotation_base}.")
   if cfg.attention_max_len < 1:
     raise ValueError(f"model.attention_max_len must be a positive number of tokens; got {cfg.attention_max_len}.")
-  if cfg.scan_layers:
-    raise ValueError(f"model.scan_layers stacks blocks of one structure, but model.attention_layers="
-                     f"{tuple(chosen)} mixes attention blocks into retention ones: set --config.model.scan_layers="
-                     "False for a hybrid.")
 
 
 def check_model_config(cfg: ml_collections.ConfigDict) -> None:

@@ -240,7 +240,7 @@ HYBRID = dict(attention_layers=(0,), attention_num_heads=8, attention_num_kv_hea
 
 
 @pytest.mark.parametrize("tie,max_shard_bytes,scan,hybrid", [(False, 2**30, False, {}), (True, 30_000, True, {}),
-                                                             (False, 30_000, False, HYBRID)])
+                                                             (False, 30_000, True, HYBRID)])
 def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes, scan, hybrid):
   """JAX -> fla folder (one file, or shards with an index) -> fla's from_pretrained gives our logits; -> JAX again
   gives the same parameters and model config; the tokenizer travels with it. Either layout of the blocks; a hybrid

@@ -10,16 +10,18 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import (evaluate, losses, model as model_lib, passkey, passkey_eval, rotation, sampling, sharding,
-                        train, train_state, train_step, transformer)
+from retnet_jax import (evaluate, layer_stack, losses, model as model_lib, passkey, passkey_eval, rotation, sampling,
+                        sharding, train, train_state, train_step, transformer)
 from retnet_jax.tokenizer import ByteTokenizer
 from tests.helpers import forms_agree, forward, max_abs_diff, random_tokens, read_metrics, tiny_config, tiny_model
 
 MODES = model_lib.MODES
 # Layer 1 of the tiny preset's two is attention: every earlier token with grouped key/value heads, or a window of 5
-# tokens (shorter than the calls below, so the ring buffer wraps) with the tiny preset's heads.
+# tokens (shorter than the calls below, so the ring buffer wraps) with the tiny preset's heads; and four layers,
+# every second one attention, scanned (two groups of a retention and an attention block).
 HYBRIDS = {"full_gqa": dict(attention_layers=(1,), attention_num_heads=4, attention_num_kv_heads=2),
-           "window": dict(attention_layers=(1,), attention_window=5, attention_rotation_base=500.0)}
+           "window": dict(attention_layers=(1,), attention_window=5, attention_rotation_base=500.0),
+           "scanned": dict(num_layers=4, attention_layers=(1, 3), attention_window=5, scan_layers=True)}
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRIDS))
@@ -30,7 +32,7 @@ def hybrid(request):
 def test_modes_agree(hybrid):
   """13 tokens (chunk 4, window 5): logits and states of the three forms agree to float32 rounding."""
   results = forms_agree(hybrid, random_tokens(2, 13), MODES)
-  state = results["parallel"][1]["layers"][1]
+  state = results["parallel"][1]["layers"][-1]
   assert int(state["next_slot"]) == 13 and set(state) == {"key", "value", "next_slot"}
 
 
@@ -176,6 +178,22 @@ def test_decoding_state_is_constant_in_the_context_with_a_window():
   assert unwindowed.init_state(1)["layers"][1]["key"].shape[1] == 64
 
 
+@pytest.mark.parametrize("layers", [(1, 3), (1, 2)])
+def test_scanned_hybrids_equal_unrolled_ones(layers):
+  """Scanned, a hybrid stacks its blocks by the period of their structures (attention in layers 1 and 3 of 4: two
+  groups of two blocks; in 1 and 2: one group of four): the unrolled model's parameters from the same seed, moved
+  by relayout both ways, and its logits and states in every form."""
+  unrolled = tiny_model(num_layers=4, attention_layers=layers, attention_window=5, chunk_size=4)
+  scanned = tiny_model(num_layers=4, attention_layers=layers, attention_window=5, chunk_size=4, scan_layers=True)
+  assert len(getattr(scanned.blocks, layer_stack.GROUP)) == {(1, 3): 2, (1, 2): 4}[layers]
+  params = nnx.state(unrolled, nnx.Param), nnx.state(scanned, nnx.Param)
+  assert max_abs_diff(layer_stack.relayout(params[0], True), params[1]) == 0
+  assert max_abs_diff(layer_stack.relayout(params[1], False), params[0]) == 0
+  tokens = random_tokens(2, 13)
+  for mode in MODES:
+    assert max_abs_diff(forward(scanned, tokens, None, mode), forward(unrolled, tokens, None, mode)) < 1e-6, mode
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(attention_layers=(2,)), r"model.attention_layers=\(2,\) names layers \[2\] outside \[0, model.num_layers=2"),
     (dict(attention_layers=(1, 1)), r"repeats layers \[1\]; name each layer once"),
@@ -189,9 +207,9 @@ def test_decoding_state_is_constant_in_the_context_with_a_window():
     (dict(attention_layers=(1,), attention_max_len=0), "attention_max_len must be a positive number"),
     (dict(attention_window=8), r"model.attention_window=8 configures attention layers, but model.attention_layers "
                                r"is empty"),
-    (dict(attention_layers=(0,), scan_layers=True), "set --config.model.scan_layers=False for a hybrid"),
 ])
 def test_bad_hybrid_fields_are_refused(overrides, message):
+  """Each refused by name as the model is built."""
   with pytest.raises(ValueError, match=message):
     tiny_model(**overrides)
 
@@ -230,6 +248,11 @@ def test_a_hybrid_trains_resumes_and_evaluates(tmp_path, run_crashing_at_batch):
   assert resumed["eval_loss"] == straight["eval_loss"]
   model, step = train_state.restore_model(config, tmp_path / "resumed")
   assert step == 8 and isinstance(model.blocks[1], transformer.TransformerBlock)
+  config.model.scan_layers = True  # the checkpoint read into the scanned layout: the same model
+  scanned, _ = train_state.restore_model(config, tmp_path / "resumed")
+  tokens = random_tokens(2, 20, seed=9)
+  assert max_abs_diff(forward(scanned, tokens, None, "chunkwise"), forward(model, tokens, None, "chunkwise")) == 0
+  config.model.scan_layers = False
   results = evaluate.evaluate_model(model, config, modes=MODES, max_batches=1)
   losses_by_mode = [results["modes"][mode]["loss"] for mode in MODES]
   assert max(losses_by_mode) - min(losses_by_mode) < 1e-5 and losses_by_mode[0] < 5.0
