@@ -175,7 +175,8 @@ class RetNet(nnx.Module):
 
   `scale_embedding` multiplies the embeddings by sqrt(d_model) and `embed_norm` applies an RMSNorm to them
   before the first block (the official code's `no_scale_embedding=False` and `layernorm_embedding`).
-  `scan_layers` stacks the blocks' parameters and runs them in a scan (`layer_stack`): the same function.
+  `scan_layers` stacks the blocks' parameters and runs them in a scan (`layer_stack`; a hybrid's by the period of
+  its retention and attention blocks): the same function.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
