@@ -1,7 +1,8 @@
 """Hybrid RetNets (`model.attention_layers`): softmax attention in chosen layers, optionally over a sliding window
-through a ring-buffer KV cache. The three modes and every hand-off agree to float32 rounding, a windowed prefill then
-decoding equals the parallel logits past the window, the attention layer equals a float64 reference, packed documents
-and left padding act as alone, bad fields are refused by name."""
+through a ring-buffer KV cache. The three modes and every hand-off agree to float32 rounding, unrolled or scanned; a
+windowed prefill then decoding equals the parallel logits past the window; the attention layer equals a float64
+reference; packed documents and left padding act as alone; segments and remat keep the gradients; generation, training
+with resume, evaluation, passkey and a sharded step work; bad fields are refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +71,9 @@ def test_window_decoding_matches_parallel_past_the_window():
 
 
 def _reference_attention(block, x, positions, window, cfg):
-  """Block `block`'s attention output for `x [B, L, D]` in float64 numpy: fla's layout read from the fused kernel,
-  rotation by the model's pairs and frequencies, softmax over the visible keys."""
+  """Block `block`'s attention output for `x [B, L, D]` in float64 numpy: q, k, v read from the fused kernel (per
+  key/value head: its query heads, its key, its value), rotation by the model's pairs and frequencies, softmax over
+  the visible keys."""
   attention = block.attention
   heads, groups, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
   size = heads // groups
