@@ -27,8 +27,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
 
-from retnet_jax import (accelerators, architectures, flops, layer_stack, sampling, sharding, train_state,
-                        train_step as train_step_lib)
+from retnet_jax import (accelerators, architectures, flops, layer_stack, model as model_lib, sampling, sharding,
+                        train_state, train_step as train_step_lib)
 from retnet_jax.kernels import support
 
 STEPS = ("train", "eval", "prefill", "decode")
@@ -146,7 +146,7 @@ def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:
     return flops.forward_flops_per_token(cfg, train.seq_len, architectures.prefill_modes(cfg)[0]) * tokens
   if cfg.architecture == "transformer":
     return None
-  context = (cfg.attention_window or cfg.attention_max_len) if cfg.attention_layers else 1  # a hybrid's cache
+  context = model_lib.attention_cache_len(cfg) if cfg.attention_layers else 1  # a hybrid's whole KV cache
   return flops.forward_flops_per_token(cfg, context, "recurrent") * train.batch_size * DECODE_TOKENS
 
 

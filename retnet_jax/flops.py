@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from retnet_jax import accelerators
+from retnet_jax import accelerators, model as model_lib
 
 
 def matmul_params(cfg: ml_collections.ConfigDict) -> int:
@@ -27,16 +27,12 @@ def matmul_params(cfg: ml_collections.ConfigDict) -> int:
   v = cfg.value_dim
   kv_share = (cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads) / cfg.num_heads
   per_layer = d * d + round(kv_share * (d * d + d * v)) + d * v + v * d + 3 * d * f
-  heads, kv_heads = _attention_heads(cfg)
-  attention_per_layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * f
   num_attention = len(cfg.get("attention_layers", ()))
+  if not num_attention:
+    return cfg.num_layers * per_layer + d * cfg.vocab_size
+  heads, kv_heads = model_lib.attention_heads(cfg)
+  attention_per_layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * f
   return (cfg.num_layers - num_attention) * per_layer + num_attention * attention_per_layer + d * cfg.vocab_size
-
-
-def _attention_heads(cfg: ml_collections.ConfigDict) -> tuple[int, int]:
-  """(query heads, key/value heads) of a hybrid's attention layers (`model.attention_heads`)."""
-  heads = cfg.get("attention_num_heads") or cfg.num_heads
-  return heads, cfg.get("attention_num_kv_heads") or heads
 
 
 def retention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:

@@ -71,9 +71,9 @@ def build(make_block: Callable[[nnx.Rngs, int], nnx.Module], num_layers: int, sc
   blocks = [make_block(rngs, layer) for layer in range(num_layers)]
   if not scanned:
     return nnx.List(blocks)
-  period = _period([nnx.state(b).raw_mapping for b in blocks])
-  graphdef, *_ = nnx.split(blocks[0] if period == 1 else Group(blocks[:period]))
   stacked = relayout(nnx.State({BLOCKS: {i: nnx.state(b).raw_mapping for i, b in enumerate(blocks)}}), True)
+  period = len(stacked[BLOCKS][GROUP]) if GROUP in stacked[BLOCKS] else 1  # as relayout grouped them
+  graphdef, *_ = nnx.split(blocks[0] if period == 1 else Group(blocks[:period]))
   stacked = jax.tree.map(lambda v: v.replace(sharding.place(v.get_value(), v.get_metadata()["out_sharding"])),
                          stacked, is_leaf=_is_variable)
   return nnx.merge(graphdef, stacked[BLOCKS])
