@@ -18,6 +18,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 from collections.abc import Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -31,7 +32,10 @@ FORMAT = "retnet_jax.prepared"
 VERSION = 1
 METADATA = "metadata.json"
 PROGRESS = "progress.json"  # a prepare in progress: its finished shards and the documents they consumed
+_PARTIAL = ".partial"  # the suffix of a JSON file being written (`_write_json`)
+_PARTIAL_PROGRESS = Path(PROGRESS).with_suffix(_PARTIAL).name
 SPLITS = ("train", "validation")
+_SHARD_NAME = re.compile(r"(train|validation)-(\d{5,})\.(tokens|starts)")  # `_shard_paths`' names
 
 
 class CorpusError(ValueError):
@@ -59,6 +63,40 @@ class Shard(NamedTuple):
 def _shard_paths(directory: Path, split: str, index: int) -> tuple[Path, Path]:
   stem = directory / f"{split}-{index:05d}"
   return stem.with_suffix(".tokens"), stem.with_suffix(".starts")
+
+
+def _shard_problem(directory: Path, split: str, index: int, entry: dict[str, int], dtype: np.dtype) -> str | None:
+  """What is wrong with a finished shard's files against its entry (`NAME is missing`, or another size), or None."""
+  for file, count, item_dtype in zip(_shard_paths(directory, split, index), (entry["tokens"], entry["documents"]),
+                                     (dtype, np.dtype(np.int64))):
+    size, expected = (file.stat().st_size if file.is_file() else None), count * item_dtype.itemsize
+    if size != expected:
+      return f"{file.name} " + ("is missing" if size is None else f"holds {size} bytes, not {expected}")
+  return None
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+  """The JSON object in `path` (ValueError when it is not JSON or not an object)."""
+  value = json.loads(path.read_text())
+  if not isinstance(value, dict):
+    raise ValueError(f"{type(value).__name__} {value!r:.40}, not an object")
+  return value
+
+
+def _shard_entries(splits: Any) -> dict[str, list[dict[str, int]]]:
+  """`splits` of metadata.json or progress.json checked: per split, entries {"tokens": N, "documents": N}."""
+  for split in SPLITS:
+    for index, entry in enumerate(splits[split]):
+      if not (isinstance(entry, dict) and all(isinstance(entry.get(k), int) and entry[k] >= 0
+                                              for k in ("tokens", "documents"))):
+        raise ValueError(f"shard {index} of {split!r} is {entry!r:.60}, not "
+                         '{"tokens": COUNT, "documents": COUNT}')
+  return {split: splits[split] for split in SPLITS}
+
+
+def _reason(error: Exception) -> str:
+  """An error of reading a JSON file, as words: a KeyError names the missing field."""
+  return f"no field {error}" if isinstance(error, KeyError) else str(error)
 
 
 class PackedRows:
@@ -113,7 +151,7 @@ def open_corpus(path: str | os.PathLike, tokenizer: tokenizer_lib.Tokenizer, fie
   """Opens a prepared directory, refusing (CorpusError naming the problem and the fix) one that is not a complete
   prepared corpus, was written by another tokenizer, or whose shards are missing or truncated."""
   path = Path(path)
-  remedy = f"rerun scripts/prepare_data.py --out={path} to finish or rebuild it"
+  rebuild = f"prepare it again: delete {str(path)!r} and rerun scripts/prepare_data.py --out={str(path)!r}"
   if not path.is_dir():
     raise CorpusError(f"{field}={str(path)!r} is not a directory; give the --out directory of "
                       "scripts/prepare_data.py.")
@@ -121,17 +159,18 @@ def open_corpus(path: str | os.PathLike, tokenizer: tokenizer_lib.Tokenizer, fie
   if not meta_path.is_file():
     state = ("is half-written (a prepare was interrupted)" if (path / PROGRESS).exists()
              else "is not a prepared corpus (no metadata.json)")
-    raise CorpusError(f"{field}={str(path)!r} {state}; "
-                      f"{remedy if (path / PROGRESS).exists() else 'prepare one with scripts/prepare_data.py'}.")
+    fix = (f"rerun scripts/prepare_data.py --out={path} to finish it" if (path / PROGRESS).exists()
+           else "prepare one with scripts/prepare_data.py")
+    raise CorpusError(f"{field}={str(path)!r} {state}; {fix}.")
   try:
-    metadata = json.loads(meta_path.read_text())
+    metadata = _json_object(meta_path)
     if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
       raise ValueError(f"format {metadata.get('format')!r} version {metadata.get('version')!r}")
-    dtype, recorded = np.dtype(metadata["dtype"]), metadata["tokenizer"]
-    listed = {split: metadata["splits"][split] for split in SPLITS}
+    dtype, recorded = np.dtype(metadata["dtype"]), dict(metadata["tokenizer"])
+    listed = _shard_entries(metadata["splits"])
   except (ValueError, KeyError, TypeError) as e:
-    raise CorpusError(f"{field}={str(path)!r}: its metadata.json is unreadable or of another format ({e}); "
-                      f"{remedy}.") from None
+    raise CorpusError(f"{field}={str(path)!r}: its metadata.json is unreadable or of another format "
+                      f"({_reason(e)}); {rebuild}.") from None
   mine = fingerprint(tokenizer)
   if recorded.get("fingerprint") != mine or recorded.get("vocab_size") != tokenizer.vocab_size:
     raise CorpusError(
@@ -143,13 +182,10 @@ def open_corpus(path: str | os.PathLike, tokenizer: tokenizer_lib.Tokenizer, fie
   for split, entries in listed.items():
     shards[split] = []
     for index, entry in enumerate(entries):
+      problem = _shard_problem(path, split, index, entry, dtype)
+      if problem:
+        raise CorpusError(f"{field}={str(path)!r}: shard {problem} (damaged or truncated); {rebuild}.")
       tokens_path, starts_path = _shard_paths(path, split, index)
-      for file, count, item_dtype in ((tokens_path, entry["tokens"], dtype),
-                                      (starts_path, entry["documents"], np.dtype(np.int64))):
-        size = file.stat().st_size if file.is_file() else None
-        if size != count * item_dtype.itemsize:
-          what = "is missing" if size is None else f"holds {size} bytes, not {count * item_dtype.itemsize}"
-          raise CorpusError(f"{field}={str(path)!r}: shard {file.name} {what} (damaged or truncated); {remedy}.")
       shards[split].append(Shard(np.memmap(tokens_path, dtype, "r", shape=(entry["tokens"],)),
                                  np.memmap(starts_path, np.int64, "r", shape=(entry["documents"],))))
   return Corpus(path, metadata, shards, f"{field}={str(path)!r}" if field.startswith("data.prepared") else field)
@@ -190,7 +226,7 @@ class _ShardWriter:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
   """Writes atomically: a reader sees the old file or the new one, never a part."""
-  partial = path.with_suffix(".partial")
+  partial = path.with_suffix(_PARTIAL)
   partial.write_text(json.dumps(value, indent=1))
   os.replace(partial, path)
 
@@ -258,6 +294,10 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   """Tokenizes `documents` (texts in order) into a prepared corpus in `out`, resuming where an interrupted call
   with the same arguments stopped (after its last finished shard).
 
+  `out` must be empty, new, or this call's interrupted prepare (its progress.json marks it, written before any
+  shard); anything else, or an `out` holding or inside a source, is refused (CorpusError) before any work. Only the
+  shards it wrote are ever removed.
+
   Validation: `validation_documents` when given, else every document `_is_held_out` at `validation_fraction`.
   Host memory stays that of one batch of documents and the shards' document offsets.
 
@@ -266,7 +306,7 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     documents: the training source's texts (its documents in order); an empty text is skipped.
     validation_documents: the validation texts, or None to hold out documents of `documents`.
     tokenizer_spec: `config.data.tokenizer`.
-    sources: what was read, for the metadata.
+    sources: what was read, for the metadata (those that are paths on disk `out` must neither hold nor lie in).
     validation_fraction: the share of held-out documents.
     shard_tokens: tokens per shard (a shard ends after the batch of documents that reaches it).
     max_tokens: stop once the training split holds this many tokens (None: read everything).
@@ -277,24 +317,26 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     The metadata written to `out/metadata.json`.
   """
   out = Path(out)
-  out.mkdir(parents=True, exist_ok=True)
+  _check_out(out, sources)
+  if (out / METADATA).exists():
+    raise CorpusError(f"--out={str(out)!r} already holds a prepared corpus; choose another --out or delete it.")
+  resuming = (out / PROGRESS).exists()
+  if not resuming:
+    _check_empty(out)
   tokenizer = tokenizer_lib.load(tokenizer_spec)
   dtype = token_dtype(tokenizer.vocab_size)
   settings = {"tokenizer": _recorded(tokenizer, tokenizer_spec), "sources": sources, "validation_fraction": validation_fraction,
               "held_out": validation_documents is None, "shard_tokens": shard_tokens, "max_tokens": max_tokens}
-  if (out / METADATA).exists():
-    raise CorpusError(f"--out={str(out)!r} already holds a prepared corpus; choose another --out or delete it.")
-  state = {"settings": settings, "consumed": 0, "shards": {split: [] for split in SPLITS}}
-  if (out / PROGRESS).exists():
-    saved = json.loads((out / PROGRESS).read_text())
-    if saved["settings"] != settings:
-      raise CorpusError(f"--out={str(out)!r} holds an interrupted prepare of other sources or settings; rerun "
-                        "that command to finish it, or choose another --out.")
-    state = saved
-  for split in SPLITS:  # shards being written when the prepare stopped
-    for leftover in out.glob(f"{split}-*.*"):
-      if int(leftover.stem.rsplit("-", 1)[1]) >= len(state["shards"][split]):
+  if resuming:
+    state = _read_progress(out, settings, dtype)
+    for leftover in out.iterdir():  # shards being written when the prepare stopped
+      name = _SHARD_NAME.fullmatch(leftover.name)
+      if name and int(name[2]) >= len(state["shards"][name[1]]):
         leftover.unlink()
+  else:
+    state = {"settings": settings, "consumed": 0, "shards": {split: [] for split in SPLITS}}
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / PROGRESS, state)  # marks `out` as this prepare's before any shard is written
   writers = {split: _ShardWriter(out, split, dtype, tokenizer.eos_id, shard_tokens, state["shards"][split])
              for split in SPLITS}
   consumed, train_tokens = state["consumed"], sum(e["tokens"] for e in state["shards"]["train"])
@@ -338,6 +380,50 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   metadata = _write_metadata(out, dtype, state["shards"], **settings)
   (out / PROGRESS).unlink()
   return metadata
+
+
+def _check_out(out: Path, sources: list[str]) -> None:
+  """Refuses an `out` that is a file, or holds or lies inside a source on disk (it would read what it writes)."""
+  if out.exists() and not out.is_dir():
+    raise CorpusError(f"--out={str(out)!r} is a file; give a directory (new or empty) for the prepared corpus.")
+  where = out.resolve()
+  for source in sources:
+    path = Path(source).resolve()
+    if path.exists() and (path == where or where in path.parents or path in where.parents):
+      relation = "lies inside" if path in where.parents else "holds"
+      raise CorpusError(f"--out={str(out)!r} {relation} the source {source!r}; give an --out outside the sources.")
+
+
+def _check_empty(out: Path) -> None:
+  """Refuses an `out` holding anything, but a progress.json's partial write (of a prepare stopped at its start)."""
+  entries = sorted(p.name for p in out.iterdir() if p.name != _PARTIAL_PROGRESS) if out.is_dir() else []
+  if entries:
+    more = f" (and {len(entries) - 1} more)" if len(entries) > 1 else ""
+    raise CorpusError(f"--out={str(out)!r} holds {entries[0]!r}{more}, which prepare_data.py did not write; give an "
+                      "empty or new directory as --out (preparing deletes no file it did not write).")
+
+
+def _read_progress(out: Path, settings: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
+  """The state of `out`'s interrupted prepare, refused (CorpusError naming the fix) when its progress.json is not
+  one, it has other settings, or a shard it lists as finished is damaged."""
+  fix = f"delete {str(out)!r} and prepare again"
+  try:
+    state = _json_object(out / PROGRESS)
+    saved, consumed, shards = state["settings"], state["consumed"], _shard_entries(state["shards"])
+    if not isinstance(consumed, int) or consumed < 0:
+      raise ValueError(f"consumed {consumed!r} is not a count of documents")
+  except (ValueError, KeyError, TypeError) as e:
+    raise CorpusError(f"--out={str(out)!r}: its {PROGRESS} is not a prepare's progress ({_reason(e)}); {fix}."
+                      ) from None
+  if saved != settings:
+    raise CorpusError(f"--out={str(out)!r} holds an interrupted prepare of other sources or settings; rerun "
+                      "that command to finish it, or choose another --out.")
+  for split in SPLITS:
+    for index, entry in enumerate(shards[split]):
+      problem = _shard_problem(out, split, index, entry, dtype)
+      if problem:
+        raise CorpusError(f"--out={str(out)!r}: its finished shard {problem} (damaged since); {fix}.")
+  return {"settings": settings, "consumed": consumed, "shards": shards}
 
 
 def write_splits(out: str | os.PathLike, splits: dict[str, tuple[np.ndarray, np.ndarray]],

@@ -54,11 +54,17 @@ def check_training_dir(workdir: str | os.PathLike) -> Path:
   workdir = Path(workdir)
   if workdir.exists() and not workdir.is_dir():
     raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
-  for parent in workdir.absolute().parents:
-    if parent.name in ("checkpoints", "params") and config_file(parent.parent).is_file():
-      raise ValueError(f"--workdir={workdir} lies inside the {parent.name}/ folder of the run {parent.parent}; "
-                       "choose a directory outside it (a new run's, or that run itself to resume it).")
+  check_outside_runs(workdir, "--workdir", "a new run's, or that run itself to resume it")
   return workdir
+
+
+def check_outside_runs(path: Path, flag: str, choices: str) -> None:
+  """Refuses (naming `flag` and the `choices` of directory) a `path` inside a run's `checkpoints/` or `params/`,
+  whose folders that run writes, replaces and prunes."""
+  for parent in path.absolute().parents:
+    if parent.name in ("checkpoints", "params") and config_file(parent.parent).is_file():
+      raise ValueError(f"{flag}={path} lies inside the {parent.name}/ folder of the run {parent.parent}; "
+                       f"choose a directory outside it ({choices}).")
 
 
 def checkpoint_dir(workdir: str | os.PathLike) -> Path:

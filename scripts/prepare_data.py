@@ -6,9 +6,10 @@
 Reads `config.data.files` or `config.data.hub_dataset` (streamed) as documents and writes OUT as
 `retnet_jax.prepared` describes. Validation is `config.data.validation_files`, else every document that falls in
 the held-out `config.data.validation_fraction` (documents spread evenly through the corpus, never a window of
-training text). An interrupted prepare resumes at the shard it stopped at when run again with the same command;
-a directory is trainable only once its metadata.json is written, at the end. Prints progress, and as the last
-line of stdout one JSON object: documents, tokens, seconds, out.
+training text). OUT must be new or empty (never inside a source or a run's checkpoints/ or params/): preparing
+deletes no file it did not write. An interrupted prepare resumes at the shard it stopped at when run again with
+the same command; a directory is trainable only once its metadata.json is written, at the end. Prints progress,
+and as the last line of stdout one JSON object: documents, tokens, seconds, out.
 """
 
 from retnet_jax import cli
@@ -19,10 +20,11 @@ if __name__ == "__main__":
 import json
 import os
 import time
+from pathlib import Path
 
 from absl import flags
 
-from retnet_jax import metrics, prepared, sources
+from retnet_jax import metrics, prepared, sources, workdir
 
 _CONFIG = cli.config_flag("Config file and preset whose data section names the sources and the tokenizer.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the prepared corpus into.", required=True)
@@ -38,6 +40,7 @@ def main():
   config = _CONFIG.value
   if not _OUT.value:
     raise ValueError("--out is empty; give the directory to write the prepared corpus into.")
+  workdir.check_outside_runs(Path(_OUT.value), "--out", "a new or empty one")
   if config.data.synthetic or config.data.prepared:
     raise ValueError("data.synthetic / data.prepared are set: prepare_data.py tokenizes data.files or "
                      "data.hub_dataset; unset them.")

@@ -53,6 +53,14 @@ def split_documents(corpus, split):
   return documents
 
 
+def interrupted(at):
+  """DOCUMENTS until document `at`, then a KeyboardInterrupt (as Ctrl-C stops a prepare)."""
+  for i, text in enumerate(DOCUMENTS):
+    if i == at:
+      raise KeyboardInterrupt
+    yield text
+
+
 @pytest.mark.parametrize("spec", ["byte", "bpe"])
 def test_shards_hold_every_document_once_and_hold_out_every_tenth(tmp_path, bpe_path, spec):
   spec = bpe_path if spec == "bpe" else spec
@@ -71,15 +79,8 @@ def test_shards_hold_every_document_once_and_hold_out_every_tenth(tmp_path, bpe_
 
 def test_an_interrupted_prepare_resumes_to_the_same_bytes_and_never_trains_half_written(tmp_path):
   prepare(tmp_path / "whole")
-
-  def interrupted():
-    for i, text in enumerate(DOCUMENTS):
-      if i == 40:
-        raise KeyboardInterrupt
-      yield text
-
   with pytest.raises(KeyboardInterrupt):
-    prepare(tmp_path / "part", interrupted())
+    prepare(tmp_path / "part", interrupted(40))
   with pytest.raises(prepared.CorpusError, match=r"is half-written \(a prepare was interrupted\); rerun "
                                                   r"scripts/prepare_data.py --out=.*part to finish"):
     prepared.open_corpus(tmp_path / "part", tokenizer_lib.load("byte"))
@@ -90,6 +91,81 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes_and_never_trains_half_
   assert sorted(p.name for p in (tmp_path / "part").iterdir()) == sorted(p.name for p in (tmp_path / "whole").iterdir())
   with pytest.raises(prepared.CorpusError, match="already holds a prepared corpus"):
     prepare(tmp_path / "part")
+
+
+def test_preparing_writes_only_into_an_empty_folder_or_its_own_and_deletes_nothing_else(tmp_path):
+  """A folder holding anything prepare did not write, a source or a file is refused by name before any work, and
+  every file in it is kept; one interrupted before its first shard finished resumes (it is marked as its own)."""
+  folder = tmp_path / "d"
+  folder.mkdir()
+  users = {"train-00000-of-00002.jsonl": "{}", "validation-00000.tokens": "mine", "train-notes.txt": "notes"}
+  for name, text in users.items():
+    (folder / name).write_text(text)
+  source = str(folder / "train-00000-of-00002.jsonl")
+  with pytest.raises(prepared.CorpusError, match=r"--out='.*d' holds the source '.*train-00000-of-00002.jsonl'; "
+                                                  r"give an --out outside the sources"):
+    prepared.write(folder, DOCUMENTS, None, "byte", [source], 0.1)
+  with pytest.raises(prepared.CorpusError, match=r"--out='.*d' holds 'train-00000-of-00002.jsonl' \(and 2 more\), "
+                                                  r"which prepare_data.py did not write; give an empty or new "
+                                                  r"directory as --out"):
+    prepare(folder)
+  (folder / "train-00000-of-00002.jsonl").unlink()
+  with pytest.raises(prepared.CorpusError, match=r"holds 'train-notes.txt' \(and 1 more\)"):
+    prepare(folder)
+  assert {p.name: p.read_text() for p in folder.iterdir()} == {k: v for k, v in users.items() if "jsonl" not in k}
+  with pytest.raises(prepared.CorpusError, match=r"--out='.*inside' lies inside the source '.*d'; give an --out "
+                                                  r"outside the sources"):
+    prepared.write(folder / "inside", DOCUMENTS, None, "byte", [str(folder)], 0.1)
+  with pytest.raises(prepared.CorpusError, match=r"--out='.*notes.txt' is a file; give a directory"):
+    prepare(folder / "train-notes.txt")
+  assert not (folder / "inside").exists() and (folder / "train-notes.txt").read_text() == "notes"
+
+  prepare(tmp_path / "whole")
+  with pytest.raises(KeyboardInterrupt):
+    prepare(tmp_path / "early", interrupted(1))  # before any shard finished
+  prepare(tmp_path / "early")
+  for whole in sorted((tmp_path / "whole").iterdir()):
+    assert (tmp_path / "early" / whole.name).read_bytes() == whole.read_bytes(), whole.name
+
+
+def test_prepare_data_script_never_deletes_its_sources_nor_writes_into_a_run(tmp_path):
+  """The issue's reproduction: sources named as hub datasets name their shards, --out their folder."""
+  folder = tmp_path / "d"
+  folder.mkdir()
+  text = "".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS)
+  (folder / "train-00000-of-00002.jsonl").write_text(text)
+  result = run_script("prepare_data.py", "--config=configs/retnet.py:tiny",
+                      f"--config.data.files={folder}/train-*.jsonl", f"--out={folder}")
+  assert result.returncode == 1 and result.stderr.strip().splitlines()[-1].startswith(
+      f"error: --out='{folder}' holds the source '{folder}/train-00000-of-00002.jsonl'"), result.stderr[-3000:]
+  assert (folder / "train-00000-of-00002.jsonl").read_text() == text
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  (tmp_path / "run" / "config.json").write_text("{}")
+  result = run_script("prepare_data.py", "--config=configs/retnet.py:tiny",
+                      f"--config.data.files={folder}/train-*.jsonl", f"--out={tmp_path}/run/checkpoints/corpus")
+  assert result.returncode == 1 and result.stderr.strip().splitlines()[-1].startswith(
+      f"error: --out={tmp_path}/run/checkpoints/corpus lies inside the checkpoints/ folder of the run "
+      f"{tmp_path}/run; choose a directory outside it"), result.stderr[-3000:]
+  assert not (tmp_path / "run" / "checkpoints" / "corpus").exists()
+
+
+def test_a_damaged_progress_file_or_finished_shard_is_named_with_its_fix(tmp_path):
+  """Resuming reads progress.json (refused by name when it is not one) and checks the shards it lists as finished."""
+  out = tmp_path / "c"
+  with pytest.raises(KeyboardInterrupt):
+    prepare(out, interrupted(40))
+  progress = (out / prepared.PROGRESS).read_text()
+  for damaged, detail in (("{}", r"no field 'settings'"), ("{not json", r"Expecting property name"),
+                          ("[]", r"not an object"), (progress.replace('"documents"', '"docs"'), r"shard 0 of 'train'")):
+    (out / prepared.PROGRESS).write_text(damaged)
+    with pytest.raises(prepared.CorpusError, match=rf"--out='.*c': its progress.json is not a prepare's progress "
+                                                    rf"\(.*{detail}.*\); delete '.*c' and prepare again"):
+      prepare(out)
+  (out / prepared.PROGRESS).write_text(progress)
+  (out / "train-00000.starts").unlink()
+  with pytest.raises(prepared.CorpusError, match=r"--out='.*c': its finished shard train-00000.starts is missing "
+                                                  r"\(damaged since\); delete '.*c' and prepare again"):
+    prepare(out)
 
 
 def test_max_tokens_stops_early(tmp_path):
@@ -111,11 +187,21 @@ def test_bad_directories_are_refused_by_name(tmp_path, bpe_path):
   shard = tmp_path / "c" / "train-00001.tokens"
   shard.write_bytes(shard.read_bytes()[:-2])
   with pytest.raises(prepared.CorpusError, match=r"shard train-00001.tokens holds \d+ bytes, not \d+ \(damaged or "
-                                                  r"truncated\); rerun scripts/prepare_data.py"):
+                                                  r"truncated\); prepare it again: delete '.*c' and rerun "
+                                                  r"scripts/prepare_data.py --out='.*c'"):
     prepared.open_corpus(tmp_path / "c", byte)
   shard.unlink()
   with pytest.raises(prepared.CorpusError, match=r"shard train-00001.tokens is missing"):
     prepared.open_corpus(tmp_path / "c", byte)
+  metadata = json.loads((tmp_path / "c" / "metadata.json").read_text())
+  for entry, detail in (({"tokens": 5}, r"shard 0 of 'validation' is \{'tokens': 5\}"),
+                        (5, r"shard 0 of 'validation' is 5")):
+    (tmp_path / "c" / "metadata.json").write_text(json.dumps({**metadata, "splits": {
+        **metadata["splits"], "validation": [entry] + metadata["splits"]["validation"][1:]}}))
+    with pytest.raises(prepared.CorpusError, match=rf"data.prepared='.*c': its metadata.json is unreadable or of "
+                                                    rf"another format \({detail}, not {{\"tokens\": COUNT, "
+                                                    rf"\"documents\": COUNT}}\); prepare it again"):
+      prepared.open_corpus(tmp_path / "c", byte)
   (tmp_path / "c" / "metadata.json").write_text("{not json")
   with pytest.raises(prepared.CorpusError, match="its metadata.json is unreadable or of another format"):
     prepared.open_corpus(tmp_path / "c", byte)
