@@ -2,11 +2,12 @@
 
     with Checkpointer(workdir / "checkpoints", keep=3, keep_best=True) as ckpt:
       ckpt.save(step, state, {"data_position": ..., "config": config.to_dict()}, eval_loss=loss)
-      state, meta = ckpt.restore(abstract_state)  # shardings come from abstract_state
+      state, meta = ckpt.restore(abstract_state)  # shardings and dtypes come from abstract_state
 
 Checkpoints are orbax step folders `<directory>/<step>` holding the array pytree (`state`) and a JSON dict
 (`meta`). Arrays restore straight into the shardings of the abstract state, so a checkpoint written on one mesh
-loads on any other.
+loads on any other; they are read in the dtypes they were written in (checked against their checksums), then cast
+to the abstract state's.
 """
 
 from __future__ import annotations
@@ -185,18 +186,34 @@ def _check_compatible(abstract_state: Any, stored_metadata: Any, location: str, 
 
 
 def _as_stored(abstract_tree: Any, stored_metadata: Any) -> tuple[Any, bool | None]:
-  """`abstract_tree` in the layout of blocks the checkpoint was written in (`model.scan_layers` either way), and
-  the layout to convert the arrays read into: True scanned, False unrolled, None when the layouts agree."""
+  """`abstract_tree` as the checkpoint holds it: in the layout of blocks it was written in (`model.scan_layers`
+  either way) and with its arrays' dtypes (read as written, so that their checksums hold), and the layout to
+  convert the arrays read into: True scanned, False unrolled, None when the layouts agree."""
   stored = layer_stack.stored_layout(list(ocp.tree.to_flat_dict(stored_metadata or {}, sep="/")))
   wanted = layer_stack.stored_layout(list(ocp.tree.to_flat_dict(abstract_tree, sep="/")))
-  if stored is None or wanted is None or stored == wanted:
-    return abstract_tree, None
-  return layer_stack.relayout(abstract_tree, scanned=stored), wanted
+  scanned = None if stored is None or wanted is None or stored == wanted else wanted
+  read_as = abstract_tree if scanned is None else layer_stack.relayout(abstract_tree, scanned=stored)
+  dtypes = {key: meta.dtype for key, meta in ocp.tree.to_flat_dict(stored_metadata or {}, sep="/").items()
+            if hasattr(meta, "dtype")}
+  leaves = [jax.ShapeDtypeStruct(leaf.shape, dtypes.get(key, leaf.dtype), sharding=leaf.sharding)
+            for key, leaf in ocp.tree.to_flat_dict(read_as, sep="/").items()]  # in the order of the tree's leaves
+  return jax.tree.unflatten(jax.tree.structure(read_as), leaves), scanned
 
 
-def _relayout(tree: Any, scanned: bool | None) -> Any:
-  """The arrays read in the checkpoint's layout moved into the `scanned` one (None: as read), one at a time."""
-  return tree if scanned is None else layer_stack.relayout(tree, scanned, delete_source=True)
+def _as_wanted(tree: Any, scanned: bool | None, abstract_tree: Any) -> Any:
+  """The arrays read as the checkpoint holds them moved into the `scanned` layout (None: as read) and cast to the
+  dtypes of `abstract_tree` (e.g. a changed `train.optimizer_state_dtype`, or `model.param_dtype` for evaluation),
+  one at a time: each source array is deleted once converted."""
+  tree = tree if scanned is None else layer_stack.relayout(tree, scanned, delete_source=True)
+
+  def cast(array: jax.Array, wanted: jax.ShapeDtypeStruct) -> jax.Array:
+    if array.dtype == wanted.dtype:
+      return array
+    converted = array.astype(wanted.dtype)
+    array.delete()
+    return converted
+
+  return jax.tree.map(cast, tree, abstract_tree)
 
 
 def _check_free_space(directory: str, state: Any) -> None:
@@ -327,7 +344,8 @@ class Checkpointer:
     return step
 
   def restore(self, abstract_state: Any, step: int | None = None, *, partial: bool = False) -> tuple[Any, dict]:
-    """(state, meta) of `step` (None: the latest), every array placed with the sharding in `abstract_state`.
+    """(state, meta) of `step` (None: the latest), every array placed with the sharding and cast to the dtype in
+    `abstract_state`.
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set, shaped like the saved state, or
     with `partial` like a part of it (e.g. `{"params": ...}`): only that part's arrays are read and verified.
@@ -341,7 +359,7 @@ class Checkpointer:
     meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     state = _read_arrays(os.path.join(location, "state"), read_as, stored, partial)
     _verify(meta.pop("checksums", None), state, f"the checkpoint at {location}")
-    return _relayout(state, scanned), meta
+    return _as_wanted(state, scanned, abstract_state), meta
 
   def set_aside(self, step: int) -> str:
     """Renames an unreadable step folder to `<step>.corrupt` (`<step>.corrupt.1`, ... if that step was set aside
@@ -424,8 +442,8 @@ def export_params(directory: str | os.PathLike, params: Any) -> None:
 
 
 def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
-  """Reads params written by `export_params`, placed with the shardings in `abstract_params`; verifies them
-  against the export's checksums when it has them (DamagedCheckpointError)."""
+  """Reads params written by `export_params`, placed with the shardings and cast to the dtypes in `abstract_params`;
+  verifies them against the export's checksums when it has them (DamagedCheckpointError)."""
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"No exported params at {directory}.")
@@ -439,4 +457,4 @@ def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
   if os.path.isfile(sums_file):
     with open(sums_file, encoding="utf-8") as file:
       _verify(json.load(file), params, f"the params export at {directory}")
-  return _relayout(params, scanned)
+  return _as_wanted(params, scanned, abstract_params)

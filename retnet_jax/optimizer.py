@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
 SCHEDULES = ("cosine", "linear")
+# `train.optimizer_state_dtype` -> the dtype of AdamW's first moment (optax's `mu_dtype`). The second moment stays
+# float32: in bfloat16 its small squared gradients would round away against the large ones.
+STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Optimizer fields of `config.train`: (test, what the value must be).
 RANGES = {
     "learning_rate": (lambda x: x > 0, "positive"),
@@ -22,11 +26,20 @@ RANGES = {
 
 
 def check_config(train_cfg: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first optimizer field out of its range, or an unknown schedule."""
+  """Raises ValueError naming the first optimizer field out of its range, an unknown schedule or state dtype."""
   for name, (valid, requirement) in RANGES.items():
     if not math.isfinite(train_cfg[name]) or not valid(train_cfg[name]):
       raise ValueError(f"train.{name} must be {requirement}; got {train_cfg[name]}.")
   learning_rate_schedule(train_cfg)
+  state_dtype(train_cfg)
+
+
+def state_dtype(train_cfg: ml_collections.ConfigDict):
+  """The jnp dtype of AdamW's first moment that `train.optimizer_state_dtype` names, or ValueError with the choices."""
+  name = train_cfg.optimizer_state_dtype
+  if name not in STATE_DTYPES:
+    raise ValueError(f"unknown train.optimizer_state_dtype {name!r}; choose one of {tuple(STATE_DTYPES)}.")
+  return STATE_DTYPES[name]
 
 
 def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:
@@ -47,9 +60,10 @@ def decay_mask(params):
 
 
 def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """The paper's recipe: AdamW (0.9, 0.98), weight decay 0.05, warm-up then decay; clipped gradients."""
+  """The paper's recipe: AdamW (0.9, 0.98), weight decay 0.05, warm-up then decay; clipped gradients. The first
+  moment is held in `train.optimizer_state_dtype` (its update computed in float32), the second in float32."""
   return optax.chain(
       optax.clip_by_global_norm(train_cfg.grad_clip_norm),
       optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
-                  weight_decay=train_cfg.weight_decay, mask=decay_mask),
+                  weight_decay=train_cfg.weight_decay, mask=decay_mask, mu_dtype=state_dtype(train_cfg)),
   )

@@ -178,6 +178,10 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
     step, (state, meta) = restored
     batches.set_state(meta["data"])
     metrics.log(f"resumed from {checkpointer.directory}/{step} (data position {meta['data']})")
+    saved_dtype = meta["config"]["train"].get("optimizer_state_dtype", "float32")  # float32 before the field
+    if saved_dtype != config.train.optimizer_state_dtype:
+      metrics.log(f"NOTE: the checkpoint's first Adam moment is {saved_dtype}: converted to "
+                  f"train.optimizer_state_dtype={config.train.optimizer_state_dtype}")
     changed = changed_data_fields(meta["config"], config)
     if changed:
       metrics.log(f"WARNING: {', '.join(changed)} changed since the checkpoint: the data position continues, but "

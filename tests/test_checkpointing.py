@@ -88,6 +88,24 @@ def test_round_trip_is_bitwise_equal(tmp_path, state):
   assert_bitwise_equal(restored, state)
 
 
+def test_arrays_are_read_as_written_then_cast_to_the_abstract_dtypes(tmp_path, state):
+  """A changed train.optimizer_state_dtype (resume) or model.param_dtype (evaluation): the arrays are read in their
+  stored dtypes, so their checksums hold, then cast to the abstract state's; bfloat16 arrays round-trip bitwise."""
+  cast = lambda dtype: lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  halved = {**state, "opt": jax.tree.map(cast(jnp.bfloat16), state["opt"])}
+  widened = {**halved, "opt": jax.tree.map(cast(jnp.float32), halved["opt"])}
+  with Checkpointer(tmp_path / "float32", async_save=False) as ckpt:
+    ckpt.save(1, state, META)
+    assert_bitwise_equal(ckpt.restore(abstract(halved), 1)[0], halved)
+  with Checkpointer(tmp_path / "bfloat16", async_save=False) as ckpt:
+    ckpt.save(1, halved, META)
+    assert_bitwise_equal(ckpt.restore(abstract(halved), 1)[0], halved)
+    assert_bitwise_equal(ckpt.restore(abstract(widened), 1)[0], widened)
+  export_params(tmp_path / "export", state["params"])
+  params = jax.tree.map(cast(jnp.bfloat16), state["params"])
+  assert_bitwise_equal(load_params(tmp_path / "export", abstract(params)), params)
+
+
 def test_keep_only_last_steps(tmp_path, state):
   with Checkpointer(tmp_path, keep=2, async_save=False) as ckpt:
     for step in range(1, 5):
