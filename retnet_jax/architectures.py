@@ -13,7 +13,7 @@ from __future__ import annotations
 import ml_collections
 from flax import nnx
 
-from retnet_jax import model as model_lib, presets, transformer
+from retnet_jax import layers, model as model_lib, presets, transformer
 
 ARCHITECTURES = presets.ARCHITECTURES
 Model = model_lib.RetNet | transformer.Transformer
@@ -49,6 +49,9 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
     model_lib.check_model_config(cfg)
   else:
     transformer.check_config(cfg)
+  if cfg.param_dtype not in layers.DTYPES:
+    raise ValueError(f"unknown model.param_dtype {cfg.param_dtype!r} (the weights' dtype for evaluation, generation "
+                     f"and export); choose one of {tuple(layers.DTYPES)}.")
 
 
 def check_training(config: ml_collections.ConfigDict) -> None:

@@ -33,7 +33,7 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from retnet_jax import layer_stack, model as model_lib, presets, sharding, tokenizer as tokenizer_lib
+from retnet_jax import layer_stack, layers, model as model_lib, presets, sharding, tokenizer as tokenizer_lib
 from retnet_jax.model import RetNet, check_model_config
 from retnet_jax.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsFolder, listing
 
@@ -340,7 +340,7 @@ def fla_config_of(cfg: ml_collections.ConfigDict, eos_id: int | None) -> dict[st
       "hidden_act": "swish", "norm_eps": cfg.norm_eps, "elementwise_affine": cfg.head_norm_scale,
       "fuse_norm": True, "use_output_gate": True, "use_short_conv": False, "feature_map": None,
       "tie_word_embeddings": cfg.tie_embeddings, "vocab_size": cfg.vocab_size, "bos_token_id": None,
-      "eos_token_id": eos_id, "pad_token_id": None, "dtype": "float32", "attn": _fla_attn(cfg),
+      "eos_token_id": eos_id, "pad_token_id": None, "dtype": cfg.param_dtype, "attn": _fla_attn(cfg),
   }
 
 
@@ -367,10 +367,11 @@ def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
 
 def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_collections.ConfigDict
                  ) -> Iterator[tuple[str, np.ndarray]]:
-  """fla's names and float32 numpy copies of `params[path]` in torch's layout ([out, in] for kernels; a fused q/k/v
-  kernel as fla's three), gathered across processes."""
+  """fla's names and numpy copies in `model.param_dtype` of `params[path]` in torch's layout ([out, in] for kernels;
+  a fused q/k/v kernel as fla's three), gathered across processes."""
+  dtype = layers.compute_dtype(cfg.param_dtype)
   for path in paths:
-    value = np.asarray(multihost_utils.process_allgather(params[path], tiled=True), np.float32)
+    value = np.asarray(multihost_utils.process_allgather(params[path], tiled=True), dtype)
     names = fla_names(path)
     parts = split_qkv(value, *model_lib.attention_heads(cfg)) if len(names) > 1 else (value,)
     for name, part in zip(names, parts):
@@ -396,10 +397,11 @@ def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | P
 
   Args:
     model: the model, in either layout of its blocks; its parameters may be sharded.
-    config: its full config; `check_export` must accept it. A `data.tokenizer` tokenizer.json is copied, with the
-      tokenizer files beside it.
+    config: its full config; `check_export` must accept it. The tensors are written in `model.param_dtype`
+      (float32 or bfloat16: every one, norm scales included), as config.json's `dtype` says. A `data.tokenizer`
+      tokenizer.json is copied, with the tokenizer files beside it.
     out_dir: a new or empty folder.
-    max_shard_bytes: the float32 bytes of one safetensors file; more make shards with an index.
+    max_shard_bytes: the bytes of one safetensors file; more make shards with an index.
   Returns:
     The folder: config.json, model.safetensors (or shards and model.safetensors.index.json), tokenizer files.
   """
@@ -407,7 +409,8 @@ def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | P
   tokenizer = check_export(config, out)
   tokenizer_file = None if config.data.tokenizer == "byte" else Path(config.data.tokenizer)
   params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(layer_stack.as_layout(model, False), nnx.Param)))
-  shards = _shards({path: 4 * math.prod(value.shape) for path, value in params.items()}, max_shard_bytes)
+  itemsize = np.dtype(layers.compute_dtype(config.model.param_dtype)).itemsize
+  shards = _shards({path: itemsize * math.prod(value.shape) for path, value in params.items()}, max_shard_bytes)
   files = ([SINGLE_FILE] if len(shards) == 1 else
            [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
   writer = jax.process_index() == 0
@@ -421,7 +424,7 @@ def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | P
   if writer:
     if len(shards) > 1:
       weight_map = {name: file for file, paths in zip(files, shards) for path in paths for name in fla_names(path)}
-      total = sum(4 * math.prod(value.shape) for value in params.values())
+      total = sum(itemsize * math.prod(value.shape) for value in params.values())
       (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                indent=2))
     (out / "config.json").write_text(json.dumps(fla_config_of(config.model, tokenizer.eos_id), indent=2))

@@ -41,6 +41,10 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if profile is not None and (len(profile) != 2 or not 0 <= profile[0] <= profile[1] < train.steps):
     raise ValueError(f"train.profile_steps must be (first, last) with 0 <= first <= last < train.steps="
                      f"{train.steps}; got {profile}.")
+  if config.model.param_dtype != "float32":
+    raise ValueError(f"model.param_dtype={config.model.param_dtype!r}: training keeps float32 master weights (the "
+                     "option casts them for evaluation, generation and export); set --config.model.param_dtype="
+                     "float32 to train, model.dtype=bfloat16 to compute in bfloat16.")
   architectures.check_training(config)
   train_step_lib.check_config(config)
   synthetic.check_config(config)

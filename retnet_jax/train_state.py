@@ -2,7 +2,7 @@
 
     layout = train_state.make_layout(config, placement)  # shapes and shardings only: nothing runs
     state = train_state.init(config, layout)              # created sharded, in place
-    model, step = train_state.restore_model(config, workdir)  # the parameters alone: no optimizer state is read
+    model, step = train_state.restore_model(config, workdir)  # the parameters alone (in model.param_dtype)
 
 The state is the pytree `{"params", "opt_state", "step", "nonfinite_steps", "first_nonfinite_step"}`. Nothing
 here builds a train step: evaluation, generation and conversion use the layout without compiling one.
@@ -93,12 +93,14 @@ def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
 
 
 def model_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> tuple[nnx.GraphDef, nnx.State]:
-  """The model's structure and its parameters as `jax.ShapeDtypeStruct`s with their shardings on `placement`,
-  traced abstractly (nothing runs; no optimizer: what evaluation restores)."""
+  """The model's structure and its parameters as `jax.ShapeDtypeStruct`s with their shardings on `placement`, in
+  `model.param_dtype` (training's float32 masters as evaluation, generation and export hold them), traced
+  abstractly (nothing runs; no optimizer: what evaluation restores)."""
   with placement.active():
     graphdef, params = nnx.split(nnx.eval_shape(lambda: architectures.build(config.model, rngs=nnx.Rngs(0))))
   shardings = sharding.tree_shardings(params, placement.mesh, placement.rules)
-  return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+  dtype = layers.compute_dtype(config.model.param_dtype)
+  return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), params, shardings)
 
 
 def make_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> Layout:
@@ -129,7 +131,8 @@ def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.S
 def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
                   ) -> tuple[architectures.Model, int]:
   """The model of `workdir` at `step` (None: the newest that reads back whole), placed on `config.mesh` over the
-  devices present. Only its parameters are read (`workdir.read_params`): no optimizer is built or restored.
+  devices present, its parameters cast to `model.param_dtype` (every one: matrices, embeddings and norm scales).
+  Only its parameters are read (`workdir.read_params`): no optimizer is built or restored.
 
   Returns:
     (model, step).

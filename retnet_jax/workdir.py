@@ -33,9 +33,10 @@ import numpy as np
 from retnet_jax import checkpointing, metrics, presets, workdir_lock
 
 T = TypeVar("T")
-# Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes.
+# Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes
+# (`param_dtype`: the dtype evaluation, generation and export cast the float32 weights to).
 RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl", "max_len", "scan_layers",
-                           "attention_max_len")
+                           "attention_max_len", "param_dtype")
 # Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
 # with (the model's behaviour before the field existed).
 ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",

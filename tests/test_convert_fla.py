@@ -260,6 +260,27 @@ def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes, scan, hybrid):
   assert back_config.model == config.model and back_config.data.tokenizer == str((out / "tokenizer.json").resolve())
 
 
+def test_export_in_bfloat16(tmp_path):
+  """model.param_dtype=bfloat16 writes every tensor (norm scales too) in bfloat16, half the float32 bytes, as
+  config.json's dtype says; fla's from_pretrained gives the logits of our model on those rounded weights, and the
+  folder imports back to them."""
+  model, config = our_fla_model()
+  config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
+  full = convert_fla.write_fla(model, config, tmp_path / "float32")
+  config.model.param_dtype = "bfloat16"
+  out = convert_fla.write_fla(model, config, tmp_path / "bfloat16")
+  tensors, reference = load_file(out / safetensors_folder.SINGLE_FILE), load_file(full / safetensors_folder.SINGLE_FILE)
+  assert {t.dtype.name for t in tensors.values()} == {"bfloat16"} and tensors.keys() == reference.keys()
+  assert 2 * sum(t.nbytes for t in tensors.values()) == sum(t.nbytes for t in reference.values())
+  assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+  back, _ = convert_fla.load_fla(out)
+  rounded = jax.tree.map(lambda p: np.asarray(p.astype(jax.numpy.bfloat16), np.float32), flat_params(model))
+  assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(back), rounded))
+  theirs = fla_models.RetNetForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+  tokens = random_tokens(2, LENGTH, 47)
+  assert relative_error(forward(back, tokens, None, "chunkwise")[0], fla_logits(theirs, tokens)[0]) < 1e-4
+
+
 FLA_CONFIG = {"model_type": "retnet", "hidden_size": 32, "num_hidden_layers": 1, "num_heads": 2, "vocab_size": 61}
 
 

@@ -12,7 +12,8 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, data, dispatch, evaluate, losses, metrics, sharding, tokenizer, train_state
+from retnet_jax import (checkpointing, data, dispatch, evaluate, losses, metrics, sampling, sharding, tokenizer,
+                        train_state)
 from tests.helpers import flip_bytes, run_script, script_stdout
 
 
@@ -30,6 +31,37 @@ def test_all_three_modes_agree_on_a_trained_checkpoint(trained):
   # The last training eval used the same 2 batches in the same (parallel) form.
   last_eval = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l][-1]
   assert parallel["loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
+
+
+def test_bfloat16_weights_evaluate_and_generate_close_to_float32(trained):
+  """model.param_dtype=bfloat16 restores the float32 masters cast to bfloat16, every parameter (half the bytes);
+  evaluation and generation run on them within bfloat16's rounding of the weights' results."""
+  config, workdir, _ = trained
+  halved = copy.deepcopy(config)
+  halved.model.param_dtype = "bfloat16"
+  models = {cfg.model.param_dtype: train_state.restore_model(cfg, workdir)[0] for cfg in (config, halved)}
+  params = {name: jax.tree.leaves(nnx.state(model, nnx.Param)) for name, model in models.items()}
+  assert {p.dtype for p in params["bfloat16"]} == {jnp.dtype(jnp.bfloat16)}
+  assert 2 * sum(p.nbytes for p in params["bfloat16"]) == sum(p.nbytes for p in params["float32"])
+  for full, half in zip(params["float32"], params["bfloat16"]):
+    np.testing.assert_array_equal(np.asarray(half), np.asarray(full.astype(jnp.bfloat16)))
+
+  results = {name: evaluate.evaluate_model(model, cfg, modes=("parallel", "recurrent"), max_batches=2)
+             for (name, model), cfg in zip(models.items(), (config, halved))}
+  assert results["bfloat16"]["modes_agree"]
+  assert results["bfloat16"]["modes"]["parallel"]["loss"] == pytest.approx(
+      results["float32"]["modes"]["parallel"]["loss"], rel=1e-2)
+
+  prompts, lengths = sampling.pad_prompts([list(b"ROMEO:"), list(b"A")])
+  logits = {}  # the next token's after a prefilled prompt, as decoding computes them
+  for name, model in models.items():
+    prefilled = sampling.prefill(model, prompts, lengths)
+    logits[name] = np.asarray(model(prefilled.last_tokens[:, None], mode="recurrent", state=prefilled.state)[0])
+  assert logits["bfloat16"].dtype == np.float32
+  np.testing.assert_allclose(logits["bfloat16"], logits["float32"], atol=2e-2 * np.max(np.abs(logits["float32"])))
+  out = sampling.generate(models["bfloat16"], prompts, lengths, max_new_tokens=8, key=jax.random.key(0),
+                          temperature=0)
+  assert out.tokens.shape == (2, 8)
 
 
 def test_evaluation_reads_outputs_back_before_queueing_more_batches(trained, monkeypatch):
