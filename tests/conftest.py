@@ -2,9 +2,10 @@
 shared fixtures (the shared functions are in tests/helpers.py).
 
 On an accelerator, float32 matmuls run at full precision (`highest`: the forms' agreement tolerances assume exact
-float32 products, which TF32 would not give) and tests marked `devices(n)` are skipped where fewer devices are
-present: run them on the CPU as usual. Corpora of plain files are cached (retnet_jax/corpus_cache.py) in a temporary
-directory per test process, not in the user's cache.
+float32 products, which TF32 would not give), XLA's GPU ops run deterministically (the resume tests compare runs bit
+for bit), tests marked `devices(n)` are skipped where fewer devices are present and tests marked `cpu_only(reason)`
+are skipped off the CPU: run them on the CPU as usual. Corpora of plain files are cached (retnet_jax/corpus_cache.py)
+in a temporary directory per test process, not in the user's cache.
 """
 import os
 import tempfile
@@ -13,6 +14,11 @@ BACKEND = os.environ.get("RETNET_TEST_BACKEND", "cpu")
 if BACKEND == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if BACKEND != "cpu":
+  # test_resume_is_exact (RetNet's and the Transformer's) compares a straight run's losses with a resumed run's bit
+  # for bit; on a GPU, XLA's scatter-adds (the embedding gradient) run as atomics, summing in a varying order, unless
+  # its ops are made deterministic. XLA reads its flags once, as the backend starts: they hold for the whole run.
+  os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
 os.environ["RETNET_JAX_CACHE"] = tempfile.mkdtemp(prefix="retnet_jax_test_cache_")
 
 import copy  # noqa: E402
@@ -28,10 +34,18 @@ from retnet_jax import train  # noqa: E402
 from tests import helpers  # noqa: E402
 
 
+def pytest_configure(config):
+  config.addinivalue_line("markers", "cpu_only(reason): checks what holds on XLA's CPU backend only (its messages, a "
+                                     "measured CPU ceiling); skipped on other backends with the reason")
+
+
 def pytest_runtest_setup(item):
   marker = item.get_closest_marker("devices")
   if marker is not None and jax.device_count() < marker.args[0]:
     pytest.skip(f"needs {marker.args[0]} devices; {jax.device_count()} on {jax.default_backend()}")
+  marker = item.get_closest_marker("cpu_only")
+  if marker is not None and jax.default_backend() != "cpu":
+    pytest.skip(f"on the CPU only ({jax.default_backend()} here): {marker.args[0]}")
 
 
 class Crash(Exception):

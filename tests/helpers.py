@@ -1,5 +1,6 @@
 """What the tests share: tiny models, random tokens, a compiled forward call, the tiny run's config on a slice of the
-shipped corpus, its metrics, damaged checkpoint bytes, and the scripts run in a subprocess as a user runs them.
+shipped corpus, its metrics, damaged checkpoint bytes, the scripts run in a subprocess as a user runs them, and
+whether the tests run on a GPU.
 
 A finished tiny run is the `trained` fixture of tests/conftest.py (a `TrainedRun`); `trained_copy` is a private copy
 for a test that writes into the workdir.
@@ -22,6 +23,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import presets
+from retnet_jax.kernels import support
 from retnet_jax.model import RetNet
 from retnet_jax.transformer import Transformer
 
@@ -34,6 +36,19 @@ CORPUS = REPO / "data" / "tinyshakespeare.txt"
 # The tiny run's training: 8 steps of 8 x 32 tokens, logging every step, evaluating (2 batches) every 4 steps.
 TINY_TRAIN = dict(steps=8, batch_size=8, seq_len=32, log_every_steps=1, eval_every_steps=4, eval_batches=2,
                   warmup_steps=2)
+
+
+def on_gpu() -> bool:
+  """Whether the tests run on a GPU (`RETNET_TEST_BACKEND=gpu`): the Pallas kernels compile there, at the sizes
+  `kernels.check_supported` accepts, instead of running interpreted at any size, and some results round otherwise
+  than on the CPU (each test that allows for it says why)."""
+  return jax.default_backend() == "gpu"
+
+
+def kernel_chunk(interpreted: int) -> int:
+  """A chunk size for a model running the Pallas kernels: `interpreted` off a GPU (any size runs interpreted, and a
+  small one runs fast), on a GPU the smallest chunk tile the compiled kernels take."""
+  return support.CHUNK_SIZES[0] if on_gpu() else interpreted
 
 
 def tiny_model(**overrides) -> RetNet:

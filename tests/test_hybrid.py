@@ -14,7 +14,8 @@ from configs import retnet as retnet_config
 from retnet_jax import (evaluate, layer_stack, losses, model as model_lib, passkey, passkey_eval, rotation, sampling,
                         sharding, train, train_state, train_step, transformer)
 from retnet_jax.tokenizer import ByteTokenizer
-from tests.helpers import forms_agree, forward, max_abs_diff, random_tokens, read_metrics, tiny_config, tiny_model
+from tests.helpers import (forms_agree, forward, max_abs_diff, on_gpu, random_tokens, read_metrics, tiny_config,
+                           tiny_model)
 
 MODES = model_lib.MODES
 # Layer 1 of the tiny preset's two is attention: every earlier token with grouped key/value heads, or a window of 5
@@ -192,8 +193,12 @@ def test_scanned_hybrids_equal_unrolled_ones(layers):
   assert max_abs_diff(layer_stack.relayout(params[0], True), params[1]) == 0
   assert max_abs_diff(layer_stack.relayout(params[1], False), params[0]) == 0
   tokens = random_tokens(2, 13)
+  # Equal on a CPU; on a GPU, XLA compiles the scanned loop's body and the unrolled blocks into different kernels
+  # (fusions, GEMM tilings) that sum in other orders: a few float32 ulps of logits up to 4 and states up to 13 (2.7e-6
+  # measured on an H100).
+  tol = 1e-5 if on_gpu() else 1e-6
   for mode in MODES:
-    assert max_abs_diff(forward(scanned, tokens, None, mode), forward(unrolled, tokens, None, mode)) < 1e-6, mode
+    assert max_abs_diff(forward(scanned, tokens, None, mode), forward(unrolled, tokens, None, mode)) < tol, mode
 
 
 @pytest.mark.parametrize("overrides,message", [

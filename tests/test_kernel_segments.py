@@ -1,10 +1,12 @@
-"""Packed documents in the fused Pallas kernels (interpret mode): a packed row computes what each document computes
-alone with the XLA chunkwise form from an empty state (the carried-in state reaching the row's first document only),
-in values, final states, the normaliser's qz and key sum, and gradients (q, k, v, state).
+"""Packed documents in the fused Pallas kernels (interpreted on a CPU, compiled on a GPU, as in tests/test_kernels.py):
+a packed row computes what each document computes alone with the XLA chunkwise form from an empty state (the
+carried-in state reaching the row's first document only), in values, final states, the normaliser's qz and key sum,
+and gradients (q, k, v, state).
 
 Boundaries on and off chunk edges, several documents in one chunk, one-token documents, lengths that are not whole
-chunks or shorter than one, chunk 1, rows with different boundaries, and ids that repeat (a document is a maximal run
-of equal ids); also the bad-input errors, and that one document per row changes nothing.
+chunks or shorter than one, chunk 1 (on a GPU: chunks of 32 and 64), rows with different boundaries, and ids that
+repeat (a document is a maximal run of equal ids); also the bad-input errors, and that one document per row changes
+nothing.
 """
 
 import functools
@@ -15,14 +17,16 @@ import numpy as np
 import pytest
 
 from retnet_jax import kernels, retention
-from tests.test_kernels import BF16_TOL, F32_TOL, LOG_DECAY, TWO_TILES, random_inputs, rel_err, with_vjp
+from tests.test_kernels import BF16_TOL, F32_TOL, GPU, LOG_DECAY, TWO_TILES, random_inputs, rel_err, with_vjp
 
-# (chunk, length, each row's document starts, config): see the test's comments.
+# (chunk, length, each row's document starts, config): see the test's comments. Compiled, the kernels take chunks of
+# 16, 32 and 64 only: there the last two cases run at 32 and at 64.
 CASES = {
     "edges_and_inside": (16, 37, ((16, 20, 21, 30), (5, 7, 9, 33)), TWO_TILES),
     "shorter_than_a_chunk": (16, 5, ((1, 2, 3, 4), ()), TWO_TILES),
-    "last_token_alone": (4, 21, ((4, 8, 20), (3, 13)), TWO_TILES),
-    "chunk_1": (1, 7, ((2, 3), (6,)), None),
+    "last_token_alone": ((32, 97, ((32, 64, 96), (3, 45)), TWO_TILES) if GPU
+                         else (4, 21, ((4, 8, 20), (3, 13)), TWO_TILES)),
+    "starts_on_edges": (64, 150, ((64, 128), (128,)), None) if GPU else (1, 7, ((2, 3), (6,)), None),
 }
 
 
@@ -83,7 +87,8 @@ def test_float32_packed_rows_match_each_document_alone(case):
   """edges_and_inside: starts on a chunk edge (16), a one-token document (20), four documents in the first chunk,
   starts in the partial last chunk (33) and documents crossing chunk edges; shorter_than_a_chunk: one-token documents,
   and a row of one document that carries the state through; last_token_alone: starts on chunk edges and a last
-  document of one token, alone in the last chunk; chunk_1: every start on a chunk edge."""
+  document of one token, alone in the last chunk; starts_on_edges: every start on a chunk edge (chunk 1 where the
+  kernels run interpreted), with the default config."""
   chunk, length, starts, config = CASES[case]
   inputs = random_inputs(length, seed=length + chunk)[:6]
   args = [jnp.asarray(x, jnp.float32) for x in inputs]

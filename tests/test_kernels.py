@@ -1,9 +1,11 @@
-"""The fused Pallas retention kernels, in interpret mode, against a float64 reference and the XLA chunkwise form.
+"""The fused Pallas retention kernels against a float64 reference and the XLA chunkwise form: in interpret mode on a
+CPU, compiled on a GPU (`RETNET_TEST_BACKEND=gpu`, float32 products at `highest`).
 
-Values and gradients (q, k, v, carried state), lengths that are not whole chunks or shorter than one, chunk 1,
-several value tiles (the backward pass's partial sums) and a padded d_v, bfloat16 inputs, decays near 1 and 0, the
-stability normaliser's by-products against what `layers.py` computes, and the input and support errors. Shapes are
-tiny: interpret mode runs the kernels as XLA loops, and each distinct shape compiles once.
+Values and gradients (q, k, v, carried state), lengths that are not whole chunks or shorter than one, chunk 1 (on a
+GPU: each of the compiled kernels' chunk tiles), several value tiles (the backward pass's partial sums) and a padded
+d_v, bfloat16 inputs, decays near 1 and 0, the stability normaliser's by-products against what `layers.py` computes,
+and the input and support errors. Shapes are tiny: interpret mode runs the kernels as XLA loops, and each distinct
+shape compiles once; on a GPU they are as small as the compiled kernels take.
 """
 
 import functools
@@ -15,10 +17,20 @@ import pytest
 
 from retnet_jax import kernels, retention, stability
 from retnet_jax.kernels import backward, forward, support
+from tests import helpers
 
-BATCH, HEADS, D_K, D_V = 2, 2, 8, 16
+# Interpreted, the kernels take any size; compiled (on a GPU), key widths of 16 to 256 and chunks of 16, 32 or 64
+# (`support.check_supported`), there tiled as `support.default_config` tiles them: 16 value columns or more.
+GPU = helpers.on_gpu()
+BATCH, HEADS = 2, 2
+D_K = TILE = 16 if GPU else 8  # the key width; the narrowest value tile
+D_V = 2 * TILE
 LOG_DECAY = np.log(np.array([0.6, 0.995])).astype(np.float32)
-TWO_TILES = kernels.KernelConfig(kernels.Tiling(8), kernels.Tiling(8))  # dq and dk: partial sums over the tiles
+TWO_TILES = kernels.KernelConfig(kernels.Tiling(TILE), kernels.Tiling(TILE))  # dq and dk: partial sums over the tiles
+# (length, chunk) beside chunk 16's cases: several whole chunks and a partial one (chunk 4 interpreted, 32 compiled);
+# the default config's one value tile (at chunk 1 interpreted, at the largest chunk tile compiled).
+MANY_CHUNKS = (100, 32) if GPU else (21, 4)
+DEFAULT_CONFIG = (70, 64) if GPU else (7, 1)
 F32_TOL, BF16_TOL = 1e-6, 2e-2  # relative to the largest magnitude; bfloat16 keeps 8 bits of mantissa
 
 
@@ -75,9 +87,9 @@ def assert_close(results, expected, tol, context):
 @pytest.mark.parametrize("length,chunk,config", [
     (37, 16, TWO_TILES),  # a partial last chunk
     (5, 16, TWO_TILES),  # shorter than one chunk
-    (7, 1, None),  # chunk 1, one value tile (the default config)
+    (*DEFAULT_CONFIG, None),  # one value tile
     (64, 16, TWO_TILES),  # whole chunks
-    (21, 4, TWO_TILES),
+    (*MANY_CHUNKS, TWO_TILES),  # several chunks and a partial one
 ])
 def test_float32_values_and_gradients_match_float64_and_xla(length, chunk, config):
   inputs = random_inputs(length, seed=length + chunk)
@@ -105,12 +117,12 @@ def test_bfloat16_inputs_within_bfloat16_rounding():
 
 
 def test_padded_value_dim_other_backward_tiling_and_extreme_decays():
-  """d_v = 12 padded to 16: one forward tile, two backward tiles; decays of 1 - 2^-20 (the state barely decays:
-  float32's log(gamma) is where the precision lies) and 0.02 (gamma^16 underflows to 0 without NaNs)."""
+  """d_v = 12 padded to 16 (24 to 32 on a GPU): one forward tile, two backward tiles; decays of 1 - 2^-20 (the state
+  barely decays: float32's log(gamma) is where the precision lies) and 0.02 (gamma^16 underflows to 0 without NaNs)."""
   log_decay = np.log(np.array([1 - 2.0**-20, 0.02])).astype(np.float32)
-  inputs = random_inputs(70, seed=3, d_v=12)
+  inputs = random_inputs(70, seed=3, d_v=TILE + TILE // 2)
   args = [jnp.asarray(x, jnp.float32) for x in inputs[:6]]
-  config = kernels.KernelConfig(forward=kernels.Tiling(16), backward=kernels.Tiling(8))
+  config = kernels.KernelConfig(forward=kernels.Tiling(2 * TILE), backward=kernels.Tiling(TILE))
   results = kernel_vjp(16, config, tuple(log_decay))(*args)
   assert_close(results, reference(log_decay, *inputs[:6]), F32_TOL, "float64")
 
@@ -158,15 +170,16 @@ def test_normaliser_by_products_match_float64_and_layers(dtype, tol):
 
 def test_key_sum_form_differentiates_like_the_plain_form():
   """Gradients flow through out and the state only: qz and the key sum are constants, as the divisor is."""
-  q, k, v, state, d_out, d_state, key_sum = (jnp.asarray(x, jnp.float32) for x in random_inputs(21, seed=8))
+  length, chunk = MANY_CHUNKS
+  q, k, v, state, d_out, d_state, key_sum = (jnp.asarray(x, jnp.float32) for x in random_inputs(length, seed=8))
 
   def loss(form, q, k, v, s):
     out, final = form(q, k, v, s)[:2]
     return jnp.sum(out * d_out) + jnp.sum(final * d_state)
 
-  with_key_sum = lambda *a: kernels.chunkwise_retention_with_key_sum(*a[:3], LOG_DECAY, 4, a[3], key_sum,
+  with_key_sum = lambda *a: kernels.chunkwise_retention_with_key_sum(*a[:3], LOG_DECAY, chunk, a[3], key_sum,
                                                                      config=TWO_TILES)
-  expected = kernel_vjp(4, TWO_TILES)(q, k, v, state, d_out, d_state)[2]
+  expected = kernel_vjp(chunk, TWO_TILES)(q, k, v, state, d_out, d_state)[2]
   grads = jax.jit(jax.grad(functools.partial(loss, with_key_sum), argnums=(0, 1, 2, 3)))(q, k, v, state)
   for g, e in zip(grads, expected):
     np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
@@ -175,6 +188,8 @@ def test_key_sum_form_differentiates_like_the_plain_form():
 
 
 def test_input_errors_name_the_problem():
+  """Each bad input refused by name; compiling for a backend without the kernels (the CPU, whatever runs the tests)
+  refused naming the backend and the fix."""
   q, k, v, state, _, _, key_sum = (jnp.asarray(x, jnp.float32) for x in random_inputs(5, seed=0))
   for bad in (0, -2, 2.5):
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
@@ -189,7 +204,8 @@ def test_input_errors_name_the_problem():
     kernels.chunkwise_retention_with_key_sum(q, k, v, LOG_DECAY, 4, state, key_sum[..., :3])
   with pytest.raises(ValueError, match="log_decay must be <= 0"):
     kernels.chunkwise_retention(q, k, v, -LOG_DECAY, 4)
-  with pytest.raises(ValueError, match="retention_impl='pallas': .* backend is 'cpu'.*retention_impl='xla'"):
+  with support.target_backend("cpu"), pytest.raises(
+      ValueError, match="retention_impl='pallas': .* backend is 'cpu'.*retention_impl='xla'"):
     kernels.chunkwise_retention(q, k, v, LOG_DECAY, 4, interpret=False)
 
 

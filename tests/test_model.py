@@ -12,8 +12,9 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import layer_stack, sharding
+from retnet_jax.kernels import support
 from retnet_jax.model import RetNet
-from tests.helpers import forms_agree, forward, max_abs_diff, random_tokens, tiny_model
+from tests.helpers import forms_agree, forward, kernel_chunk, max_abs_diff, random_tokens, tiny_model
 
 MODES = ("parallel", "chunkwise", "recurrent")
 
@@ -221,10 +222,11 @@ def test_model_builds_under_a_user_mesh(shape, names, with_rules):
 @pytest.mark.devices(4)
 @pytest.mark.parametrize("stability_norm", [True, False])
 def test_pallas_retention_impl_matches_xla_in_values_states_and_gradients(stability_norm):
-  """retention_impl='pallas' (the kernels interpreted on the CPU) against the XLA form: logits and states with a
-  carried state, and parameter gradients, on one device and on a (data 2, tensor 2) mesh under the rules, where the
-  kernels run per batch and head shard."""
-  models = {impl: tiny_model(retention_impl=impl, stability_norm=stability_norm) for impl in ("xla", "pallas")}
+  """retention_impl='pallas' (the kernels interpreted on the CPU, compiled on GPUs) against the XLA form: logits and
+  states with a carried state, and parameter gradients, on one device and on a (data 2, tensor 2) mesh under the
+  rules, where the kernels run per batch and head shard."""
+  models = {impl: tiny_model(retention_impl=impl, stability_norm=stability_norm, chunk_size=kernel_chunk(8))
+            for impl in ("xla", "pallas")}
   tokens, more = random_tokens(2, 21, seed=3), random_tokens(2, 11, seed=4)
   loss = lambda model: model(tokens, mode="chunkwise")[0].mean()
 
@@ -243,12 +245,13 @@ def test_pallas_retention_impl_matches_xla_in_values_states_and_gradients(stabil
 
 
 def test_retention_impl_and_matmul_precision_configs():
-  """`pallas` is refused before any work where the kernels do not compile (naming the fix); `auto` picks XLA there;
-  `highest` reaches every dot of the forward and backward pass."""
+  """`pallas` is refused before any work where the kernels do not compile (the CPU, whatever runs the tests; naming
+  the fix); `auto` picks XLA there; `highest` reaches every dot of the forward and backward pass."""
   from retnet_jax import layers, train_state  # pylint: disable=import-outside-toplevel
   config = retnet_config.get_config("tiny")
   config.model.retention_impl = "pallas"
-  with pytest.raises(ValueError, match=r"retention_impl='pallas' cannot run here: .*GPUs only.*retention_impl='xla'"):
+  with support.target_backend("cpu"), pytest.raises(
+      ValueError, match=r"retention_impl='pallas' cannot run here: .*GPUs only.*retention_impl='xla'"):
     train_state.check_config(config, 1)
   model_cfg = lambda **fields: ml_collections.ConfigDict({**config.model.to_dict(), **fields})
   assert layers.uses_kernel(config.model, "cpu") and not layers.uses_kernel(model_cfg(retention_impl="auto"), "cpu")

@@ -215,10 +215,11 @@ def test_retnet_logits_match_each_document_alone(style):
 
 
 def test_pallas_kernels_in_the_model_match_each_document_alone():
-  """The chunkwise form through the Pallas kernels (interpreted here), after a carried state, with the shared
-  normaliser's key sum from the same pass: as each document run alone through the XLA form."""
-  kernel_model = helpers.tiny_model(chunk_size=4, num_layers=1, retention_impl="pallas")
-  model = helpers.tiny_model(chunk_size=4, num_layers=1)
+  """The chunkwise form through the Pallas kernels (interpreted on a CPU, compiled on a GPU), after a carried state,
+  with the shared normaliser's key sum from the same pass: as each document run alone through the XLA form."""
+  chunk = helpers.kernel_chunk(4)
+  kernel_model = helpers.tiny_model(chunk_size=chunk, num_layers=1, retention_impl="pallas")
+  model = helpers.tiny_model(chunk_size=chunk, num_layers=1)
   tokens = helpers.random_tokens(BATCH, IDS.shape[1] + 3)
   _, carried = forward(model, jnp.asarray(tokens[:, :3]), None, "chunkwise")
   logits, state = forward(kernel_model, jnp.asarray(tokens[:, 3:]), carried, "chunkwise", jnp.asarray(IDS))
