@@ -1,8 +1,10 @@
-"""The GPUs and TPUs one can compile for from any machine: their vendor peaks, and XLA's compile-only devices.
+"""The GPUs and TPUs one can compile for from any machine: their vendor peaks, and XLA's compile-only devices; the
+XLA flags training adds on this machine's NVIDIA GPUs.
 
     target = accelerators.parse_target("v5e-16")   # or "h100:8" (hosts=2: two hosts of 8), "v5p-8" (slices=2)
     devices = accelerators.devices(target)         # compile-only devices: build a mesh of them, lower, compile
     target.chip.peak_bf16_flops, target.chip.hbm_bytes_per_second, target.chip.memory_bytes
+    added = accelerators.set_gpu_xla_flags(None)   # training on this machine's GPUs: before JAX starts its backend
 
 Names follow the clouds: a GPU target is `CHIP:N`, N GPUs per host; a TPU target is Cloud TPU's accelerator type,
 whose N counts TensorCores (two per chip on v4 and v5p, so `v5p-8` is 4 chips) or chips (v5e, v6e). A device is a
@@ -13,14 +15,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import importlib.util
 import os
+import pkgutil
 import re
 from typing import Any
 
 import jax
 
 _INSTALL = "pip install -e '.[aot]'"
+# The XLA flags JAX's GPU performance guide (and NVIDIA's JAX-Toolbox) recommends for training on Hopper GPUs. Each
+# has been known to XLA for years (jaxlib 0.4.2x to 0.10 at least): XLA aborts at start on a flag it does not know.
+GPU_TRAINING_XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",  # schedule collectives and copies to overlap compute
+    "--xla_gpu_enable_highest_priority_async_stream=true",  # their stream first, so the overlap does not delay them
+    "--xla_gpu_enable_triton_gemm=false",  # matmuls through cuBLAS rather than Triton's emitter
+    # gradient all-reduces, parameter all-gathers and reduce-scatters combined into fewer, larger collectives
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,3 +182,56 @@ def devices(target: Target) -> tuple[jax.Device, ...]:
     raise ValueError(f"--target={target.name}: XLA's topology {target.topology} gave {len(found)} devices, not "
                      f"{target.num_devices}; report this with the jax and libtpu versions.")
   return found
+
+
+def local_gpu() -> bool:
+  """Whether JAX on this machine would run on NVIDIA GPUs, decided without starting its backend: a CUDA plugin is
+  installed (`jax_plugins.xla_cuda*`), the NVIDIA driver is loaded, and `jax_platforms` (JAX_PLATFORMS or
+  --jax_platforms), if set, allows GPUs."""
+  platforms = {name.strip() for name in (jax.config.jax_platforms or "").split(",") if name.strip()}
+  if platforms and not platforms & {"cuda", "gpu"}:
+    return False
+  plugins = _find_spec("jax_plugins")
+  locations = list(plugins.submodule_search_locations or ()) if plugins is not None else []
+  if not any(module.name.startswith("xla_cuda") for module in pkgutil.iter_modules(locations)):
+    return False
+  return os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def gpu_xla_flags(choice: str | None, current: str, gpu: bool) -> tuple[str, tuple[str, ...]]:
+  """The XLA_FLAGS of a training process: `current` with the GPU training flags added on a GPU.
+
+  Args:
+    choice: the flags to add: None for GPU_TRAINING_XLA_FLAGS, "none" for none, else a string of flags
+      (`--xla_NAME=VALUE ...`) replacing them.
+    current: the XLA_FLAGS already set ("" for none): a flag named there keeps its value.
+    gpu: whether training runs on GPUs (`local_gpu()`); elsewhere nothing is added.
+  Returns:
+    (the new XLA_FLAGS, the flags added).
+  """
+  wanted = GPU_TRAINING_XLA_FLAGS if choice is None else () if choice == "none" else tuple(choice.split())
+  for flag in wanted:
+    if not re.fullmatch(r"--xla_\w+(=\S*)?", flag):
+      raise ValueError(f"--xla_gpu_flags: {flag!r} is not an XLA flag; give flags as --xla_NAME=VALUE separated by "
+                       "spaces, or 'none'.")
+  if not gpu:
+    return current, ()
+  named = {_flag_name(flag) for flag in current.split()}
+  added = tuple(flag for flag in wanted if _flag_name(flag) not in named)
+  return " ".join(filter(None, (current.strip(), *added))), added
+
+
+def _flag_name(flag: str) -> str:
+  """`--NAME=VALUE` (or `--NAME`) -> NAME."""
+  return flag.lstrip("-").split("=", 1)[0]
+
+
+def set_gpu_xla_flags(choice: str | None) -> tuple[str, ...]:
+  """Adds the GPU training flags of `choice` (as `gpu_xla_flags`) to the environment's XLA_FLAGS on a machine with
+  NVIDIA GPUs (`local_gpu`). XLA reads XLA_FLAGS as JAX starts its backend: call this before anything asks for
+  devices. Returns the flags added."""
+  current = os.environ.get("XLA_FLAGS", "")
+  flags, added = gpu_xla_flags(choice, current, local_gpu())
+  if added:
+    os.environ["XLA_FLAGS"] = flags
+  return added
