@@ -1,4 +1,5 @@
-"""AdamW with warm-up and linear or cosine decay, global-norm clipping, no weight decay on norm scales."""
+"""AdamW with warm-up and linear or cosine decay, global-norm clipping, no weight decay on norm scales; its first
+moment in float32 or bfloat16 (`train.optimizer_state_dtype`)."""
 
 from __future__ import annotations
 
