@@ -27,10 +27,13 @@ with --memory_mb the peak RSS of training from prepared corpora of those sizes; 
 `--suite=gpu` runs the GPU suite instead (`retnet_jax.bench.gpu`), on one device, its parts chosen with --parts
 (one device command may not run them all): the retention op against fla's Triton kernel and cuDNN attention, train
 steps of a ~350M RetNet and the 1.3b preset (and their Transformers) with MFU, decoding, and the deep presets'
-compile times, each written to OUT/gpu_<part>*.json and .md. Its models are presets (the --config flag is unused):
+compile times, each written to OUT/gpu_<part>*.json and .md; each train case runs in its own process. Its models
+are presets (the --config flag is unused). --time_budget_s ends a run in time: what has not started by then is
+recorded as skipped, what was measured is kept (OUT/gpu_run.md lists the groups run and not started):
 
     python scripts/benchmark.py --suite=gpu --parts=op --op_head_dims=256x256 --out=runs/gpu
     python scripts/benchmark.py --suite=gpu --gpu_sizes=tiny --out=runs/gpu_smoke  # every part in seconds
+    python scripts/benchmark.py --suite=gpu --time_budget_s=3000 --out=runs/gpu  # every part, within 50 minutes
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from absl import app, flags
 import jax
 
 from retnet_jax.bench import cases, corpus, gpu, sections, sequence
+from retnet_jax.bench.harness import Budget
 from retnet_jax.bench.suites import GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
 from retnet_jax.layer_stack import REMAT_POLICIES
 
@@ -80,11 +84,15 @@ _TRAIN_MODELS = flags.DEFINE_list("train_models", None, "--suite=gpu: the named 
                                   "the sizes').")
 _REMAT = flags.DEFINE_enum("remat", None, ["none", *REMAT_POLICIES], "--suite=gpu: train.remat of every train step "
                            "(default: the sizes').")
+_TIME_BUDGET_S = flags.DEFINE_float(
+    "time_budget_s", None, "--suite=gpu: seconds the run may take (default: no limit). Parts, groups and cases not "
+    "started when they are spent are recorded as skipped ('time budget'), a train case still running then is ended, "
+    "timing rounds stop early (after the first); what was measured is kept.", lower_bound=0)
 _DATA_MB = flags.DEFINE_float("data_mb", 16, "--suite=data: size of the corpus prepared and loaded, in MB.",
                                lower_bound=0.5)
 _MEMORY_MB = flags.DEFINE_list("memory_mb", [], "--suite=data: corpus sizes in MB to train `tiny` from, measuring "
                                "peak RSS (e.g. 4,400).")
-GPU_FLAGS = ("--parts", "--gpu_sizes", "--op_head_dims", "--op_lengths", "--train_models", "--remat")
+GPU_FLAGS = ("--parts", "--gpu_sizes", "--op_head_dims", "--op_lengths", "--train_models", "--remat", "--time_budget_s")
 
 
 def _gpu_suite(name: str):
@@ -136,6 +144,7 @@ def main():
   if _SUITE.value != "gpu" and gpu_args:
     raise app.UsageError(f"{', '.join(gpu_args)}: only for --suite=gpu.")
   if _SUITE.value == "gpu":
+    budget = Budget(_TIME_BUDGET_S.value)
     suite = _gpu_suite(_GPU_SIZES.value)
     bad_parts = [p for p in _PARTS.value if p not in gpu.PARTS]
     if bad_parts or not _PARTS.value:
@@ -147,7 +156,7 @@ def main():
     # up front, up to 90% (the train steps' limit: a step whose XLA buffers exceed it is skipped).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    gpu.run(suite, _GPU_SIZES.value, tuple(_PARTS.value), out, " ".join(["python"] + sys.argv))
+    gpu.run(suite, _GPU_SIZES.value, tuple(_PARTS.value), out, " ".join(["python"] + sys.argv), budget)
     return
   if _SUITE.value == "data":
     try:

@@ -1,5 +1,6 @@
 """Benchmark support: the quick suite's results, the FLOP counter against a hand count."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -212,6 +213,7 @@ def test_gpu_suite_flop_counts_and_fla_mapping():
   np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.cpu_only("on a GPU the parts skipped here (Pallas, cuDNN) run, and no reason names the CPU")
 def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   """Every part of `--suite=gpu` at the tiny sizes on the CPU: what runs here is measured, what needs a GPU (Pallas,
   cuDNN, fla) is recorded as skipped with its reason; each part's JSON and table are written."""
@@ -219,7 +221,8 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   from retnet_jax.bench.op import retention_op_flops
   suite = suites.GPU_SUITES["tiny"]
   written = gpu.run(suite, "tiny", gpu.PARTS, tmp_path, "test")
-  assert set(written) == {"gpu_op_16x32", "gpu_train_tiny", "gpu_decode", "gpu_compile"}
+  assert set(written) == {"gpu_op_16x32", "gpu_train_tiny", "gpu_decode", "gpu_compile", "gpu_run"}
+  assert set(written["gpu_run"]["seconds"]) == set(written) - {"gpu_run"} and not written["gpu_run"]["skipped"]
   for stem, document in written.items():
     assert json.loads((tmp_path / f"{stem}.json").read_text())["meta"]["part"] == document["meta"]["part"]
     assert (tmp_path / f"{stem}.md").read_text().startswith("# GPU suite")
@@ -234,11 +237,14 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   assert forward["flops"] == retention_op_flops(1, 2, 32, 16, 32, 16) and both["flops"] == 3 * forward["flops"]
   assert forward["tflops_per_s"] == pytest.approx(forward["flops"] / forward["seconds"]["median"] / 1e12)
   assert (tmp_path / "gpu_op_16x32.png").stat().st_size > 0
-  train = written["gpu_train_tiny"]
+  train = written["gpu_train_tiny"]  # each case measured in its own process
   assert set(train["cases"]) == {"retnet/xla", "transformer"} and "GPUs only" in train["skipped"]["retnet/pallas"]
-  for case in train["cases"].values():
+  for case in train["cases"].values():  # MFU against the GEMM timed in the case's process
     assert case["mfu"] == pytest.approx(case["tokens_per_s"]["median"] * case["flops_per_token"]
-                                        / train["bfloat16_gemm_flops_per_s"]["median"])
+                                        / case["bfloat16_gemm_flops_per_s"]["median"])
+    assert 0 <= case["float32_matmul_share"] <= 1 and sum(case["matmul_flops_by_dtype"].values()) > 0
+    assert case["memory"]["peak_bytes"] > 0
+  assert "| MFU | f32-operand matmul share |" in (tmp_path / "gpu_train_tiny.md").read_text()
   decode = written["gpu_decode"]
   assert decode["param_bytes"] == 4 * decode["params"] and 0 < decode["batch_1_over_floor"]
   (context,) = decode["contexts"]
@@ -248,6 +254,83 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   assert context["transformer"]["state_bytes"] == 2 * 36 * 32 * 2 + 4 + 4
   assert set(written["gpu_compile"]["models"]) == {"tiny/xla"}
   assert written["gpu_compile"]["models"]["tiny/xla"]["compile_s"] > 0.05
+
+
+def _in_process(monkeypatch):
+  """Runs the GPU suite's train cases in this process, so that monkeypatches reach them."""
+  from retnet_jax.bench import gpu_train
+  monkeypatch.setattr(gpu_train, "isolated", lambda fn, *args, timeout=None: fn(*args))
+
+
+def _fake_compile(steps):
+  """A `compile_timed` that compiles nothing: each call takes the next of `steps`, an error to raise or a step."""
+  def compile_timed(fn, *args):
+    del fn, args
+    step = steps.pop(0)
+    if isinstance(step, Exception):
+      raise step
+    return step, 0.01, 1000
+  return compile_timed
+
+
+def test_gpu_train_out_of_memory_is_skipped_with_the_failed_allocation(tmp_path, monkeypatch):
+  """An out-of-memory of a train case's compile or run (the error a GPU raises) is recorded as skipped with the
+  allocation that failed, and the part goes on with the next case and writes its files."""
+  from retnet_jax.bench import gpu, gpu_train, suites
+  oom = lambda n: jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate {n} bytes.")
+
+  def step_out_of_memory(state, batch):
+    raise oom(61203283968)
+
+  _in_process(monkeypatch)
+  monkeypatch.setattr(gpu_train, "compile_timed", _fake_compile([oom(49283072000), step_out_of_memory]))
+  written = gpu.run(suites.GPU_SUITES["tiny"], "tiny", ("train",), tmp_path, "test")
+  train = json.loads((tmp_path / "gpu_train_tiny.json").read_text())
+  assert train == json.loads(json.dumps(written["gpu_train_tiny"])) and not train["cases"]
+  assert train["skipped"]["retnet/xla"] == "out of memory: 45.9 GiB"  # compiling
+  assert train["skipped"]["transformer"] == "out of memory: 57.0 GiB"  # running
+  assert "Skipped: retnet/xla: out of memory: 45.9 GiB." in (tmp_path / "gpu_train_tiny.md").read_text()
+  assert harness.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Failed to allocate request for 45.90GiB "
+                                            "(49283072000B) on device ordinal 0")) == "out of memory: 45.9 GiB"
+  assert harness.out_of_memory(RuntimeError("Out of memory allocating 12.5GiB")) == "out of memory: 12.5GiB"
+  assert harness.out_of_memory(ValueError("INVALID_ARGUMENT: 49283072000 bytes")) is None
+
+
+def test_gpu_time_budget_ends_a_run_keeping_what_it_measured(tmp_path, monkeypatch):
+  """A budget spent during the first train case's warm-up: that case is kept with the one round timed, the next
+  case and the next part are recorded as skipped for the time budget, and the files are written."""
+  from retnet_jax.bench import gpu, gpu_train, suites
+  budget = harness.Budget(3600)
+
+  def step_spending_the_budget(state, batch):
+    budget.seconds = 0.0
+    return state, None
+
+  _in_process(monkeypatch)
+  monkeypatch.setattr(gpu_train, "compile_timed", _fake_compile([step_spending_the_budget]))
+  suite = dataclasses.replace(suites.GPU_SUITES["tiny"], rounds=3)
+  written = gpu.run(suite, "tiny", ("train", "compile"), tmp_path, "test", budget)
+  train, summary = written["gpu_train_tiny"], written["gpu_run"]
+  assert set(train["cases"]) == {"retnet/xla"} and train["skipped"]["transformer"].startswith("time budget")
+  assert train["cases"]["retnet/xla"]["step_s"]["runs"] == 1  # of 3 rounds: the budget was spent
+  assert set(summary["seconds"]) == {"gpu_train_tiny"} and summary["skipped"]["gpu_compile"].startswith("time budget")
+  assert json.loads((tmp_path / "gpu_run.json").read_text())["skipped"] == summary["skipped"]
+  assert "- gpu_compile: skipped: time budget" in (tmp_path / "gpu_run.md").read_text()
+  assert not (tmp_path / "gpu_compile.json").exists()
+
+
+def test_isolated_runs_in_its_own_process():
+  """`harness.isolated`: the value from a fresh process, its error with the traceback, a process that dies or runs
+  past its timeout."""
+  import os
+  import time
+  assert harness.isolated(os.getpid) != os.getpid()
+  with pytest.raises(RuntimeError, match="ValueError: invalid literal"):
+    harness.isolated(int, "x")
+  with pytest.raises(RuntimeError, match="exit code 3"):
+    harness.isolated(os._exit, 3)
+  with pytest.raises(TimeoutError):
+    harness.isolated(time.sleep, 60, timeout=0.5)
 
 
 def test_kernel_check_and_gpu_op_part_share_the_op_measure(tmp_path):

@@ -86,8 +86,9 @@ def compile_train_step(config, mesh) -> tuple[float, int | None]:
   return compile_s, buffers
 
 
-def transformer_train_case(config, mesh) -> Case:
-  """The same train step (`train_step.make_train_step`, config.train.mode parallel) around a same-size Transformer."""
+def transformer_train_step(config, mesh) -> tuple[Any, dict[str, Any], jax.Array]:
+  """The same train step (`train_step.make_train_step`, config.train.mode parallel) around a same-size Transformer:
+  (the jitted step, its initial state, a batch)."""
   model = transformer.Transformer(presets.transformer_config(config.model, config.train.seq_len),
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
@@ -97,7 +98,12 @@ def transformer_train_case(config, mesh) -> Case:
               if k not in ("params", "opt_state")}
   state = {"params": params, "opt_state": tx.init(params), **counters}
   batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
-  step_fn = jax.jit(train_step.make_train_step(graphdef, tx, config.train), donate_argnums=0)
+  return jax.jit(train_step.make_train_step(graphdef, tx, config.train), donate_argnums=0), state, batch
+
+
+def transformer_train_case(config, mesh) -> Case:
+  """`transformer_train_step` compiled ahead of time, as a Case."""
+  step_fn, state, batch = transformer_train_step(config, mesh)
   step, compile_s, buffers = compile_timed(step_fn, state, batch)
   return train_case(step, state, batch, compile_s, buffers)
 

@@ -10,7 +10,10 @@ measured):
 - `decode` (`gpu_decode`): greedy decoding against the weight-read floor and a Transformer's KV cache.
 - `compile` (`gpu_compile`): compile time of the deep presets' train steps.
 Whatever cannot run on the present backend (Pallas and cuDNN compile for GPUs only; fla needs CUDA) is recorded
-under `skipped` with the reason. Every comparison is timed interleaved (`harness.interleave`).
+under `skipped` with the reason. Every comparison is timed interleaved (`harness.interleave`). With a time budget
+(`harness.Budget`, --time_budget_s), what has not started when it is spent is skipped ("time budget"): a part's
+groups in OUT/gpu_run.json and .md (the run: seconds per group, what was not started), cases within a group in its
+own `skipped`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from retnet_jax.bench.gpu_compile import compile_markdown, measure_compile
 from retnet_jax.bench.gpu_decode import decode_markdown, measure_decode
 from retnet_jax.bench.gpu_op import measure_op, op_markdown, op_plot
 from retnet_jax.bench.gpu_train import measure_train, train_markdown
-from retnet_jax.bench.harness import memory_source
+from retnet_jax.bench.harness import Budget, memory_source
 from retnet_jax.bench.suites import GpuSuite
 
 PARTS = ("op", "train", "decode", "compile")
@@ -44,7 +47,8 @@ FLOP_COUNTS = {
                  "visible pairs (counted as T^2 / 2), head dim d = d_k",
     "forward_backward": "3 x forward (the backward pass counted as twice the forward)",
     "train": "flops.train_flops_per_token (3 x (2 x matmul parameters + retention or attention products)), no "
-             "recomputation counted; MFU divides it by the bfloat16 GEMM rate measured in the same run",
+             "recomputation counted; MFU divides it by the bfloat16 GEMM rate measured in the case's own process, "
+             "alternated with its steps",
 }
 
 
@@ -65,18 +69,29 @@ def device_memory() -> int | None:
   return stats.get("bytes_limit") if stats else None
 
 
-def run(suite: GpuSuite, sizes: str, parts: tuple[str, ...], out: Path, command: str) -> dict[str, Any]:
+def _groups(suite: GpuSuite, parts: tuple[str, ...]) -> list[tuple[str, str, Any]]:
+  """(file stem, part, the argument of its measure) of every group the parts measure, in order."""
+  groups = {"op": [(f"gpu_op_{d_k}x{d_v}", (d_k, d_v)) for d_k, d_v in suite.op_head_dims],
+            "train": [(f"gpu_train_{name}", name) for name in suite.train_models],
+            "decode": [("gpu_decode", None)], "compile": [("gpu_compile", None)]}
+  return [(stem, part, arg) for part in parts for stem, arg in groups[part]]
+
+
+def run(suite: GpuSuite, sizes: str, parts: tuple[str, ...], out: Path, command: str, budget: Budget | None = None
+        ) -> dict[str, Any]:
   """Measures `parts` of `suite` and writes, per part and group, OUT/gpu_<part>[_<group>].json and .md (and the op's
-  PNG), each rewritten as its results come; returns {file stem: results}."""
+  PNG), each rewritten as its results come, and OUT/gpu_run.json and .md (seconds per group, the groups not started
+  within `budget`); returns {file stem: results}."""
   unknown = [p for p in parts if p not in PARTS]
   if unknown or not parts:
     raise ValueError(f"parts {list(parts)}: choose one or more of {PARTS}.")
+  budget = budget or Budget()
   out.mkdir(parents=True, exist_ok=True)
   source, limit = memory_source(), device_memory()
   meta = {"suite": "gpu", "sizes": sizes, "command": command, "device": jax.devices()[0].device_kind,
           "backend": jax.default_backend(), "device_memory_bytes": limit, "python": sys.version.split()[0],
           "versions": _versions(), "memory_source": source, "flop_counts": FLOP_COUNTS,
-          "suite_settings": dataclasses.asdict(suite)}
+          "time_budget_s": budget.seconds, "suite_settings": dataclasses.asdict(suite)}
   written: dict[str, Any] = {}
 
   def write(stem: str, part: str, results: dict[str, Any], markdown: Callable[[dict], list[str]]) -> None:
@@ -89,21 +104,33 @@ def run(suite: GpuSuite, sizes: str, parts: tuple[str, ...], out: Path, command:
     (out / f"{stem}.md").write_text("\n".join(text) + "\n")
     written[stem] = document
 
-  for part in parts:
+  summary: dict[str, Any] = {"time_budget_s": budget.seconds, "seconds": {}, "skipped": {}}
+  for stem, part, arg in _groups(suite, parts):
+    if budget.spent():
+      summary["skipped"][stem] = budget.reason
+      write("gpu_run", "run", summary, run_markdown)
+      continue
     start = time.perf_counter()
     if part == "op":
-      for d_k, d_v in suite.op_head_dims:
-        stem = f"gpu_op_{d_k}x{d_v}"
-        results = measure_op(suite, d_k, d_v, source, lambda r, stem=stem: write(stem, "op", r, op_markdown))
-        op_plot(results, out / f"{stem}.png")
+      results = measure_op(suite, *arg, source, lambda r, stem=stem: write(stem, "op", r, op_markdown), budget)
+      op_plot(results, out / f"{stem}.png")
     elif part == "train":
-      for name in suite.train_models:
-        write(f"gpu_train_{name}", "train", measure_train(suite, name, source, limit), train_markdown)
+      measure_train(suite, arg, limit, budget, lambda r, stem=stem: write(stem, "train", r, train_markdown))
     elif part == "decode":
-      write("gpu_decode", "decode", measure_decode(suite, source, limit), decode_markdown)
+      write(stem, "decode", measure_decode(suite, source, limit, budget), decode_markdown)
     else:
-      write("gpu_compile", "compile", measure_compile(suite, limit), compile_markdown)
-    print(f"part {part}: {time.perf_counter() - start:.0f} s", flush=True)
-  for stem in written:
+      write(stem, "compile", measure_compile(suite, limit, budget), compile_markdown)
+    summary["seconds"][stem] = time.perf_counter() - start
+    print(f"{stem}: {summary['seconds'][stem]:.0f} s", flush=True)
+    write("gpu_run", "run", summary, run_markdown)
+  for stem in sorted(written, key=lambda stem: stem == "gpu_run"):  # the run's summary last
     print((out / f"{stem}.md").read_text())
   return written
+
+
+def run_markdown(summary: dict[str, Any]) -> list[str]:
+  """The run's seconds per group and the groups not started."""
+  budget = summary["time_budget_s"]
+  lines = [f"## Run ({'no time budget' if budget is None else f'time budget {budget:g} s'})", ""]
+  lines += [f"- {stem}: {seconds:.0f} s" for stem, seconds in summary["seconds"].items()]
+  return lines + [f"- {stem}: skipped: {reason}." for stem, reason in summary["skipped"].items()]

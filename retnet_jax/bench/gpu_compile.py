@@ -9,12 +9,14 @@ import jax
 from retnet_jax import layers, sharding
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config, too_big
+from retnet_jax.bench.harness import Budget
 from retnet_jax.bench.report import fmt
 from retnet_jax.bench.suites import GpuSuite
 
 
-def measure_compile(suite: GpuSuite, limit: int | None) -> dict[str, Any]:
-  """Seconds to compile (ahead of time, not run) each deep preset's RetNet train step per implementation."""
+def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[str, Any]:
+  """Seconds to compile (ahead of time, not run) each deep preset's RetNet train step per implementation; one not
+  started before `budget` is spent is skipped."""
   results: dict[str, Any] = {"models": {}, "skipped": {}}
   for name in suite.compile_models:
     for impl in suite.train_impls:
@@ -23,6 +25,9 @@ def measure_compile(suite: GpuSuite, limit: int | None) -> dict[str, Any]:
         layers.check_retention_impl(config.model)
       except ValueError as e:
         results["skipped"][f"{name}/{impl}"] = str(e)
+        continue
+      if budget.spent():
+        results["skipped"][f"{name}/{impl}"] = budget.reason
         continue
       print(f"compiling the {name} train step ({impl})", flush=True)
       jax.clear_caches()  # a step this process compiled before (the train part) would come from the cache

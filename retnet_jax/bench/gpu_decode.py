@@ -13,7 +13,7 @@ from flax import nnx
 from retnet_jax import presets, sampling, transformer
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config
-from retnet_jax.bench.harness import Case, interleave, rate, timed
+from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
 from retnet_jax.bench.report import fmt, fmt_range
 from retnet_jax.bench.suites import GpuSuite
 from retnet_jax.model import RetNet
@@ -42,10 +42,10 @@ def _cache_bytes(model, batch: int, max_len: int) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def measure_decode(suite: GpuSuite, source: str, limit: int | None) -> dict[str, Any]:
+def measure_decode(suite: GpuSuite, source: str, limit: int | None, budget: Budget) -> dict[str, Any]:
   """Batch 1 against the weight-read floor, then per context RetNet at `decode_batch` against the Transformer at the
   largest power-of-two batch up to it whose KV cache fits a third of the device's memory (decoding holds it twice:
-  the state passed in and the loop's updated copy)."""
+  the state passed in and the loop's updated copy). A context not started before `budget` is spent is skipped."""
   config = model_config(suite, suite.decode_model)
   retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
   # Its KV caches are made per context (`_context_decode_case`): max_len is unused.
@@ -56,7 +56,7 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None) -> dict[str,
   batch_1 = {"memory_read": cases.read_case(params),
              "retnet": cases.decode_case(retnet, 1, suite.decode_prompt_len, new, "chunkwise")}
   print(f"decode {suite.decode_model} batch 1 after {suite.decode_prompt_len} tokens", flush=True)
-  interleave(batch_1, suite.rounds, source)
+  interleave(batch_1, suite.rounds, source, budget)
   read = rate(param_bytes, batch_1["memory_read"].info["seconds"])
   ours = batch_1["retnet"].info
   floor_s = param_bytes / read["median"]
@@ -64,23 +64,26 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None) -> dict[str,
       "model": suite.decode_model, "params": params, "param_bytes": param_bytes, "new_tokens": new,
       "prompt_len": suite.decode_prompt_len, "read_bytes_per_s": read, "weight_read_floor_s": floor_s,
       "batch_1": {"s_per_token": ours["seconds"], "state_bytes": ours["state_bytes"], "memory": ours["memory"]},
-      "batch_1_over_floor": floor_s / ours["seconds"]["median"], "contexts": []}
+      "batch_1_over_floor": floor_s / ours["seconds"]["median"], "contexts": [], "skipped": {}}
   del batch_1
-  budget = None if limit is None else limit // 3
+  cache_budget = None if limit is None else limit // 3
   for context in suite.decode_contexts:
+    if budget.spent():
+      results["skipped"][f"context {context}"] = budget.reason
+      continue
     batch = suite.decode_batch
-    while batch > 1 and budget is not None and _cache_bytes(attention, batch, context + new) > budget:
+    while batch > 1 and cache_budget is not None and _cache_bytes(attention, batch, context + new) > cache_budget:
       batch //= 2
     point: dict[str, Any] = {"context": context, "transformer_cache_bytes_at_decode_batch": _cache_bytes(
         attention, suite.decode_batch, context + new)}
     group = {"retnet": _context_decode_case(retnet, suite.decode_batch, context, new)}
-    if budget is not None and _cache_bytes(attention, batch, context + new) > budget:
+    if cache_budget is not None and _cache_bytes(attention, batch, context + new) > cache_budget:
       point["transformer_skipped"] = "a KV cache of even batch 1 exceeds a third of the device's memory"
     else:
       group["transformer"] = _context_decode_case(attention, batch, context, new)
     batches = ", ".join(f"{n} batch {c.info['batch']}" for n, c in group.items())
     print(f"decode after {context} tokens: {batches}", flush=True)
-    interleave(group, suite.rounds, source)
+    interleave(group, suite.rounds, source, budget)
     for name, case in group.items():
       point[name] = {"batch": case.info["batch"], "state_bytes": case.info["state_bytes"],
                      "tokens_per_s": rate(case.info["batch"], case.info["seconds"]), "memory": case.info["memory"]}
@@ -109,4 +112,4 @@ def decode_markdown(results: dict[str, Any]) -> list[str]:
                  f"{fmt(p['retnet']['state_bytes'], 'B')} | {t['batch'] if t else '-'} | "
                  f"{fmt_range(t['tokens_per_s']) if t else p['transformer_skipped']} | "
                  f"{fmt(t['state_bytes'], 'B') if t else '-'} | {fmt(p.get('throughput_ratio'))} |")
-  return lines
+  return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

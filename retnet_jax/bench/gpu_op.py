@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from retnet_jax import decay, kernels, retention
-from retnet_jax.bench.harness import Case, interleave, rate, timed
+from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
 from retnet_jax.bench.op import (KINDS, TOLERANCE, attention_op_flops, error_text, kind_flops, op_case, op_inputs,
                                  relative_error, retention_op_flops)
 from retnet_jax.bench.report import fmt
@@ -129,8 +129,10 @@ def _fla_op_case(chunk_retention, suite: GpuSuite, length: int, d_k: int, d_v: i
   return Case(timed(once, suite.op_repeats), {}, measure_memory=measure_memory)
 
 
-def measure_op(suite: GpuSuite, d_k: int, d_v: int, source: str, write: Callable[[dict], None]) -> dict[str, Any]:
-  """The op at head dims (d_k, d_v) at every length, the implementations interleaved per length."""
+def measure_op(suite: GpuSuite, d_k: int, d_v: int, source: str, write: Callable[[dict], None], budget: Budget
+               ) -> dict[str, Any]:
+  """The op at head dims (d_k, d_v) at every length, the implementations interleaved per length; a length not
+  started before `budget` is spent is skipped."""
   log_decay = decay.log_decay("retnet", suite.op_heads)
   forms = _op_forms(log_decay, suite)
   chunk_retention, fla_reason = _fla()
@@ -150,6 +152,10 @@ def measure_op(suite: GpuSuite, d_k: int, d_v: int, source: str, write: Callable
   chunk_retention = None if "fla" in skipped else chunk_retention
   chunks = {"xla": suite.chunk_sizes["xla"], "pallas": suite.chunk_sizes["pallas"], "fla": FLA_CHUNK}
   for length in suite.op_lengths:
+    if budget.spent():
+      skipped[f"{length} tokens"] = budget.reason
+      write(results)
+      continue
     retention_args = op_inputs(suite.op_batch, length, suite.op_heads, d_k, d_v)
     # Attention's: the same q and k, v and its cotangent at head dim d_k.
     attention_args = (None if "cudnn_attention" in skipped else
@@ -166,7 +172,7 @@ def measure_op(suite: GpuSuite, d_k: int, d_v: int, source: str, write: Callable
       if chunk_retention is not None:
         op_cases[f"fla/{kind}"] = _fla_op_case(chunk_retention, suite, length, d_k, d_v, kind == "forward_backward")
     print(f"op {d_k}x{d_v} at {length} tokens: {', '.join(op_cases)}", flush=True)
-    interleave(op_cases, suite.rounds, source)
+    interleave(op_cases, suite.rounds, source, budget)
     point: dict[str, Any] = {"seq_len": length, "cases": {}, "errors": errors}
     tokens = suite.op_batch * length
     for name, case in op_cases.items():

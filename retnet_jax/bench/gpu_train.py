@@ -1,19 +1,29 @@
 """The GPU suite's train part: the training loop's own step (`train_step.setup`) of each named size per retention
 implementation and the Transformer of equal size, bfloat16 compute, float32 parameters; tokens/s and MFU against a
-bfloat16 GEMM timed alongside. Also the named sizes' configs and the device-memory check the other parts use."""
+bfloat16 GEMM, and the share of the step's matmul FLOPs with a float32 operand (`matmul_dtypes.report`).
+
+Each case runs alone in a fresh process (`harness.isolated`): no other case's buffers share the device, so its peak
+memory is its own (the device's running peak cannot be reset within a process), and its GEMM is timed there,
+alternated with its steps. A step the runtime cannot allocate is recorded as skipped with the allocation that failed.
+Also the named sizes' configs and the device-memory check the other parts use."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from retnet_jax import flops, layers, presets, sharding, train_step
+from retnet_jax import flops, layers, matmul_dtypes, presets, sharding, train_step
 from retnet_jax.bench import cases
-from retnet_jax.bench.harness import Case, compile_timed, interleave, random_tokens, rate, timed
+from retnet_jax.bench.harness import (Budget, compile_timed, interleave, isolated, memory_source, out_of_memory,
+                                      random_tokens, rate)
 from retnet_jax.bench.report import fmt, fmt_range
 from retnet_jax.bench.suites import GpuSuite
+
+GRACE_S = 10.0  # a case's process is ended this long after the time budget is spent (its rounds stop before it)
 
 
 def model_config(suite: GpuSuite, name: str, impl: str = "xla"):
@@ -36,84 +46,122 @@ def too_big(buffers: int | None, limit: int | None) -> str | None:
   return None
 
 
-def _retnet_train_cases(suite: GpuSuite, name: str, mesh, limit: int | None, skipped: dict[str, str]
-                        ) -> dict[str, Case]:
-  """The RetNet train step per retention implementation, compiled ahead of time from the abstract state (nothing
-  allocated for a step that does not fit); the steps share one train state, as they share its structure."""
-  holder: dict[str, Any] = {}
-  found = {}
-  for impl in suite.train_impls:
-    config = model_config(suite, name, impl)
-    try:
-      layers.check_retention_impl(config.model)
-    except ValueError as e:
-      skipped[f"retnet/{impl}"] = str(e)
-      continue
-    run = train_step.setup(config, mesh)
-    with run.placement.active():
-      tokens = random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size)
-      batch = jax.device_put(tokens, run.placement.batch_sharding)
-      step, compile_s, buffers = compile_timed(run.train_step, run.abstract_state, batch)
+def _train_step(config, case: str, mesh) -> tuple[Any, Any, Any, Callable[[], Any], contextlib.AbstractContextManager]:
+  """Train case `case` ("retnet/<impl>" or "transformer"): (the jitted step, the state to trace and compile it for,
+  a batch, a function giving the initial state, the context it is built in). RetNet's compiles from its abstract
+  state, so nothing is allocated for a step that does not fit."""
+  if case == "transformer":
+    step_fn, state, batch = cases.transformer_train_step(config, mesh)
+    return step_fn, state, batch, lambda: state, contextlib.nullcontext()
+  run = train_step.setup(config, mesh)
+  with run.placement.active():
+    tokens = random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size)
+    batch = jax.device_put(tokens, run.placement.batch_sharding)
+  return run.train_step, run.abstract_state, batch, run.init, run.placement.active()
+
+
+def _case_config(suite: GpuSuite, name: str, case: str):
+  """The config of train case `case` of named size `name` (the Transformer's: RetNet's, trained in parallel)."""
+  if case == "transformer":
+    config = model_config(suite, name)
+    config.train.mode = "parallel"  # the Transformer's one training form
+    return config
+  return model_config(suite, name, case.split("/", 1)[1])
+
+
+def measure_case(suite: GpuSuite, name: str, case: str, limit: int | None, budget: Budget) -> dict[str, Any]:
+  """Train case `case` of named size `name`, alone in this process: its matmul FLOPs by operand dtype (traced),
+  compile, a warm-up run (peak memory, before the GEMM allocates), then rounds alternating a step with the bfloat16
+  GEMM its MFU divides by. {"skipped": reason} where its XLA buffers exceed `limit` or the runtime runs out of
+  memory compiling or running it."""
+  config = _case_config(suite, name, case)
+  batch_size, seq_len = config.train.batch_size, config.train.seq_len
+  model_cfg = presets.transformer_config(config.model, seq_len) if case == "transformer" else config.model
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  try:
+    step_fn, state, batch, init, context = _train_step(config, case, mesh)
+    with context:
+      shares = matmul_dtypes.report(step_fn, state, batch)
+      step, compile_s, buffers = compile_timed(step_fn, state, batch)
       if reason := too_big(buffers, limit):
-        skipped[f"retnet/{impl}"] = reason
-        continue
-      if "state" not in holder:
-        holder["state"] = run.init()
+        return {"skipped": reason}
+      timed_cases = {case: cases.train_case(step, init(), batch, compile_s, buffers),
+                     "matmul/bfloat16": cases.matmul_case(jnp.bfloat16, suite.matmul_size)}
+    stats = jax.devices()[0].memory_stats()
+    interleave(timed_cases, suite.rounds, memory_source(), budget)
+  except Exception as error:  # pylint: disable=broad-except  (an out of memory is a result; anything else is raised)
+    if reason := out_of_memory(error):
+      return {"skipped": reason}
+    raise
+  info = timed_cases[case].info
+  gemm = rate(2 * suite.matmul_size**3, timed_cases["matmul/bfloat16"].info["seconds"])
+  per_token = flops.train_flops_per_token(model_cfg, seq_len, "chunkwise")
+  throughput = rate(batch_size * seq_len, info["seconds"])
+  return {"tokens_per_s": throughput, "step_s": info["seconds"], "compile_s": compile_s,
+          "first_run_s": info["first_run_s"], "memory": info["memory"],
+          "peak_bytes_before_step": stats.get("peak_bytes_in_use") if stats else None, "compiled_bytes": buffers,
+          "chunk_size": model_cfg.get("chunk_size"), "flops_per_token": per_token, "bfloat16_gemm_flops_per_s": gemm,
+          "mfu": throughput["median"] * per_token / gemm["median"], **shares}
 
-    def one_step(step=step, batch=batch):
-      holder["state"], _ = step(holder["state"], batch)
-      jax.block_until_ready(holder["state"])
 
-    found[f"retnet/{impl}"] = Case(timed(one_step), {"compile_s": compile_s, "compiled_bytes": buffers,
-                                                     "model_config": config.model})
-  return found
+def _device_bytes_held() -> int | None:
+  """Device memory this process holds (its allocator's pool, else what is in use); None where none is reported."""
+  stats = jax.devices()[0].memory_stats()
+  return stats.get("pool_bytes", stats.get("bytes_in_use")) if stats else None
 
 
-def measure_train(suite: GpuSuite, name: str, source: str, limit: int | None) -> dict[str, Any]:
-  """Train steps of named size `name` (RetNet per implementation, the Transformer of equal size) interleaved with
-  the bfloat16 GEMM their MFU is divided by."""
-  skipped: dict[str, str] = {}
-  mesh = sharding.make_mesh(model_config(suite, name).mesh, jax.devices()[:1])
-  train_cases = {"matmul/bfloat16": cases.matmul_case(jnp.bfloat16, suite.matmul_size)}
-  train_cases.update(_retnet_train_cases(suite, name, mesh, limit, skipped))
+def _measure_alone(suite: GpuSuite, name: str, case: str, limit: int | None, budget: Budget) -> dict[str, Any]:
+  """`measure_case` in a fresh process; {"skipped": reason} where the backend cannot run the case, `budget` is spent
+  before it starts, or it is still running when the budget (and `GRACE_S` more) is spent (its process is ended)."""
+  try:
+    layers.check_retention_impl(_case_config(suite, name, case).model)
+  except ValueError as e:
+    return {"skipped": str(e)}
+  if budget.spent():
+    return {"skipped": budget.reason}
+  print(f"train {name} {case}: batch {suite.train_batch[name]} x {suite.train_seq_len} tokens, in its own process",
+        flush=True)
+  try:
+    return isolated(measure_case, suite, name, case, limit, budget,
+                    timeout=None if budget.seconds is None else budget.left() + GRACE_S)
+  except TimeoutError:
+    return {"skipped": f"time budget: ended while compiling or measuring (--time_budget_s={budget.seconds:g})"}
+
+
+def measure_train(suite: GpuSuite, name: str, limit: int | None, budget: Budget,
+                  write: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+  """Train steps of named size `name` (RetNet per implementation, the Transformer of equal size), each measured
+  alone in a fresh process (`_measure_alone`); `write(results)` after each."""
   config = model_config(suite, name)
-  config.train.mode = "parallel"  # the Transformer's one training form
-  attention = cases.transformer_train_case(config, mesh)
-  attention.info["model_config"] = presets.transformer_config(config.model, suite.train_seq_len)
-  if reason := too_big(attention.info["compiled_bytes"], limit):
-    skipped["transformer"] = reason
-  else:
-    train_cases["transformer"] = attention
-  del attention
-  batch, seq_len = suite.train_batch[name], suite.train_seq_len
-  print(f"train {name}: {', '.join(train_cases)}; batch {batch} x {seq_len} tokens", flush=True)
-  interleave(train_cases, suite.rounds, source)
-  gemm = rate(2 * suite.matmul_size**3, train_cases.pop("matmul/bfloat16").info["seconds"])
   results: dict[str, Any] = {
-      "model": name, "preset": suite.models[name][0], "params": cases.param_count(config.model), "batch_size": batch,
-      "seq_len": seq_len, "remat": suite.train_remat[name], "matmul_size": suite.matmul_size,
-      "bfloat16_gemm_flops_per_s": gemm, "cases": {}, "skipped": skipped}
-  for case_name, case in train_cases.items():
-    model_cfg = case.info["model_config"]
-    per_token = flops.train_flops_per_token(model_cfg, seq_len, "chunkwise")
-    throughput = rate(batch * seq_len, case.info["seconds"])
-    results["cases"][case_name] = {
-        "tokens_per_s": throughput, "step_s": case.info["seconds"], "compile_s": case.info["compile_s"],
-        "first_run_s": case.info["first_run_s"], "memory": case.info["memory"],
-        "compiled_bytes": case.info["compiled_bytes"], "chunk_size": model_cfg.get("chunk_size"),
-        "flops_per_token": per_token, "mfu": throughput["median"] * per_token / gemm["median"]}
+      "model": name, "preset": suite.models[name][0], "params": cases.param_count(config.model),
+      "batch_size": suite.train_batch[name], "seq_len": suite.train_seq_len, "remat": suite.train_remat[name],
+      "matmul_size": suite.matmul_size, "suite_process_device_bytes": _device_bytes_held(), "cases": {},
+      "skipped": {}}
+  for case in [f"retnet/{impl}" for impl in suite.train_impls] + ["transformer"]:
+    measured = _measure_alone(suite, name, case, limit, budget)
+    if "skipped" in measured:
+      results["skipped"][case] = measured["skipped"]
+    else:
+      results["cases"][case] = measured
+    write(results)
   return results
 
 
 def train_markdown(results: dict[str, Any]) -> list[str]:
-  """The train part's table of one named size (tokens/s, step time, memory, MFU) and skips."""
+  """The train part's table of one named size (tokens/s, step time, memory, MFU, float32-operand share) and skips."""
+  held = results["suite_process_device_bytes"]
   lines = [f"## Training step, {results['model']} ({results['params']:,} RetNet parameters)", "",
            f"Batch {results['batch_size']} x {results['seq_len']} tokens, bfloat16 compute, float32 parameters, "
-           f"train.remat={results['remat']}; bfloat16 GEMM ({results['matmul_size']}^2) "
-           f"{fmt_range(results['bfloat16_gemm_flops_per_s'], 'FLOP/s')}.", "",
-           "| model | tokens/s | step s | compile s | peak memory | XLA buffers | MFU |",
-           "|---|---|---|---|---|---|---|"]
+           f"train.remat={results['remat']}. Each case alone in a fresh process (its peak memory is its own), its MFU "
+           f"against a bfloat16 GEMM ({results['matmul_size']}^2) timed alternately with its steps there"
+           + (f"; the suite's own process held {fmt(held, 'B')} of device memory meanwhile." if held else ".")
+           + " f32-operand matmul share: the step's matmul FLOPs with a float32 operand (traced).", "",
+           "| model | tokens/s | step s | compile s | peak memory | XLA buffers | bf16 GEMM | MFU | "
+           "f32-operand matmul share |", "|---|---|---|---|---|---|---|---|---|"]
   for name, r in results["cases"].items():
     lines.append(f"| {name} | {fmt_range(r['tokens_per_s'])} | {fmt_range(r['step_s'])} | {fmt(r['compile_s'])} | "
-                 f"{fmt(r['memory']['peak_bytes'], 'B')} | {fmt(r['compiled_bytes'], 'B')} | {r['mfu']:.1%} |")
+                 f"{fmt(r['memory']['peak_bytes'], 'B')} | {fmt(r['compiled_bytes'], 'B')} | "
+                 f"{fmt_range(r['bfloat16_gemm_flops_per_s'], 'FLOP/s')} | {r['mfu']:.1%} | "
+                 f"{r['float32_matmul_share']:.1%} |")
   return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

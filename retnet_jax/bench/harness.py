@@ -1,10 +1,15 @@
-"""Timing harness: cases warmed up once (peak memory) then timed in interleaved rounds; compilation timed apart."""
+"""Timing harness: cases warmed up once (peak memory) then timed in interleaved rounds; compilation timed apart; a
+run's time budget; a case run alone in a fresh process; out-of-memory errors read as results."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import multiprocessing
+import re
 import resource
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,11 +100,30 @@ def peak_memory(fn: Callable[[], Any], source: str, devices: int = 1) -> dict[st
   return {"peak_bytes": peak, "above_start_bytes": peak - before}
 
 
-def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Case]:
+@dataclasses.dataclass
+class Budget:
+  """A run's time budget from `start` (wall-clock seconds, comparable across processes); `seconds` None: unlimited.
+  What has not started once it is spent is skipped with `reason`."""
+  seconds: float | None = None
+  start: float = dataclasses.field(default_factory=time.time)
+
+  def left(self) -> float:
+    return math.inf if self.seconds is None else self.seconds - (time.time() - self.start)
+
+  def spent(self) -> bool:
+    return self.left() <= 0
+
+  @property
+  def reason(self) -> str:
+    return f"time budget: not started within --time_budget_s={self.seconds:g}"
+
+
+def interleave(cases: dict[str, Case], rounds: int, source: str, budget: Budget | None = None) -> dict[str, Case]:
   """Warms up every case (recording its first run's time and peak memory), then times rounds of one run each.
 
   Every run starts after a pause of SETTLE_S, so that the previous run's worker threads (XLA's, torch's OpenMP
   threads) have gone idle: torch's OpenMP barriers slow down many-fold while another thread holds a core.
+  With a `budget`, rounds stop (after the first) where another would end past it: the rounds timed are kept.
   Fills each case's info with `first_run_s`, `memory` and `seconds` (median/min/max over all timed units).
   """
   for name, case in cases.items():
@@ -111,9 +135,12 @@ def interleave(cases: dict[str, Case], rounds: int, source: str) -> dict[str, Ca
     print(f"  warmed up {name} ({case.info['first_run_s']:.1f} s)", flush=True)
   seconds = {name: [] for name in cases}
   for _ in range(rounds):
+    start = time.perf_counter()
     for name, case in cases.items():
       time.sleep(SETTLE_S)
       seconds[name].extend(case.run())
+    if budget is not None and budget.left() < time.perf_counter() - start:
+      break
   for name, case in cases.items():
     case.info["seconds"] = spread(seconds[name])
   return cases
@@ -142,3 +169,50 @@ def rate(units: float, seconds: dict[str, float]) -> dict[str, float]:
   """`units` per second from a time spread (the fastest run gives the max)."""
   return {"median": units / seconds["median"], "min": units / seconds["max"], "max": units / seconds["min"],
           "runs": seconds["runs"]}
+
+
+def out_of_memory(error: Exception) -> str | None:
+  """`out of memory: <the allocation that failed>` for the runtime's RESOURCE_EXHAUSTED / out-of-memory error of a
+  compile or a run (the allocation from its message: `... allocate 49283072000 bytes` reads 45.9 GiB), else None."""
+  message = str(error)
+  if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
+    return None
+  if found := re.search(r"(\d+)\s*(?:B|bytes)\b", message):
+    return f"out of memory: {int(found.group(1)) / 2**30:.1f} GiB"
+  if found := re.search(r"\d+(?:\.\d+)?\s*[KMGT]i?B", message):
+    return f"out of memory: {found.group(0)}"
+  return f"out of memory: {message.strip().splitlines()[0][:300]}"
+
+
+def _isolated_worker(conn, fn: Callable, args: tuple) -> None:
+  """The process of `isolated`: replies (True, fn(*args)) or (False, the traceback)."""
+  try:
+    conn.send((True, fn(*args)))
+  except Exception:  # pylint: disable=broad-except  (re-raised by the caller with this traceback)
+    conn.send((False, traceback.format_exc()))
+
+
+def isolated(fn: Callable, *args, timeout: float | None = None):
+  """`fn(*args)` in a fresh (spawned) process, so that nothing else the benchmark built shares its memory and the
+  device's peak is its own: its value, or RuntimeError with its traceback where it raised or its process died;
+  TimeoutError (the process ended) where it has not replied within `timeout` seconds. `fn` and `args` are pickled."""
+  context = multiprocessing.get_context("spawn")
+  receive, send = context.Pipe(duplex=False)
+  process = context.Process(target=_isolated_worker, args=(send, fn, args), daemon=True)
+  process.start()
+  send.close()  # the child holds the only writer: its death reads as EOF
+  try:
+    if not receive.poll(timeout):
+      raise TimeoutError(f"{fn.__name__} ran past {timeout:.0f} s")
+    ok, value = receive.recv()
+  except EOFError:
+    process.join()
+    raise RuntimeError(f"{fn.__name__}'s process ended (exit code {process.exitcode}) without a reply") from None
+  finally:
+    if process.is_alive():
+      process.terminate()
+    process.join()
+    receive.close()
+  if not ok:
+    raise RuntimeError(f"{fn.__name__} failed in its process:\n{value}")
+  return value

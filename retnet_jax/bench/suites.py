@@ -102,7 +102,7 @@ SIZE_350M = dict(d_model=1024, num_layers=24, num_heads=4, value_dim=2048, ffn_d
 GPU_SUITES = {
     # One 80 GB GPU (H100). Batches and remat policies are estimates (the saved projections of 16k tokens x 24
     # layers, ~17 GB at 1.3b, beside 16 bytes per parameter of state): a step whose XLA buffers exceed the device's
-    # memory is recorded as skipped, not run.
+    # memory is recorded as skipped, not run, and one the runtime cannot allocate as skipped with the allocation.
     "h100": GpuSuite(
         models={"350m": ("1.3b", SIZE_350M), "1.3b": ("1.3b", {}), "2.7b": ("2.7b", {})},
         chunk_sizes={"xla": 256, "pallas": 64}, op_batch=4, op_heads=8,
