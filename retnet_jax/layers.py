@@ -8,6 +8,7 @@ replicated otherwise (with no rules active: replicated).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import decay, kernels, layer_stack, retention, rotation, sequence_parallel, sharding, stability
+from retnet_jax import decay, kernels, layer_stack, matmul, retention, rotation, sequence_parallel, sharding, stability
 
 # model.retention_impl: the chunkwise form as XLA einsums, as the fused Pallas kernels, or the kernels where they
 # compile (GPU) and XLA elsewhere.
@@ -82,6 +83,17 @@ def uses_kernel(cfg: ml_collections.ConfigDict, backend: str | None = None) -> b
   return cfg.retention_impl == "pallas" or (cfg.retention_impl == "auto" and _kernel_unfit(cfg, backend) is None)
 
 
+def matmul_precision(name: str):
+  """The context in which a model of `model.matmul_precision` = `name` runs its matmuls (MATMUL_PRECISIONS)."""
+  precision = MATMUL_PRECISIONS[name]
+  return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
+
+
+def output_logits(embed: "Embed", head: "Dense | None", x: jax.Array) -> jax.Array:
+  """Float32 logits `[..., vocab]` of final hidden states `[..., d_model]`: the untied `head`, or tied to `embed`."""
+  return embed.attend(x) if head is None else head(x)
+
+
 def compute_dtype(name: str):
   """The jnp dtype of a config's `dtype` name."""
   if name not in DTYPES:
@@ -90,7 +102,8 @@ def compute_dtype(name: str):
 
 
 class Dense(nnx.Module):
-  """Bias-free projection; flattens to 2-D first so XLA sees plain matmuls in both directions."""
+  """Bias-free projection; flattens to 2-D first so XLA sees plain matmuls in both directions. The product is
+  emitted in `out_dtype` (default: the compute dtype), its backward in the compute dtype (`matmul.einsum`)."""
 
   def __init__(self, in_features: int, out_features: int, axes, *, init, dtype, rngs: nnx.Rngs, out_dtype=None):
     self.kernel = _param(rngs, init, (in_features, out_features), axes)
@@ -99,8 +112,8 @@ class Dense(nnx.Module):
 
   def __call__(self, x_NxI: jax.Array) -> jax.Array:
     x_2d = x_NxI.reshape(-1, x_NxI.shape[-1]).astype(self.dtype)
-    y = jnp.dot(x_2d, self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
-    return y.astype(self.out_dtype).reshape(x_NxI.shape[:-1] + (-1,))
+    y = matmul.einsum("ni,io->no", x_2d, self.kernel[...].astype(self.dtype), self.out_dtype)
+    return y.reshape(x_NxI.shape[:-1] + (-1,))
 
 
 def rms_norm(x: jax.Array, eps: float) -> jax.Array:
@@ -156,8 +169,7 @@ class Embed(nnx.Module):
 
   def attend(self, x_BxLxD: jax.Array) -> jax.Array:
     x_2d = x_BxLxD.reshape(-1, x_BxLxD.shape[-1]).astype(self.dtype)
-    logits = jax.lax.dot_general(x_2d, self.embedding[...].astype(self.dtype), (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+    logits = matmul.einsum("nd,vd->nv", x_2d, self.embedding[...].astype(self.dtype), jnp.float32)
     return logits.reshape(x_BxLxD.shape[:-1] + (-1,))
 
 

@@ -14,7 +14,6 @@ A hybrid (`model.attention_layers`) runs the Transformer's attention in those la
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -218,11 +217,22 @@ class RetNet(nnx.Module):
     Returns:
       `(logits [batch, seq, vocab]` float32, the state after the last token).
     """
+    x_BxLxD, state = self.hidden(tokens_BxL, mode, state, remat, segment_ids)
+    return self.logits(x_BxLxD), state
+
+  def hidden(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None, remat: str = "none",
+             segment_ids: jax.Array | None = None) -> tuple[jax.Array, State]:
+    """As the call, with the final-normed hidden states `[batch, seq, d_model]` (compute dtype) in place of the
+    logits: for a loss that projects them tile by tile (`losses.tiled_nll`)."""
     if mode not in MODES:
       raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}.")
-    precision = layers.MATMUL_PRECISIONS[self.config.matmul_precision]
-    with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
+    with layers.matmul_precision(self.config.matmul_precision):
       return self._forward(tokens_BxL, mode, state, remat, segment_ids)
+
+  def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+    """Float32 logits `[..., vocab]` of hidden states `[..., d_model]` (`hidden`'s)."""
+    with layers.matmul_precision(self.config.matmul_precision):
+      return layers.output_logits(self.embed, self.head, x_BxLxD)
 
   def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
                ) -> tuple[jax.Array, State]:
@@ -251,9 +261,7 @@ class RetNet(nnx.Module):
         x, layer_state = block(x, positions_BxL, tables, layer_state, mode, segment_ids)
       return sharding.constrain(x, ("batch", "length", None)), layer_state
     x, layer_states = layer_stack.run(self.blocks, x, state["layers"], call, remat)
-    x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.head is None else self.head(x)
-    return logits, {"position": positions_BxL[:, -1] + 1, "layers": layer_states}
+    return self.final_norm(x), {"position": positions_BxL[:, -1] + 1, "layers": layer_states}
 
 
 def _block(cfg: ml_collections.ConfigDict, layer: int, dtype, rngs: nnx.Rngs) -> nnx.Module:

@@ -159,7 +159,10 @@ def model_config(name: str) -> config_dict.ConfigDict:
       norm_eps=1e-6,  # block, final and embedding RMSNorm epsilon
       scale_embedding=False,  # multiply token embeddings by sqrt(d_model)
       embed_norm=False,  # RMSNorm on the embeddings before the first block
-      dtype=sizes.dtype,  # compute dtype: float32 | bfloat16; parameters are always float32
+      dtype=sizes.dtype,  # compute dtype: float32 | bfloat16; training keeps float32 parameters
+      # the weights' dtype outside training (evaluation, generation, export): float32 | bfloat16 (half the
+      # weight reads of decoding); training always keeps float32 masters
+      param_dtype="float32",
       # every matmul's precision: default (on GPUs float32 runs in TF32) | high | highest (exact float32)
       matmul_precision="default",
       # the chunkwise form: xla (einsums) | pallas (fused kernels, GPU) | auto (pallas where it compiles, else xla)
@@ -204,6 +207,7 @@ def transformer_config(retnet_model: config_dict.ConfigDict, max_len: int) -> co
       rotation_freqs=retnet_model.rotation_freqs,  # interleaved pairs at these frequencies
       norm_eps=retnet_model.norm_eps,
       dtype=retnet_model.dtype,
+      param_dtype=retnet_model.param_dtype,
       matmul_precision=retnet_model.matmul_precision,
       max_len=max_len,  # KV-cache length: the longest prompt + generation a decoding state holds
       scan_layers=retnet_model.scan_layers,  # as RetNet's model.scan_layers
@@ -289,6 +293,12 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
       # at a time (memory grows with the segment, not seq_len, for one more forward pass); 0: whole sequences.
       # RetNet only
       segment_len=0,
+      # > 0: the output projection, logsumexp and loss (and their gradients) computed over tiles of this many
+      # tokens, so the [tokens, vocab] logits never exist for the whole batch; 0: all tokens at once
+      loss_tile=0,
+      # the AdamW moments' dtype: float32 | bfloat16 (the first moment only, as MaxText allows; the second stays
+      # float32)
+      optimizer_state_dtype="float32",
       nonfinite="stop",  # a NaN/Inf loss or gradient: stop (naming the step) | skip (the update, counted)
       log_every_steps=50,
       eval_every_steps=300,

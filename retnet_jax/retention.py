@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import segments
+from retnet_jax import matmul, segments
 
 
 def _acc_dtype(x: jax.Array) -> jnp.dtype:
@@ -81,16 +81,20 @@ def _decayed_state(spec: str, k, zeta, v, acc) -> jax.Array:
   Rounding k * zeta to bfloat16 would cost the state 16 of float32's 24 bits. It is split instead into three parts in
   k's dtype (8 bits each in bfloat16), each multiplied exactly into `acc` on every backend, where a float32 product
   runs at reduced precision by default on accelerators (TF32, bfloat16 passes). Gradients flow through the first part
-  only, as they did through the rounded product, so the backward pass is unchanged.
+  only, as they did through the rounded product, so the backward pass is unchanged. Each part is rounded by
+  `reduce_precision`, which XLA keeps, where a float32 -> bfloat16 -> float32 round trip may be folded away (GPUs do,
+  under XLA's default excess-precision rule: the remainders would then be zero).
   """
-  product = lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=acc)
+  product = lambda a, b: matmul.einsum(spec, a, b, acc)
   k_decayed = k.astype(acc) * zeta
   if k.dtype == acc:
     return product(k_decayed, v)
-  hi = k_decayed.astype(k.dtype)
-  rest = jax.lax.stop_gradient(k_decayed - hi.astype(acc))
-  mid = rest.astype(k.dtype)
-  lo = (rest - mid.astype(acc)).astype(k.dtype)
+  narrow = jnp.finfo(k.dtype)
+  rounded = lambda x: jax.lax.reduce_precision(x, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
+  hi = rounded(k_decayed)
+  rest = jax.lax.stop_gradient(k_decayed - hi)
+  mid = rounded(rest)
+  lo, mid, hi = (rest - mid).astype(k.dtype), mid.astype(k.dtype), hi.astype(k.dtype)
   v_const = jax.lax.stop_gradient(v)
   return product(hi, v) + product(mid, v_const) + product(lo, v_const)
 
@@ -127,14 +131,14 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
 
   # Head-major operands: the batched products then copy whole rows, where token-major ones transposed per head.
   q_h, k_h, v_h = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, L, *]
-  scores_BxHxLxL = jnp.einsum("bhnk,bhmk->bhnm", q_h, k_h, preferred_element_type=acc)
+  scores_BxHxLxL = matmul.einsum("bhnk,bhmk->bhnm", q_h, k_h, acc)
   scores_BxHxLxL = scores_BxHxLxL * _decay_mask(log_decay_H, length, acc)
   zeta_BxHxLx1 = _powers(log_decay_H, length - 1 - pos_L)[None, :, :, None]  # gamma^(L-1-m): from m to the end
   if starts_BxL is not None:  # within a document only, and the final state from the last one's keys
     doc_BxL = jnp.cumsum(starts_BxL, axis=1)
     scores_BxHxLxL = jnp.where((doc_BxL[:, :, None] == doc_BxL[:, None, :])[:, None], scores_BxHxLxL, 0)
     zeta_BxHxLx1 = jnp.where((doc_BxL == doc_BxL[:, -1:])[:, None, :, None], zeta_BxHxLx1, 0)
-  out_BxHxLxV = jnp.einsum("bhnm,bhmv->bhnv", scores_BxHxLxL.astype(v.dtype), v_h, preferred_element_type=acc)
+  out_BxHxLxV = matmul.einsum("bhnm,bhmv->bhnv", scores_BxHxLxL.astype(v.dtype), v_h, acc)
 
   state_out = _decayed_state("bhmk,bhmv->bhkv", k_h, zeta_BxHxLx1, v_h, acc)
   if state is not None:
@@ -144,8 +148,7 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
     if starts_BxL is not None:  # the first document only, and the final state only where it is the last
       xi_BxHxLx1 = jnp.where((doc_BxL == 0)[:, None, :, None], xi_BxHxLx1, 0)
       carried = jnp.where((doc_BxL[:, -1] == 0)[:, None, None, None], carried, 0)
-    # In the accumulation dtype: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for this dot.
-    cross = jnp.einsum("bhnk,bhkv->bhnv", q_h.astype(acc), state)
+    cross = matmul.einsum("bhnk,bhkv->bhnv", q_h, state.astype(q.dtype), acc)  # as the chunkwise form's
     out_BxHxLxV = out_BxHxLxV + cross * xi_BxHxLx1
     state_out = state_out + carried
   out_BxLxHxV = jnp.swapaxes(out_BxHxLxV, 1, 2)
@@ -263,19 +266,18 @@ def _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs
   q_c, k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (q, k, v))  # [B, C, H, S, *]
 
   # Inside each chunk: the parallel form.
-  scores = jnp.einsum("bchnk,bchmk->bchnm", q_c, k_c, preferred_element_type=acc)
+  scores = matmul.einsum("bchnk,bchmk->bchnm", q_c, k_c, acc)
   scores = scores * _decay_mask(log_decay_H, size, acc)
   xi_BxCxHxSx1 = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc))[None, None, :, :, None]
   if starts_BxL is not None:
     doc_BxCxS, reached_BxCxS = _chunk_documents(starts_BxL, size)
     scores = jnp.where((doc_BxCxS[..., :, None] == doc_BxCxS[..., None, :])[:, :, None], scores, 0)
     xi_BxCxHxSx1 = jnp.where(reached_BxCxS[:, :, None, :, None], xi_BxCxHxSx1, 0)
-  inner = jnp.einsum("bchnm,bchmv->bchnv", scores.astype(v.dtype), v_c, preferred_element_type=acc)
+  inner = matmul.einsum("bchnm,bchmv->bchnv", scores.astype(v.dtype), v_c, acc)
   abs_sums = _from_chunks(jnp.sum(jnp.abs(scores), axis=-1), length) if score_abs_sums else None
 
   # Across chunks: query j of a chunk is j + 1 steps after the previous chunk's last position (xi above).
-  # Chunk-major states: XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 kernel for the batch-major dot.
-  cross = jnp.einsum("bchnk,cbhkv->bchnv", q_c, entry_states_CxBxHxKxV.astype(q.dtype), preferred_element_type=acc)
+  cross = matmul.einsum("bchnk,cbhkv->bchnv", q_c, entry_states_CxBxHxKxV.astype(q.dtype), acc)
   out = _from_chunks(inner + cross * xi_BxCxHxSx1, length)
   return out.astype(v.dtype), abs_sums
 

@@ -37,6 +37,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if not isinstance(train.segment_len, int) or train.segment_len < 0:
     raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "
                      f"got {train.segment_len!r}.")
+  if not isinstance(train.loss_tile, int) or isinstance(train.loss_tile, bool) or train.loss_tile < 0:
+    raise ValueError(f"train.loss_tile must be 0 (the loss over all tokens at once) or a positive number of tokens "
+                     f"per tile; got {train.loss_tile!r}.")
   check_documents(config, (train.mode,), "train.mode")
   if (train.segment_len and train.mode == "chunkwise" and config.model.stability_norm_style == "torchscale"
       and train.segment_len % config.model.chunk_size):
@@ -80,7 +83,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
   accum = train_cfg.grad_accum_steps
   loss_and_grad = jax.value_and_grad(
       lambda params, batch: losses.token_loss(graphdef, params, batch, train_cfg.mode, train_cfg.remat,
-                                              train_cfg.segment_len))
+                                              train_cfg.segment_len, train_cfg.loss_tile))
 
   def train_step(state: train_state.TrainState, batch: losses.Batch):
     params = state["params"]
@@ -143,5 +146,6 @@ def _build_setup(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mes
       init=train_state.init_fn(config, layout),
       train_step=jax.jit(make_train_step(graphdef, tx, config.train), in_shardings=(shardings, batch_sharding),
                          out_shardings=(shardings, None), donate_argnums=0),
-      eval_step=jax.jit(lambda params, batch: losses.token_loss(graphdef, params, batch, mode),
+      eval_step=jax.jit(lambda params, batch: losses.token_loss(graphdef, params, batch, mode,
+                                                                loss_tile=config.train.loss_tile),
                         in_shardings=(shardings["params"], batch_sharding)))

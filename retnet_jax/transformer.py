@@ -19,7 +19,6 @@ also serve a hybrid RetNet's attention layers (`model.attention_layers`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -30,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import layer_stack, layers, rotation, segments, sharding
+from retnet_jax import layer_stack, layers, matmul, rotation, segments, sharding
 
 MODES = ("parallel", "recurrent")  # the forms (`architectures.MODES`): chunkwise is a retention form
 State = dict[str, Any]
@@ -58,14 +57,15 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
 
 def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_BxLxS: jax.Array
               ) -> jax.Array:
-  """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` float32. With G < H key/value
-  heads, each group of H / G consecutive query heads shares one (query head j reads key/value head j // (H / G))."""
+  """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` in v's dtype (scores and softmax in
+  float32). With G < H key/value heads, each group of H / G consecutive query heads shares one (query head j reads
+  key/value head j // (H / G))."""
   batch, length, heads, key_dim = q_BxLxHxK.shape
   groups = k_BxSxGxK.shape[2]
   q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
-  scores = jnp.einsum("blgjk,bsgk->bgjls", q, k_BxSxGxK, preferred_element_type=jnp.float32)
+  scores = matmul.einsum("blgjk,bsgk->bgjls", q, k_BxSxGxK, jnp.float32)
   probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None, None], scores, _MASKED), axis=-1)
-  out = jnp.einsum("bgjls,bsgk->blgjk", probs.astype(v_BxSxGxK.dtype), v_BxSxGxK, preferred_element_type=jnp.float32)
+  out = matmul.einsum("bgjls,bsgk->blgjk", probs.astype(v_BxSxGxK.dtype), v_BxSxGxK)
   return out.reshape(batch, length, heads, -1)
 
 
@@ -276,11 +276,22 @@ class Transformer(nnx.Module):
     Returns:
       `(logits [batch, seq, vocab]` float32, the state after the last token).
     """
+    x_BxLxD, state = self.hidden(tokens_BxL, mode, state, remat, segment_ids)
+    return self.logits(x_BxLxD), state
+
+  def hidden(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None, remat: str = "none",
+             segment_ids: jax.Array | None = None) -> tuple[jax.Array, State]:
+    """As the call, with the final-normed hidden states `[batch, seq, d_model]` (compute dtype) in place of the
+    logits: for a loss that projects them tile by tile (`losses.tiled_nll`)."""
     if mode not in MODES:
       raise ValueError(f"unknown mode {mode!r}; a Transformer has {MODES} (chunkwise is a retention form).")
-    precision = layers.MATMUL_PRECISIONS[self.config.matmul_precision]
-    with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
+    with layers.matmul_precision(self.config.matmul_precision):
       return self._forward(tokens_BxL, mode, state, remat, segment_ids)
+
+  def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+    """Float32 logits `[..., vocab]` of hidden states `[..., d_model]` (`hidden`'s)."""
+    with layers.matmul_precision(self.config.matmul_precision):
+      return layers.output_logits(self.embed, self.head, x_BxLxD)
 
   def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
                ) -> tuple[jax.Array, State]:
@@ -304,6 +315,4 @@ class Transformer(nnx.Module):
       x, cache = block(x, positions_BxL, tables, cache, state["next_slot"], form, document_BxL)
       return sharding.constrain(x, ("batch", None, None)), cache
     x, caches = layer_stack.run(self.blocks, x, state["layers"], call, remat)
-    x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.head is None else self.head(x)
-    return logits, {"position": positions_BxL[:, -1] + 1, "next_slot": state["next_slot"] + length, "layers": caches}
+    return self.final_norm(x), {"position": positions_BxL[:, -1] + 1, "next_slot": state["next_slot"] + length, "layers": caches}
