@@ -27,8 +27,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
 
-from retnet_jax import (accelerators, architectures, flops, layer_stack, model as model_lib, sampling, sharding,
-                        train_state, train_step as train_step_lib)
+from retnet_jax import (accelerators, architectures, flops, layer_stack, matmul_dtypes, model as model_lib, sampling,
+                        sharding, train_state, train_step as train_step_lib)
 from retnet_jax.kernels import support
 
 STEPS = ("train", "eval", "prefill", "decode")
@@ -70,9 +70,9 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
   with support.target_backend(chip.platform):
     run = train_step_lib.setup(config, mesh)
     with run.placement.active():
-      lowerings = _lowerings(config, run)
+      traces = _traces(config, run)
       for step in steps:
-        report["steps"][step] = _compile(lowerings[step], config, target, step)
+        report["steps"][step] = _compile(traces[step], config, target, step)
   report["fits"] = all(r["fits"] for r in report["steps"].values())
   return report
 
@@ -101,8 +101,8 @@ def _mesh(mesh_cfg: ml_collections.ConfigDict, target: accelerators.Target, devi
   return jax.sharding.Mesh(grid, tuple(mesh_cfg.axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def _lowerings(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
-  """Per step, a function that lowers it: the same jitted functions training and generation call. Batches are
+def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
+  """Per step, a function that traces it: the same jitted functions training and generation call. Batches are
   `train.batch_size` rows of `train.seq_len` tokens (and the next token), prompts as long: the prefill runs
   `train.seq_len` tokens."""
   batch, seq_len = config.train.batch_size, config.train.seq_len
@@ -123,13 +123,13 @@ def _lowerings(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
     # The Sampler's loop, jitted without the compiler options its `_loop_jit` adds for a CPU host.
     loop = jax.jit(sampler._loop, static_argnames=("graphdef", "settings"))
-    return loop.lower(params, state, jax.ShapeDtypeStruct((batch,), jnp.int32), keys,
+    return loop.trace(params, state, jax.ShapeDtypeStruct((batch,), jnp.int32), keys,
                       scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32), graphdef=run.graphdef,
                       settings=settings)
 
-  return {"train": lambda: run.train_step.lower(run.abstract_state, tokens),
-          "eval": lambda: run.eval_step.lower(params, tokens),
-          "prefill": lambda: sampler._prefill_jit.lower(*prefill_args, **prefill_kwargs),
+  return {"train": lambda: run.train_step.trace(run.abstract_state, tokens),
+          "eval": lambda: run.eval_step.trace(params, tokens),
+          "prefill": lambda: sampler._prefill_jit.trace(*prefill_args, **prefill_kwargs),
           "decode": decode}
 
 
@@ -150,16 +150,20 @@ def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:
   return flops.forward_flops_per_token(cfg, context, "recurrent") * train.batch_size * DECODE_TOKENS
 
 
-def _compile(lower, config: ml_collections.ConfigDict, target: accelerators.Target, step: str) -> dict[str, Any]:
-  """Lowers and compiles one step; its memory, FLOPs, collectives, compile time and bound, or the compiler's
-  out-of-memory as `fits: false` with the bytes its message says were needed (a TPU's: the temporaries alone)."""
+def _compile(trace, config: ml_collections.ConfigDict, target: accelerators.Target, step: str) -> dict[str, Any]:
+  """Traces, lowers and compiles one step; its matmul FLOPs by operand dtypes (`matmul_dtypes`, from the jaxpr),
+  memory, FLOPs, collectives, compile time and bound, or the compiler's out-of-memory as `fits: false` with the bytes
+  its message says were needed (a TPU's: the temporaries alone)."""
   chip, devices = target.chip, target.num_devices
   start = time.perf_counter()
-  lowered = lower()
+  traced = trace()
+  by_dtype = matmul_dtypes.matmul_flops_by_dtype(traced.jaxpr)
+  lowered = traced.lower()
   model_flops = _model_flops(config, step)
   result: dict[str, Any] = {
       "model_flops_per_device": None if model_flops is None else model_flops / devices,
-      "device_memory_bytes": chip.memory_bytes}
+      "device_memory_bytes": chip.memory_bytes, "matmul_flops_by_dtype": by_dtype,
+      "float32_matmul_share": matmul_dtypes.float32_share(by_dtype)}
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
@@ -289,15 +293,17 @@ def format_table(report: dict[str, Any]) -> str:
            f"{report['batch_size']} x {report['seq_len']}, remat {report['remat']}, {report['mode']}"
            f"{', scanned layers' if report.get('scan_layers') else ''}",
            "", "| step | fits | required GiB | of GiB | args GiB | temp GiB | XLA TFLOP | model TFLOP | collectives "
-           "| compile s | step >= s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| compile s | step >= s | f32-operand matmuls |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, r in report["steps"].items():
     comm = ", ".join(f"{k} x{v['count']} ({gib(v['bytes'])} GiB)" for k, v in r.get("collectives", {}).items())
     bound = r.get("step_seconds_lower_bound")
     lines.append(f"| {name} | {'yes' if r['fits'] else 'no'} | {gib(r['required_bytes_per_device'])} | "
                  f"{gib(r['device_memory_bytes'])} | {gib(r.get('argument_bytes'))} | {gib(r.get('temporary_bytes'))} "
                  f"| {tflop(r.get('xla_flops_per_device'))} | {tflop(r['model_flops_per_device'])} | {comm or '-'} "
-                 f"| {r['compile_seconds']:.1f} | {'-' if bound is None else f'{bound:.4f}'} |")
+                 f"| {r['compile_seconds']:.1f} | {'-' if bound is None else f'{bound:.4f}'} | "
+                 f"{r['float32_matmul_share']:.1%} |")
   lines.append("")
   lines.append("Per device. `step >= s` is a lower bound: max(FLOPs / peak bf16 FLOP/s, (arguments + outputs) / HBM "
-               "bandwidth), FLOPs the larger of XLA's and the model's.")
+               "bandwidth), FLOPs the larger of XLA's and the model's. `f32-operand matmuls`: the share of the step's "
+               "matmul FLOPs (from its jaxpr) with a float32 operand, which run at float32 (TF32) rate.")
   return "\n".join(lines)

@@ -226,8 +226,9 @@ class MultiScaleRetention(nnx.Module):
                             if cfg.head_norm_scale else None)
 
   def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False, split_over=None,
-                 segment_ids=None):
-    """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only.
+                 segment_ids=None, wide_entry_states=False):
+    """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only,
+    the entry states in q's dtype unless `wide_entry_states` (`retention._chunkwise`).
 
     `split_over`: the (mesh axis, size) that splits the sequence (`sharding.sequence_split`), where the parallel and
     chunkwise modes both run the chunkwise form per slice (`sequence_parallel`), or None."""
@@ -237,7 +238,8 @@ class MultiScaleRetention(nnx.Module):
     if mode == "parallel":
       return *retention.parallel_retention(q, k, v, log_decay_H, state, segment_ids), None, None
     if mode == "chunkwise":
-      return retention._chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums, segment_ids)
+      return retention._chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums, segment_ids,
+                                  wide_entry_states)
     return *retention.recurrent_retention(q, k, v, log_decay_H, state, segment_ids), None, None
 
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, state: dict[str, jax.Array] | None,
@@ -301,15 +303,17 @@ class MultiScaleRetention(nnx.Module):
     on a ones value column: (normalised float32 output, new state)."""
     batch, length, heads = q.shape[:3]
     kv_in = None if state is None else state["kv"]
+    # torchscale's chunkwise scalars read the entry states in float32.
+    torchscale_chunks = self.stability_norm and self.stability_norm_style == "torchscale" and mode == "chunkwise"
     out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in, split_over=split_over,
-                                                       segment_ids=segment_ids_BxL)
+                                                       segment_ids=segment_ids_BxL,
+                                                       wide_entry_states=torchscale_chunks)
     new_state = {"kv": kv}
     out_BxLxHxV = out_BxLxHxV.astype(jnp.float32)
     if self.stability_norm:
       # q_n . z_n is the retention of a ones value column, z the decayed key sum in the state. A call of its own
       # without gradient (the divisor is a constant to autodiff): XLA shares its scores with the call above, and
       # v keeps its width. Its in-chunk scores are q . k, so it also gives torchscale's chunkwise score sums.
-      torchscale_chunks = self.stability_norm_style == "torchscale" and mode == "chunkwise"
       q_sg, k_sg = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
       ones = jnp.ones((batch, length, heads, 1), q.dtype)
       z_in = None if state is None else state["key_sum"][..., None]

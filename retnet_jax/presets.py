@@ -36,6 +36,7 @@ class TrainPreset:
   seq_len: int
   learning_rate: float
   warmup_steps: int
+  loss_tile: int = 0  # train.loss_tile: tokens per tile of the output projection and loss (0: all at once)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +56,19 @@ class TorchscaleSize:
 
 
 def paper_train(learning_rate: float) -> TrainPreset:
-  """The paper's recipe: 25k steps of 2048 x 2048 tokens, 375 warm-up steps."""
-  return TrainPreset(steps=25000, batch_size=2048, seq_len=2048, learning_rate=learning_rate, warmup_steps=375)
+  """The paper's recipe: 25k steps of 2048 x 2048 tokens, 375 warm-up steps; the loss over tiles of 8192 tokens (the
+  float32 logits of a tile: 1.6 GB at 50304 tokens of vocabulary)."""
+  return TrainPreset(steps=25000, batch_size=2048, seq_len=2048, learning_rate=learning_rate, warmup_steps=375,
+                     loss_tile=8192)
 
 
 def paper_preset(d_model: int, num_layers: int, num_heads: int, ffn_dim: int, learning_rate: float) -> Preset:
-  """A paper size: value width 2 x d_model, 50304 tokens, tied embeddings, bfloat16, the paper's recipe."""
+  """A paper size: value width 2 x d_model, 50304 tokens, tied embeddings, bfloat16, scanned layers (unrolled, the
+  compiled train step holds every layer's chunk states and FFN activations at once, whatever the remat policy:
+  2.8x the temporaries, docs/aot.md), the paper's recipe."""
   model = ModelPreset(d_model=d_model, num_layers=num_layers, num_heads=num_heads, value_dim=2 * d_model,
-                      ffn_dim=ffn_dim, vocab_size=50304, tie_embeddings=True, chunk_size=256, dtype="bfloat16")
+                      ffn_dim=ffn_dim, vocab_size=50304, tie_embeddings=True, chunk_size=256, dtype="bfloat16",
+                      options=MappingProxyType(dict(scan_layers=True)))
   return Preset(model=model, train=paper_train(learning_rate))
 
 
@@ -295,7 +301,7 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
       segment_len=0,
       # > 0: the output projection, logsumexp and loss (and their gradients) computed over tiles of this many
       # tokens, so the [tokens, vocab] logits never exist for the whole batch; 0: all tokens at once
-      loss_tile=0,
+      loss_tile=run.loss_tile,
       # the AdamW moments' dtype: float32 | bfloat16 (the first moment only, as MaxText allows; the second stays
       # float32)
       optimizer_state_dtype="float32",

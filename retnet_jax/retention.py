@@ -220,15 +220,16 @@ def _chunk_documents(starts_BxL, size):
   return doc_BxCxS, jnp.cumsum(starts_BxCxS, axis=2) == 0
 
 
-def _chunk_states(k, v, log_decay_H, size, state, starts_BxL=None):
+def _chunk_states(k, v, log_decay_H, size, state, starts_BxL=None, entry_dtype=None):
   """The state entering each chunk, `[chunks, batch, heads, d_k, d_v]` (chunk c's: as at the last position of chunk
-  c - 1), and the final state; the last chunk decays the state by its true length only. With document `starts`
-  (module docstring), a chunk adds its last document's keys only and drops the state entering it if one starts
-  inside it."""
+  c - 1) in `entry_dtype` (default: the accumulation dtype; the carry stays in it), and the final state; the last
+  chunk decays the state by its true length only. With document `starts` (module docstring), a chunk adds its last
+  document's keys only and drops the state entering it if one starts inside it."""
   acc = log_decay_H.dtype
   length = k.shape[1]
   num_chunks = -(-length // size)
-  k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (k, v))  # [B, C, H, S, *]
+  # Chunk-major, head-major inside: the scan's steps take one chunk each.
+  k_c, v_c = (jnp.transpose(_to_chunks(x, size), (1, 0, 3, 2, 4)) for x in (k, v))  # [C, B, H, S, *]
 
   # Each chunk's contribution to the state at its own last real position, and its true length; integer positions,
   # so that the exponents stay exact at any length.
@@ -237,22 +238,25 @@ def _chunk_states(k, v, log_decay_H, size, state, starts_BxL=None):
   valid = pos_CxS < length
   to_end_CxS = jnp.where(valid, (size * jnp.arange(num_chunks) + chunk_len_C)[:, None] - 1 - pos_CxS, 0)
   zeta_HxCxS = jnp.where(valid, _powers(log_decay_H, to_end_CxS.astype(acc)), 0)
-  zeta_BxCxHxSx1 = jnp.moveaxis(zeta_HxCxS, 0, 1)[None, ..., None]
+  zeta_CxBxHxSx1 = jnp.moveaxis(zeta_HxCxS, 0, 1)[:, None, ..., None]
   expm1_decay_CxH = jnp.expm1(log_decay_H[None, :] * chunk_len_C[:, None].astype(acc))
   xs = (expm1_decay_CxH,)
   if starts_BxL is not None:
     doc_BxCxS, reached_BxCxS = _chunk_documents(starts_BxL, size)
-    zeta_BxCxHxSx1 = jnp.where((doc_BxCxS == doc_BxCxS[..., -1:])[:, :, None, :, None], zeta_BxCxHxSx1, 0)
+    last_doc_CxBxS = jnp.swapaxes(doc_BxCxS == doc_BxCxS[..., -1:], 0, 1)
+    zeta_CxBxHxSx1 = jnp.where(last_doc_CxBxS[:, :, None, :, None], zeta_CxBxHxSx1, 0)
     xs += (jnp.swapaxes(reached_BxCxS[..., -1], 0, 1),)  # [C, B]: no document starts in the chunk
-  kv_CxBxHxKxV = _decayed_state("bchmk,bchmv->cbhkv", k_c, zeta_BxCxHxSx1, v_c, acc)
 
+  # A chunk's contribution is computed in its step: no [chunks, ...] stack of float32 contributions (nor of their
+  # cotangents in the backward pass) exists beside the entry states.
   def step(state_BxHxKxV, inputs):
-    kv, expm1_decay_H, *kept = inputs
+    k_BxHxSxK, v_BxHxSxV, zeta_BxHxSx1, expm1_decay_H, *kept = inputs
+    kv = _decayed_state("bhmk,bhmv->bhkv", k_BxHxSxK, zeta_BxHxSx1, v_BxHxSxV, acc)
     entering = state_BxHxKxV if not kept else jnp.where(kept[0][:, None, None, None], state_BxHxKxV, 0)
-    return _decay_and_add(entering, expm1_decay_H[None, :, None, None], kv), state_BxHxKxV
+    return _decay_and_add(entering, expm1_decay_H[None, :, None, None], kv), state_BxHxKxV.astype(entry_dtype or acc)
 
   state = _zeros_state(k, v, acc) if state is None else state.astype(acc)
-  state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (kv_CxBxHxKxV,) + xs)
+  state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (k_c, v_c, zeta_CxBxHxSx1) + xs)
   return before_CxBxHxKxV, state_out
 
 
@@ -282,18 +286,21 @@ def _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs
   return out.astype(v.dtype), abs_sums
 
 
-def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, segment_ids=None):
+def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, segment_ids=None,
+               wide_entry_states=False):
   """`chunkwise_retention` with two by-products of its pass, for normalisers built on it.
 
   Returns `(out, final_state, entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
-  entering each chunk; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless `score_abs_sums`), the
+  entering each chunk, in q's dtype (as the outputs read them: half the memory in bfloat16), or with
+  `wide_entry_states` in the accumulation dtype; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless `score_abs_sums`), the
   in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums of the masked scores.
   """
   _check_inputs(q, k, v, log_decay, state)
   starts_BxL = _starts(segment_ids, q)
   size = _chunk_len(chunk_size, q.shape[1])
   log_decay_H = log_decay.astype(_acc_dtype(q))
-  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state, starts_BxL)
+  entry_dtype = log_decay_H.dtype if wide_entry_states else q.dtype
+  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state, starts_BxL, entry_dtype)
   out, abs_sums = _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL)
   return out, state_out, entry_states_CxBxHxKxV, abs_sums
 

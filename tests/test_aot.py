@@ -57,6 +57,30 @@ def test_h100_train_step_calls_the_pallas_kernels():
 
 
 @needs_gpu
+def test_a_plan_reports_the_float32_operand_share_of_each_step():
+  """The jaxpr's matmul FLOPs by operand dtypes, per step: none with a float32 operand in bfloat16, all in float32."""
+  shares = {}
+  for dtype in ("bfloat16", "float32"):
+    report = aot.plan(tiny(model__dtype=dtype), accelerators.parse_target("h100:1"), ("train", "eval"))
+    shares[dtype] = {name: step["float32_matmul_share"] for name, step in report["steps"].items()}
+    assert all(sum(step["matmul_flops_by_dtype"].values()) > 0 for step in report["steps"].values())
+  assert shares == {"bfloat16": {"train": 0.0, "eval": 0.0}, "float32": {"train": 1.0, "eval": 1.0}}
+  assert "| f32-operand matmuls |" in aot.format_table(report) and "| 100.0% |" in aot.format_table(report)
+
+
+@needs_gpu
+def test_the_13b_preset_trains_batch_32_on_one_h100():
+  """docs/aot.md's memory table: with the preset's defaults (scanned layers, loss tiles of 8192 tokens), 32 x 2048
+  tokens with `remat=full` in at most 85% of an H100 and at most 20 GB of temporaries (86.3 GiB unrolled before), all
+  matmuls on bfloat16 operands."""
+  config = presets.get_config("1.3b")
+  config.train.update(dict(batch_size=32, remat="full"))
+  step = aot.plan(config, accelerators.parse_target("h100:1"), ("train",))["steps"]["train"]
+  assert step["fits"] and step["required_bytes_per_device"] <= 0.85 * step["device_memory_bytes"], step
+  assert step["temporary_bytes"] <= 20e9 and step["float32_matmul_share"] <= 0.02, step
+
+
+@needs_gpu
 def test_scanned_layers_compile_one_block_with_the_kernels():
   """Two layers under nnx.scan: the kernels appear once, in the scanned body, and the memory is the unrolled
   step's (the same buffers, stacked)."""

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from retnet_jax import decay, retention
-from tests.helpers import on_gpu
 
 D_K, D_V = 4, 4
 # Explicit decays up to 1 - 2^-22, float32-representable or not, and the retnet schedule's head 20, whose gamma
@@ -21,7 +20,7 @@ GAMMAS_32K = (1 - 2**-5, 1 - 1e-6, 1 - 2**-22, 1 - 1e-7)
 _parallel = jax.jit(retention.parallel_retention)
 _recurrent = jax.jit(retention.recurrent_retention)
 _chunkwise = jax.jit(retention.chunkwise_retention, static_argnames="chunk_size")
-_chunkwise_by_products = jax.jit(retention._chunkwise, static_argnames="chunk_size")
+_chunkwise_by_products = jax.jit(retention._chunkwise, static_argnames=("chunk_size", "wide_entry_states"))
 FORMS = {
     "parallel": lambda q, k, v, lg, s: _parallel(q, k, v, lg, s),
     "recurrent": lambda q, k, v, lg, s: _recurrent(q, k, v, lg, s),
@@ -107,12 +106,13 @@ def test_32k_tokens_and_a_chunkwise_prefill_continued_recurrently():
 
 
 def test_bfloat16_prefill_hands_over_a_float32_accurate_state():
-  """bfloat16 q, k, v: the chunkwise form's final and chunk-entry states and the parallel form's final state are
-  float32-accurate (their outputs are bfloat16), and so is the state after recurrent decoding continues from them."""
-  # Not on a GPU: there XLA, allowed excess precision (its default), folds the float32 -> bfloat16 -> float32 round
-  # trip that splits the decayed keys into bfloat16 parts (`retention._decayed_state`), so the lower parts are zero and
-  # the states keep each decayed key rounded to bfloat16, 2^-9 relative (2.0e-3 measured on an H100).
-  tol = 5e-3 if on_gpu() else 1e-6
+  """bfloat16 q, k, v: the chunkwise form's final and chunk-entry states (asked for wide) and the parallel form's final
+  state are float32-accurate (their outputs are bfloat16), and so is the state after recurrent decoding continues from
+  them; the entry states the outputs read are those rounded to bfloat16."""
+  # On GPUs too: the decayed keys are split into bfloat16 parts by `reduce_precision` (`retention._decayed_state`),
+  # which XLA keeps. A float32 -> bfloat16 -> float32 round trip, as before, was folded away there under XLA's
+  # default excess precision (lower parts zero: the states 2.0e-3 off on an H100).
+  tol = 1e-6
   length, tail = 2051, 64
   gammas = (1 - 2**-5, 1 - 2**-8, 1 - 2**-12, 1 - 1e-6)
   log_decay = decay.log_decay("explicit", len(gammas), gammas)
@@ -122,7 +122,10 @@ def test_bfloat16_prefill_hands_over_a_float32_accurate_state():
   _, ref_final = float64_recurrence(q[:, length:], k[:, length:], v[:, length:], log_decay, ref_state)
   prefill = (q[:, :length], k[:, :length], v[:, :length], log_decay)
   chunk = 64
-  _, chunk_state, entry_states, _ = _chunkwise_by_products(*prefill, chunk, state)
+  _, chunk_state, entry_states, _ = _chunkwise_by_products(*prefill, chunk, state, wide_entry_states=True)
+  narrow_entries = _chunkwise_by_products(*prefill, chunk, state)[2]
+  assert narrow_entries.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(narrow_entries, entry_states.astype(jnp.bfloat16))
   for name, prefill_state in {"chunkwise": chunk_state, "parallel": _parallel(*prefill, state)[1]}.items():
     assert prefill_state.dtype == jnp.float32
     assert head_rel_err(prefill_state, ref_state, 1) < tol, (name, head_rel_err(prefill_state, ref_state, 1))

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import ml_collections
 import numpy as np
 import pytest
