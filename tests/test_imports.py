@@ -1,6 +1,10 @@
-"""The package's import structure: no circle between its modules, and the data layer loads no model code."""
+"""The package's import structure: no circle between its modules, the data layer loads no model code, and what the
+scripts import on a plain install is installed with it."""
 import ast
+import configparser
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +14,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "retnet_jax"
 DATA_LAYER = ("retnet_jax.data", "retnet_jax.tokenizer", "retnet_jax.synthetic", "retnet_jax.passkey")
 MODEL_CODE = ("retnet_jax.model", "retnet_jax.sampling", "retnet_jax.layers", "retnet_jax.transformer")
+# What README's scripts run on the Quickstart install (`pip install -e .`, no extras), plots included.
+QUICKSTART = ("retnet_jax.evaluate", "retnet_jax.passkey_eval", "retnet_jax.train", "retnet_jax.prepared")
 
 
 def module_names() -> dict[str, Path]:
@@ -35,6 +41,22 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
       for alias in node.names:
         found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source)
   return {module for module in found if module in modules and module != name}
+
+
+def third_party_imports(path: Path) -> set[str]:
+  """The top-level names of the modules outside the standard library and retnet_jax that `path` imports anywhere."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    if isinstance(node, ast.Import):
+      found |= {alias.name.partition(".")[0] for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      found.add(node.module.partition(".")[0])
+  return found - set(sys.stdlib_module_names) - {"__future__", "retnet_jax"}
+
+
+def normalized(name: str) -> str:
+  """A distribution's name as packaging compares them (PEP 503)."""
+  return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -70,6 +92,21 @@ def test_no_import_cycle():
   assert "retnet_jax.workdir" in graph["retnet_jax.train_state"]  # the graph sees `from retnet_jax import workdir as ...`
   cycle = find_cycle(graph)
   assert cycle is None, f"import circle: {' -> '.join(cycle)}"
+
+
+def test_quickstart_modules_need_no_extras():
+  """Every module the scripts import on the Quickstart install, matplotlib for their plots among them, comes from a
+  distribution in install_requires: no ModuleNotFoundError after a result is computed."""
+  config = configparser.ConfigParser()
+  config.read(PACKAGE.parent / "setup.cfg")
+  required = {normalized(re.split(r"[<>=!~\[ ;]", line.strip())[0])
+              for line in config["options"]["install_requires"].splitlines() if line.strip()}
+  distributions = importlib.metadata.packages_distributions()
+  modules = module_names()
+  for name in QUICKSTART:
+    for module in third_party_imports(modules[name]):
+      assert {normalized(d) for d in distributions.get(module, [module])} & required, (
+          f"{name} imports {module}, which install_requires does not provide")
 
 
 @pytest.mark.slow
