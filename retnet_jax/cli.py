@@ -229,6 +229,8 @@ def run(main: Callable[[], None]) -> None:
            f"another process may have stopped (its own output tells); {_kept()} (--verbose shows the traceback)", 1)
 
   jax.config.config_with_absl()
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):  # --help shows the main module's flags only
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   app.run(absl_main, flags_parser=_parse_flags)
 
 
@@ -246,9 +248,14 @@ def _end(line: str, status: int) -> None:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with each failure as one line: a bad value, an unknown preset, a misspelt field."""
+  """absl's flag parsing, with each failure as one line: a bad value, an unknown preset, a misspelt field; help asked
+  for (--help, --helpfull: absl prints it and exits 1) exits 0."""
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:
+    if e.code == 1:  # parsing raises flags.Error for bad input: only the help flags exit
+      sys.exit(0)
+    raise
   except flags.Error as e:
     lines = [line for line in str(e).splitlines() if line.strip()]
     if any(line.startswith("Traceback") for line in lines):  # ml_collections quotes its own traceback: the cause

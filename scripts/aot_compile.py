@@ -1,4 +1,4 @@
-"""Compiles training and generation for a GPU or TPU target on this machine (no accelerator needed): will it fit?
+r"""Compiles training and generation for a GPU or TPU target on this machine (no accelerator needed): will it fit?
 
     python scripts/aot_compile.py --config=configs/retnet.py:1.3b --target=h100:8 --out=runs/aot
     python scripts/aot_compile.py --config=configs/retnet.py:1.3b --target=v5e-16 --steps=train,eval,prefill,decode \

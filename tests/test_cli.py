@@ -1,6 +1,7 @@
 """The scripts' shared command line: bad flags, config fields, environment and signals before training end in one
 line of error, no traceback."""
 
+import ast
 import re
 import signal
 import subprocess
@@ -32,6 +33,27 @@ def test_errors_are_one_message(tmp_path, flags, message):
   assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert re.search(message, result.stderr), result.stderr[-3000:]
   assert not (tmp_path / "run").exists()  # refused before the workdir is touched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,listed", [
+    ("train.py", ("--config", "--workdir", "--coordinator_address", "--verbose", "--xla_gpu_flags")),
+    ("evaluate.py", ("--config", "--workdir", "--step")),
+])
+def test_help_lists_the_shared_flags(script, listed):
+  """--help names the flags a script takes from retnet_jax.cli beside its own, and help asked for is no error."""
+  result = run_script(script, "--help")
+  assert result.returncode == 0, result.stderr[-3000:]
+  shown = set(re.findall(r"^  --(?:\[no\])?(\w+)", result.stdout, flags=re.MULTILINE))
+  assert {flag.removeprefix("--") for flag in listed} <= shown, result.stdout
+
+
+def test_script_docstrings_keep_their_lines():
+  """A script's docstring is its --help: a lone `\\` ending a line of a usage example (a shell continuation) would
+  join the string's lines there; it is written `\\\\` or in a raw docstring."""
+  for path in sorted((REPO / "scripts").glob("*.py")):
+    node = ast.parse(path.read_text(encoding="utf-8")).body[0].value
+    assert node.value.count("\n") == node.end_lineno - node.lineno, f"{path.name}: a `\\` joins its docstring's lines"
 
 
 @pytest.mark.slow
