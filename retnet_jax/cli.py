@@ -35,10 +35,10 @@ DEFAULT_CONFIG = "configs/retnet.py:small"
 
 def prepare() -> None:
   """Process-wide settings that must precede numpy and jax: `host_memory.keep_freed_memory` (CPU backend), and
-  SIGTERM / SIGINT outside the training steps (start-up, compilation, evaluation) as one line and exit status
-  128 + the signal's number (training's steps take them as a stop request: `retnet_jax.preemption`)."""
+  SIGTERM / SIGINT / SIGHUP outside the training steps (start-up, compilation, evaluation) as one line and exit
+  status 128 + the signal's number (training's steps take them as a stop request: `retnet_jax.preemption`)."""
   host_memory.keep_freed_memory()
-  for signum in (signal.SIGTERM, signal.SIGINT):
+  for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(signum, _exit_on_signal)
 
 

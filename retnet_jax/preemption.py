@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT as a request to stop cleanly: finish the step, checkpoint, exit 0.
+"""SIGTERM / SIGINT / SIGHUP (a closed terminal) as a request to stop cleanly: finish the step, checkpoint, exit 0.
 
 A second SIGINT interrupts at once (KeyboardInterrupt). With several processes, a stop requested on any of them
 stops all of them at the same step, so the checkpoint they write together is complete.
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopRequest:

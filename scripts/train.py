@@ -1,6 +1,6 @@
 """Trains a RetNet: `python scripts/train.py --config=configs/retnet.py:small --workdir=runs/shakespeare`.
 
-Starting again with the same --workdir resumes from its latest checkpoint; SIGTERM / Ctrl-C checkpoint and exit
+Starting again with the same --workdir resumes from its latest checkpoint; SIGTERM / Ctrl-C / SIGHUP checkpoint and exit
 cleanly. Override any config field with `--config.train.steps=500` etc.; the config used is written to
 WORKDIR/config.json. Several processes (hosts): pass --coordinator_address, --num_processes and --process_id
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) on each. On NVIDIA GPUs it adds the XLA flags

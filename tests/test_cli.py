@@ -106,9 +106,9 @@ def test_distributed_settings_refuse_what_would_fail_later(flags, env, message):
 
 @pytest.mark.slow
 def test_a_signal_during_start_up_is_one_line(tmp_path):
-  """SIGTERM or Ctrl-C while the script imports and starts: one line and exit status 128 + the signal."""
+  """SIGTERM, Ctrl-C or SIGHUP while the script imports and starts: one line and exit status 128 + the signal."""
   processes = {}
-  for sig in (signal.SIGTERM, signal.SIGINT):
+  for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     processes[sig] = subprocess.Popen(
         [sys.executable, str(REPO / "scripts" / "train.py"), "--config=configs/retnet.py:tiny",
          f"--workdir={tmp_path / sig.name}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

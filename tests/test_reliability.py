@@ -90,6 +90,19 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, corpus, re
 
 
 @pytest.mark.slow
+def test_a_closed_terminal_checkpoints_and_exits_zero(tmp_path, corpus):
+  """SIGHUP (the terminal of a run started without nohup closed) stops as SIGTERM does: the last step is saved."""
+  workdir = tmp_path / "run"
+  process = launch(workdir, corpus, steps=100_000)
+  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  process.send_signal(signal.SIGHUP)
+  output = finish(process)
+  assert "SIGHUP received: checkpoint of step" in output
+  with checkpointing.Checkpointer(workdir / "checkpoints") as checkpointer:
+    assert checkpointer.latest_step() == max(read_metrics(workdir)) >= 30
+
+
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, corpus):
   workdir = tmp_path / "run"
   process = launch(workdir, corpus, steps=100_000, every_steps=20)
