@@ -200,7 +200,8 @@ class _ShardWriter:
     self.done = done  # finished shards' entries
     self._file, self._starts, self._tokens = None, [], 0
 
-  def add(self, ids: np.ndarray) -> None:
+  def add(self, ids: np.ndarray) -> int:
+    """Appends one document; returns the tokens it took, its separator included."""
     if self._file is None:
       self._file = open(_shard_paths(self.directory, self.split, len(self.done))[0], "wb")  # pylint: disable=consider-using-with
     if self._starts and self.eos_id is not None:
@@ -208,6 +209,7 @@ class _ShardWriter:
     self._starts.append(self._tokens)
     self._file.write(np.asarray(ids, self.dtype).tobytes())
     self._tokens += len(ids)
+    return len(ids)
 
   @property
   def full(self) -> bool:
@@ -309,7 +311,7 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     sources: what was read, for the metadata (those that are paths on disk `out` must neither hold nor lie in).
     validation_fraction: the share of held-out documents.
     shard_tokens: tokens per shard (a shard ends after the batch of documents that reaches it).
-    max_tokens: stop once the training split holds this many tokens (None: read everything).
+    max_tokens: stop after the document that brings the training split to this many tokens (None: read everything).
     workers: tokenizing processes (the byte tokenizer always runs in this one).
     batch_documents: documents per tokenizing task.
     progress: called as progress(documents, tokens) after each batch.
@@ -350,17 +352,23 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   # The byte tokenizer is a copy: shipping texts to workers and ids back costs more than it (3x slower measured)
   encoder = _Encoder(tokenizer_spec, 1 if tokenizer_spec == "byte" else workers)
   remaining = (text for i, text in enumerate(documents) if i >= state["consumed"])
+
+  def reached() -> bool:
+    return max_tokens is not None and train_tokens >= max_tokens
+
   for encoded in encoder.map(_batched(remaining, batch_documents)):
-    if max_tokens is not None and train_tokens >= max_tokens:
-      break
     for ids in encoded:
+      if reached():  # checked per document: a batch holds many
+        break
       index, consumed = consumed, consumed + 1
       held_out = validation_documents is None and _is_held_out(index, validation_fraction)
       if len(ids):
-        writers["validation" if held_out else "train"].add(ids)
-        train_tokens += 0 if held_out else len(ids)
+        written = writers["validation" if held_out else "train"].add(ids)
+        train_tokens += 0 if held_out else written
     if progress is not None:
       progress(consumed, train_tokens)
+    if reached():
+      break
     if writers["train"].full:
       checkpoint()
   checkpoint()
@@ -374,8 +382,10 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     checkpoint()
   for split in SPLITS:
     if not state["shards"][split]:
+      stopped = (f"--max_tokens={max_tokens} stopped before a held-out document; raise it, or "
+                 if reached() and validation_documents is None else "")
       raise CorpusError(f"the {split} split of {sources} came out empty: "
-                        + ("give more documents or data.validation_files (a .txt file is one document)"
+                        + (f"{stopped}give more documents or data.validation_files (a .txt file is one document)"
                            if split == "validation" else "the sources hold no text") + ".")
   metadata = _write_metadata(out, dtype, state["shards"], **settings)
   (out / PROGRESS).unlink()

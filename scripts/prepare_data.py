@@ -28,8 +28,8 @@ from retnet_jax import metrics, prepared, sources, workdir
 
 _CONFIG = cli.config_flag("Config file and preset whose data section names the sources and the tokenizer.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the prepared corpus into.", required=True)
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Stop once the training split holds this many tokens.",
-                                   lower_bound=1)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Stop after the document that brings the training split to "
+                                   "this many tokens.", lower_bound=1)
 _WORKERS = flags.DEFINE_integer("workers", os.cpu_count() or 1, "Processes tokenizing in parallel (a tokenizer.json; "
                                 "the byte tokenizer is cheaper than sending texts to a worker).", lower_bound=1)
 _SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", 1 << 27, "Tokens per shard (a resumed prepare restarts the "

@@ -167,9 +167,16 @@ def test_a_damaged_progress_file_or_finished_shard_is_named_with_its_fix(tmp_pat
     prepare(out)
 
 
-def test_max_tokens_stops_early(tmp_path):
-  metadata = prepare(tmp_path / "c", max_tokens=3000)
-  assert 3000 <= metadata["tokens"]["train"] < 3000 + 4 * 300 and metadata["documents"]["validation"] >= 1
+def test_max_tokens_stops_at_the_document_that_reaches_it(tmp_path):
+  """Checked per document, not per batch of them: the training split ends with the document that reaches the limit."""
+  longest = max(map(len, DOCUMENTS)) + 1  # a separator opens each document but the first
+  metadata = prepare(tmp_path / "c", max_tokens=3000, batch_documents=1024)
+  assert 3000 <= metadata["tokens"]["train"] < 3000 + longest and metadata["documents"]["validation"] >= 1
+  metadata = prepared.write(tmp_path / "one", DOCUMENTS, ["held apart"], "byte", ["test"], 0.1, max_tokens=1)
+  assert metadata["documents"]["train"] == 1 and metadata["tokens"]["train"] == len(DOCUMENTS[0])
+  with pytest.raises(prepared.CorpusError, match=r"the validation split of \['test'\] came out empty: --max_tokens=1 "
+                                                  r"stopped before a held-out document; raise it, or give more"):
+    prepare(tmp_path / "none", max_tokens=1)
 
 
 def test_bad_directories_are_refused_by_name(tmp_path, bpe_path):
