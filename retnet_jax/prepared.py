@@ -75,6 +75,12 @@ def _shard_problem(directory: Path, split: str, index: int, entry: dict[str, int
   return None
 
 
+def _source_fingerprints(sources: list[str]) -> dict[str, list[int]]:
+  """Each source file's [size, modification time in ns]: a resumed prepare refuses sources changed since it began."""
+  return {source: [(stat := Path(source).stat()).st_size, stat.st_mtime_ns]
+          for source in sources if Path(source).is_file()}
+
+
 def _json_object(path: Path) -> dict[str, Any]:
   """The JSON object in `path` (ValueError when it is not JSON or not an object)."""
   value = json.loads(path.read_text())
@@ -329,14 +335,16 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   dtype = token_dtype(tokenizer.vocab_size)
   settings = {"tokenizer": _recorded(tokenizer, tokenizer_spec), "sources": sources, "validation_fraction": validation_fraction,
               "held_out": validation_documents is None, "shard_tokens": shard_tokens, "max_tokens": max_tokens}
+  fingerprints = _source_fingerprints(sources)
   if resuming:
-    state = _read_progress(out, settings, dtype)
+    state = _read_progress(out, settings, fingerprints, dtype)
     for leftover in out.iterdir():  # shards being written when the prepare stopped
       name = _SHARD_NAME.fullmatch(leftover.name)
       if name and int(name[2]) >= len(state["shards"][name[1]]):
         leftover.unlink()
   else:
-    state = {"settings": settings, "consumed": 0, "shards": {split: [] for split in SPLITS}}
+    state = {"settings": settings, "fingerprints": fingerprints, "consumed": 0,
+             "shards": {split: [] for split in SPLITS}}
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / PROGRESS, state)  # marks `out` as this prepare's before any shard is written
   writers = {split: _ShardWriter(out, split, dtype, tokenizer.eos_id, shard_tokens, state["shards"][split])
@@ -413,27 +421,38 @@ def _check_empty(out: Path) -> None:
                       "empty or new directory as --out (preparing deletes no file it did not write).")
 
 
-def _read_progress(out: Path, settings: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
+def _read_progress(out: Path, settings: dict[str, Any], fingerprints: dict[str, list[int]], dtype: np.dtype
+                   ) -> dict[str, Any]:
   """The state of `out`'s interrupted prepare, refused (CorpusError naming the fix) when its progress.json is not
-  one, it has other settings, or a shard it lists as finished is damaged."""
+  one, it has other settings, a source file changed since it began (size or modification time: its shards hold the
+  old text), or a shard it lists as finished is damaged."""
   fix = f"delete {str(out)!r} and prepare again"
   try:
     state = _json_object(out / PROGRESS)
-    saved, consumed, shards = state["settings"], state["consumed"], _shard_entries(state["shards"])
+    saved, saved_fingerprints = state["settings"], state["fingerprints"]
+    consumed, shards = state["consumed"], _shard_entries(state["shards"])
     if not isinstance(consumed, int) or consumed < 0:
       raise ValueError(f"consumed {consumed!r} is not a count of documents")
+    if not (isinstance(saved_fingerprints, dict)
+            and all(isinstance(v, list) and len(v) == 2 for v in saved_fingerprints.values())):
+      raise ValueError(f"fingerprints {saved_fingerprints!r:.40} are not [size, mtime] pairs by source")
   except (ValueError, KeyError, TypeError) as e:
     raise CorpusError(f"--out={str(out)!r}: its {PROGRESS} is not a prepare's progress ({_reason(e)}); {fix}."
                       ) from None
   if saved != settings:
     raise CorpusError(f"--out={str(out)!r} holds an interrupted prepare of other sources or settings; rerun "
                       "that command to finish it, or choose another --out.")
+  for source, now in fingerprints.items():
+    if (was := saved_fingerprints.get(source)) != now:
+      change = f"{was[0]:,} -> {now[0]:,} bytes" if was and was[0] != now[0] else "modified"
+      raise CorpusError(f"--out={str(out)!r} holds an interrupted prepare of {source!r}, which changed since it began "
+                        f"({change}): its shards hold the older text; {fix}, or restore {source!r} as it was.")
   for split in SPLITS:
     for index, entry in enumerate(shards[split]):
       problem = _shard_problem(out, split, index, entry, dtype)
       if problem:
         raise CorpusError(f"--out={str(out)!r}: its finished shard {problem} (damaged since); {fix}.")
-  return {"settings": settings, "consumed": consumed, "shards": shards}
+  return {"settings": settings, "fingerprints": fingerprints, "consumed": consumed, "shards": shards}
 
 
 def write_splits(out: str | os.PathLike, splits: dict[str, tuple[np.ndarray, np.ndarray]],

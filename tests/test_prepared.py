@@ -167,6 +167,28 @@ def test_a_damaged_progress_file_or_finished_shard_is_named_with_its_fix(tmp_pat
     prepare(out)
 
 
+def test_a_source_changed_before_resuming_is_refused_by_name(tmp_path):
+  """The interrupted prepare's shards hold a source's older text: resuming checks each source file's size and
+  modification time."""
+  source, out = tmp_path / "corpus.txt", tmp_path / "c"
+  source.write_text("the older text")
+
+  def resume(documents=DOCUMENTS):
+    return prepared.write(out, documents, None, "byte", [str(source)], 0.1, shard_tokens=500, batch_documents=4)
+
+  with pytest.raises(KeyboardInterrupt):
+    resume(interrupted(40))
+  source.write_text("the text as edited")
+  with pytest.raises(prepared.CorpusError, match=r"--out='.*c' holds an interrupted prepare of '.*corpus.txt', which "
+                                                  r"changed since it began \(14 -> 18 bytes\): its shards hold the "
+                                                  r"older text; delete '.*c' and prepare again, or restore"):
+    resume()
+  source.write_text("the older text")
+  os.utime(source, ns=(1, 1))  # as old as before in size, not in time
+  with pytest.raises(prepared.CorpusError, match=r"changed since it began \(modified\)"):
+    resume()
+
+
 def test_max_tokens_stops_at_the_document_that_reaches_it(tmp_path):
   """Checked per document, not per batch of them: the training split ends with the document that reaches the limit."""
   longest = max(map(len, DOCUMENTS)) + 1  # a separator opens each document but the first
