@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from retnet_jax import host_memory, layer_stack
+from retnet_jax import host_memory, integrity, layer_stack
 
 _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
 _METRIC = "eval_loss"
@@ -83,56 +83,6 @@ class _OrbaxLeftoversDropped:
     orbax_coroutine = code is not None and code.co_filename.startswith(_ORBAX_DIR)
     if not (late_callback or orbax_coroutine):
       self.hook(unraisable)
-
-
-class DamagedCheckpointError(ValueError):
-  """The checkpoint's arrays read back differ from what was saved (their checksums disagree)."""
-
-
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-_CHECKSUM_BLOCK = 1 << 20  # elements weighed at a time: XLA materialises the products of one block, not the array's
-
-
-@jax.jit
-def _checksum(x: jax.Array) -> jax.Array:
-  """A uint32 sum of the array's bit patterns times odd position weights: any one changed element changes it.
-
-  Summed block by block (uint32 sums wrap, so the order does not change the result).
-  """
-  flat, block = x.reshape(-1), _CHECKSUM_BLOCK
-
-  def weighed(start: jax.Array, values: jax.Array) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type(values, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
-    positions = start + jnp.arange(values.size, dtype=jnp.uint32)
-    return jnp.sum(bits * ((2 * positions + 1) * jnp.uint32(2654435761)), dtype=jnp.uint32)  # odd: no cancelling
-
-  def add_block(i: jax.Array, total: jax.Array) -> jax.Array:
-    return total + weighed(i.astype(jnp.uint32) * block, jax.lax.dynamic_slice(flat, (i * block,), (block,)))
-
-  whole = flat.size // block
-  total = jax.lax.fori_loop(0, whole, add_block, jnp.uint32(0)) if whole else jnp.uint32(0)
-  return total + weighed(jnp.uint32(whole * block), flat[whole * block:])
-
-
-def checksums(tree: Any) -> dict[str, int]:
-  """`_checksum` of each array of a pytree by key path, as JSON-able ints (a collective on multi-process runs).
-
-  One array at a time, so the memory it needs beyond the tree is one array's temporaries, not the whole tree's.
-  """
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {jax.tree_util.keystr(path): int(_checksum(value)) for path, value in flat}
-
-
-def _verify(saved: dict[str, int] | None, restored: Any, what: str) -> None:
-  """Raises DamagedCheckpointError if an array of `restored` differs from its checksum in `saved` (None: none were
-  saved); `restored` may be part of what was saved (checksums are keyed by key path)."""
-  if saved is None:
-    return
-  found = checksums(restored)
-  damaged = [key for key, value in found.items() if saved.get(key) != value]
-  if damaged:
-    raise DamagedCheckpointError(f"{what} is damaged: {len(damaged)} array(s) read back differ from what was "
-                                 f"saved, first {damaged[0]}.")
 
 
 class CheckpointWriteError(OSError):
@@ -303,7 +253,7 @@ class Checkpointer:
     """
     self._check_writable("save")
     self.wait()  # a failed background save of the previous step is reported as that step's
-    meta = {**meta, "checksums": checksums(state)}  # verified by `restore`
+    meta = {**meta, "checksums": integrity.checksums(state)}  # verified by `restore`
     metrics = None if eval_loss is None else {_METRIC: float(eval_loss)}
     try:
       _check_free_space(self.directory, state)
@@ -349,7 +299,7 @@ class Checkpointer:
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set, shaped like the saved state, or
     with `partial` like a part of it (e.g. `{"params": ...}`): only that part's arrays are read and verified.
-    Raises DamagedCheckpointError when the arrays read differ from the checksums saved with them.
+    Raises `integrity.DamagedCheckpointError` when the arrays read differ from the checksums saved with them.
     """
     step = self.resolve(step)
     location = os.path.join(self.directory, str(step))
@@ -358,7 +308,7 @@ class Checkpointer:
     _check_compatible(read_as, stored, location, partial)
     meta = dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     state = _read_arrays(os.path.join(location, "state"), read_as, stored, partial)
-    _verify(meta.pop("checksums", None), state, f"the checkpoint at {location}")
+    integrity.verify(meta.pop("checksums", None), state, f"the checkpoint at {location}")
     return _as_wanted(state, scanned, abstract_state), meta
 
   def set_aside(self, step: int) -> str:
@@ -433,7 +383,7 @@ def export_params(directory: str | os.PathLike, params: Any) -> None:
   checksums `load_params` verifies."""
   _quiet_orbax()
   directory = os.path.abspath(directory)
-  sums = checksums(params)
+  sums = integrity.checksums(params)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(directory, params)  # closing waits for the write to commit
   if jax.process_index() == 0:
@@ -443,7 +393,7 @@ def export_params(directory: str | os.PathLike, params: Any) -> None:
 
 def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
   """Reads params written by `export_params`, placed with the shardings and cast to the dtypes in `abstract_params`;
-  verifies them against the export's checksums when it has them (DamagedCheckpointError)."""
+  verifies them against the export's checksums when it has them (`integrity.DamagedCheckpointError`)."""
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"No exported params at {directory}.")
@@ -456,5 +406,5 @@ def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
   sums_file = os.path.join(directory, _EXPORT_CHECKSUMS)
   if os.path.isfile(sums_file):
     with open(sums_file, encoding="utf-8") as file:
-      _verify(json.load(file), params, f"the params export at {directory}")
+      integrity.verify(json.load(file), params, f"the params export at {directory}")
   return _as_wanted(params, scanned, abstract_params)

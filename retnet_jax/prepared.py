@@ -16,17 +16,15 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import multiprocessing
 import os
 import re
-from collections.abc import Iterable, Iterator
-from concurrent import futures
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from retnet_jax import tokenizer as tokenizer_lib
+from retnet_jax import encoding, tokenizer as tokenizer_lib
 
 FORMAT = "retnet_jax.prepared"
 VERSION = 1
@@ -244,57 +242,6 @@ def _is_held_out(index: int, fraction: float) -> bool:
   return int((index + 1) * fraction) > int(index * fraction)
 
 
-class _Encoder:
-  """Tokenizes batches of texts, in worker processes when `workers` > 1 (results in order, a bounded window)."""
-
-  def __init__(self, spec: str, workers: int):
-    self.spec, self.workers = spec, workers
-
-  def map(self, batches: Iterable[list[str]]) -> Iterator[list[np.ndarray]]:
-    if self.workers <= 1:
-      tokenizer = tokenizer_lib.load(self.spec)
-      yield from (tokenizer.encode_batch(texts) for texts in batches)
-      return
-    spawn = multiprocessing.get_context("spawn")  # forking a process that runs JAX's threads can deadlock
-    with futures.ProcessPoolExecutor(self.workers, mp_context=spawn, initializer=_init_worker,
-                                     initargs=(self.spec,)) as pool:
-      window: list[futures.Future] = []
-      for texts in batches:
-        window.append(pool.submit(_encode, texts))
-        if len(window) >= 2 * self.workers:
-          yield _unpack(*window.pop(0).result())
-      yield from (_unpack(*f.result()) for f in window)
-
-
-_WORKER_TOKENIZER = None
-
-
-def _init_worker(spec: str) -> None:
-  global _WORKER_TOKENIZER  # pylint: disable=global-statement
-  _WORKER_TOKENIZER = tokenizer_lib.load(spec)
-
-
-def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-  """A batch's ids as one array and the documents' lengths: one buffer to send back, not one per document."""
-  ids = _WORKER_TOKENIZER.encode_batch(texts)
-  return np.concatenate(ids) if ids else np.zeros(0, np.int32), np.asarray([len(d) for d in ids], np.int64)
-
-
-def _unpack(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-  return np.split(ids, np.cumsum(lengths)[:-1])
-
-
-def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-  batch = []
-  for item in items:
-    batch.append(item)
-    if len(batch) == size:
-      yield batch
-      batch = []
-  if batch:
-    yield batch
-
-
 def write(out: str | os.PathLike, documents: Iterable[str], validation_documents: Iterable[str] | None,
           tokenizer_spec: str, sources: list[str], validation_fraction: float, shard_tokens: int = 1 << 27,
           max_tokens: int | None = None, workers: int = 1, batch_documents: int = 1024,
@@ -358,13 +305,13 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     _write_json(out / PROGRESS, state)
 
   # The byte tokenizer is a copy: shipping texts to workers and ids back costs more than it (3x slower measured)
-  encoder = _Encoder(tokenizer_spec, 1 if tokenizer_spec == "byte" else workers)
+  encoder = encoding.Encoder(tokenizer_spec, 1 if tokenizer_spec == "byte" else workers)
   remaining = (text for i, text in enumerate(documents) if i >= state["consumed"])
 
   def reached() -> bool:
     return max_tokens is not None and train_tokens >= max_tokens
 
-  for encoded in encoder.map(_batched(remaining, batch_documents)):
+  for encoded in encoder.map(encoding.batched(remaining, batch_documents)):
     for ids in encoded:
       if reached():  # checked per document: a batch holds many
         break
@@ -381,7 +328,7 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
       checkpoint()
   checkpoint()
   if validation_documents is not None and not state["shards"]["validation"]:
-    for encoded in encoder.map(_batched(validation_documents, batch_documents)):
+    for encoded in encoder.map(encoding.batched(validation_documents, batch_documents)):
       for ids in encoded:
         if len(ids):
           writers["validation"].add(ids)

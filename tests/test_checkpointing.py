@@ -19,9 +19,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.retnet import get_config
-from retnet_jax import checkpointing
-from retnet_jax.checkpointing import (Checkpointer, CheckpointWriteError, DamagedCheckpointError, export_params,
-                                     load_params)
+from retnet_jax import integrity
+from retnet_jax.checkpointing import Checkpointer, CheckpointWriteError, export_params, load_params
+from retnet_jax.integrity import DamagedCheckpointError
 from retnet_jax.model import RetNet
 
 META = {"data_position": [3, 1024], "config": {"preset": "tiny", "lr": 3e-3, "files": []}, "note": None}
@@ -216,12 +216,12 @@ def test_a_step_set_aside_twice_keeps_both_copies(tmp_path, state):
 def test_checksums_keep_their_formula_and_sum_in_blocks():
   """The checksum of checkpoints saved before blockwise summing (a uint32 sum of bit patterns times odd position
   weights) is unchanged, and its temporaries are one block's, not the array's."""
-  x = jax.random.normal(jax.random.key(0), (checkpointing._CHECKSUM_BLOCK * 2 + 5,))
+  x = jax.random.normal(jax.random.key(0), (integrity.CHECKSUM_BLOCK * 2 + 5,))
   bits = np.asarray(x).view(np.uint32).astype(np.uint64)
   weights = ((2 * np.arange(bits.size, dtype=np.uint64) + 1) * 2654435761) % 2**32
-  assert int(checkpointing._checksum(x)) == int(np.sum(bits * weights) % 2**32)
+  assert int(integrity.checksum(x)) == int(np.sum(bits * weights) % 2**32)
   big = jax.ShapeDtypeStruct((8192, 2048), jnp.float32)  # 64 MiB
-  assert checkpointing._checksum.lower(big).compile().memory_analysis().temp_size_in_bytes < 8 * 2**20
+  assert integrity.checksum.lower(big).compile().memory_analysis().temp_size_in_bytes < 8 * 2**20
 
 
 def test_missing_step_and_empty_directory(tmp_path, state):
