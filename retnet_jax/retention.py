@@ -292,8 +292,9 @@ def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False,
 
   Returns `(out, final_state, entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
   entering each chunk, in q's dtype (as the outputs read them: half the memory in bfloat16), or with
-  `wide_entry_states` in the accumulation dtype; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless `score_abs_sums`), the
-  in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums of the masked scores.
+  `wide_entry_states` in the accumulation dtype; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless
+  `score_abs_sums`), the in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums
+  of the masked scores.
   """
   _check_inputs(q, k, v, log_decay, state)
   starts_BxL = _starts(segment_ids, q)

@@ -315,4 +315,5 @@ class Transformer(nnx.Module):
       x, cache = block(x, positions_BxL, tables, cache, state["next_slot"], form, document_BxL)
       return sharding.constrain(x, ("batch", None, None)), cache
     x, caches = layer_stack.run(self.blocks, x, state["layers"], call, remat)
-    return self.final_norm(x), {"position": positions_BxL[:, -1] + 1, "next_slot": state["next_slot"] + length, "layers": caches}
+    return self.final_norm(x), {"position": positions_BxL[:, -1] + 1, "next_slot": state["next_slot"] + length,
+                                "layers": caches}
