@@ -28,16 +28,20 @@ from absl import app, flags
 import ml_collections
 from ml_collections import config_flags
 
-from retnet_jax import host_memory, presets, workdir_lock
+from retnet_jax import host_memory, presets, quiet_start, workdir_lock
 
 DEFAULT_CONFIG = "configs/retnet.py:small"
 
 
 def prepare() -> None:
-  """Process-wide settings that must precede numpy and jax: `host_memory.keep_freed_memory` (CPU backend), and
-  SIGTERM / SIGINT / SIGHUP outside the training steps (start-up, compilation, evaluation) as one line and exit
-  status 128 + the signal's number (training's steps take them as a stop request: `retnet_jax.preemption`)."""
+  """Process-wide settings that must precede numpy and jax: the CPU where this machine has no accelerator
+  (`quiet_start`), `host_memory.keep_freed_memory` (CPU backend), and SIGTERM / SIGINT / SIGHUP outside the training
+  steps (start-up, compilation, evaluation) as one line and exit status 128 + the signal's number (training's steps
+  take them as a stop request: `retnet_jax.preemption`)."""
+  cpu_only = quiet_start.use_cpu_without_accelerators()
   host_memory.keep_freed_memory()
+  if cpu_only:
+    quiet_start.import_jax_quietly()
   for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(signum, _exit_on_signal)
 

@@ -2,6 +2,8 @@
 line of error, no traceback."""
 
 import ast
+import importlib.util
+import os
 import re
 import signal
 import subprocess
@@ -10,7 +12,7 @@ import time
 
 import pytest
 
-from retnet_jax import cli
+from retnet_jax import cli, quiet_start
 from tests.helpers import REPO, run_script, script_lines
 
 
@@ -120,3 +122,23 @@ def test_a_signal_during_start_up_is_one_line(tmp_path):
     lines = script_lines(stderr)
     assert process.returncode == 128 + sig and len(lines) == 1, stderr[-3000:]
     assert lines[0].startswith(f"error: stopped by {sig.name}; ") and "rerun the same command" in lines[0], stderr
+
+
+def test_dropped_notes_pass_on_every_other_line(capfd):
+  with quiet_start.dropped_notes():
+    os.write(2, b"kept line\nI0000 cudart_stub.cc:31] Could not find cuda drivers\nsecond kept\n")
+  assert capfd.readouterr().err == "kept line\nsecond kept\n"
+
+
+@pytest.mark.skipif(quiet_start.accelerator_present(), reason="this machine has an accelerator: JAX keeps it")
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None, reason="no accelerator plugin installed")
+def test_without_an_accelerator_the_plugins_start_quietly_on_the_cpu():
+  """With the CUDA/TPU plugins installed (the aot extra) and no accelerator, plugin discovery printed two tracebacks
+  and libtpu's warnings before each script's output."""
+  env = {name: value for name, value in os.environ.items() if name != "JAX_PLATFORMS"}
+  code = "from retnet_jax import cli; cli.prepare(); import jax; print(jax.devices()[0].platform)"
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=120)
+  assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr
+  for noise in ("Traceback", "plugin configuration error", "libtpu", "TPU"):
+    assert noise not in result.stderr, result.stderr
