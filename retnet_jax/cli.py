@@ -79,6 +79,14 @@ def config_flag(help_text: str) -> flags.FlagHolder:
     sys.exit(_unknown_field(sys.argv, e))
 
 
+def command_line_config(holder: flags.FlagHolder) -> tuple[bool, tuple[str, ...]]:
+  """Whether `holder`'s config flag (--config) was named on the command line, and the fields its --config.x.y
+  overrides set there (e.g. ("model.dtype",)), for `workdir.script_config`."""
+  prefix = holder.name + "."
+  return (bool(flags.FLAGS[holder.name].present),
+          tuple(name[len(prefix):] for name in flags.FLAGS if name.startswith(prefix) and flags.FLAGS[name].present))
+
+
 def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
   """The config of `spec`, a config file and preset as `--config` takes them (`configs/retnet.py:small`), with
   `overrides` ({"model.dtype": "float32"}, as `--config.model.dtype=float32`) applied."""

@@ -151,6 +151,29 @@ def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
   return config
 
 
+def script_config(given: ml_collections.ConfigDict, workdir: str | os.PathLike, named: bool,
+                  overrides: Sequence[str]) -> ml_collections.ConfigDict:
+  """The config of a script that reads a run (evaluate, generate, passkey): `given` (--config) where it was named
+  on the command line or the workdir has no config.json; otherwise the workdir's saved config (its preset, model
+  and tokenizer: `saved_config`) with each of `overrides` (the dotted fields set by --config.x.y) taken from `given`,
+  so that a hybrid or an overridden model is read without repeating its fields.
+
+  Args:
+    given: --config's value. workdir: the run's directory. named: whether --config was on the command line.
+    overrides: the fields that --config.x.y flags set, e.g. ("model.param_dtype", "train.seq_len").
+  """
+  if named or not config_file(workdir).is_file():
+    return given
+  config = saved_config(workdir)
+  for name in overrides:
+    *parents, field = name.split(".")
+    source, target = given, config
+    for parent in parents:
+      source, target = source[parent], target[parent]
+    target[field] = source[field]
+  return config
+
+
 def results_file(folder: str | os.PathLike, kind: str, step: int) -> Path:
   """`FOLDER/KIND_step_STEP.json`: the results of evaluation `kind` (one of RESULTS) of checkpoint `step`."""
   if kind not in RESULTS:

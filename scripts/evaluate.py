@@ -23,7 +23,7 @@ from absl import flags, logging
 
 from retnet_jax import architectures, evaluate, metrics, train_state, workdir
 
-_CONFIG = cli.config_flag("Config file and preset.")
+_CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
 _MODE = flags.DEFINE_enum("mode", "parallel", architectures.ALL_MODES + ("all",), "The form to evaluate (a "
@@ -39,7 +39,7 @@ _BY_POSITION = flags.DEFINE_integer("by_position", 0, "Number of equal position 
 
 
 def main():
-  config = _CONFIG.value
+  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
   seq_len = config.train.seq_len if _EVAL_SEQ_LEN.value is None else _EVAL_SEQ_LEN.value
   modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
   evaluate.check_request(config, modes, seq_len, _BY_POSITION.value)  # before the checkpoint is read

@@ -21,9 +21,9 @@ import json
 from absl import app, flags
 import jax
 
-from retnet_jax import architectures, sharding, text_generation, tokenizer as tokenizer_lib, train_state
+from retnet_jax import architectures, sharding, text_generation, tokenizer as tokenizer_lib, train_state, workdir
 
-_CONFIG = cli.config_flag("Config file and preset.")
+_CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to load (default: the latest).")
 _PROMPT = flags.DEFINE_multi_string("prompt", ["\n"], "Prompt text; repeat the flag for a batch of prompts.")
@@ -43,7 +43,7 @@ _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the 
 
 
 def main():
-  config = _CONFIG.value
+  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
   tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
   prompts = list(_PROMPT.value)

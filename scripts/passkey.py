@@ -18,7 +18,7 @@ from absl import flags
 
 from retnet_jax import architectures, metrics, passkey, passkey_eval, tokenizer as tokenizer_lib, train_state, workdir
 
-_CONFIG = cli.config_flag("Config file and preset.")
+_CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
 _LENGTHS = flags.DEFINE_list("lengths", None, "Context lengths in tokens, answer included (default: 1, 2 and 4 "
@@ -42,7 +42,7 @@ def _numbers(values: list[str], kind: type, flag: str) -> list:
 
 
 def main():
-  config = _CONFIG.value
+  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
   lengths = (_numbers(_LENGTHS.value, int, "lengths") if _LENGTHS.value is not None
              else [config.train.seq_len * k for k in (1, 2, 4)])
   tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)

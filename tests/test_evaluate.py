@@ -13,7 +13,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import (checkpointing, data, dispatch, evaluate, losses, metrics, sampling, sharding, tokenizer,
-                        train_state)
+                        train_state, workdir as workdir_lib)
 from tests.helpers import flip_bytes, run_script, script_stdout
 
 
@@ -295,3 +295,22 @@ def test_passkey_script_writes_json_and_heatmap(trained_copy):
   assert np.shape(results["accuracy"]) == (1, 2) and all(a in (0.0, 0.5, 1.0) for a in results["accuracy"][0])
   assert json.loads((workdir / "passkey_step_8.json").read_text()) == results
   assert (workdir / "passkey_step_8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scripts_read_the_model_of_the_workdir_unless_config_is_named(trained, tmp_path):
+  """Without --config, a script reading a run takes its preset and model from config.json (a hybrid or any model
+  override needed repeating), with the --config.x.y given on the command line on top."""
+  config, workdir, _ = trained
+  given = retnet_config.get_config("small")
+  given.model.param_dtype = "bfloat16"
+  read = workdir_lib.script_config(given, workdir, named=False, overrides=("model.param_dtype",))
+  assert read.model.to_dict() == {**config.model.to_dict(), "param_dtype": "bfloat16"}
+  assert workdir_lib.script_config(given, workdir, named=True, overrides=()) is given
+  assert workdir_lib.script_config(given, tmp_path, named=False, overrides=()) is given  # no config.json
+
+
+@pytest.mark.slow
+def test_generate_script_without_config_reads_the_workdirs_model(trained):
+  stdout = script_stdout("generate.py", f"--workdir={trained.workdir}", "--prompt=A", "--max_new_tokens=4",
+                         "--nostream")
+  assert [s["prompt"] for s in json.loads(stdout.strip().splitlines()[-1])["samples"]] == ["A"]
