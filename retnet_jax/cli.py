@@ -87,6 +87,11 @@ def command_line_config(holder: flags.FlagHolder) -> tuple[bool, tuple[str, ...]
           tuple(name[len(prefix):] for name in flags.FLAGS if name.startswith(prefix) and flags.FLAGS[name].present))
 
 
+def given_flags() -> list[str]:
+  """The flags given on the command line, each as `--name=value` (sorted): the settings a results file records."""
+  return sorted(flags.FLAGS[name].serialize() for name in flags.FLAGS if flags.FLAGS[name].present)
+
+
 def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
   """The config of `spec`, a config file and preset as `--config` takes them (`configs/retnet.py:small`), with
   `overrides` ({"model.dtype": "float32"}, as `--config.model.dtype=float32`) applied."""

@@ -7,7 +7,7 @@
       metrics.jsonl, tensorboard/, profile/   what training logs (retnet_jax.metrics, train.profile_steps)
       eval_step_STEP.json        scripts/evaluate.py's results (eval_step_STEP_by_position.png: its plot)
       passkey_step_STEP.json     scripts/passkey.py's results (passkey_step_STEP.png: its heatmap)
-      lm_eval_step_STEP.json     scripts/lm_eval.py's results
+      lm_eval_step_STEP.json     scripts/lm_eval.py's results (each with _N before .json for other settings)
       train_PROCESS.lock         the lock of the training process (retnet_jax.workdir_lock)
 
     step, (state, meta) = restore_newest(checkpointer, config, lambda step: checkpointer.restore(abstract, step))
@@ -19,11 +19,12 @@ policy of `restore_newest`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -174,16 +175,26 @@ def script_config(given: ml_collections.ConfigDict, workdir: str | os.PathLike, 
   return config
 
 
-def results_file(folder: str | os.PathLike, kind: str, step: int) -> Path:
-  """`FOLDER/KIND_step_STEP.json`: the results of evaluation `kind` (one of RESULTS) of checkpoint `step`."""
+def results_file(folder: str | os.PathLike, kind: str, step: int, settings: Sequence[str] = ()) -> Path:
+  """Where evaluation `kind` (one of RESULTS) of checkpoint `step` run with `settings` (its command line:
+  `cli.given_flags`) writes its results: `FOLDER/KIND_step_STEP.json`, or `KIND_step_STEP_N.json` with the smallest N
+  from 2 where the names before it hold results of other settings (a result is replaced only by a rerun of its own
+  settings, which the JSON's "settings" records)."""
   if kind not in RESULTS:
     raise ValueError(f"unknown kind of results {kind!r}; choose one of {RESULTS}.")
-  return Path(folder) / f"{kind}_step_{step}.json"
+  for index in itertools.count(1):
+    path = Path(folder) / f"{kind}_step_{step}{'' if index == 1 else f'_{index}'}.json"
+    if not path.exists() or _recorded_settings(path) == list(settings):
+      return path
 
 
-def position_plot(workdir: str | os.PathLike, step: int) -> Path:
-  """`WORKDIR/eval_step_STEP_by_position.png`: the loss by position of scripts/evaluate.py --by_position."""
-  return Path(workdir) / f"eval_step_{step}_by_position.png"
+def _recorded_settings(path: Path) -> list[str] | None:
+  """The "settings" a results file records (None where it records none or cannot be read)."""
+  try:
+    recorded = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+  return recorded.get("settings") if isinstance(recorded, dict) else None
 
 
 def writer_lock(workdir: str | os.PathLike, process_index: int = 0) -> workdir_lock.WriterLock:

@@ -44,14 +44,15 @@ def main():
   modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
   evaluate.check_request(config, modes, seq_len, _BY_POSITION.value)  # before the checkpoint is read
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
-  results = {"step": step, "workdir": str(_WORKDIR.value),
+  results = {"step": step, "workdir": str(_WORKDIR.value), "settings": cli.given_flags(),
              **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value)}
   print(evaluate.format_table(results))
   plot = None
   if _BY_POSITION.value:
-    plot = lambda results, _: evaluate.plot_loss_by_position(
-        results, workdir.position_plot(_WORKDIR.value, step), config.train.seq_len)
-  line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "eval", step), plot)
+    plot = lambda results, png: evaluate.plot_loss_by_position(
+        results, png.with_name(f"{png.stem}_by_position.png"), config.train.seq_len)
+  line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "eval", step, results["settings"]),
+                               plot)
   print(line, flush=True)
   nonfinite = json.loads(line).get("nonfinite")
   if nonfinite:

@@ -59,9 +59,10 @@ def main():
   print(harness_utils.make_table(results))
   if "groups" in results:
     print(harness_utils.make_table(results, "groups"))
+  results["settings"] = cli.given_flags()
   path = Path(_OUTPUT_PATH.value or _WORKDIR.value)
   if path.suffix != ".json":
-    path = workdir.results_file(path, "lm_eval", lm.step)
+    path = workdir.results_file(path, "lm_eval", lm.step, results["settings"])
   summary = {"step": lm.step, "results": results["results"], "groups": results.get("groups", {}),
              "output_path": harness.write_results(results, path)}
   print(harness.results_json(summary), flush=True)

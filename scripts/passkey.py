@@ -53,10 +53,11 @@ def main():
   if mode not in own:
     raise ValueError(f"--mode={mode}: a {config.model.architecture} prefills in {', '.join(own)}.")
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
-  results = {"step": step, "workdir": str(_WORKDIR.value), "mode": mode, "seed": _SEED.value,
+  results = {"step": step, "workdir": str(_WORKDIR.value), "settings": cli.given_flags(), "mode": mode,
+             "seed": _SEED.value,
              **passkey_eval.evaluate(passkey_eval.greedy_generate(model, mode), grid, _BATCH_SIZE.value)}
   print(passkey_eval.format_table(results))
-  line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "passkey", step),
+  line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "passkey", step, results["settings"]),
                                passkey_eval.plot_heatmap)
   print(line, flush=True)
 

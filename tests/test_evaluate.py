@@ -295,6 +295,12 @@ def test_passkey_script_writes_json_and_heatmap(trained_copy):
   assert np.shape(results["accuracy"]) == (1, 2) and all(a in (0.0, 0.5, 1.0) for a in results["accuracy"][0])
   assert json.loads((workdir / "passkey_step_8.json").read_text()) == results
   assert (workdir / "passkey_step_8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # Other settings keep the first result (it was overwritten), with their own heatmap.
+  other = json.loads(script_stdout("passkey.py", *flags, "--lengths=224", "--depths=0", "--samples=1")
+                     .strip().splitlines()[-1])
+  assert json.loads((workdir / "passkey_step_8.json").read_text()) == results
+  assert json.loads((workdir / "passkey_step_8_2.json").read_text()) == other
+  assert "--lengths=224" in other["settings"] and (workdir / "passkey_step_8_2.png").is_file()
 
 
 def test_scripts_read_the_model_of_the_workdir_unless_config_is_named(trained, tmp_path):

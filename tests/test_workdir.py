@@ -148,3 +148,17 @@ def test_only_what_a_save_in_flight_recreated_is_removed(tmp_path):
     (kept / extra).mkdir()
     assert not workdir_lib.remove_recreated(kept) and (kept / extra).is_dir()
   assert not workdir_lib.remove_recreated(tmp_path / "none")
+
+
+def test_results_of_other_settings_are_kept_beside_each_other(tmp_path):
+  """Evaluating a step again with other settings overwrote its results file."""
+  first = workdir_lib.results_file(tmp_path, "eval", 8, ["--mode=all"])
+  assert first == tmp_path / "eval_step_8.json"
+  first.write_text(json.dumps({"loss": 1.0, "settings": ["--mode=all"]}))
+  assert workdir_lib.results_file(tmp_path, "eval", 8, ["--mode=all"]) == first  # a rerun of the same settings
+  second = workdir_lib.results_file(tmp_path, "eval", 8, ["--eval_seq_len=64"])
+  assert second == tmp_path / "eval_step_8_2.json"
+  second.write_text(json.dumps({"loss": 2.0, "settings": ["--eval_seq_len=64"]}))
+  assert workdir_lib.results_file(tmp_path, "eval", 8, ["--eval_seq_len=64"]) == second
+  (tmp_path / "eval_step_8_3.json").write_text("not JSON")  # a damaged or foreign file is kept too
+  assert workdir_lib.results_file(tmp_path, "eval", 8, []) == tmp_path / "eval_step_8_4.json"
