@@ -23,6 +23,7 @@ import functools
 import itertools
 import math
 import operator
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -146,7 +147,7 @@ class Sampler:
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
     _, prefill_mode, padding = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
-    _check_cache(model, prompts_BxP.shape[1])
+    _check_cache(model, *prompts_BxP.shape)
     return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding)
 
   def decode(self, model: architectures.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
@@ -187,7 +188,7 @@ class Sampler:
     settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
     keys = _check_key(key, batch)  # every argument checked before the prefill runs
-    _check_cache(model, prompts_BxP.shape[1], settings.max_new_tokens)
+    _check_cache(model, *prompts_BxP.shape, settings.max_new_tokens)
     graphdef, params = nnx.split(model)
     prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode, padding)
     return self._decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
@@ -321,13 +322,25 @@ def cache_field(cfg) -> str | None:
   return "attention_max_len" if cfg.attention_layers and not cfg.attention_window else None
 
 
-def _check_cache(model: architectures.Model, prompt_len: int, max_new_tokens: int = 0) -> None:
-  """A KV cache that holds the whole context (`cache_field`) must hold every prompt token but the last, then one
-  token per decoding step."""
-  field = cache_field(model.config)
+def _check_cache(model: architectures.Model, batch: int, prompt_len: int, max_new_tokens: int = 0
+                 ) -> None:
+  """The decoding state of `batch` rows (KV caches included) must fit in memory, and a KV cache that holds the whole
+  context (`cache_field`) must hold every prompt token but the last, then one token per decoding step."""
+  cfg = model.config
+  state = jax.eval_shape(lambda: model.init_state(batch))  # shapes only: nothing allocated
+  needed_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  devices = jax.local_devices()
+  limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
+  memory = sum(limits) if all(limits) else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  if needed_bytes > memory:
+    field = "attention_window" if cfg.get("attention_window") else cache_field(cfg)
+    fix = f"lower model.{field}={cfg[field]}, or the batch" if field else "decode fewer rows at a time"
+    raise ValueError(f"the decoding state of {batch} rows takes {needed_bytes / 2**30:.1f} GiB, more than the "
+                     f"{memory / 2**30:.1f} GiB of memory of {devices[0].platform} devices here; {fix}.")
+  field = cache_field(cfg)
   if field is None:
     return
-  needed, size = prompt_len - 1 + max_new_tokens, model.config[field]
+  needed, size = prompt_len - 1 + max_new_tokens, cfg[field]
   if needed > size:
     what = f"prompts padded to {prompt_len} tokens" + (f" and {max_new_tokens} new tokens" if max_new_tokens else "")
     raise ValueError(f"{what} need a KV cache of {needed} tokens, but model.{field}={size}; raise model.{field} "

@@ -287,3 +287,14 @@ def test_sharded_step_matches_the_single_device_step():
   kernel = sharded["params"]["blocks"][1]["attention"]["qkv_proj"]["kernel"][...]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor") and len(kernel.devices()) == 8
   assert max_abs_diff(single["params"], sharded["params"]) < 1e-5
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_any_work():
+  """A window of 10^9 tokens trained, then generation failed allocating 128 GB: the decoding state is sized first."""
+  model = tiny_model(attention_layers=(1,), attention_window=10**9)
+  tokens, lengths = sampling.pad_prompts([[1, 2, 3]])
+  for call in (lambda: sampling.generate(model, tokens, lengths, max_new_tokens=2, key=jax.random.key(0)),
+               lambda: sampling.prefill(model, tokens, lengths)):
+    with pytest.raises(ValueError, match=r"the decoding state of 1 rows takes \d+\.\d GiB, more than the .* GiB of "
+                                         r"memory of cpu devices here; lower model.attention_window=1000000000"):
+      call()
