@@ -13,13 +13,14 @@ argmax being right).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from retnet_jax import sampling
+from retnet_jax import metrics, sampling
 from retnet_jax.passkey import Example, Grid
 
 SCORING = "greedy decoding after the question, exact match of every answer token"
@@ -36,7 +37,26 @@ def exact_match(generated_NxT: np.ndarray, examples: Sequence[Example]) -> np.nd
                      for row, ex in zip(np.asarray(generated_NxT), examples)])
 
 
-def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None) -> dict[str, Any]:
+def prompt_tokens(grid: Grid) -> int:
+  """The prompt tokens (each example up to its answer) of every example of `grid`."""
+  return sum(ex.answer_positions[0] for row in grid.examples for cell in row for ex in cell)
+
+
+def seconds_per_token(generate_fn: GenerateFn, grid: Grid, probe_len: int = 512) -> float:
+  """Seconds per prompt token of `generate_fn` on this device, timed on a second call (the first compiles) with the
+  first `probe_len` tokens of the grid's first example: with `prompt_tokens`, how long the grid will take (at least:
+  a parallel prefill grows with the square of the length)."""
+  example = grid.examples[0][0][0]
+  prompts_1xP, lengths_1 = sampling.pad_prompts([example.tokens[:min(probe_len, example.answer_positions[0])]])
+  answer = len(example.answer_positions)
+  np.asarray(generate_fn(prompts_1xP, lengths_1, answer))
+  start = time.perf_counter()
+  np.asarray(generate_fn(prompts_1xP, lengths_1, answer))
+  return (time.perf_counter() - start) / prompts_1xP.shape[1]
+
+
+def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None,
+             progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
   """Passkey accuracy per (length, depth).
 
   Args:
@@ -44,12 +64,13 @@ def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None)
       answer and generates as many tokens as the longest answer of the batch.
     grid: from `passkey.make_grid`.
     batch_size: examples per `generate_fn` call (None: a cell's samples at once).
+    progress: called after each call with a line of the prompt tokens done, the time taken and the time left.
   Returns:
     `{"scoring", "samples", "lengths", "depths", "accuracy": [[per depth] per length], "mean_accuracy"}`.
   """
   if batch_size is not None and batch_size < 1:
     raise ValueError(f"batch_size={batch_size} must be a positive number of examples (or None: a whole cell).")
-  accuracy = []
+  accuracy, total, done, began = [], prompt_tokens(grid), 0, time.perf_counter()
   for row in grid.examples:
     accuracy.append([])
     for cell in row:
@@ -60,6 +81,11 @@ def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None)
         prompts_NxP, lengths_N = sampling.pad_prompts([ex.tokens[:ex.answer_positions[0]] for ex in batch])
         generated_NxT = generate_fn(prompts_NxP, lengths_N, max(len(ex.answer_positions) for ex in batch))
         correct.append(exact_match(generated_NxT, batch))
+        done += sum(ex.answer_positions[0] for ex in batch)
+        if progress is not None:
+          elapsed = time.perf_counter() - began
+          progress(f"passkey: {done}/{total} prompt tokens ({100 * done / total:.0f}%) in "
+                   f"{metrics.format_duration(elapsed)}, ETA {metrics.format_duration(elapsed * (total - done) / done)}")
       accuracy[-1].append(float(np.concatenate(correct).mean()))
   return {"scoring": SCORING, "samples": len(grid.examples[0][0]), "lengths": list(grid.lengths),
           "depths": list(grid.depths), "accuracy": accuracy, "mean_accuracy": float(np.mean(accuracy))}

@@ -30,6 +30,8 @@ _MODE = flags.DEFINE_enum("mode", None, architectures.PREFILL_MODES, "Form of th
                           "default: the model's own, chunkwise for RetNet, parallel for a Transformer); the parallel "
                           "form's memory grows with the square of the length.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sample s of every cell hides the key of seed + s.")
+_MAX_HOURS = flags.DEFINE_float("max_hours", 2.0, "Refuse a grid whose prompts would take longer than this on this "
+                                 "device (timed on a short prompt before the grid runs).", lower_bound=0.0)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Examples per compiled call (default: a cell's samples).",
                                    lower_bound=1)
 
@@ -53,9 +55,17 @@ def main():
   if mode not in own:
     raise ValueError(f"--mode={mode}: a {config.model.architecture} prefills in {', '.join(own)}.")
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
+  generate = passkey_eval.greedy_generate(model, mode)
+  tokens, rate = passkey_eval.prompt_tokens(grid), passkey_eval.seconds_per_token(generate, grid)
+  estimate = f"{tokens} prompt tokens take about {metrics.format_duration(tokens * rate)} here"
+  if tokens * rate > 3600 * _MAX_HOURS.value:
+    raise ValueError(f"--lengths={','.join(map(str, grid.lengths))}: {estimate} ({1e3 * rate:.3f} ms per token, "
+                     f"timed on a short prompt), more than --max_hours={_MAX_HOURS.value:g}; choose shorter lengths, "
+                     "fewer depths or samples, or raise --max_hours.")
+  metrics.log(f"passkey: {estimate} (at least: a parallel prefill grows with the square of the length)")
   results = {"step": step, "workdir": str(_WORKDIR.value), "settings": cli.given_flags(), "mode": mode,
              "seed": _SEED.value,
-             **passkey_eval.evaluate(passkey_eval.greedy_generate(model, mode), grid, _BATCH_SIZE.value)}
+             **passkey_eval.evaluate(generate, grid, _BATCH_SIZE.value, metrics.log)}
   print(passkey_eval.format_table(results))
   line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "passkey", step, results["settings"]),
                                passkey_eval.plot_heatmap)

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 import shutil
 
 import jax
@@ -301,6 +302,17 @@ def test_passkey_script_writes_json_and_heatmap(trained_copy):
   assert json.loads((workdir / "passkey_step_8.json").read_text()) == results
   assert json.loads((workdir / "passkey_step_8_2.json").read_text()) == other
   assert "--lengths=224" in other["settings"] and (workdir / "passkey_step_8_2.png").is_file()
+
+
+@pytest.mark.slow
+def test_passkey_script_refuses_a_grid_that_would_take_hours(trained):
+  """--lengths=10000000 --samples=1 passed the memory guard and ran for minutes without a word."""
+  result = run_script("passkey.py", *trained.flags, "--lengths=1000000", "--depths=0", "--samples=1",
+                      "--max_hours=0.0001")
+  assert result.returncode == 1, result.stderr
+  assert re.search(r"error: --lengths=1000000: 999\d{3} prompt tokens take about \S+ here \(\d+\.\d+ ms per "
+                   r"token, timed on a short prompt\), more than --max_hours=0.0001; choose shorter lengths",
+                   result.stderr), result.stderr
 
 
 def test_scripts_read_the_model_of_the_workdir_unless_config_is_named(trained, tmp_path):

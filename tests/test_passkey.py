@@ -121,9 +121,14 @@ def test_accuracy_of_an_oracle_that_sees_a_window():
   """Prompts end 6 tokens before each example; a needle starts at 64 + round(depth (length - 167)): within the last
   150 prompt tokens at every depth of length 200 (needles at 64, 81, 97 of prompts of 194) but only at depth 1 of
   length 400 (64, 181, 297 of 394)."""
-  calls = []
+  calls, lines = [], []
   grid = passkey.make_grid(BYTES, [200, 400], [0.0, 0.5, 1.0], samples=3, seed=7)
-  results = passkey_eval.evaluate(window_oracle(BYTES, 150, calls), grid, batch_size=2)
+  results = passkey_eval.evaluate(window_oracle(BYTES, 150, calls), grid, batch_size=2, progress=lines.append)
+  # A line per call: the prompt tokens done of all (each example up to its answer), time taken and left.
+  total = passkey_eval.prompt_tokens(grid)
+  assert total == 9 * 194 + 9 * 394 and len(lines) == 12
+  assert re.fullmatch(rf"passkey: 388/{total} prompt tokens \(7%\) in 0m00s, ETA \d+m\d\ds", lines[0])
+  assert lines[-1].startswith(f"passkey: {total}/{total} prompt tokens (100%)")
   assert results["accuracy"] == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]] and results["mean_accuracy"] == pytest.approx(4 / 6)
   assert {k: results[k] for k in ("samples", "lengths", "depths")} == dict(samples=3, lengths=[200, 400],
                                                                           depths=[0.0, 0.5, 1.0])
