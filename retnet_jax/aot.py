@@ -110,27 +110,13 @@ def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
   params = run.abstract_state["params"]
   sampler = sampling.Sampler()
   prefill_mode = architectures.prefill_modes(config.model)[0]
-  prompts = tokens
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  prefill_args = (params, prompts, lengths)
-  prefill_kwargs = {"graphdef": run.graphdef, "prefill_mode": prefill_mode}
-
-  def decode():
-    state = jax.eval_shape(lambda *args: sampling._prefill(*args, **prefill_kwargs), *prefill_args)
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
-    settings = sampling._Settings(DECODE_TOKENS, greedy=False, top_k=None, use_top_p=True, stop_tokens=(),
-                                  stream_every=0)
-    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
-    # The Sampler's loop, jitted without the compiler options its `_loop_jit` adds for a CPU host.
-    loop = jax.jit(sampler._loop, static_argnames=("graphdef", "settings"))
-    return loop.trace(params, state, jax.ShapeDtypeStruct((batch,), jnp.int32), keys,
-                      scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32), graphdef=run.graphdef,
-                      settings=settings)
+  prefill_args = (run.graphdef, params, tokens, lengths, prefill_mode)
 
   return {"train": lambda: run.train_step.trace(run.abstract_state, tokens),
           "eval": lambda: run.eval_step.trace(params, tokens),
-          "prefill": lambda: sampler._prefill_jit.trace(*prefill_args, **prefill_kwargs),
-          "decode": decode}
+          "prefill": lambda: sampler.trace_prefill(*prefill_args),
+          "decode": lambda: sampler.trace_decode(*prefill_args, DECODE_TOKENS)}
 
 
 def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:

@@ -38,8 +38,8 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
-from retnet_jax import (architectures, cli, losses, metrics, sampling, sharding, tokenizer as tokenizer_lib,
-                        train_state)
+from retnet_jax import (architectures, cli, losses, metrics, sampling, sampling_checks, sharding,
+                        tokenizer as tokenizer_lib, train_state)
 
 try:
   import lm_eval.models  # noqa: F401  (the harness's own models first: a non-empty registry skips them)
@@ -265,7 +265,7 @@ class RetNetLM(TemplateLM):
     self.tokenizer = tokenizer
     model_cfg = config.model if model is None else model.config
     self._prefix_token = self._choose_prefix_token(prefix_token, model_cfg.vocab_size)
-    field = sampling.cache_field(model_cfg)
+    field = sampling_checks.cache_field(model_cfg)
     if field is not None and self.max_length > model_cfg[field]:
       raise ValueError(f"max_length={self.max_length} tokens of context and continuation do not fit the KV cache of "
                        f"model.{field}={model_cfg[field]}; raise it (config.model.{field}={self.max_length}) or "
@@ -273,6 +273,7 @@ class RetNetLM(TemplateLM):
     if model is None:
       model, self.step = train_state.restore_model(config, workdir, step)
     self.model = model
+    self.sampler = sampling.Sampler()  # its compiled prefill and decoding loop, reused by every request
     self._graphdef, self._params = nnx.split(model)
 
   def _choose_prefix_token(self, prefix_token: int | None, vocab_size: int) -> int:
@@ -323,7 +324,7 @@ class RetNetLM(TemplateLM):
         chunk = contexts[start:start + self.batch_size]
         width = _bucket(len(chunk[0]), self.max_length)
         tokens_BxP, lengths_B = _left_padded([list(c) for c in chunk], self.batch_size, width)
-        state = sampling.prefill(self.model, tokens_BxP, lengths_B, prefill_mode=self.mode).state
+        state = self.sampler.prefill(self.model, tokens_BxP, lengths_B, prefill_mode=self.mode).state
         rows = [(row, i, continuation) for row, context in enumerate(chunk) for i, continuation in groups[context]]
         for first in range(0, len(rows), self.batch_size):
           part = rows[first:first + self.batch_size]
@@ -413,10 +414,10 @@ class RetNetLM(TemplateLM):
       ids = self.tok_encode(stop)
       if len(ids) == 1 and self.tok_decode(ids) == stop:
         stop_tokens.add(ids[0])
-    out = sampling.generate(self.model, tokens_BxP, lengths_B, max_new_tokens=setting.max_gen_toks,
-                            key=jax.random.fold_in(jax.random.key(self.seed), batch_index),
-                            temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p,
-                            stop_tokens=sorted(stop_tokens), prefill_mode=self.mode)
+    out = self.sampler.generate(self.model, tokens_BxP, lengths_B, max_new_tokens=setting.max_gen_toks,
+                                key=jax.random.fold_in(jax.random.key(self.seed), batch_index),
+                                temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p,
+                                stop_tokens=sorted(stop_tokens), prefill_mode=self.mode)
     texts = []
     for row, length in zip(out.tokens[:len(prompts)], out.lengths[:len(prompts)]):
       ids = row[:length]

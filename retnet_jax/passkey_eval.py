@@ -84,8 +84,9 @@ def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None,
         done += sum(ex.answer_positions[0] for ex in batch)
         if progress is not None:
           elapsed = time.perf_counter() - began
+          left = metrics.format_duration(elapsed * (total - done) / done)
           progress(f"passkey: {done}/{total} prompt tokens ({100 * done / total:.0f}%) in "
-                   f"{metrics.format_duration(elapsed)}, ETA {metrics.format_duration(elapsed * (total - done) / done)}")
+                   f"{metrics.format_duration(elapsed)}, ETA {left}")
       accuracy[-1].append(float(np.concatenate(correct).mean()))
   return {"scoring": SCORING, "samples": len(grid.examples[0][0]), "lengths": list(grid.lengths),
           "depths": list(grid.depths), "accuracy": accuracy, "mean_accuracy": float(np.mean(accuracy))}
@@ -93,10 +94,13 @@ def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None,
 
 def greedy_generate(model: Any, prefill_mode: str | None = None) -> GenerateFn:
   """A `GenerateFn` of `model`: prompts prefilled in `prefill_mode` (`architectures.prefill_modes`; None: the
-  model's default), then decoded greedily in the recurrent form (`sampling.generate`)."""
+  model's default), then decoded greedily in the recurrent form (`sampling.Sampler.generate`, one sampler per
+  function)."""
+  sampler = sampling.Sampler()
+
   def generate(prompts_NxP: np.ndarray, lengths_N: np.ndarray, num_tokens: int) -> np.ndarray:
-    return sampling.generate(model, prompts_NxP, lengths_N, max_new_tokens=num_tokens, key=jax.random.key(0),
-                             temperature=0.0, prefill_mode=prefill_mode).tokens
+    return sampler.generate(model, prompts_NxP, lengths_N, max_new_tokens=num_tokens, key=jax.random.key(0),
+                            temperature=0.0, prefill_mode=prefill_mode).tokens
   return generate
 
 

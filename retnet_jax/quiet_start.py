@@ -4,8 +4,8 @@ With the CUDA or TPU plugins installed (the `aot` extra) and no GPU or TPU prese
 tracebacks, libtpu's host warnings and the CUDA stubs' "Could not find cuda drivers" notes before a script's own
 output. `use_cpu_without_accelerators` (called by `cli.prepare`, before jax is imported) sets JAX_PLATFORMS=cpu when
 no accelerator's device node exists and JAX_PLATFORMS is unset; `import_jax_quietly` then imports jax and the CUDA
-plugin's extension with the C++ notes they print dropped; anything else they write to stderr is passed on. A machine with a GPU or TPU,
-or a JAX_PLATFORMS the user set, is left as it is.
+plugin's extension with the C++ notes they print dropped; anything else they write to stderr is passed on. A
+machine with a GPU or TPU, or a JAX_PLATFORMS the user set, is left as it is.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Text generation: prefill in the chunkwise (or parallel) form, then decode recurrently, for either architecture.
 
+    sampler = Sampler()  # owns the compiled functions: keep one to reuse them
     tokens_BxP, lengths_B = pad_prompts(prompts)
-    out = generate(model, tokens_BxP, lengths_B, max_new_tokens=64, key=jax.random.key(0), top_p=0.9)
+    out = sampler.generate(model, tokens_BxP, lengths_B, max_new_tokens=64, key=jax.random.key(0), top_p=0.9)
     out.tokens  # int32 [B, 64]: new tokens only
     out.lengths  # int32 [B]: tokens generated per row, a final stop token included
 
@@ -11,7 +12,7 @@ one compiled `lax.while_loop`, which stops once every row has emitted a stop tok
 the context length; a Transformer prefills in the parallel form into a KV cache of `model.max_len` tokens, which
 must hold the prompt and the new tokens (as must a hybrid RetNet's unwindowed attention layers, of
 `model.attention_max_len`; windowed ones keep the last `model.attention_window` tokens, constant memory again).
-Left-padded rows start at position -pad, so each decodes as if alone. The module functions share one `Sampler`: its
+Left-padded rows start at position -pad, so each decodes as if alone. A `Sampler`'s
 prefill compiles once per (model structure, batch, prompt length, prefill_mode), its loop once per (model structure,
 batch, max_new_tokens, stop tokens, greedy or not, top_k, whether top_p is set, stream_every); new prompts, keys,
 temperatures and top_p do not recompile (one key and one key per row are different shapes).
@@ -21,9 +22,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
-import operator
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -32,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from retnet_jax import architectures, layers, model as model_lib, sharding, transformer
+from retnet_jax import architectures, sampling_checks as checks
 
 PAD_ID = 0
 
-Stream = Callable[[np.ndarray, int], None]
+Stream = checks.Stream
 
 
 class Generation(NamedTuple):
@@ -44,16 +42,6 @@ class Generation(NamedTuple):
   its stop token a row repeats it."""
   tokens: np.ndarray
   lengths: np.ndarray
-
-
-class _Settings(NamedTuple):
-  """Everything that fixes the compiled program besides the model structure and the input shapes."""
-  max_new_tokens: int
-  greedy: bool
-  top_k: int | None
-  use_top_p: bool
-  stop_tokens: tuple[int, ...]
-  stream_every: int  # 0: no stream
 
 
 # XLA's CPU backend runs the decoding loop's small matmuls ([batch, d] x [d, n]) faster through Eigen than
@@ -146,8 +134,8 @@ class Sampler:
         parallel for a Transformer.
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
-    _, prefill_mode, padding = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
-    _check_cache(model, *prompts_BxP.shape)
+    _, prefill_mode, padding = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    checks.check_cache(model, *prompts_BxP.shape)
     return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding)
 
   def decode(self, model: architectures.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
@@ -160,10 +148,10 @@ class Sampler:
       the rest: as `generate`.
     Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
     """
-    settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+    settings = checks.check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
-    keys = _check_key(key, prefilled.last_tokens.shape[0])
-    _check_decoding_room(model, prefilled.state, settings.max_new_tokens)
+    keys = checks.check_key(key, prefilled.last_tokens.shape[0])
+    checks.check_decoding_room(model, prefilled.state, settings.max_new_tokens)
     return self._decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
 
   def generate(self, model: architectures.Model, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int,
@@ -184,18 +172,40 @@ class Sampler:
         it comes, at that cost per token.
     Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
     """
-    batch, prefill_mode, padding = _check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
-    settings = _check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+    batch, prefill_mode, padding = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    settings = checks.check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
-    keys = _check_key(key, batch)  # every argument checked before the prefill runs
-    _check_cache(model, *prompts_BxP.shape, settings.max_new_tokens)
+    keys = checks.check_key(key, batch)  # every argument checked before the prefill runs
+    checks.check_cache(model, *prompts_BxP.shape, settings.max_new_tokens)
     graphdef, params = nnx.split(model)
     prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode, padding)
     return self._decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
 
+  def trace_prefill(self, graphdef: nnx.GraphDef, params: Any, prompts_BxP: Any, lengths_B: Any,
+                    prefill_mode: str) -> Any:
+    """The compiled prefill traced on (abstract) `params`, prompts and lengths (`jax.ShapeDtypeStruct`s), for
+    ahead-of-time compilation (`aot`): `.lower().compile()` it on a target's devices."""
+    return self._prefill_jit.trace(params, prompts_BxP, lengths_B, graphdef=graphdef, prefill_mode=prefill_mode)
+
+  def trace_decode(self, graphdef: nnx.GraphDef, params: Any, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
+                   max_new_tokens: int) -> Any:
+    """The decoding loop traced after a prefill of those (abstract) prompts, sampling with top-p and a key per row,
+    without the CPU host's compiler options (`_loop_jit`): for ahead-of-time compilation on a target."""
+    state = jax.eval_shape(functools.partial(_prefill, graphdef=graphdef, prefill_mode=prefill_mode), params,
+                           prompts_BxP, lengths_B)
+    batch = prompts_BxP.shape[0]
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+    settings = checks.Settings(max_new_tokens, greedy=False, top_k=None, use_top_p=True, stop_tokens=(),
+                               stream_every=0)
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+    loop = jax.jit(self._loop, static_argnames=("graphdef", "settings"))
+    return loop.trace(params, state, jax.ShapeDtypeStruct((batch,), jnp.int32), keys, scalar(jnp.float32),
+                      scalar(jnp.float32), scalar(jnp.int32), graphdef=graphdef, settings=settings)
+
   def _prefill_checked(self, graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
                        padding: int) -> Prefilled:
-    """The prefill of prompts `_check_prefill` accepted, left-padded by `padding` more columns (`_split_padding`)."""
+    """The prefill of prompts `checks.check_prefill` accepted, left-padded by `padding` more columns
+    (`checks.split_padding`)."""
     prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
     if padding:
       prompts_BxP = jnp.pad(prompts_BxP, ((0, 0), (padding, 0)), constant_values=PAD_ID)
@@ -203,7 +213,7 @@ class Sampler:
                               prefill_mode=prefill_mode)
     return Prefilled(state, prompts_BxP[:, -1])
 
-  def _decode_checked(self, graphdef, params, prefilled: Prefilled, settings: _Settings, keys: jax.Array,
+  def _decode_checked(self, graphdef, params, prefilled: Prefilled, settings: checks.Settings, keys: jax.Array,
                       temperature: float, top_p: float | None, stream: Stream | None) -> Generation:
     call_id = next(self._call_ids)
     if stream is not None:
@@ -219,7 +229,8 @@ class Sampler:
       self._streams.pop(call_id, None)
     return result
 
-  def _loop(self, params, state, token_B, keys, temperature, top_p, call_id, *, graphdef, settings: _Settings):
+  def _loop(self, params, state, token_B, keys, temperature, top_p, call_id, *, graphdef,
+            settings: checks.Settings):
     """The decoding loop: (tokens int32 `[B, N]`, generated per row int32 `[B]`)."""
     model = nnx.merge(graphdef, params)
     batch = token_B.shape[0]
@@ -276,84 +287,6 @@ class Sampler:
       self._streams[int(call_id)](block_BxW[:, step - int(start)], step)
 
 
-_SAMPLER = Sampler()
-prefill, decode, generate = _SAMPLER.prefill, _SAMPLER.decode, _SAMPLER.generate
-
-
-def _split_padding(prompt_len: int, chunk_size: int | None) -> int:
-  """Columns of left padding that let the P - 1 prefilled tokens split into whole chunks over the devices of the
-  active mesh's `sequence` axis (`sharding.sequence_split`); 0 where no axis splits sequences."""
-  split = sharding.sequence_split()
-  if split is None or chunk_size is None:
-    return 0
-  return -(prompt_len - 1) % (split[1] * chunk_size)
-
-
-def _check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
-                   ) -> tuple[int, str, int]:
-  """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs)
-  after checking the prompts, their lengths and the prefill mode (None: the model's default,
-  `architectures.prefill_modes`)."""
-  own = architectures.prefill_modes(model.config)
-  if prefill_mode is None:
-    prefill_mode = own[0]
-  if prefill_mode not in own:
-    raise ValueError(f"unknown prefill_mode {prefill_mode!r} for a {model.config.architecture}; choose one of "
-                     f"{tuple(own)} (or None: {own[0]}).")
-  batch = _check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
-  cfg = model.config
-  padding = _split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
-  width = prompts_BxP.shape[1] + padding
-  if (prefill_mode == "chunkwise" and cfg.stability_norm and cfg.stability_norm_style == "torchscale"
-      and np.any(np.asarray(lengths_B) != width)):
-    raise ValueError(f"prompts of lengths {np.asarray(lengths_B).tolist()} are left-padded to {width} tokens (the "
-                     "longest, and on a mesh that splits sequences to whole chunks per device), but with "
-                     "model.stability_norm_style='torchscale' the chunkwise normaliser depends on where chunks start, "
-                     "so a padded row would not decode as if alone; use prefill_mode='parallel' "
-                     "(--prefill_mode=parallel) or prompts of one length.")
-  return batch, prefill_mode, padding
-
-
-def cache_field(cfg) -> str | None:
-  """The model field that sizes a KV cache which must hold the whole context (a Transformer's, an unwindowed hybrid
-  attention layer's), or None: the state's size does not grow with the context."""
-  if cfg.architecture == "transformer":
-    return "max_len"
-  return "attention_max_len" if cfg.attention_layers and not cfg.attention_window else None
-
-
-def _check_cache(model: architectures.Model, batch: int, prompt_len: int, max_new_tokens: int = 0
-                 ) -> None:
-  """The decoding state of `batch` rows (KV caches included) must fit in memory, and a KV cache that holds the whole
-  context (`cache_field`) must hold every prompt token but the last, then one token per decoding step."""
-  cfg = model.config
-  state = jax.eval_shape(lambda: model.init_state(batch))  # shapes only: nothing allocated
-  needed_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-  devices = jax.local_devices()
-  limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
-  memory = sum(limits) if all(limits) else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  if needed_bytes > memory:
-    field = "attention_window" if cfg.get("attention_window") else cache_field(cfg)
-    fix = f"lower model.{field}={cfg[field]}, or the batch" if field else "decode fewer rows at a time"
-    raise ValueError(f"the decoding state of {batch} rows takes {needed_bytes / 2**30:.1f} GiB, more than the "
-                     f"{memory / 2**30:.1f} GiB of memory of {devices[0].platform} devices here; {fix}.")
-  field = cache_field(cfg)
-  if field is None:
-    return
-  needed, size = prompt_len - 1 + max_new_tokens, cfg[field]
-  if needed > size:
-    what = f"prompts padded to {prompt_len} tokens" + (f" and {max_new_tokens} new tokens" if max_new_tokens else "")
-    raise ValueError(f"{what} need a KV cache of {needed} tokens, but model.{field}={size}; raise model.{field} "
-                     f"(--config.model.{field}={needed}), or shorten the prompts or max_new_tokens.")
-
-
-def _check_decoding_room(model: architectures.Model, state: dict[str, Any], max_new_tokens: int) -> None:
-  """A prefilled state's KV caches that hold the whole context must hold `max_new_tokens` more."""
-  field = cache_field(model.config)
-  if field == "max_len":
-    transformer.check_state_room(state, max_new_tokens)
-  elif field is not None:
-    model_lib.check_attention_room(model.config, state, max_new_tokens)
 
 
 def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> jax.Array:
@@ -371,68 +304,3 @@ def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> j
   return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def _check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:
-  """The batch size, after checking the padded prompts and their lengths."""
-  layers.check_tokens(prompts_BxP, vocab_size)
-  batch, prompt_len = prompts_BxP.shape
-  lengths = np.asarray(lengths_B)
-  if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
-    raise ValueError(f"lengths_B must be integers of shape [batch] = ({batch},); got {lengths.dtype} "
-                     f"{lengths.shape}. Use pad_prompts to build tokens and lengths.")
-  if lengths.min() < 1 or lengths.max() > prompt_len:
-    raise ValueError(f"prompt lengths must lie in [1, {prompt_len}] (the padded length); got {lengths.tolist()}. "
-                     "Use pad_prompts to build tokens and lengths.")
-  return batch
-
-
-def _integer(value: Any, name: str, requirement: str) -> int:
-  """`value` as a Python int (any integer type), or ValueError naming `name` and what it must be."""
-  try:
-    return operator.index(value)
-  except TypeError:
-    raise ValueError(f"{name} must be {requirement}; got {value!r}.") from None
-
-
-def _check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
-                    top_p: float | None, stop_tokens: Sequence[int], stream: Stream | None, stream_every: int
-                    ) -> _Settings:
-  """The checked arguments as the loop's static `_Settings`."""
-  max_new_tokens = _integer(max_new_tokens, "max_new_tokens", "a positive integer")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
-  temperature = float(temperature)
-  if not 0 <= temperature < math.inf:
-    raise ValueError(f"temperature must be >= 0 and finite (0 decodes greedily); got {temperature}.")
-  top_k = None if top_k is None else _integer(top_k, "top_k", f"an integer in [1, vocab_size={vocab_size}] or None")
-  if top_k is not None and not 1 <= top_k <= vocab_size:
-    raise ValueError(f"top_k must lie in [1, vocab_size={vocab_size}], or be None to keep every token; "
-                     f"got {top_k}.")
-  if top_p is not None and not 0 < float(top_p) <= 1:
-    raise ValueError(f"top_p must lie in (0, 1], or be None to keep every token; got {top_p}.")
-  if np.ndim(stop_tokens) != 1:  # a list, tuple or array of ids; not one id, None or a string
-    raise ValueError(f"stop_tokens must be a sequence of token ids, e.g. [eos_id] or (); got {stop_tokens!r}.")
-  stop = tuple(_integer(t, "every stop token", "an integer token id") for t in stop_tokens)
-  bad = [t for t in stop if not 0 <= t < vocab_size]
-  if bad:
-    raise ValueError(f"stop tokens {bad} lie outside [0, vocab_size={vocab_size}); check the tokenizer's ids.")
-  stream_every = _integer(stream_every, "stream_every", "a positive integer (steps per hand-over to the stream)")
-  if stream_every < 1:
-    raise ValueError(f"stream_every must be a positive integer (steps per hand-over to the stream); "
-                     f"got {stream_every!r}.")
-  if stream is not None and not callable(stream):
-    raise ValueError(f"stream must be a callable stream(step_tokens_B, step) or None; got {stream!r}.")
-  return _Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop,
-                   0 if stream is None else stream_every)
-
-
-def _check_key(key: jax.Array, batch: int) -> jax.Array:
-  """A typed PRNG key of shape `[]` or `[batch]`; raw uint32 keys (jax.random.PRNGKey) are wrapped."""
-  key = None if key is None else jnp.asarray(key)
-  if key is None or not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == jnp.uint32):
-    raise ValueError(f"key must be a PRNG key, e.g. jax.random.key(seed), or one per row; got {key!r}.")
-  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    key = jax.random.wrap_key_data(key)
-  if key.shape not in ((), (batch,)):
-    raise ValueError(f"key must be one PRNG key or one per row [{batch}]; got keys of shape {key.shape}. "
-                     "Use jax.random.key(seed) or jax.random.split(key, batch).")
-  return key

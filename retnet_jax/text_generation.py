@@ -1,6 +1,7 @@
-"""Text in, text out: prompts encoded, completed by `sampling.generate`, decoded up to their stop token.
+"""Text in, text out: prompts encoded, completed by a `sampling.Sampler`, decoded up to their stop token.
 
-    texts = generate_text(model, tokenizer, ["ROMEO:"], max_new_tokens=64, key=jax.random.key(0), print_row=0)
+    texts = generate_text(sampling.Sampler(), model, tokenizer, ["ROMEO:"], max_new_tokens=64, key=jax.random.key(0),
+                          print_row=0)
 
 `TextPrinter` is the `stream` callback that prints one row's text as it is produced (`print_row` above).
 """
@@ -48,11 +49,11 @@ class TextPrinter:
     self.printed = text
 
 
-def generate_text(model: architectures.Model, tokenizer: Any, prompts: Sequence[str], *, print_row: int | None = None,
-                  **kwargs) -> list[str]:
-  """Encodes `prompts`, generates (keyword arguments as `sampling.generate`; stop tokens default to the tokenizer's
-  `eos_id`) and decodes each row up to its stop token; with `print_row`, that row's text is printed as it is
-  produced."""
+def generate_text(sampler: sampling.Sampler, model: architectures.Model, tokenizer: Any, prompts: Sequence[str], *,
+                  print_row: int | None = None, **kwargs) -> list[str]:
+  """Encodes `prompts`, generates with `sampler` (keyword arguments as `Sampler.generate`; stop tokens default to the
+  tokenizer's `eos_id`) and decodes each row up to its stop token; with `print_row`, that row's text is printed as it
+  is produced."""
   if isinstance(prompts, str):
     raise ValueError(f"prompts must be a list of strings; got one string {prompts[:40]!r}: pass [prompt].")
   if print_row is not None and kwargs.get("stream") is not None:
@@ -66,7 +67,7 @@ def generate_text(model: architectures.Model, tokenizer: Any, prompts: Sequence[
   if printer is not None:
     kwargs["stream"] = printer
   tokens_BxP, lengths_B = sampling.pad_prompts(tokenizer.encode_batch(prompts))
-  out = sampling.generate(model, tokens_BxP, lengths_B, **kwargs)
+  out = sampler.generate(model, tokens_BxP, lengths_B, **kwargs)
   if printer is not None:
     printer.finish()
   texts = []

@@ -10,9 +10,10 @@ cache: per layer `key` and `value` `[B, max_len, H, d]` in the compute dtype, th
 (shared by the batch) and each row's `position`. `parallel` processes all tokens at once (attending over the
 cached prefix too when a state is given); `recurrent` decodes incrementally, one token at a time through the
 cache. As in RetNet, a state starting at position -p treats its first p tokens as left padding, so
-`sampling.generate` decodes with this model unchanged (prefilling in the parallel form). With `segment_ids` (packed
-documents, `retnet_jax.segments`) the parallel form attends within each document only, the cached prefix reaching the
-first; the returned position is the last document's, so its earlier documents' slots read as left padding after.
+`Sampler.generate` (`sampling`) decodes with this model unchanged (prefilling in the parallel form). With
+`segment_ids` (packed documents, `retnet_jax.segments`) the parallel form attends within each document only, the
+cached prefix reaching the first; the returned position is the last document's, so its earlier documents' slots read
+as left padding after.
 Its attention (`CausalSelfAttention`: grouped key/value heads, a sliding window over a ring-buffer cache) and block
 also serve a hybrid RetNet's attention layers (`model.attention_layers`).
 """

@@ -4,7 +4,7 @@
 
 Measures, in one run: the matmul ceilings (float32, bfloat16) and memory read bandwidth; training throughput and MFU
 of the real train step (`train_step.setup`) in the parallel and chunkwise forms, float32 and bfloat16; forward and
-training time and peak memory vs sequence length; greedy decoding with `sampling.decode` (tokens/s at batch 1 and a
+training time and peak memory vs sequence length; greedy decoding with `Sampler.decode` (tokens/s at batch 1 and a
 large batch, per-token latency vs context); the same for a Transformer of the same size, and decoding for a hybrid
 whose last layer attends over a window of the prompt's length; and torchscale's RetNet at the identical
 configuration when torch and torchscale import. Writes OUT/results.json, OUT/results.md (also printed) and PNG
@@ -13,7 +13,7 @@ plots. The benchmark itself is `retnet_jax.bench`.
 Cases that are compared are measured interleaved: each is warmed up once (its peak memory is taken then),
 then timed once per round, round after round, because this machine's speed drifts between runs.
 Compilation is timed on its own (ahead of time) and never inside a timed run. Decoding times whole
-`sampling.decode` calls (no stream callback) from a prompt prefilled once, per token: the prefill is not part
+`Sampler.decode` calls (no stream callback) from a prompt prefilled once, per token: the prefill is not part
 of a token's latency.
 
 `--suite=sequence` measures sequence-parallel training instead (`retnet_jax.bench.sequence`): per-device XLA

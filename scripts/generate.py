@@ -21,7 +21,8 @@ import json
 from absl import app, flags
 import jax
 
-from retnet_jax import architectures, sharding, text_generation, tokenizer as tokenizer_lib, train_state, workdir
+from retnet_jax import (architectures, sampling, sharding, text_generation, tokenizer as tokenizer_lib, train_state,
+                        workdir)
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -57,8 +58,8 @@ def main():
   split = sharding.sequence_devices(config.mesh, jax.device_count()) > 1
   with sharding.placement(config.mesh).active() if split else contextlib.nullcontext():
     completions = text_generation.generate_text(
-        model, tokenizer, prompts, print_row=0 if _STREAM.value else None, max_new_tokens=_MAX_NEW.value,
-        key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+        sampling.Sampler(), model, tokenizer, prompts, print_row=0 if _STREAM.value else None,
+        max_new_tokens=_MAX_NEW.value, key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
         stop_tokens=stop, prefill_mode=_PREFILL.value, stream_every=_STREAM_EVERY.value)
   for prompt, completion in zip(prompts[1:] if _STREAM.value else prompts,
                                 completions[1:] if _STREAM.value else completions):

@@ -17,6 +17,8 @@ from retnet_jax import (checkpointing, data, dispatch, evaluate, losses, metrics
                         train_state, workdir as workdir_lib)
 from tests.helpers import flip_bytes, run_script, script_stdout
 
+SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
+
 
 def test_all_three_modes_agree_on_a_trained_checkpoint(trained):
   config, workdir, _ = trained
@@ -56,11 +58,11 @@ def test_bfloat16_weights_evaluate_and_generate_close_to_float32(trained):
   prompts, lengths = sampling.pad_prompts([list(b"ROMEO:"), list(b"A")])
   logits = {}  # the next token's after a prefilled prompt, as decoding computes them
   for name, model in models.items():
-    prefilled = sampling.prefill(model, prompts, lengths)
+    prefilled = SAMPLER.prefill(model, prompts, lengths)
     logits[name] = np.asarray(model(prefilled.last_tokens[:, None], mode="recurrent", state=prefilled.state)[0])
   assert logits["bfloat16"].dtype == np.float32
   np.testing.assert_allclose(logits["bfloat16"], logits["float32"], atol=2e-2 * np.max(np.abs(logits["float32"])))
-  out = sampling.generate(models["bfloat16"], prompts, lengths, max_new_tokens=8, key=jax.random.key(0),
+  out = SAMPLER.generate(models["bfloat16"], prompts, lengths, max_new_tokens=8, key=jax.random.key(0),
                           temperature=0)
   assert out.tokens.shape == (2, 8)
 

@@ -17,6 +17,8 @@ from retnet_jax.tokenizer import ByteTokenizer
 from tests.helpers import (forms_agree, forward, max_abs_diff, on_gpu, random_tokens, read_metrics, tiny_config,
                            tiny_model)
 
+SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
+
 MODES = model_lib.MODES
 # Layer 1 of the tiny preset's two is attention: every earlier token with grouped key/value heads, or a window of 5
 # tokens (shorter than the calls below, so the ring buffer wraps) with the tiny preset's heads; and four layers,
@@ -163,7 +165,7 @@ def test_greedy_generation_follows_the_parallel_logits():
   model = tiny_model(attention_layers=(1,), attention_window=3, attention_num_kv_heads=1)
   prompts = [random_tokens(1, 6, seed=6)[0], random_tokens(1, 2, seed=7)[0]]
   tokens, lengths = sampling.pad_prompts(prompts)
-  out = sampling.generate(model, tokens, lengths, max_new_tokens=7, key=jax.random.key(0), temperature=0)
+  out = SAMPLER.generate(model, tokens, lengths, max_new_tokens=7, key=jax.random.key(0), temperature=0)
   for prompt, new in zip(prompts, out.tokens):
     sequence = np.concatenate([prompt, new])[None]
     logits, _ = forward(model, sequence, None, "parallel")
@@ -293,8 +295,8 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_any_work():
   """A window of 10^9 tokens trained, then generation failed allocating 128 GB: the decoding state is sized first."""
   model = tiny_model(attention_layers=(1,), attention_window=10**9)
   tokens, lengths = sampling.pad_prompts([[1, 2, 3]])
-  for call in (lambda: sampling.generate(model, tokens, lengths, max_new_tokens=2, key=jax.random.key(0)),
-               lambda: sampling.prefill(model, tokens, lengths)):
+  for call in (lambda: SAMPLER.generate(model, tokens, lengths, max_new_tokens=2, key=jax.random.key(0)),
+               lambda: SAMPLER.prefill(model, tokens, lengths)):
     with pytest.raises(ValueError, match=r"the decoding state of 1 rows takes \d+\.\d GiB, more than the .* GiB of "
                                          r"memory of cpu devices here; lower model.attention_window=1000000000"):
       call()

@@ -19,6 +19,8 @@ from retnet_jax import checkpointing, layer_stack, sampling, sharding, train, tr
 from retnet_jax.model import MODES
 from tests.helpers import random_tokens, read_metrics, tiny_model, tiny_transformer
 
+SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
+
 
 def max_rel_diff(a, b):
   """The largest |a - b| of matching leaves over the largest |a| of that leaf."""
@@ -96,7 +98,7 @@ def test_scanned_models_generate_the_unrolled_tokens(architecture):
   """Prefill, then the compiled decoding loop (states stacked and unstacked at each step), on padded prompts."""
   make = tiny_model if architecture == "retnet" else tiny_transformer
   tokens, lengths = sampling.pad_prompts([[5, 17, 200, 3, 9], [42, 7]])
-  outs = [sampling.generate(make(num_layers=3, scan_layers=scan), tokens, lengths, max_new_tokens=6,
+  outs = [SAMPLER.generate(make(num_layers=3, scan_layers=scan), tokens, lengths, max_new_tokens=6,
                             key=jax.random.key(0), temperature=0.0) for scan in (False, True)]
   np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
 

@@ -10,10 +10,12 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import architectures, sampling, sharding, text_generation
+from retnet_jax import architectures, sampling, sampling_checks, sharding, text_generation
 from retnet_jax.tokenizer import ByteTokenizer
 from retnet_jax.model import RetNet
 from tests.helpers import forward, tiny_model
+
+SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
 PROMPTS = [[5, 17, 200, 3, 9], [42], [7, 1, 99, 250, 13, 8, 64, 31, 2, 77, 11], [120, 6, 6, 30, 255, 0, 81, 4]]
 
@@ -27,7 +29,7 @@ def run(model, prompts, key=0, **kwargs):
   kwargs.setdefault("max_new_tokens", 10)
   tokens, lengths = sampling.pad_prompts(prompts)
   key = jax.random.key(key) if isinstance(key, int) else key
-  return sampling.generate(model, tokens, lengths, key=key, **kwargs)
+  return SAMPLER.generate(model, tokens, lengths, key=key, **kwargs)
 
 
 @pytest.mark.parametrize("prefill_mode", architectures.PREFILL_MODES)
@@ -102,8 +104,8 @@ def test_stop_tokens_end_rows(model):
 
 
 def test_compiles_once_per_shape_and_settings(model):
-  """Repeated calls of the module functions reuse the default Sampler's compilations."""
-  prefills, loops = sampling._SAMPLER._prefill_jit._cache_size, sampling._SAMPLER._loop_jit._cache_size
+  """Repeated calls of one Sampler reuse its compilations."""
+  prefills, loops = SAMPLER._prefill_jit._cache_size, SAMPLER._loop_jit._cache_size
   run(model, [[1, 2, 3], [4]], key=5, top_p=0.9, temperature=0.7, stream=lambda tokens, step: None)
   before = prefills(), loops()
   out = run(model, [[9, 8, 7], [6, 5]], key=6, top_p=0.5, temperature=1.3, stream=lambda tokens, step: None)
@@ -121,28 +123,28 @@ def test_compiles_once_per_shape_and_settings(model):
 def test_one_prefill_decodes_many_times(model):
   """decode(prefill(...)) is generate; a Prefilled is not consumed, so it can be sampled again."""
   tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
-  prefilled = sampling.prefill(model, tokens, lengths)
+  prefilled = SAMPLER.prefill(model, tokens, lengths)
   kwargs = dict(max_new_tokens=10, key=jax.random.key(3), top_p=0.9)
-  first = sampling.decode(model, prefilled, **kwargs)
-  np.testing.assert_array_equal(sampling.decode(model, prefilled, **kwargs).tokens, first.tokens)
-  np.testing.assert_array_equal(sampling.generate(model, tokens, lengths, **kwargs).tokens, first.tokens)
-  other = sampling.decode(model, prefilled, **{**kwargs, "key": jax.random.key(4)})
+  first = SAMPLER.decode(model, prefilled, **kwargs)
+  np.testing.assert_array_equal(SAMPLER.decode(model, prefilled, **kwargs).tokens, first.tokens)
+  np.testing.assert_array_equal(SAMPLER.generate(model, tokens, lengths, **kwargs).tokens, first.tokens)
+  other = SAMPLER.decode(model, prefilled, **{**kwargs, "key": jax.random.key(4)})
   assert not np.array_equal(other.tokens, first.tokens)
   with pytest.raises(ValueError, match=r"one per row \[2\]"):
-    sampling.decode(model, prefilled, max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3))
+    SAMPLER.decode(model, prefilled, max_new_tokens=2, key=jax.random.split(jax.random.key(0), 3))
 
 
 def test_each_sampler_streams_to_its_own_calls(model):
-  """A Sampler compiles its own loop, whose host callbacks reach its own streams; it samples the default's tokens."""
+  """A Sampler compiles its own loop, whose host callbacks reach its own streams; it samples another's tokens."""
   tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
   kwargs = dict(max_new_tokens=10, key=jax.random.key(3), top_p=0.9, stream_every=4)
   sampler, mine, default = sampling.Sampler(), [], []
   out = sampler.generate(model, tokens, lengths, stream=lambda tokens, step: mine.append(tokens), **kwargs)
-  expected = sampling.generate(model, tokens, lengths, stream=lambda tokens, step: default.append(tokens), **kwargs)
+  expected = SAMPLER.generate(model, tokens, lengths, stream=lambda tokens, step: default.append(tokens), **kwargs)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(np.stack(mine, axis=1), out.tokens)
   np.testing.assert_array_equal(np.stack(default, axis=1), out.tokens)
-  assert not sampler._streams and not sampling._SAMPLER._streams  # done calls leave no stream behind
+  assert not sampler._streams and not SAMPLER._streams  # done calls leave no stream behind
 
 
 @pytest.mark.devices(2)
@@ -158,8 +160,8 @@ def test_sharded_model_decodes_the_same_tokens(model, mesh_shape):
   assert len(kernel.sharding.device_set) == 2 and kernel.addressable_shards[0].data.shape[1] == (
       kernel.shape[1] // 2 if mesh_shape[2] == 2 else kernel.shape[1])
   tokens, lengths = sampling.pad_prompts(PROMPTS)
-  expected_state = sampling.prefill(model, tokens, lengths).state
-  state = sampling.prefill(sharded, tokens, lengths).state
+  expected_state = SAMPLER.prefill(model, tokens, lengths).state
+  state = SAMPLER.prefill(sharded, tokens, lengths).state
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected_state)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   kwargs = dict(key=4, top_p=0.9, temperature=0.8)
@@ -202,7 +204,7 @@ def test_stream_stops_with_the_loop(model):
 
 def test_generate_text_prints_row_as_produced(model, capsys):
   tokenizer = ByteTokenizer()
-  texts = text_generation.generate_text(model, tokenizer, ["abc", "d"], key=jax.random.key(8), top_p=0.9,
+  texts = text_generation.generate_text(SAMPLER, model, tokenizer, ["abc", "d"], key=jax.random.key(8), top_p=0.9,
                                         max_new_tokens=10, print_row=1)
   ids = run(model, [list(b"abc"), list(b"d")], key=8, top_p=0.9, stream=lambda tokens, step: None).tokens
   assert texts == [tokenizer.decode(row) for row in ids]
@@ -248,13 +250,13 @@ def test_generate_input_errors(model):
   np.testing.assert_array_equal(run(model, [[1, 2]], max_new_tokens=np.int64(3), temperature=jnp.float32(0)).tokens,
                                 run(model, [[1, 2]], max_new_tokens=3, temperature=0.0).tokens)
   with pytest.raises(ValueError, match="prompts must be a list of strings; got one string 'hello'"):
-    text_generation.generate_text(model, ByteTokenizer(), "hello", max_new_tokens=2, key=key)
+    text_generation.generate_text(SAMPLER, model, ByteTokenizer(), "hello", max_new_tokens=2, key=key)
   with pytest.raises(ValueError, match=r"lengths must lie in \[1, 2\]"):
-    sampling.generate(model, np.ones((2, 2), np.int32), np.asarray([3, 1]), max_new_tokens=2, key=key)
+    SAMPLER.generate(model, np.ones((2, 2), np.int32), np.asarray([3, 1]), max_new_tokens=2, key=key)
   with pytest.raises(ValueError, match=r"shape \[batch\] = \(2,\)"):
-    sampling.generate(model, np.ones((2, 2), np.int32), np.asarray([2]), max_new_tokens=2, key=key)
+    SAMPLER.generate(model, np.ones((2, 2), np.int32), np.asarray([2]), max_new_tokens=2, key=key)
   with pytest.raises(ValueError, match="ids from 1 to 300"):
-    sampling.generate(model, np.asarray([[1, 300]]), np.asarray([2]), max_new_tokens=2, key=key)
+    SAMPLER.generate(model, np.asarray([[1, 300]]), np.asarray([2]), max_new_tokens=2, key=key)
 
 
 def test_pad_prompts():
@@ -276,11 +278,11 @@ def test_decoding_compiles_with_the_cpu_options(model):
     pytest.skip("the options concern XLA's CPU backend")
   graphdef, params = nnx.split(model)
   tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4]])
-  settings = sampling._check_settings(model.config.vocab_size, 4, 0.0, None, None, (), None, 8)
-  prefilled = sampling.prefill(model, tokens, lengths)
+  settings = sampling_checks.check_settings(model.config.vocab_size, 4, 0.0, None, None, (), None, 8)
+  prefilled = SAMPLER.prefill(model, tokens, lengths)
   args = (params, prefilled.state, prefilled.last_tokens, jax.random.key(0), jnp.float32(1), jnp.float32(1),
           jnp.int32(0))
-  compiled = sampling._SAMPLER._loop_jit.lower(*args, graphdef=graphdef, settings=settings).compile()
-  default = jax.jit(sampling._SAMPLER._loop, static_argnames=("graphdef", "settings")).lower(
+  compiled = SAMPLER._loop_jit.lower(*args, graphdef=graphdef, settings=settings).compile()
+  default = jax.jit(SAMPLER._loop, static_argnames=("graphdef", "settings")).lower(
       *args, graphdef=graphdef, settings=settings).compile()
   assert "__ynn_fusion" in default.as_text() and "__ynn_fusion" not in compiled.as_text()

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import evaluate, losses, sampling, sharding, train, train_state
+from retnet_jax import evaluate, losses, sampling, sampling_checks, sharding, train, train_state
 from retnet_jax.model import RetNet
 from tests.helpers import tiny_config
 
@@ -96,7 +96,7 @@ def test_training_split_over_sequence_matches_data_parallel(tmp_path):
   expected = sampler.prefill(model, prompts, lengths, prefill_mode="parallel")
   with sharding.placement(config.mesh).active():
     got = sampler.prefill(model, prompts, lengths, prefill_mode="parallel")
-    assert sampling._split_padding(prompts.shape[1], config.model.chunk_size) == 64 - 19
+    assert sampling_checks.split_padding(prompts.shape[1], config.model.chunk_size) == 64 - 19
   assert np.array_equal(got.state["position"], expected.state["position"])
   for x, y in zip(jax.tree.leaves(got.state), jax.tree.leaves(expected.state)):
     assert rel_err(x, y) < 1e-5

@@ -20,6 +20,8 @@ from retnet_jax.model import RetNet
 from retnet_jax.transformer import Transformer
 from tests.helpers import forward, random_tokens, read_metrics, script_stdout, tiny_config, tiny_transformer
 
+SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 40
 
@@ -198,7 +200,7 @@ def test_transformer_left_padding_and_generate():
   alone, _ = forward(model, prompt, None, "parallel")
   np.testing.assert_allclose(padded_logits[:, 4:], alone, atol=1e-5 * float(jnp.max(jnp.abs(alone))))
 
-  out = sampling.generate(model, np.asarray(prompt), np.asarray([7], np.int32), max_new_tokens=8,
+  out = SAMPLER.generate(model, np.asarray(prompt), np.asarray([7], np.int32), max_new_tokens=8,
                           key=jax.random.key(0), temperature=0.0, prefill_mode="parallel")
   sequence = jnp.concatenate([prompt, jnp.asarray(out.tokens[:, :-1])], axis=1)
   logits, _ = forward(model, sequence, None, "parallel")
@@ -227,7 +229,7 @@ def test_evaluate_and_generate_from_the_workdir(trained, model):
 
   prompts = [list(b"ROMEO:"), list(b"KING HENRY:")]
   tokens_BxP, lengths_B = sampling.pad_prompts(prompts)
-  out = sampling.generate(model, tokens_BxP, lengths_B, max_new_tokens=12, key=jax.random.key(0), temperature=0.0)
+  out = SAMPLER.generate(model, tokens_BxP, lengths_B, max_new_tokens=12, key=jax.random.key(0), temperature=0.0)
   for prompt, generated in zip(prompts, out.tokens):
     sequence = jnp.asarray([prompt + generated[:-1].tolist()], jnp.int32)
     logits, _ = forward(model, sequence, None, "parallel")
@@ -242,13 +244,13 @@ def test_decoding_and_evaluation_errors(trained, model):
   key = jax.random.key(0)
   with pytest.raises(ValueError, match=r"unknown prefill_mode 'chunkwise' for a transformer; choose one of "
                                        r"\('parallel',\)"):
-    sampling.generate(model, tokens_BxP, lengths_B, max_new_tokens=2, key=key, prefill_mode="chunkwise")
+    SAMPLER.generate(model, tokens_BxP, lengths_B, max_new_tokens=2, key=key, prefill_mode="chunkwise")
   with pytest.raises(ValueError, match=r"prompts padded to 11 tokens and 55 new tokens need a KV cache of 65 tokens, "
                                        r"but model.max_len=64; raise model.max_len \(--config.model.max_len=65\)"):
-    sampling.generate(model, tokens_BxP, lengths_B, max_new_tokens=55, key=key)
-  prefilled = sampling.prefill(model, tokens_BxP, lengths_B)  # compiled by the test above
+    SAMPLER.generate(model, tokens_BxP, lengths_B, max_new_tokens=55, key=key)
+  prefilled = SAMPLER.prefill(model, tokens_BxP, lengths_B)  # compiled by the test above
   with pytest.raises(ValueError, match=r"the KV cache holds 64 tokens; 10 are used and 55 more do not fit"):
-    sampling.decode(model, prefilled, max_new_tokens=55, key=key)
+    SAMPLER.decode(model, prefilled, max_new_tokens=55, key=key)
   with pytest.raises(ValueError, match=r"unknown mode 'chunkwise' for a transformer; choose one of \('parallel', "
                                        r"'recurrent'\) or all"):
     evaluate.evaluate_model(model, config, modes=("parallel", "chunkwise"))
@@ -273,7 +275,7 @@ def test_scripts_evaluate_and_generate_it(trained, model):
   assert results["modes"]["parallel"]["loss"] == pytest.approx(read_metrics(workdir, "eval_loss")[STEPS], rel=1e-5)
   generated = script_json("generate.py", config, workdir, "--prompt=ROMEO:", "--max_new_tokens=12", "--temperature=0",
                           "--nostream")
-  expected = text_generation.generate_text(model, tokenizer.ByteTokenizer(), ["ROMEO:"], max_new_tokens=12,
+  expected = text_generation.generate_text(SAMPLER, model, tokenizer.ByteTokenizer(), ["ROMEO:"], max_new_tokens=12,
                                            key=jax.random.key(0), temperature=0.0)
   assert generated["samples"] == [{"prompt": "ROMEO:", "completion": expected[0]}]
 

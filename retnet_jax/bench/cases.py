@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax import flops, optimizer, presets, sampling, sharding, train_step, transformer, workdir
+from retnet_jax import flops, optimizer, presets, sampling, sampling_checks, sharding, train_step, transformer, workdir
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
 from retnet_jax.model import RetNet
@@ -142,25 +142,21 @@ def forward_case(model, mode: str, length: int, mesh: jax.sharding.Mesh) -> Case
               {"compile_s": compile_s, "compiled_bytes": buffers}, devices=mesh.size)
 
 
-def state_bytes(model, batch: int) -> int:
-  """Bytes of the decoding state (RetNet: retention states; Transformer: the KV cache)."""
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_state(batch))))
-
-
 def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: str) -> Case:
-  """Greedy `sampling.decode` of `new_tokens` after a `context`-token prompt, prefilled once here (not timed):
+  """Greedy `Sampler.decode` of `new_tokens` after a `context`-token prompt, prefilled once here (not timed):
   each run decodes twice, each unit is one call's time per token."""
   prompts = random_tokens(batch, context, model.config.vocab_size, seed=1)
-  prefilled = sampling.prefill(model, prompts, np.full((batch,), context, np.int32), prefill_mode=prefill_mode)
-  decode = lambda: sampling.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
-                                   temperature=0.0)
+  sampler = sampling.Sampler()
+  prefilled = sampler.prefill(model, prompts, np.full((batch,), context, np.int32), prefill_mode=prefill_mode)
+  decode = lambda: sampler.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
+                                  temperature=0.0)
   decode()  # compiles here, so that the warm-up run's memory is that of decoding alone
 
   def run():
     return [s / new_tokens for s in timed(decode, repeats=2)()]
 
   devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(model)))
-  return Case(run, {"state_bytes": state_bytes(model, batch)}, devices=devices)
+  return Case(run, {"state_bytes": sampling_checks.state_bytes(model, batch)}, devices=devices)
 
 
 def matmul_case(dtype, size: int) -> Case:

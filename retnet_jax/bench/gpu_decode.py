@@ -1,4 +1,4 @@
-"""The GPU suite's decode part: greedy `sampling.decode` at batch 1 (ms/token against parameter bytes / a read
+"""The GPU suite's decode part: greedy `Sampler.decode` at batch 1 (ms/token against parameter bytes / a read
 bandwidth measured alongside), and at a large batch after long contexts, against the Transformer's KV cache at the
 largest batch it fits."""
 
@@ -20,7 +20,7 @@ from retnet_jax.model import RetNet
 
 
 def _context_decode_case(model, batch: int, context: int, new_tokens: int) -> Case:
-  """Greedy `sampling.decode` of `new_tokens` from a state `context` tokens in: RetNet's retention state, or a KV
+  """Greedy `Sampler.decode` of `new_tokens` from a state `context` tokens in: RetNet's retention state, or a KV
   cache of `context + new_tokens` slots with `context` filled. The state holds zeros (a prefill of this batch and
   length would not fit the device): a step's work does not depend on its values. Units as `cases.decode_case`."""
   if model.config.architecture == "transformer":
@@ -30,8 +30,9 @@ def _context_decode_case(model, batch: int, context: int, new_tokens: int) -> Ca
     state = model.init_state(batch)
   state["position"] = jnp.full((batch,), context, jnp.int32)
   prefilled = sampling.Prefilled(state, jnp.zeros((batch,), jnp.int32))
-  decode = lambda: sampling.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
-                                   temperature=0.0)
+  sampler = sampling.Sampler()
+  decode = lambda: sampler.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
+                                  temperature=0.0)
   decode()  # compiles
   bytes_ = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   return Case(lambda: [s / new_tokens for s in timed(decode, repeats=2)()], {"state_bytes": bytes_, "batch": batch})

@@ -78,7 +78,7 @@ def to_markdown(results) -> str:
               + "; XLA buffers: "
               + ", ".join(f"{k} {fmt(v)}" for k, v in analysis["compiled_bytes_growth_exponent"].items()) + "."]
   dec = results["decoding"]
-  lines += ["", f"## Decoding (greedy `sampling.decode` of {dec['new_tokens']} tokens after a prefilled prompt, "
+  lines += ["", f"## Decoding (greedy `Sampler.decode` of {dec['new_tokens']} tokens after a prefilled prompt, "
             "no stream callback)", ""]
   lines += _table(["model", "tokens/s"], [
       [f"{name} {key.replace('_', ' ')}" + (f" after {dec['prompt_len']} tokens" if name != "torchscale" else ""),
