@@ -1,6 +1,7 @@
 """Per-token decays `log_decay [batch, seq, heads]` (gated retention) in the three retention forms: against a float64
 recurrence, against each other, hand-offs, packed documents, decays near 0 and near 1, gradients (of the decay too),
-a constant per-token decay as the `[heads]` path, bfloat16 inputs, bad shapes refused."""
+a constant per-token decay as the `[heads]` path, bfloat16 inputs, bad shapes refused; the sequence split over devices
+as one device."""
 
 import itertools
 
@@ -8,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from retnet_jax import retention
+from retnet_jax import retention, sequence_parallel
 
 BATCH, HEADS, D_K, D_V = 2, 3, 4, 5
 CHUNKS = (1, 3, 4, 16)
@@ -216,3 +218,37 @@ def test_bad_log_decay_refused():
     with pytest.raises(ValueError, match="log_decay must be finite"):
       retention.recurrent_retention(q, k, v, log_decay.at[0, 1, 2].set(value))
 
+
+_sharded = jax.jit(sequence_parallel.sharded_chunkwise, static_argnames=("chunk_size", "score_abs_sums"))
+_single = jax.jit(retention._chunkwise, static_argnames=("chunk_size", "score_abs_sums"))
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("shape,names", [((4,), ("sequence",)), ((2, 4), ("data", "sequence"))])
+def test_sequence_parallel_matches_one_device(shape, names):
+  """The sequence split over the `sequence` axis, the per-token decay with it: outputs, final and chunk-entry states,
+  in-chunk score sums and the gradients (of the decay too) as one device's chunkwise form, with a carried state and
+  packed documents (starts inside slices and on a slice edge), gates near 0 among them."""
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=jax.devices()[:8])
+  chunk, length = 2, 16
+  q, k, v, state, log_decay = (jnp.asarray(x, jnp.float32) for x in random_inputs(length, seed=17, kind="near0"))
+  ids = jnp.asarray([[0] * 5 + [1] * 3 + [2] * 8, [4] * 16], jnp.int32)  # starts at 5 and 8 (a slice edge at 4 x 2)
+  expected = _single(q, k, v, log_decay, chunk_size=chunk, state=state, score_abs_sums=True, segment_ids=ids)
+  axis = lambda name: name if name in names else None
+  split = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  args = (*(split(x, (axis("data"), "sequence", axis("tensor"))) for x in (q, k, v, log_decay)),
+          split(state, (axis("data"), axis("tensor"))), split(ids, (axis("data"), "sequence")))
+  with jax.set_mesh(mesh):
+    result = _sharded(*args[:4], chunk_size=chunk, state=args[4], score_abs_sums=True, segment_ids=args[5])
+  for name, got, want in zip(("out", "final state", "entry states", "score sums"), result, expected):
+    assert got.shape == want.shape and rel_err(got, want) < 1e-5, (name, rel_err(got, want))
+
+  rng = np.random.default_rng(2)
+  w_out, w_final = (jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in (v, state))
+  single = lambda q, k, v, lg, s, ids: retention.chunkwise_retention(q, k, v, lg, chunk, s, ids)
+  sharded = lambda q, k, v, lg, s, ids: sequence_parallel.chunkwise_retention(q, k, v, lg, chunk, s, ids)
+  want = gradients(single)(q, k, v, state, log_decay, ids, w_out, w_final)
+  with jax.set_mesh(mesh):
+    got = gradients(sharded)(*args[:3], args[4], args[3], args[5], w_out, w_final)
+  for name, g, g_ref in zip("q k v state log_decay".split(), got, want):
+    assert np.isfinite(np.asarray(g)).all() and rel_err(g, g_ref) < 1e-5, (name, rel_err(g, g_ref))
