@@ -206,6 +206,15 @@ def test_chunkwise_by_products_with_per_token_decay():
   assert rel_err(states, expected_states) < 1e-10 and rel_err(sums, expected_sums) < 1e-10
 
 
+def test_empty_sequence_passes_the_state_through():
+  q, k, v, state, log_decay = (jnp.asarray(x, jnp.float32) for x in random_inputs(5))
+  for form in (retention.parallel_retention, retention.recurrent_retention,
+               lambda *args: retention.chunkwise_retention(*args[:4], 3, args[4])):
+    out, final = form(q[:, :0], k[:, :0], v[:, :0], log_decay[:, :0], state)
+    assert out.shape == v[:, :0].shape
+    np.testing.assert_array_equal(final, state)
+
+
 def test_bad_log_decay_refused():
   q, k, v, state, log_decay = (jnp.asarray(x, jnp.float32) for x in random_inputs(5))
   for bad in (log_decay[..., 0], log_decay[:, :4], log_decay[:1], log_decay[0]):
