@@ -5,7 +5,9 @@ Each computes one layer's raw retention per head (no normalisation; q and k alre
     o_n = sum_{m <= n} gamma^(n - m) (q_n . k_m) v_m  +  gamma^(n + 1) q_n S_in
     S_out = gamma^L S_in + sum_m gamma^(L - 1 - m) k_m^T v_m
 
-and returns `(out, final_state)`. Products accumulate in float32 (float64 for float64 inputs) and the state
+and returns `(out, final_state)`. `log_decay` is log(gamma) per head `[heads]`, or per token `[batch, seq, heads]`
+(gated retention: S_n = gamma_n S_(n-1) + k_n^T v_n, the powers above become products of the gammas between the two
+positions; `retnet_jax.retention_decay`). Products accumulate in float32 (float64 for float64 inputs) and the state
 stays in that precision, so a prompt prefilled in one form continues in any other.
 
 With `segment_ids [batch, seq]` (packed documents, `retnet_jax.segments`) token n retains token m only within one
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import matmul, segments
+from retnet_jax import matmul, retention_decay, segments
 
 
 def _acc_dtype(x: jax.Array) -> jnp.dtype:
@@ -37,15 +39,19 @@ def _check_inputs(q, k, v, log_decay, state):
   if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
     raise ValueError(f"v must be [batch, seq, heads, d_v] matching q {q.shape} in the first three dims; "
                      f"got {v.shape}.")
-  if log_decay.shape != (q.shape[2],):
-    raise ValueError(f"log_decay must have shape [heads] = ({q.shape[2]},); got {log_decay.shape}.")
+  retention_decay.check_shape(log_decay, *q.shape[:3])
   try:
-    growing = np.asarray(log_decay) > 0
+    values = np.asarray(log_decay)
   except jax.errors.TracerArrayConversionError:  # traced: its values are not known before the computation
-    growing = None
-  if growing is not None and growing.any():
-    raise ValueError(f"log_decay must be <= 0 (a decay gamma = exp(log_decay) in (0, 1]); got "
-                     f"{np.asarray(log_decay).tolist()}: pass log(gamma), not gamma or -log(gamma).")
+    values = None
+  if values is not None and (values > 0).any():
+    shown = (values.tolist() if values.ndim == 1 else
+             f"{values.max()} at [batch, seq, head] {tuple(map(int, np.unravel_index(values.argmax(), values.shape)))}")
+    raise ValueError(f"log_decay must be <= 0 (a decay gamma = exp(log_decay) in (0, 1]); got {shown}: pass "
+                     "log(gamma), not gamma or -log(gamma).")
+  if values is not None and not np.isfinite(values).all():
+    raise ValueError("log_decay must be finite (gamma = exp(log_decay) > 0); got a NaN or -inf: a decay to nothing "
+                     "is a large negative log_decay such as -1e4, which decays to an exact 0 in one step.")
   if state is not None:
     expected = (q.shape[0], q.shape[2], q.shape[3], v.shape[3])
     if state.shape != expected:
@@ -116,7 +122,8 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
   documents of `segment_ids`).
 
   Args:
-    q, k: `[batch, seq, heads, d_k]`. v: `[batch, seq, heads, d_v]`. log_decay: log(gamma), `[heads]`.
+    q, k: `[batch, seq, heads, d_k]`. v: `[batch, seq, heads, d_v]`. log_decay: log(gamma) <= 0, finite: `[heads]`,
+      or per token `[batch, seq, heads]` (gamma_n = exp(log_decay[b, n, h]); module docstring).
     state: the carried-in state `[batch, heads, d_k, d_v]`, or None for an empty one.
     segment_ids: integer `[batch, seq]` document ids (module docstring), or None: one document per row.
   Returns:
@@ -126,14 +133,20 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
   starts_BxL = _starts(segment_ids, q)
   acc = _acc_dtype(q)
   length = q.shape[1]
-  log_decay_H = log_decay.astype(acc)
-  pos_L = jnp.arange(length, dtype=acc)
+  if retention_decay.is_per_token(log_decay):  # products of the gammas, from sums of their logs
+    mask, zeta_BxHxLx1, xi_BxHxLx1, carried_BxHx1x1 = retention_decay.parallel_factors(log_decay, acc)
+  else:  # powers of each head's gamma
+    log_decay_H = log_decay.astype(acc)
+    pos_L = jnp.arange(length, dtype=acc)
+    mask = _decay_mask(log_decay_H, length, acc)
+    zeta_BxHxLx1 = _powers(log_decay_H, length - 1 - pos_L)[None, :, :, None]  # gamma^(L-1-m): from m to the end
+    xi_BxHxLx1 = _powers(log_decay_H, pos_L + 1)[None, :, :, None]  # gamma^(n+1): from the carried state to n
+    carried_BxHx1x1 = _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None]
 
   # Head-major operands: the batched products then copy whole rows, where token-major ones transposed per head.
   q_h, k_h, v_h = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, L, *]
   scores_BxHxLxL = matmul.einsum("bhnk,bhmk->bhnm", q_h, k_h, acc)
-  scores_BxHxLxL = scores_BxHxLxL * _decay_mask(log_decay_H, length, acc)
-  zeta_BxHxLx1 = _powers(log_decay_H, length - 1 - pos_L)[None, :, :, None]  # gamma^(L-1-m): from m to the end
+  scores_BxHxLxL = scores_BxHxLxL * mask
   if starts_BxL is not None:  # within a document only, and the final state from the last one's keys
     doc_BxL = jnp.cumsum(starts_BxL, axis=1)
     scores_BxHxLxL = jnp.where((doc_BxL[:, :, None] == doc_BxL[:, None, :])[:, None], scores_BxHxLxL, 0)
@@ -143,8 +156,7 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
   state_out = _decayed_state("bhmk,bhmv->bhkv", k_h, zeta_BxHxLx1, v_h, acc)
   if state is not None:
     state = state.astype(acc)
-    xi_BxHxLx1 = _powers(log_decay_H, pos_L + 1)[None, :, :, None]  # gamma^(n+1): from the carried state to n
-    carried = _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None] * state
+    carried = carried_BxHx1x1 * state
     if starts_BxL is not None:  # the first document only, and the final state only where it is the last
       xi_BxHxLx1 = jnp.where((doc_BxL == 0)[:, None, :, None], xi_BxHxLx1, 0)
       carried = jnp.where((doc_BxL[:, -1] == 0)[:, None, None, None], carried, 0)
@@ -164,18 +176,23 @@ def recurrent_retention(q, k, v, log_decay, state=None, segment_ids=None):
   _check_inputs(q, k, v, log_decay, state)
   starts_BxL = _starts(segment_ids, q)
   acc = _acc_dtype(q)
-  expm1_decay = jnp.expm1(log_decay.astype(acc))[None, :, None, None]
+  per_token = retention_decay.is_per_token(log_decay)
+  expm1_decay = jnp.expm1(log_decay.astype(acc))  # gamma - 1: [heads], or [batch, seq, heads] read one step at a time
   state = _zeros_state(q, v, acc) if state is None else state.astype(acc)
 
   def step(s_BxHxKxV, inputs):
     if starts_BxL is not None:
       *inputs, start_B = inputs
       s_BxHxKxV = jnp.where(start_B[:, None, None, None], 0, s_BxHxKxV)
+    if per_token:
+      *inputs, expm1_decay_BxH = inputs
     q_BxHxK, k_BxHxK, v_BxHxV = (x.astype(acc) for x in inputs)
-    s_BxHxKxV = _decay_and_add(s_BxHxKxV, expm1_decay, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
+    expm1_decay_xHx1x1 = (expm1_decay_BxH if per_token else expm1_decay[None, :])[:, :, None, None]
+    s_BxHxKxV = _decay_and_add(s_BxHxKxV, expm1_decay_xHx1x1, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
     return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q_BxHxK, s_BxHxKxV)
 
-  time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v) + (() if starts_BxL is None else (starts_BxL,)))
+  per_step = ((expm1_decay,) if per_token else ()) + (() if starts_BxL is None else (starts_BxL,))
+  time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v) + per_step)
   state_out, out_LxBxHxV = jax.lax.scan(step, state, time_major)
   return jnp.swapaxes(out_LxBxHxV, 0, 1).astype(v.dtype), state_out
 
@@ -220,27 +237,30 @@ def _chunk_documents(starts_BxL, size):
   return doc_BxCxS, jnp.cumsum(starts_BxCxS, axis=2) == 0
 
 
-def _chunk_states(k, v, log_decay_H, size, state, starts_BxL=None, entry_dtype=None):
+def _chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=None):
   """The state entering each chunk, `[chunks, batch, heads, d_k, d_v]` (chunk c's: as at the last position of chunk
   c - 1) in `entry_dtype` (default: the accumulation dtype; the carry stays in it), and the final state; the last
-  chunk decays the state by its true length only. With document `starts` (module docstring), a chunk adds its last
-  document's keys only and drops the state entering it if one starts inside it."""
-  acc = log_decay_H.dtype
+  chunk decays the state by its true length only. `log_decay` in the accumulation dtype, `[heads]` or `[batch, seq,
+  heads]`. With document `starts` (module docstring), a chunk adds its last document's keys only and drops the state
+  entering it if one starts inside it."""
+  acc = log_decay.dtype
   length = k.shape[1]
   num_chunks = -(-length // size)
   # Chunk-major, head-major inside: the scan's steps take one chunk each.
   k_c, v_c = (jnp.transpose(_to_chunks(x, size), (1, 0, 3, 2, 4)) for x in (k, v))  # [C, B, H, S, *]
 
-  # Each chunk's contribution to the state at its own last real position, and its true length; integer positions,
-  # so that the exponents stay exact at any length.
-  pos_CxS = jnp.arange(num_chunks * size).reshape(num_chunks, size)
-  chunk_len_C = jnp.minimum(length - size * jnp.arange(num_chunks), size)
-  valid = pos_CxS < length
-  to_end_CxS = jnp.where(valid, (size * jnp.arange(num_chunks) + chunk_len_C)[:, None] - 1 - pos_CxS, 0)
-  zeta_HxCxS = jnp.where(valid, _powers(log_decay_H, to_end_CxS.astype(acc)), 0)
-  zeta_CxBxHxSx1 = jnp.moveaxis(zeta_HxCxS, 0, 1)[:, None, ..., None]
-  expm1_decay_CxH = jnp.expm1(log_decay_H[None, :] * chunk_len_C[:, None].astype(acc))
-  xs = (expm1_decay_CxH,)
+  # Each chunk's contribution to the state at its own last real position, and its decay over its true length.
+  if retention_decay.is_per_token(log_decay):
+    zeta_CxBxHxSx1, expm1_decay_CxBxH = retention_decay.chunk_state_factors(log_decay, size, acc)
+  else:  # integer positions, so that the exponents stay exact at any length
+    pos_CxS = jnp.arange(num_chunks * size).reshape(num_chunks, size)
+    chunk_len_C = jnp.minimum(length - size * jnp.arange(num_chunks), size)
+    valid = pos_CxS < length
+    to_end_CxS = jnp.where(valid, (size * jnp.arange(num_chunks) + chunk_len_C)[:, None] - 1 - pos_CxS, 0)
+    zeta_HxCxS = jnp.where(valid, _powers(log_decay, to_end_CxS.astype(acc)), 0)
+    zeta_CxBxHxSx1 = jnp.moveaxis(zeta_HxCxS, 0, 1)[:, None, ..., None]
+    expm1_decay_CxBxH = jnp.expm1(log_decay[None, :] * chunk_len_C[:, None].astype(acc))[:, None, :]
+  xs = (expm1_decay_CxBxH,)
   if starts_BxL is not None:
     doc_BxCxS, reached_BxCxS = _chunk_documents(starts_BxL, size)
     last_doc_CxBxS = jnp.swapaxes(doc_BxCxS == doc_BxCxS[..., -1:], 0, 1)
@@ -250,29 +270,33 @@ def _chunk_states(k, v, log_decay_H, size, state, starts_BxL=None, entry_dtype=N
   # A chunk's contribution is computed in its step: no [chunks, ...] stack of float32 contributions (nor of their
   # cotangents in the backward pass) exists beside the entry states.
   def step(state_BxHxKxV, inputs):
-    k_BxHxSxK, v_BxHxSxV, zeta_BxHxSx1, expm1_decay_H, *kept = inputs
+    k_BxHxSxK, v_BxHxSxV, zeta_BxHxSx1, expm1_decay_BxH, *kept = inputs
     kv = _decayed_state("bhmk,bhmv->bhkv", k_BxHxSxK, zeta_BxHxSx1, v_BxHxSxV, acc)
     entering = state_BxHxKxV if not kept else jnp.where(kept[0][:, None, None, None], state_BxHxKxV, 0)
-    return _decay_and_add(entering, expm1_decay_H[None, :, None, None], kv), state_BxHxKxV.astype(entry_dtype or acc)
+    return _decay_and_add(entering, expm1_decay_BxH[..., None, None], kv), state_BxHxKxV.astype(entry_dtype or acc)
 
   state = _zeros_state(k, v, acc) if state is None else state.astype(acc)
   state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (k_c, v_c, zeta_CxBxHxSx1) + xs)
   return before_CxBxHxKxV, state_out
 
 
-def _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL=None):
-  """The chunkwise form's outputs given the state entering each chunk (`_chunk_states`), and the in-chunk |score| row
-  sums (None unless `score_abs_sums`); as in `_chunkwise`. With document `starts`, scores within a document only and
-  the entering state up to the chunk's first start."""
-  acc = log_decay_H.dtype
+def _chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL=None):
+  """The chunkwise form's outputs given the state entering each chunk (`_chunk_states`, `log_decay` as there), and
+  the in-chunk |score| row sums (None unless `score_abs_sums`); as in `_chunkwise`. With document `starts`, scores
+  within a document only and the entering state up to the chunk's first start."""
+  acc = log_decay.dtype
   length = q.shape[1]
   # Head-major inside chunks, as in parallel_retention.
   q_c, k_c, v_c = (jnp.swapaxes(_to_chunks(x, size), 2, 3) for x in (q, k, v))  # [B, C, H, S, *]
 
   # Inside each chunk: the parallel form.
+  if retention_decay.is_per_token(log_decay):
+    mask, xi_BxCxHxSx1 = retention_decay.chunk_output_factors(log_decay, size, acc)
+  else:
+    mask = _decay_mask(log_decay, size, acc)
+    xi_BxCxHxSx1 = _powers(log_decay, jnp.arange(1, size + 1, dtype=acc))[None, None, :, :, None]
   scores = matmul.einsum("bchnk,bchmk->bchnm", q_c, k_c, acc)
-  scores = scores * _decay_mask(log_decay_H, size, acc)
-  xi_BxCxHxSx1 = _powers(log_decay_H, jnp.arange(1, size + 1, dtype=acc))[None, None, :, :, None]
+  scores = scores * mask
   if starts_BxL is not None:
     doc_BxCxS, reached_BxCxS = _chunk_documents(starts_BxL, size)
     scores = jnp.where((doc_BxCxS[..., :, None] == doc_BxCxS[..., None, :])[:, :, None], scores, 0)
@@ -290,19 +314,20 @@ def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False,
                wide_entry_states=False):
   """`chunkwise_retention` with two by-products of its pass, for normalisers built on it.
 
-  Returns `(out, final_state, entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
+  `log_decay`: `[heads]` or `[batch, seq, heads]`, as in `chunkwise_retention`. Returns `(out, final_state,
+  entry_states, abs_sums)`: `entry_states [chunks, batch, heads, d_k, d_v]`, the state
   entering each chunk, in q's dtype (as the outputs read them: half the memory in bfloat16), or with
   `wide_entry_states` in the accumulation dtype; `abs_sums [batch, seq, heads]` (accumulation dtype, None unless
-  `score_abs_sums`), the in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk, the absolute row sums
-  of the masked scores.
+  `score_abs_sums`), the in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk (with a per-token
+  decay, D[j, m] in place of gamma^(j-m)), the absolute row sums of the masked scores.
   """
   _check_inputs(q, k, v, log_decay, state)
   starts_BxL = _starts(segment_ids, q)
   size = _chunk_len(chunk_size, q.shape[1])
-  log_decay_H = log_decay.astype(_acc_dtype(q))
-  entry_dtype = log_decay_H.dtype if wide_entry_states else q.dtype
-  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay_H, size, state, starts_BxL, entry_dtype)
-  out, abs_sums = _chunk_outputs(q, k, v, log_decay_H, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL)
+  log_decay = log_decay.astype(_acc_dtype(q))
+  entry_dtype = log_decay.dtype if wide_entry_states else q.dtype
+  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay, size, state, starts_BxL, entry_dtype)
+  out, abs_sums = _chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL)
   return out, state_out, entry_states_CxBxHxKxV, abs_sums
 
 
@@ -310,8 +335,8 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, segment_ids=
   """Chunkwise recurrent form: the parallel form inside chunks of `chunk_size`, a `lax.scan` across them.
 
   The sequence is zero-padded to whole chunks; the last chunk decays the state by its true length only, so the
-  final state equals the recurrent form's for any length. Memory is linear in the length. Documents may start
-  anywhere, on or off chunk edges.
+  final state equals the recurrent form's for any length (a per-token decay is cumulated within each chunk, its
+  padding a decay of 1). Memory is linear in the length. Documents may start anywhere, on or off chunk edges.
 
   Args:
     q, k, v, log_decay, state, segment_ids: as in `parallel_retention`. chunk_size: a positive integer (at most seq

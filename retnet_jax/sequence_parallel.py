@@ -11,6 +11,11 @@ The state entering chunk c of a slice is its local one plus gamma^(c S) S_in(r) 
 outputs follow from it as in the single-device form, at no extra matrix product. Autodiff runs backward through the
 collectives.
 
+With a per-token decay (`log_decay [batch, seq, heads]`, split over the axis like q) the powers become the products
+of the gammas between: with A_j the sum of slice j's log decays (one all-gather of `[batch, heads]`),
+gamma^(L_s (r-1-j)) is exp(sum_(j<i<r) A_i), gamma^(r L_s) is exp(sum_(i<r) A_i), and gamma^(c S) the exp of the slice's
+log decays before chunk c: each exponent a sum of its own terms, as in `retention_decay`.
+
 With packed documents (`segment_ids`), a document start is a decay of zero: a term of the sums above is dropped where
 a document starts between it and the slice (or chunk) it enters, and S_loc(j) holds only slice j's last document.
 """
@@ -21,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from retnet_jax import retention, segments
+from retnet_jax import retention, retention_decay, segments
 
 
 def check_length(length: int, devices: int, chunk_size, axis_name: str) -> None:
@@ -40,6 +45,38 @@ def _decay(log_decay_H, steps):
   return jnp.moveaxis(powers, 0, -1)[..., None, :, None, None]
 
 
+def _constant_decays(log_decay_H, r, devices: int, slice_len: int, num_chunks: int, size: int) -> dict:
+  """The decays that carry states between slices and into chunks (`chunkwise_slice`), from a `[heads]` decay: powers
+  of gamma, shaped `[..., 1, heads, 1, 1]` to scale states."""
+  j_R = jnp.arange(devices)
+  earlier_R = j_R < r
+  return {"between": jnp.where(earlier_R[:, None, None, None, None],
+                               _decay(log_decay_H, jnp.where(earlier_R, (r - 1 - j_R) * slice_len, 0)), 0),
+          "out": _decay(log_decay_H, (devices - 1 - r) * slice_len), "in": _decay(log_decay_H, r * slice_len),
+          "carried_out": _decay(log_decay_H, devices * slice_len),
+          "chunks": _decay(log_decay_H, size * jnp.arange(num_chunks))}
+
+
+def _per_token_decays(log_decay_BxLxH, r, axis_name: str, size: int) -> dict:
+  """`_constant_decays` for this slice's per-token decay `[batch, seq / R, heads]` (in the accumulation dtype): the
+  exps of sums of log decays, shaped `[..., batch, heads, 1, 1]`."""
+  batch, length, heads = log_decay_BxLxH.shape
+  total_BxH = jnp.sum(log_decay_BxLxH, axis=1)
+  total_RxBxH = jax.lax.all_gather(total_BxH, axis_name)  # A_i: each slice's log decay
+  i_R = jnp.arange(total_RxBxH.shape[0])
+  sum_over = lambda which_R: jnp.sum(jnp.where(which_R[:, None, None], total_RxBxH, 0), axis=0)  # [B, H]
+  scale = lambda exponent: jnp.exp(exponent)[..., None, None]
+  # From the end of slice j < r to the start of slice r: the slices strictly between.
+  between_RxR = (i_R[None, :] > i_R[:, None]) & (i_R[None, :] < r)
+  between_RxBxH = jnp.sum(jnp.where(between_RxR[:, :, None, None], total_RxBxH[None], 0), axis=1)
+  chunk_totals_BxCxH = jnp.sum(log_decay_BxLxH.reshape(batch, length // size, size, heads), axis=2)
+  before_chunk_BxCxH = jnp.cumsum(jnp.pad(chunk_totals_BxCxH, ((0, 0), (1, 0), (0, 0)))[:, :-1], axis=1)
+  return {"between": jnp.where((i_R < r)[:, None, None, None, None], scale(between_RxBxH), 0),
+          "out": scale(sum_over(i_R > r)), "in": scale(sum_over(i_R < r)),
+          "carried_out": scale(jax.lax.psum(total_BxH, axis_name)),  # a psum: the same on every device
+          "chunks": scale(jnp.swapaxes(before_chunk_BxCxH, 0, 1))}
+
+
 def _slice_starts(segment_ids_BxL, axis_name: str):
   """This slice's document starts `[batch, seq / R]`, its first token included where the id differs from the last one
   of the slice before (one all-gather of the slices' last ids)."""
@@ -56,7 +93,8 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
 
   Args:
     q, k: this device's slice `[batch, seq / R, heads, d_k]`. v: `[batch, seq / R, heads, d_v]`. log_decay: `[heads]`,
-      the same on every device. chunk_size: a positive integer dividing seq / R.
+      the same on every device, or this device's slice `[batch, seq / R, heads]` of a per-token decay. chunk_size: a
+      positive integer dividing seq / R.
     axis_name: the mesh axis (of R devices) that splits the sequence, slice r on the r-th device along it.
     state: the state carried into the whole sequence, `[batch, heads, d_k, d_v]`, the same on every device; or None.
     score_abs_sums: as in `retention._chunkwise`.
@@ -71,20 +109,21 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
   devices, slice_len = jax.lax.axis_size(axis_name), q.shape[1]
   check_length(slice_len * devices, devices, chunk_size, axis_name)
   size = retention.check_chunk_size(chunk_size)
-  log_decay_H = log_decay.astype(retention._acc_dtype(q))
+  log_decay = log_decay.astype(retention._acc_dtype(q))
 
   # From a zero state that varies over the axis, as the scan's keys and values do.
-  zero = jax.lax.pcast(retention._zeros_state(q, v, log_decay_H.dtype), axis_name, to="varying")
+  zero = jax.lax.pcast(retention._zeros_state(q, v, log_decay.dtype), axis_name, to="varying")
   starts_BxL = None if segment_ids is None else _slice_starts(segment_ids, axis_name)
-  local_entry_CxBxHxKxV, local_state = retention._chunk_states(k, v, log_decay_H, size, zero, starts_BxL)
+  local_entry_CxBxHxKxV, local_state = retention._chunk_states(k, v, log_decay, size, zero, starts_BxL)
 
   # The state entering this slice from the slices before it (one all-gather), and the final state from all of them
   # (one sum, the same on every device): sum_j gamma^(L_s (r-1-j)) S_loc(j) over j < r, and over j < R.
   r = jax.lax.axis_index(axis_name)
-  j_R = jnp.arange(devices)
-  earlier_R = j_R < r
-  weights_RxBxHx1x1 = jnp.where(earlier_R[:, None, None, None, None],
-                                _decay(log_decay_H, jnp.where(earlier_R, (r - 1 - j_R) * slice_len, 0)), 0)
+  if retention_decay.is_per_token(log_decay):
+    decays = _per_token_decays(log_decay, r, axis_name, size)
+  else:
+    decays = _constant_decays(log_decay, r, devices, slice_len, local_entry_CxBxHxKxV.shape[0], size)
+  weights_RxBxHx1x1 = decays["between"]
   kept = {}  # with documents: where each term survives, [batch] (or [chunks, batch]) broadcast against states
   if starts_BxL is not None:  # drop the terms a document start separates from where they arrive
     opened_BxL = jnp.cumsum(starts_BxL, axis=1)  # starts in this slice up to each token
@@ -98,14 +137,13 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
             "chunks": (opened_before_BxC == 0).T}
   keep = lambda name, x: jnp.where(kept[name][..., None, None, None], x, 0) if name in kept else x
   state_in = jnp.sum(weights_RxBxHx1x1 * jax.lax.all_gather(local_state, axis_name), axis=0)
-  state_out = jax.lax.psum(keep("out", _decay(log_decay_H, (devices - 1 - r) * slice_len) * local_state), axis_name)
+  state_out = jax.lax.psum(keep("out", decays["out"] * local_state), axis_name)
   if state is not None:
-    state = state.astype(log_decay_H.dtype)
-    state_in = state_in + keep("in", _decay(log_decay_H, r * slice_len) * state)
-    state_out = state_out + keep("carried_out", _decay(log_decay_H, devices * slice_len) * state)
-  chunk_start_C = size * jnp.arange(local_entry_CxBxHxKxV.shape[0])
-  entry_CxBxHxKxV = local_entry_CxBxHxKxV + keep("chunks", _decay(log_decay_H, chunk_start_C) * state_in)
-  out, abs_sums = retention._chunk_outputs(q, k, v, log_decay_H, size, entry_CxBxHxKxV, score_abs_sums, starts_BxL)
+    state = state.astype(log_decay.dtype)
+    state_in = state_in + keep("in", decays["in"] * state)
+    state_out = state_out + keep("carried_out", decays["carried_out"] * state)
+  entry_CxBxHxKxV = local_entry_CxBxHxKxV + keep("chunks", decays["chunks"] * state_in)
+  out, abs_sums = retention._chunk_outputs(q, k, v, log_decay, size, entry_CxBxHxKxV, score_abs_sums, starts_BxL)
   return out, state_out, entry_CxBxHxKxV, abs_sums
 
 
@@ -127,7 +165,8 @@ def sharded_chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums
   seq = P(None, axis_name)
   out_specs = (seq, P(), P(axis_name), seq if score_abs_sums else None)
   optional = {name: x for name, x in (("state", state), ("segment_ids", segment_ids)) if x is not None}
-  in_specs = (seq, seq, seq, P(), {name: seq if name == "segment_ids" else P() for name in optional})
+  decay_spec = seq if retention_decay.is_per_token(log_decay) else P()
+  in_specs = (seq, seq, seq, decay_spec, {name: seq if name == "segment_ids" else P() for name in optional})
 
   def body(q, k, v, log_decay, optional):
     return chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name, score_abs_sums=score_abs_sums, **optional)
