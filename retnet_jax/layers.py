@@ -58,7 +58,7 @@ def check_matmul_precision(name: str) -> None:
 
 def _kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None) -> str | None:
   """Why the compiled Pallas kernels cannot run this model's chunkwise retention on `backend`, or None."""
-  if cfg.stability_norm and cfg.stability_norm_style == "torchscale":
+  if stability.torchscale_normaliser(cfg):
     return ("the torchscale normaliser's chunkwise scalars need by-products only the XLA form computes; use "
             "retention_impl='xla' (or 'auto'), or stability_norm_style='shared'")
   try:
@@ -304,7 +304,7 @@ class MultiScaleRetention(nnx.Module):
     batch, length, heads = q.shape[:3]
     kv_in = None if state is None else state["kv"]
     # torchscale's chunkwise scalars read the entry states in float32.
-    torchscale_chunks = self.stability_norm and self.stability_norm_style == "torchscale" and mode == "chunkwise"
+    torchscale_chunks = stability.torchscale_normaliser(self) and mode == "chunkwise"
     out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in, split_over=split_over,
                                                        segment_ids=segment_ids_BxL,
                                                        wide_entry_states=torchscale_chunks)

@@ -162,7 +162,7 @@ def check_segments(cfg: ml_collections.ConfigDict, segment_ids: Any, shape: tupl
   """Checks `segment_ids` against the tokens' shape, and refuses them where the torchscale chunkwise normaliser
   (whose per-chunk scalars cannot restart inside a chunk) would run."""
   segments.check_segment_ids(segment_ids, *shape)
-  torchscale = cfg.stability_norm and cfg.stability_norm_style == "torchscale"
+  torchscale = stability.torchscale_normaliser(cfg)
   if segment_ids is not None and torchscale and mode == "chunkwise":
     raise ValueError("segment_ids cannot reset the chunkwise form of model.stability_norm_style='torchscale' (its "
                      "per-chunk scalars span documents): use mode='parallel' or 'recurrent', or "

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import architectures, layers, model as model_lib, sharding, transformer
+from retnet_jax import architectures, layers, model as model_lib, sharding, stability, transformer
 
 Stream = Callable[[np.ndarray, int], None]
 
@@ -54,7 +54,7 @@ def check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, 
   cfg = model.config
   padding = split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
   width = prompts_BxP.shape[1] + padding
-  if (prefill_mode == "chunkwise" and cfg.stability_norm and cfg.stability_norm_style == "torchscale"
+  if (prefill_mode == "chunkwise" and stability.torchscale_normaliser(cfg)
       and np.any(np.asarray(lengths_B) != width)):
     raise ValueError(f"prompts of lengths {np.asarray(lengths_B).tolist()} are left-padded to {width} tokens (the "
                      "longest, and on a mesh that splits sequences to whole chunks per device), but with "

@@ -19,6 +19,13 @@ SCORE_CLAMP_MAX = 5e4  # upper clamp of the shared score normaliser, as in the o
 NORM_STYLES = ("shared", "torchscale")
 
 
+def torchscale_normaliser(cfg) -> bool:
+  """Whether `cfg` (a model config, or a layer holding its fields) divides by the `torchscale` style's scalars, whose
+  chunkwise form depends on where chunks start and spans documents: `stability_norm` on in that style (a
+  Transformer's config has neither field)."""
+  return bool(getattr(cfg, "stability_norm", False)) and getattr(cfg, "stability_norm_style", None) == "torchscale"
+
+
 def sqrt_decay_sum(n: jax.Array, log_decay_H: jax.Array) -> jax.Array:
   """sqrt(sigma_n), sigma_n = sum_{t<=n} gamma^t = (1 - gamma^(n+1)) / (1 - gamma): `n [...]` -> `[..., H]`."""
   n = n.astype(jnp.float32)[..., None]

@@ -19,7 +19,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import architectures, layer_stack, losses, optimizer, sharding, train_state
+from retnet_jax import architectures, layer_stack, losses, optimizer, sharding, stability, train_state
 
 # What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
 NONFINITE_POLICIES = ("stop", "skip")
@@ -41,7 +41,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train.loss_tile must be 0 (the loss over all tokens at once) or a positive number of tokens "
                      f"per tile; got {train.loss_tile!r}.")
   check_documents(config, (train.mode,), "train.mode")
-  if (train.segment_len and train.mode == "chunkwise" and config.model.stability_norm_style == "torchscale"
+  if (train.segment_len and train.mode == "chunkwise" and stability.torchscale_normaliser(config.model)
       and train.segment_len % config.model.chunk_size):
     raise ValueError(f"train.segment_len={train.segment_len} is not a multiple of model.chunk_size="
                      f"{config.model.chunk_size}: the torchscale-style chunkwise normaliser depends on where chunks "
@@ -61,7 +61,7 @@ def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> No
   model = config.model
   if not config.data.reset_at_documents:
     return
-  if "chunkwise" in modes and model.get("stability_norm", False) and model.get("stability_norm_style") == "torchscale":
+  if "chunkwise" in modes and stability.torchscale_normaliser(model):
     raise ValueError(f"data.reset_at_documents=True cannot reset the chunkwise form ({option}) of "
                      "model.stability_norm_style='torchscale' (its per-chunk scalars span documents); use the "
                      "parallel or recurrent form, model.stability_norm_style='shared', or "

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import (checkpointing, flops, losses, sharding, train, train_state, train_step,
+from retnet_jax import (checkpointing, flops, losses, sharding, stability, train, train_state, train_step,
                         workdir as workdir_lib)
 from retnet_jax.model import RetNet
 from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config
@@ -353,3 +353,17 @@ def test_mfu_uses_the_device_table_and_never_reads_above_one_on_a_busy_cpu(tmp_p
   train.train_and_evaluate(tiny_config(tmp_path, steps=4, eval_every_steps=4), tmp_path / "run")
   mfu = read_metrics(tmp_path / "run", "mfu")
   assert mfu and all(0 < value <= 1.0 for value in mfu.values()), mfu
+
+
+def test_the_torchscale_normaliser_is_one_predicate(tmp_path):
+  """Without a stability normaliser the torchscale style has no chunkwise scalars: segments need not align with the
+  chunks (train_step's check tested the style alone)."""
+  config = tiny_config(tmp_path)
+  config.train.update(mode="chunkwise", segment_len=12)
+  config.model.update(stability_norm=False, stability_norm_style="torchscale")
+  assert not stability.torchscale_normaliser(config.model)
+  train_step.check_config(config)
+  config.model.stability_norm = True
+  assert stability.torchscale_normaliser(config.model)
+  with pytest.raises(ValueError, match="train.segment_len=12 is not a multiple of model.chunk_size=8"):
+    train_step.check_config(config)
