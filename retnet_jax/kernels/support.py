@@ -38,25 +38,75 @@ class Tiling:
     return cls(*(int(x) for x in text.split(":")))
 
 
+LAYOUTS = ("split", "fused")  # KernelConfig.layout: the state pass + chunk-parallel kernels, or one pass per head
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """The forward and the backward kernel's tilings; d_v is zero-padded to a multiple of both block sizes."""
+  """The kernels' tilings; d_v is zero-padded to a multiple of both block sizes.
+
+  `layout='split'` (`split`): the state passes and the output pass take `forward`'s tiling, the state gradient's
+  reverse pass, the dv kernel and the dq/dk kernel's walk over the values `backward`'s; the dq/dk kernel tiles the
+  keys by `block_k` (one tile where it does not divide d_k); the state entering each chunk is stored in
+  `states_dtype` (None: the inputs' dtype, the one the fused kernels round it to for its products). `layout='fused'`
+  (`forward`, `backward`): one program per (value tile, batch, head) walks every chunk.
+  """
   forward: Tiling
   backward: Tiling
+  layout: str = "split"
+  block_k: int = 64
+  states_dtype: str | None = None
+
+  def __post_init__(self):
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"unknown kernel layout {self.layout!r}; choose one of {LAYOUTS}.")
 
   @property
   def value_multiple(self) -> int:
     return math.lcm(self.forward.block_v, self.backward.block_v)
 
+  def key_block(self, key_dim: int) -> int:
+    """The dq/dk kernel's key columns per program at key width `key_dim`."""
+    return self.block_k if key_dim % self.block_k == 0 else key_dim
 
-def default_config(key_dim: int, value_dim: int) -> KernelConfig:
-  """Starting points from compiling the kernels for sm_90 (H100) ahead of time, to be tuned on the GPU: 8 warps, 2
-  pipeline stages (3 overflow the backward kernel's shared memory at d_k 256); value columns per program: 64 in the
-  backward kernel, in the forward kernel 32 where d_k > 128 (its registers spill at 64), 128 where d_k <= 128 and d_v
-  is a multiple of 128, else 64; fewer for narrow values."""
+
+def default_config(key_dim: int, value_dim: int, layout: str = "split") -> KernelConfig:
+  """Starting points, to be tuned on the GPU (`scripts/kernel_check.py` times both layouts).
+
+  fused (from compiling for sm_90 ahead of time): 8 warps, 2 pipeline stages (3 overflow the backward kernel's shared
+  memory at d_k 256); value columns per program: 64 in the backward kernel, in the forward kernel 32 where d_k > 128
+  (its registers spill at 64), 128 where d_k <= 128 and d_v is a multiple of 128, else 64; fewer for narrow values.
+  split: 64 value columns per state-pass and output program (the state passes carry a [d_k, 64] float32 state, as
+  the fused backward does), 64 per step of the dq/dk walk over the values and per dv program, 64 key columns per
+  dq/dk program (fla's tiles at these sizes), 4 warps, 2 stages; fewer for narrow values.
+  """
   narrow = max(16, 1 << (value_dim - 1).bit_length())
-  forward_block = 32 if key_dim > 128 else 128 if value_dim % 128 == 0 else 64
-  return KernelConfig(forward=Tiling(min(forward_block, narrow)), backward=Tiling(min(64, narrow)))
+  if layout == "fused":
+    forward_block = 32 if key_dim > 128 else 128 if value_dim % 128 == 0 else 64
+    return KernelConfig(forward=Tiling(min(forward_block, narrow)), backward=Tiling(min(64, narrow)), layout=layout)
+  return KernelConfig(forward=Tiling(min(64, narrow), 4), backward=Tiling(min(64, narrow), 4), layout=layout,
+                      block_k=min(64, key_dim))
+
+
+def launch_grids(batch: int, length: int, heads: int, key_dim: int, value_dim: int, chunk: int,
+                 config: KernelConfig) -> dict[str, dict[str, int]]:
+  """Each kernel launch of a forward and backward pass: `{name: {"programs", "serial_steps"}}`, programs per launch
+  and the chunks each walks one after another (1: chunk-parallel); the split dq/dk kernel also `value_steps`, its
+  walk over the value columns. Names: `fused/forward`, `fused/backward`; `split/states` (run again in the backward
+  pass), `split/output`, `split/state_gradients`, `split/dv`, `split/dqk`."""
+  chunks = -(-max(length, 1) // chunk)
+  padded_v = -(-value_dim // config.value_multiple) * config.value_multiple
+  forward_tiles, backward_tiles = padded_v // config.forward.block_v, padded_v // config.backward.block_v
+  rows = batch * heads
+  grid = lambda programs, steps, **more: {"programs": programs, "serial_steps": steps, **more}
+  if config.layout == "fused":
+    return {"fused/forward": grid(forward_tiles * rows, chunks), "fused/backward": grid(backward_tiles * rows,
+                                                                                         2 * chunks)}
+  key_tiles = key_dim // config.key_block(key_dim)
+  return {"split/states": grid(forward_tiles * rows, chunks), "split/output": grid(forward_tiles * chunks * rows, 1),
+          "split/state_gradients": grid(backward_tiles * rows, chunks),
+          "split/dv": grid(backward_tiles * chunks * rows, 1),
+          "split/dqk": grid(key_tiles * chunks * rows, 1, value_steps=backward_tiles)}
 
 
 @contextlib.contextmanager
