@@ -52,15 +52,14 @@ def relative_documents(documents: jax.Array | None, size: int) -> jax.Array | No
   0 in the first chunk), from `[batch, Lp]` document indices; None for None."""
   if documents is None:
     return None
-  batch, padded = documents.shape
   entering = jnp.pad(documents[:, size - 1:-1:size], ((0, 0), (1, 0)))
   return documents - jnp.repeat(entering, size, axis=1)
 
 
-def _options(static: Static, dtype):
-  config = static.config
-  return dict(size=static.size, precision=static.precision, interpret=static.interpret), jnp.dtype(
-      config.states_dtype or dtype)
+def _options(static: Static, dtype) -> tuple[dict, jnp.dtype]:
+  """The kernels' shared keyword arguments, and the dtype the per-chunk states are stored in."""
+  options = dict(size=static.size, precision=static.precision, interpret=static.interpret)
+  return options, jnp.dtype(static.config.states_dtype or dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
