@@ -63,7 +63,7 @@ def _kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None) -> str | 
             "retention_impl='xla' (or 'auto'), or stability_norm_style='shared'")
   try:
     kernels.check_supported(cfg.d_model // cfg.num_heads, cfg.value_dim // cfg.num_heads, compute_dtype(cfg.dtype),
-                            cfg.chunk_size, backend)
+                            cfg.chunk_size, backend, cfg.kernel_layout)
   except ValueError as e:
     return str(e)
   return None

@@ -214,7 +214,8 @@ def test_a_missing_extra_names_the_pip_command(monkeypatch):
 @pytest.mark.parametrize("target,fields,message", [
     ("h100:8", {"mesh__shape": (3, 1, 1, 1)}, r"--target=h100:8 has 8 devices: mesh.shape=\(3, 1, 1, 1\) needs 3"),
     ("h100:8", {"mesh__shape": (-1, 3, 1, 1)}, r"--target=h100:8 has 8 devices: .*cannot be split"),
-    ("h100:1", {"model__retention_impl": "pallas", "model__chunk_size": 8}, r"chunk_size 8 is not one of the kernels'"),
+    ("h100:1", {"model__retention_impl": "pallas", "model__chunk_size": 8},
+     r"chunk_size 8 is not one of the split kernels'"),
     ("v5e-4", {"model__retention_impl": "pallas", "model__chunk_size": 16}, r"compile for GPUs only .* 'tpu'"),
     ("v5e-4", {"train__batch_size": 6}, r"micro-batch of 6 sequences .* not divisible by the 4 data shards")])
 def test_bad_requests_fail_before_compiling(target, fields, message):

@@ -230,13 +230,18 @@ def test_input_errors_name_the_problem():
 def test_support_limits_name_the_limit_and_the_fix():
   assert support.resolve_interpret(None) is (jax.default_backend() != "gpu")
   for d_k, d_v in ((256, 256), (128, 128), (256, 512), (256, 432), (16, 32)):
-    assert kernels.is_supported(d_k, d_v, jnp.bfloat16, 64, "gpu")
+    assert kernels.is_supported(d_k, d_v, jnp.bfloat16, 64, "gpu", "fused")
+    assert kernels.is_supported(d_k, d_v, jnp.bfloat16, kernels.default_chunk(d_k, d_v), "gpu")
     kernels.check_supported(d_k, d_v, "float32", 64, "gpu")
+  assert [kernels.default_chunk(*dims) for dims in ((256, 512), (256, 256), (128, 128))] == [128, 64, 64]
   for args, match in [((256, 512, jnp.bfloat16, 64, "cpu"), "GPUs only .* backend is 'cpu'"),
                       ((256, 512, jnp.bfloat16, 64, "tpu"), "backend is 'tpu'"),
                       ((256, 512, jnp.float16, 64, "gpu"), "dtype float16"),
-                      ((256, 512, jnp.bfloat16, 100, "gpu"), r"chunk_size 100 is not one of .*\(16, 32, 64\)"),
-                      ((256, 512, jnp.bfloat16, 128, "gpu"), "chunk_size 128"),
+                      ((256, 512, jnp.bfloat16, 100, "gpu"),
+                       r"chunk_size 100 is not one of the split .*\(16, 32, 64, 128\)"),
+                      ((256, 512, jnp.bfloat16, 128, "gpu", "fused"),
+                       r"chunk_size 128 is not one of the fused .*\(16, 32, 64\)"),
+                      ((256, 512, jnp.bfloat16, 256, "gpu"), "chunk_size 256"),
                       ((256, 512, jnp.bfloat16, 8, "gpu"), "chunk_size 8"),
                       ((512, 512, jnp.bfloat16, 64, "gpu"), "key head dim 512"),
                       ((96, 512, jnp.bfloat16, 64, "gpu"), "key head dim 96")]:

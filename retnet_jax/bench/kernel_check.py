@@ -33,7 +33,7 @@ class Settings:
   """What one run checks and times, and how often."""
   batch: int
   heads: int
-  chunk: int
+  chunk: int  # 0: `kernels.default_chunk` per head dims
   head_dims: tuple[tuple[int, int], ...]  # (d_k, d_v) per head
   lengths: tuple[int, ...]
   check_max_len: int  # numerics are checked at lengths up to this one
@@ -49,7 +49,8 @@ def _vjp(form):
   return jax.jit(run)
 
 
-def check(log_decay, chunk: int, inputs: dict[str, jax.Array], interpret: bool) -> dict[str, Any]:
+def check(log_decay, chunk: int, inputs: dict[str, jax.Array], interpret: bool,
+          layouts: tuple[str, ...] = kernels.LAYOUTS) -> dict[str, Any]:
   """Relative errors of the kernels and of the XLA form in bfloat16 against the XLA form in float32.
 
   Args:
@@ -57,10 +58,11 @@ def check(log_decay, chunk: int, inputs: dict[str, jax.Array], interpret: bool) 
     chunk: the chunk of both forms.
     inputs: bfloat16 q, k, v, d_out (`op.op_inputs`) and float32 `state` [B, H, d_k, d_v], `key_sum` [B, H, d_k].
     interpret: run the kernels in Pallas interpret mode.
+    layouts: the kernel layouts to check.
 
   Returns:
-    {layout: {output: error} for each of `kernels.LAYOUTS`, "xla_bfloat16": {output: error}, "ok": every kernel
-    error within `op.TOLERANCE`}.
+    {layout: {output: error} for each of `layouts`, "xla_bfloat16": {output: error}, "ok": every kernel error within
+    `op.TOLERANCE`}.
   """
   q, k, v, d_out, state, key_sum = (inputs[n] for n in ("q", "k", "v", "d_out", "state", "key_sum"))
   names = ("out", "state", "dq", "dk", "dv", "d_state")
@@ -71,7 +73,7 @@ def check(log_decay, chunk: int, inputs: dict[str, jax.Array], interpret: bool) 
     ones = jnp.ones(q.shape[:3] + (1,), jnp.float32)
     expected_qz, expected_key_sum = retention.chunkwise_retention(*f32[:2], ones, log_decay, chunk, key_sum[..., None])
   errors = {"xla_bfloat16": dict(zip(names, map(relative_error, xla(q, k, v, state, d_out), expected)))}
-  for layout in kernels.LAYOUTS:
+  for layout in layouts:
     config = kernels.default_config(q.shape[-1], v.shape[-1], layout)
     kernel = _vjp(lambda q, k, v, s, config=config: kernels.chunkwise_retention(q, k, v, log_decay, chunk, s,
                                                                                 config=config, interpret=interpret))
@@ -80,7 +82,7 @@ def check(log_decay, chunk: int, inputs: dict[str, jax.Array], interpret: bool) 
         *a[:3], log_decay, chunk, a[3], a[4], config=config, interpret=interpret))(q, k, v, state, key_sum)
     errors[layout].update(qz=relative_error(qz, expected_qz[..., 0]),
                           key_sum=relative_error(key_sum_out, expected_key_sum[..., 0]))
-  errors["ok"] = max(max(errors[layout].values()) for layout in kernels.LAYOUTS) <= TOLERANCE
+  errors["ok"] = max(max(errors[layout].values()) for layout in layouts) <= TOLERANCE
   return errors
 
 
@@ -148,7 +150,8 @@ def run(settings: Settings, forward_tilings: list[str], backward_tilings: list[s
     interpret: run the kernels in Pallas interpret mode (any backend); else they must support every head dims.
 
   Returns:
-    The report: device, versions, sizes and one entry per case ({d_k, d_v, length, errors?, times, launch_grids}).
+    The report: device, versions, sizes and one entry per case ({d_k, d_v, length, chunk, errors?, times,
+    launch_grids}), for each kernel layout that supports the chunk (both when interpreted).
   """
   log_decay = decay.log_decay("retnet", settings.heads)
   report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
@@ -157,23 +160,25 @@ def run(settings: Settings, forward_tilings: list[str], backward_tilings: list[s
   out.parent.mkdir(parents=True, exist_ok=True)
   state_key, key_sum_key = jax.random.split(jax.random.key(1))  # op_inputs draws from key 0
   for d_k, d_v in settings.head_dims:
-    configs = [config for layout in kernels.LAYOUTS
+    chunk = settings.chunk or kernels.default_chunk(d_k, d_v)
+    if not interpret:
+      kernels.check_supported(d_k, d_v, jnp.bfloat16, chunk)
+    layouts = tuple(layout for layout in kernels.LAYOUTS
+                    if interpret or kernels.is_supported(d_k, d_v, jnp.bfloat16, chunk, layout=layout))
+    configs = [config for layout in layouts
                for config in tiling_configs(kernels.default_config(d_k, d_v, layout), forward_tilings,
                                             backward_tilings)]
-    if not interpret:
-      kernels.check_supported(d_k, d_v, jnp.bfloat16, settings.chunk)
     for length in settings.lengths:
       q, k, v, d_out = op_inputs(settings.batch, length, settings.heads, d_k, d_v)
       inputs = {"q": q, "k": k, "v": v, "d_out": d_out,
                 "state": jax.random.normal(state_key, (settings.batch, settings.heads, d_k, d_v)),
                 "key_sum": jax.random.normal(key_sum_key, (settings.batch, settings.heads, d_k))}
-      case: dict[str, Any] = {"d_k": d_k, "d_v": d_v, "length": length, "launch_grids": {
-          layout: kernels.launch_grids(settings.batch, length, settings.heads, d_k, d_v, settings.chunk,
-                                       kernels.default_config(d_k, d_v, layout)) for layout in kernels.LAYOUTS}}
+      case: dict[str, Any] = {"d_k": d_k, "d_v": d_v, "length": length, "chunk": chunk, "launch_grids": {
+          layout: kernels.launch_grids(settings.batch, length, settings.heads, d_k, d_v, chunk,
+                                       kernels.default_config(d_k, d_v, layout)) for layout in layouts}}
       if length <= settings.check_max_len:
-        case["errors"] = check(log_decay, settings.chunk, inputs, interpret)
-      case["times"] = time_forms(log_decay, settings.chunk, inputs, configs, settings.rounds, settings.repeats,
-                                 interpret)
+        case["errors"] = check(log_decay, chunk, inputs, interpret, layouts)
+      case["times"] = time_forms(log_decay, chunk, inputs, configs, settings.rounds, settings.repeats, interpret)
       report["cases"].append(case)
       out.write_text(json.dumps(report, indent=1))
       print(json.dumps(case), flush=True)

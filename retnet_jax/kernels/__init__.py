@@ -2,7 +2,7 @@
 
     out, state = kernels.chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, segment_ids=None)
     out, state, qz, key_sum = kernels.chunkwise_retention_with_key_sum(q, k, v, log_decay, chunk_size, state, key_sum)
-    kernels.check_supported(d_k, d_v, dtype, chunk_size)  # ValueError naming the limit and the fix, else None
+    kernels.check_supported(d_k, d_v, dtype, chunk_size, layout="split")  # ValueError naming limit and fix, or None
 
 Same contract as `retention.chunkwise_retention`; the second form also returns what the `shared` stability
 normaliser needs from the same pass. With `segment_ids` (packed documents, `segments`) retention restarts at each
@@ -16,8 +16,8 @@ fused custom VJP, the public functions).
 """
 
 from retnet_jax.kernels.chunkwise import chunkwise_retention, chunkwise_retention_with_key_sum
-from retnet_jax.kernels.support import (LAYOUTS, KernelConfig, Tiling, check_supported, default_config, is_supported,
-                                        launch_grids)
+from retnet_jax.kernels.support import (LAYOUTS, KernelConfig, Tiling, check_supported, default_chunk, default_config,
+                                        is_supported, launch_grids)
 
 __all__ = ["KernelConfig", "LAYOUTS", "Tiling", "check_supported", "chunkwise_retention",
-           "chunkwise_retention_with_key_sum", "default_config", "is_supported", "launch_grids"]
+           "chunkwise_retention_with_key_sum", "default_chunk", "default_config", "is_supported", "launch_grids"]

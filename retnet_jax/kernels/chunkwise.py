@@ -94,7 +94,7 @@ def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, segment_i
   value_dim = v.shape[-1]
   interpret = support.resolve_interpret(interpret)
   if not interpret:
-    support.check_supported(key_dim, value_dim, q.dtype, size)
+    support.check_supported(key_dim, value_dim, q.dtype, size, layout=config.layout)
   state = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32) if state is None else state.astype(jnp.float32)
   if with_key_sum:
     key_sum = jnp.zeros((batch, heads, key_dim), jnp.float32) if key_sum is None else key_sum.astype(jnp.float32)
@@ -132,7 +132,7 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, segment_i
     q, k: `[batch, seq, heads, d_k]`. v: `[batch, seq, heads, d_v]`; q, k and v float32 or bfloat16, one dtype.
     log_decay: log(gamma) <= 0, `[heads]`, or per token `[batch, seq, heads]` (split layout only: S_n = gamma_n
       S_(n-1) + k_n^T v_n, o_n = q_n S_n); the fused layout stops its gradient. chunk_size: a positive integer
-      (compiled on a GPU: one of `support.CHUNK_SIZES`; shorter sequences are padded to one chunk).
+      (compiled on a GPU: one of `support.CHUNK_SIZES[layout]`; shorter sequences are padded to one chunk).
     state: the carried-in state `[batch, heads, d_k, d_v]`, or None for an empty one.
     segment_ids: integer `[batch, seq]`, packed documents (`segments`: a document is a maximal run of equal ids),
       or None for one document per row. Token n retains token m only within its document; the state carried in

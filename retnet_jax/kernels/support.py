@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# The [chunk, chunk] score tile: Triton dots need >= 16 per side; at 128 the kernels' tiles overflow shared memory
-# unless their loads are not pipelined.
-CHUNK_SIZES = (16, 32, 64)
+# The [chunk, chunk] score tile: Triton dots need >= 16 per side; at 128 the fused kernels' tiles overflow shared
+# memory unless their loads are not pipelined. The split kernels compile for sm_90 at 128 too (ahead of time, d_k 128
+# and 256, d_v up to 512, the default config): `CHUNK_SIZES[layout]`.
+CHUNK_SIZES = {"split": (16, 32, 64, 128), "fused": (16, 32, 64)}
 KEY_DIMS = (16, 32, 64, 128, 256)  # whole key rows per program and a [d_k, block_v] float32 state in registers
 _FIX = "use retention_impl='xla' (or 'auto', which picks the XLA form wherever the kernel does not compile)"
 _TARGETS: list[str] = []  # the platforms `target_backend` names, innermost last
@@ -77,14 +78,14 @@ def default_config(key_dim: int, value_dim: int, layout: str = "split") -> Kerne
   memory at d_k 256); value columns per program: 64 in the backward kernel, in the forward kernel 32 where d_k > 128
   (its registers spill at 64), 128 where d_k <= 128 and d_v is a multiple of 128, else 64; fewer for narrow values.
   split: 64 value columns per state-pass and output program (the state passes carry a [d_k, 64] float32 state, as
-  the fused backward does), 64 per step of the dq/dk walk over the values and per dv program, 64 key columns per
-  dq/dk program (fla's tiles at these sizes), 4 warps, 2 stages; fewer for narrow values.
+  the fused backward does, with its 8 warps and 2 stages), 64 per step of the dq/dk walk over the values and per dv
+  program, 64 key columns per dq/dk program (fla's tiles at these sizes); fewer for narrow values.
   """
   narrow = max(16, 1 << (value_dim - 1).bit_length())
   if layout == "fused":
     forward_block = 32 if key_dim > 128 else 128 if value_dim % 128 == 0 else 64
     return KernelConfig(forward=Tiling(min(forward_block, narrow)), backward=Tiling(min(64, narrow)), layout=layout)
-  return KernelConfig(forward=Tiling(min(64, narrow), 4), backward=Tiling(min(64, narrow), 4), layout=layout,
+  return KernelConfig(forward=Tiling(min(64, narrow)), backward=Tiling(min(64, narrow)), layout=layout,
                       block_k=min(64, key_dim))
 
 
@@ -125,16 +126,24 @@ def default_backend() -> str:
   return _TARGETS[-1] if _TARGETS else jax.default_backend()
 
 
-def _unsupported_reason(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> str | None:
-  """Why the compiled kernels cannot run these per-head sizes on `backend` (default: `default_backend()`), or None
-  if they can."""
+def default_chunk(key_dim: int, value_dim: int) -> int:
+  """The split kernels' chunk for these head dims, to be checked on the GPU: 128 where the per-chunk states are
+  largest (d_k x d_v >= 256 x 512: the entering states' memory and the state passes' serial steps halve, for a sixth
+  more FLOPs), else 64 (fla's chunk; a 128 x 128 float32 score tile is 64 KB of registers)."""
+  return 128 if key_dim * value_dim >= 256 * 512 else 64
+
+
+def _unsupported_reason(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None,
+                        layout: str = "split") -> str | None:
+  """Why the compiled kernels cannot run these per-head sizes on `backend` (default: `default_backend()`) in
+  `layout`, or None if they can."""
   backend = backend or default_backend()
   if backend != "gpu":
     return f"the Pallas retention kernels compile for GPUs only (Triton); the backend is {backend!r}"
   if jnp.dtype(dtype) not in DTYPES:
     return f"dtype {jnp.dtype(dtype).name} is not supported by the Pallas kernels (float32 or bfloat16)"
-  if chunk_size not in CHUNK_SIZES:
-    return f"chunk_size {chunk_size} is not one of the kernels' chunk tiles {CHUNK_SIZES}"
+  if chunk_size not in CHUNK_SIZES[layout]:
+    return f"chunk_size {chunk_size} is not one of the {layout} kernels' chunk tiles {CHUNK_SIZES[layout]}"
   if key_dim not in KEY_DIMS:
     return f"the key head dim {key_dim} is not one of the kernels' key widths {KEY_DIMS}"
   if value_dim < 1:
@@ -142,22 +151,24 @@ def _unsupported_reason(key_dim: int, value_dim: int, dtype, chunk_size: int, ba
   return None
 
 
-def check_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> None:
+def check_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None,
+                    layout: str = "split") -> None:
   """Raises ValueError naming the limit and the fix unless the compiled kernels support these sizes.
 
   Args:
     key_dim, value_dim: the per-head dims d_k and d_v (any d_v: it is padded to whole value tiles).
     dtype: the compute dtype of q, k and v. chunk_size: the chunk length.
-    backend: a JAX backend name (`gpu`, `cpu`, `tpu`); default `default_backend()`.
+    backend: a JAX backend name (`gpu`, `cpu`, `tpu`); default `default_backend()`. layout: `KernelConfig.layout`.
   """
-  reason = _unsupported_reason(key_dim, value_dim, dtype, chunk_size, backend)
+  reason = _unsupported_reason(key_dim, value_dim, dtype, chunk_size, backend, layout)
   if reason is not None:
     raise ValueError(f"retention_impl='pallas': {reason}; {_FIX}.")
 
 
-def is_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None) -> bool:
+def is_supported(key_dim: int, value_dim: int, dtype, chunk_size: int, backend: str | None = None,
+                 layout: str = "split") -> bool:
   """Whether the compiled kernels support these sizes on `backend`: `retention_impl='auto'` picks Pallas if so."""
-  return _unsupported_reason(key_dim, value_dim, dtype, chunk_size, backend) is None
+  return _unsupported_reason(key_dim, value_dim, dtype, chunk_size, backend, layout) is None
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
