@@ -31,8 +31,10 @@ LAYOUTS = kernels.LAYOUTS  # every test of the kernels runs on each layout, the 
 
 def two_tiles(layout):
   """Two value tiles (fused: dq and dk summed over them; split: two steps of the dq/dk walk over the values) and, in
-  the split layout, two key tiles per dq/dk program."""
-  return kernels.KernelConfig(kernels.Tiling(TILE), kernels.Tiling(TILE), layout=layout, block_k=D_K // 2)
+  the split layout interpreted, two key tiles per dq/dk program (compiled, one: Triton's dots take 16 columns or
+  more)."""
+  return kernels.KernelConfig(kernels.Tiling(TILE), kernels.Tiling(TILE), layout=layout,
+                              block_k=D_K if GPU else D_K // 2)
 
 
 def config_for(kind, layout):
