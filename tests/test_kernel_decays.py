@@ -3,7 +3,8 @@ against a float64 recurrence written here: S_n = gamma_n S_(n-1) + k_n^T v_n, o_
 a packed document starts. Interpreted on a CPU, compiled on a GPU, as in tests/test_kernels.py.
 
 Decays near 1 (1 - 2^-20) and near 0 (1e-3) within one row, lengths that are not whole chunks, several key and value
-tiles, packed documents, bfloat16 inputs; the split kernels' gradient of a per-head decay, which the fused ones stop.
+tiles, packed documents, bfloat16 inputs, the normaliser's by-products (qz, key sum); the split kernels' gradient of a
+per-head decay, which the fused ones stop.
 """
 
 import functools
@@ -129,3 +130,23 @@ def test_per_token_decay_errors_name_the_problem():
     kernels.chunkwise_retention(q, k, v, log_decay, 4, config=fused)
   with pytest.raises(ValueError, match="unknown kernel layout 'tiled'.*'split', 'fused'"):
     kernels.KernelConfig(kernels.Tiling(D_K), kernels.Tiling(D_K), layout="tiled")
+
+
+def test_normaliser_by_products_with_per_token_decays():
+  """qz = q_n . z_n and the final key sum under per-token decays and documents: the float64 recurrence of a ones
+  value column from the carried key sum; out and the state those of the plain form."""
+  length, chunk, starts = 37, 16, ((16, 20, 21, 30), ())
+  q, k, v, log_decay, state, _, _ = inputs_for(length, True, seed=9)
+  key_sum = np.random.default_rng(9).normal(size=(BATCH, HEADS, D_K))
+  ids = segment_ids(starts, length)
+  with jax.enable_x64(True):
+    ref_qz, ref_key_sum = recurrence(*(jnp.asarray(x, jnp.float64) for x in (q, k)), jnp.ones(q.shape[:3] + (1,)),
+                                     jnp.asarray(log_decay), jnp.asarray(key_sum[..., None]), segments.starts(ids))
+  args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, log_decay, state, key_sum)]
+  out, final, qz, key_sum_out = jax.jit(lambda *a: kernels.chunkwise_retention_with_key_sum(
+      *a[:4], chunk, *a[4:], segment_ids=ids, config=two_tiles("split")))(*args)
+  assert rel_err(qz, ref_qz[..., 0]) < 2e-6 and rel_err(key_sum_out, ref_key_sum[..., 0]) < 2e-6
+  plain_out, plain_final = jax.jit(lambda *a: kernels.chunkwise_retention(
+      *a[:4], chunk, a[4], segment_ids=ids, config=two_tiles("split")))(*args[:5])
+  np.testing.assert_array_equal(out, plain_out)
+  np.testing.assert_array_equal(final, plain_final)
