@@ -64,7 +64,8 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
             "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "batch_size": config.train.batch_size,
             "seq_len": config.train.seq_len, "mode": config.train.mode, "remat": config.train.remat,
             "scan_layers": config.model.get("scan_layers", False),
-            "retention_impl": config.model.get("retention_impl"), "dtype": config.model.dtype,
+            "retention_impl": config.model.get("retention_impl"), "kernel_layout": config.model.get("kernel_layout"),
+            "dtype": config.model.dtype,
             "peak_bf16_flops_per_device": chip.peak_bf16_flops, "hbm_bytes_per_second": chip.hbm_bytes_per_second,
             "device_memory_bytes": chip.memory_bytes, "steps": {}}
   with support.target_backend(chip.platform):

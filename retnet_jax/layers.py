@@ -20,8 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from retnet_jax import decay, kernels, layer_stack, matmul, retention, rotation, sequence_parallel, sharding, stability
 
-# model.retention_impl: the chunkwise form as XLA einsums, as the fused Pallas kernels, or the kernels where they
-# compile (GPU) and XLA elsewhere.
+# model.retention_impl: the chunkwise form as XLA einsums, as the Pallas kernels (in model.kernel_layout), or the
+# kernels where they compile (GPU) and XLA elsewhere.
 RETENTION_IMPLS = ("xla", "pallas", "auto")
 # model.matmul_precision -> jax.default_matmul_precision (on GPUs `default` lets float32 matmuls run in TF32).
 MATMUL_PRECISIONS = {"default": None, "high": "high", "highest": "highest"}
@@ -63,7 +63,7 @@ def _kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None) -> str | 
             "retention_impl='xla' (or 'auto'), or stability_norm_style='shared'")
   try:
     kernels.check_supported(cfg.d_model // cfg.num_heads, cfg.value_dim // cfg.num_heads, compute_dtype(cfg.dtype),
-                            cfg.chunk_size, backend)
+                            cfg.chunk_size, backend, cfg.kernel_layout)
   except ValueError as e:
     return str(e)
   return None
@@ -213,6 +213,7 @@ class MultiScaleRetention(nnx.Module):
     self.stability_norm_style = cfg.stability_norm_style
     self.chunk_size = cfg.chunk_size
     self.kernel = uses_kernel(cfg)
+    self.kernel_config = kernels.default_config(self.key_dim, self.value_dim, cfg.kernel_layout)
     self.precision = MATMUL_PRECISIONS[cfg.matmul_precision]
     self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, heads, cfg.decay_gammas))
     qkvg_init = xavier_uniform(2**-2.5)
@@ -284,12 +285,14 @@ class MultiScaleRetention(nnx.Module):
     doc_axes = ("batch", None)  # the documents split over the batch like q
     if not self.stability_norm:
       kernel = lambda q, k, v, log_decay, kv, ids: kernels.chunkwise_retention(
-          q, k, v, log_decay, self.chunk_size, kv, segment_ids=ids, precision=self.precision)
+          q, k, v, log_decay, self.chunk_size, kv, segment_ids=ids, precision=self.precision,
+          config=self.kernel_config)
       out, kv = sharding.per_shard(kernel, [qkv_axes] * 3 + [("heads",), state_axes, doc_axes],
                                    [qkv_axes, state_axes])(q, k, v, log_decay_H, kv_in, segment_ids_BxL)
       return out.astype(jnp.float32), {"kv": kv}
     kernel = lambda q, k, v, log_decay, kv, z, ids: kernels.chunkwise_retention_with_key_sum(
-        q, k, v, log_decay, self.chunk_size, kv, z, segment_ids=ids, precision=self.precision)
+        q, k, v, log_decay, self.chunk_size, kv, z, segment_ids=ids, precision=self.precision,
+        config=self.kernel_config)
     z_in = None if state is None else state["key_sum"]
     out, kv, qz, key_sum = sharding.per_shard(
         kernel, [qkv_axes] * 3 + [("heads",), state_axes, ("batch", "heads", None), doc_axes],

@@ -23,7 +23,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import decay, layer_stack, layers, retention, rotation, segments, sharding, stability, transformer
+from retnet_jax import (decay, kernels, layer_stack, layers, retention, rotation, segments, sharding, stability,
+                        transformer)
 
 MODES = ("parallel", "chunkwise", "recurrent")  # the retention forms (`architectures.MODES`)
 State = dict[str, Any]
@@ -119,6 +120,8 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
   layers.check_matmul_precision(cfg.matmul_precision)
   if cfg.retention_impl not in layers.RETENTION_IMPLS:
     raise ValueError(f"unknown model.retention_impl {cfg.retention_impl!r}; choose one of {layers.RETENTION_IMPLS}.")
+  if cfg.kernel_layout not in kernels.LAYOUTS:
+    raise ValueError(f"unknown model.kernel_layout {cfg.kernel_layout!r}; choose one of {kernels.LAYOUTS}.")
   if cfg.stability_norm_style not in stability.NORM_STYLES:
     raise ValueError(f"unknown model.stability_norm_style {cfg.stability_norm_style!r}; "
                      f"choose one of {stability.NORM_STYLES}.")

@@ -173,6 +173,9 @@ def model_config(name: str) -> config_dict.ConfigDict:
       matmul_precision="default",
       # the chunkwise form: xla (einsums) | pallas (fused kernels, GPU) | auto (pallas where it compiles, else xla)
       retention_impl="xla",
+      # the Pallas kernels' layout (`kernels.LAYOUTS`): split (a state pass, then chunk-parallel kernels) | fused
+      # (one pass over the chunks per head); kept selectable until a GPU run has timed both
+      kernel_layout="split",
       # the blocks' parameters stacked on a leading layer axis and run under a scan: compile time independent
       # of depth; the same function as the unrolled blocks, and checkpoints restore across the two layouts
       scan_layers=False,

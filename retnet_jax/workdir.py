@@ -36,14 +36,14 @@ from retnet_jax import checkpointing, metrics, presets, workdir_lock
 T = TypeVar("T")
 # Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes
 # (`param_dtype`: the dtype evaluation, generation and export cast the float32 weights to).
-RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl", "max_len", "scan_layers",
-                           "attention_max_len", "param_dtype")
+RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl", "kernel_layout", "max_len",
+                           "scan_layers", "attention_max_len", "param_dtype")
 # Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
 # with (the model's behaviour before the field existed).
 ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",
                       "head_norm_scale": False, "architecture": "retnet", "attention_layers": (),
                       "attention_num_heads": None, "attention_num_kv_heads": None, "attention_window": None,
-                      "attention_rotation_base": 10000.0}
+                      "attention_rotation_base": 10000.0, "kernel_layout": "fused"}
 RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)
 
 

@@ -5,14 +5,16 @@
     python scripts/kernel_check.py --interpret  # a tiny CPU smoke run in Pallas interpret mode
 
 For each per-head size d_k x d_v and length T (batch 4, 8 heads, bfloat16, chunk 64 by default): up to
-`--check_max_len`, the kernels' out, final state, normaliser by-products and gradients (q, k, v, state) against the
-XLA form in float32 at `precision=highest` from the same bfloat16 values, beside the XLA form's own bfloat16 error;
-then forward and forward+backward times of the kernels (each tiling given) and of the XLA form in bfloat16,
-interleaved. FLOPs per head: forward 2 T (C (d_k + d_v) + 2 d_k d_v) for chunk C, forward+backward 3 times that.
-Times are named `pallas_<tiling>/forward` (that forward tiling) and `pallas_<tiling>/forward_backward` (that backward
-tiling, after the first forward one). The JSON (device, versions, one entry per case) is rewritten after every case,
-so a run cut short keeps its results. The check itself is `retnet_jax.bench.kernel_check`; the GPU suite's op part
-shares its inputs, error measure, FLOP counts and timed cases (`retnet_jax.bench.op`).
+`--check_max_len`, both kernel layouts' (split and fused) out, final state, normaliser by-products and gradients
+(q, k, v, state) against the XLA form in float32 at `precision=highest` from the same bfloat16 values, beside the XLA
+form's own bfloat16 error; then forward and forward+backward times of both layouts (each tiling given, applied to
+each layout) and of the XLA form in bfloat16, all interleaved; and each layout's launch grids (programs per launch,
+chunks walked serially per program). FLOPs per head: forward 2 T (C (d_k + d_v) + 2 d_k d_v) for chunk C,
+forward+backward 3 times that. Times are named `pallas_<layout>_<tiling>/forward` (that forward tiling) and
+`pallas_<layout>_<tiling>/forward_backward` (that backward tiling, after the layout's first forward one). The JSON
+(device, versions, one entry per case) is rewritten after every case, so a run cut short keeps its results. The
+check itself is `retnet_jax.bench.kernel_check`; the GPU suite's op part shares its inputs, error measure, FLOP
+counts and timed cases (`retnet_jax.bench.op`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from retnet_jax.bench.op import TOLERANCE
 _OUT = flags.DEFINE_string("out", "runs/kernel_check.json", "JSON results file.")
 _BATCH = flags.DEFINE_integer("batch", 4, "Batch size.", lower_bound=1)
 _HEADS = flags.DEFINE_integer("heads", 8, "Heads.", lower_bound=1)
-_CHUNK = flags.DEFINE_integer("chunk", 64, "Chunk size.", lower_bound=1)
+_CHUNK = flags.DEFINE_integer("chunk", 64, "Chunk size; 0: kernels.default_chunk per head dims (the split "
+                              "kernels' chunk; a layout that does not take it is not timed).", lower_bound=0)
 _HEAD_DIMS = flags.DEFINE_list("head_dims", ["256x256", "128x128", "256x512"], "Per-head sizes d_k x d_v.")
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096", "8192", "16384", "32768"], "Sequence lengths T.")
 _CHECK_MAX_LEN = flags.DEFINE_integer("check_max_len", 8192, "Check numerics at lengths up to this one.")

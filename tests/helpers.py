@@ -48,7 +48,7 @@ def on_gpu() -> bool:
 def kernel_chunk(interpreted: int) -> int:
   """A chunk size for a model running the Pallas kernels: `interpreted` off a GPU (any size runs interpreted, and a
   small one runs fast), on a GPU the smallest chunk tile the compiled kernels take."""
-  return support.CHUNK_SIZES[0] if on_gpu() else interpreted
+  return support.CHUNK_SIZES["fused"][0] if on_gpu() else interpreted
 
 
 def tiny_model(**overrides) -> RetNet:

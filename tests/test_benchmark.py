@@ -356,10 +356,14 @@ def test_kernel_check_and_gpu_op_part_share_the_op_measure(tmp_path):
   assert {"device", "backend", "jax", "python", "batch", "heads", "chunk", "dtype", "interpret", "tolerance",
           "cases"} == set(report) and report["tolerance"] == op.TOLERANCE
   (case,) = report["cases"]
-  assert case["errors"]["ok"] and set(case["errors"]["kernel"]) == {"out", "state", "dq", "dk", "dv", "d_state",
-                                                                     "qz", "key_sum"}
-  assert set(case["times"]) == {"xla/forward", "xla/forward_backward", "pallas_32:8:2/forward",
-                                "pallas_32:8:2/forward_backward"}
+  assert case["errors"]["ok"]
+  for layout in ("split", "fused"):
+    assert set(case["errors"][layout]) == {"out", "state", "dq", "dk", "dv", "d_state", "qz", "key_sum"}
+  assert set(case["times"]) == {"xla/forward", "xla/forward_backward", "pallas_split_32:8:2/forward",
+                                "pallas_split_32:8:2/forward_backward", "pallas_fused_32:8:2/forward",
+                                "pallas_fused_32:8:2/forward_backward"}
+  assert case["launch_grids"]["split"]["split/output"] == {"programs": 2 * 2, "serial_steps": 1}  # 2 chunks, 2 heads
+  assert case["launch_grids"]["fused"]["fused/forward"] == {"programs": 2, "serial_steps": 2}
   forward = op.retention_op_flops(1, 2, 32, 16, 32, 16)
   for name, times in case["times"].items():
     assert times["tflops"] == pytest.approx(op.kind_flops(forward, name.split("/")[1]) / times["seconds"]["median"]

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 
 from retnet_jax import kernels, retention
-from tests.test_kernels import BF16_TOL, F32_TOL, GPU, LOG_DECAY, TWO_TILES, random_inputs, rel_err, with_vjp
+from tests.test_kernels import BF16_TOL, F32_TOL, GPU, LOG_DECAY, LAYOUTS, config_for, random_inputs, rel_err, with_vjp
 
 # (chunk, length, each row's document starts, config): see the test's comments. Compiled, the kernels take chunks of
 # 16, 32 and 64 only: there the last two cases run at 32 and at 64.
 CASES = {
-    "edges_and_inside": (16, 37, ((16, 20, 21, 30), (5, 7, 9, 33)), TWO_TILES),
-    "shorter_than_a_chunk": (16, 5, ((1, 2, 3, 4), ()), TWO_TILES),
-    "last_token_alone": ((32, 97, ((32, 64, 96), (3, 45)), TWO_TILES) if GPU
-                         else (4, 21, ((4, 8, 20), (3, 13)), TWO_TILES)),
-    "starts_on_edges": (64, 150, ((64, 128), (128,)), None) if GPU else (1, 7, ((2, 3), (6,)), None),
+    "edges_and_inside": (16, 37, ((16, 20, 21, 30), (5, 7, 9, 33)), "two_tiles"),
+    "shorter_than_a_chunk": (16, 5, ((1, 2, 3, 4), ()), "two_tiles"),
+    "last_token_alone": ((32, 97, ((32, 64, 96), (3, 45)), "two_tiles") if GPU
+                         else (4, 21, ((4, 8, 20), (3, 13)), "two_tiles")),
+    "starts_on_edges": (64, 150, ((64, 128), (128,)), "default") if GPU else (1, 7, ((2, 3), (6,)), "default"),
 }
 
 
@@ -67,7 +67,9 @@ def reference(starts, chunk, q, k, v, state, d_out, d_state):
 
 
 @functools.cache
-def packed_vjp(chunk, config):
+def packed_vjp(chunk, kind, layout):
+  config = config_for(kind, layout)
+
   def run(ids, *args):
     form = lambda q, k, v, s: kernels.chunkwise_retention(q, k, v, LOG_DECAY, chunk, s, segment_ids=ids, config=config)
     return with_vjp(form, *args)
@@ -82,8 +84,9 @@ def errors(results, expected):
           **{name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "d_state"), grads, ref_grads)}}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES)
-def test_float32_packed_rows_match_each_document_alone(case):
+def test_float32_packed_rows_match_each_document_alone(case, layout):
   """edges_and_inside: starts on a chunk edge (16), a one-token document (20), four documents in the first chunk,
   starts in the partial last chunk (33) and documents crossing chunk edges; shorter_than_a_chunk: one-token documents,
   and a row of one document that carries the state through; last_token_alone: starts on chunk edges and a last
@@ -92,31 +95,33 @@ def test_float32_packed_rows_match_each_document_alone(case):
   chunk, length, starts, config = CASES[case]
   inputs = random_inputs(length, seed=length + chunk)[:6]
   args = [jnp.asarray(x, jnp.float32) for x in inputs]
-  results = packed_vjp(chunk, config)(segment_ids(starts, length), *args)
+  results = packed_vjp(chunk, config, layout)(segment_ids(starts, length), *args)
   found = errors(results, reference(starts, chunk, *inputs))
   assert max(found.values()) < F32_TOL, found
 
 
-def test_bfloat16_packed_rows_within_bfloat16_rounding():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bfloat16_packed_rows_within_bfloat16_rounding(layout):
   chunk, length, starts, config = CASES["edges_and_inside"]
   inputs = random_inputs(length, seed=4)[:6]
   args = [jnp.asarray(x, jnp.bfloat16) for x in inputs[:3]] + [jnp.asarray(x, jnp.float32) for x in inputs[3:]]
-  results = packed_vjp(chunk, config)(segment_ids(starts, length), *args)
+  results = packed_vjp(chunk, config, layout)(segment_ids(starts, length), *args)
   assert results[0].dtype == jnp.bfloat16 and results[1].dtype == jnp.float32
   found = errors(results, reference(starts, chunk, *inputs))
   assert max(found.values()) < BF16_TOL, found
 
 
 @functools.cache
-def packed_with_key_sum(chunk):
+def packed_with_key_sum(chunk, layout):
   return jax.jit(lambda ids, q, k, v, s, z: kernels.chunkwise_retention_with_key_sum(
-      q, k, v, LOG_DECAY, chunk, s, z, segment_ids=ids, config=TWO_TILES))
+      q, k, v, LOG_DECAY, chunk, s, z, segment_ids=ids, config=config_for("two_tiles", layout)))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case,dtype,tol", [("edges_and_inside", jnp.float32, F32_TOL),
                                             ("last_token_alone", jnp.float32, F32_TOL),
                                             ("edges_and_inside", jnp.bfloat16, BF16_TOL)])
-def test_normaliser_by_products_restart_with_each_document(case, dtype, tol):
+def test_normaliser_by_products_restart_with_each_document(case, dtype, tol, layout):
   """qz and the final key sum against each document's float64 retention of a ones column (the carried key sum
   reaching the first document only); out and the state are those of the plain packed form."""
   chunk, length, starts, _ = CASES[case]
@@ -127,23 +132,24 @@ def test_normaliser_by_products_restart_with_each_document(case, dtype, tol):
         *(jnp.asarray(x, jnp.float64) for x in (q, k)), ones, jnp.asarray(key_sum[..., None], jnp.float64))
   ids = segment_ids(starts, length)
   args = [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(x, jnp.float32) for x in (state, key_sum)]
-  out, final, qz, key_sum_out = packed_with_key_sum(chunk)(ids, *args)
+  out, final, qz, key_sum_out = packed_with_key_sum(chunk, layout)(ids, *args)
   assert qz.dtype == key_sum_out.dtype == jnp.float32 and qz.shape == q.shape[:3]
   assert rel_err(qz, ref_qz[..., 0]) < tol and rel_err(key_sum_out, ref_key_sum[..., 0]) < tol
-  plain_out, plain_final = packed_vjp(chunk, TWO_TILES)(ids, *args[:4], args[2], args[3])[:2]
+  plain_out, plain_final = packed_vjp(chunk, "two_tiles", layout)(ids, *args[:4], args[2], args[3])[:2]
   np.testing.assert_array_equal(out, plain_out)
   np.testing.assert_array_equal(final, plain_final)
 
 
-def test_one_document_per_row_changes_nothing():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_document_per_row_changes_nothing(layout):
   """Ids that never change (whatever their value, different per row) give segment_ids=None's results, gradients
   included: the document masks then keep every term."""
   chunk, length, _, config = CASES["edges_and_inside"]
   args = [jnp.asarray(x, jnp.float32) for x in random_inputs(length, seed=9)[:6]]
   ids = jnp.asarray([[3] * length, [-8] * length], jnp.int32)
   unpacked = jax.jit(functools.partial(with_vjp, lambda q, k, v, s: kernels.chunkwise_retention(
-      q, k, v, LOG_DECAY, chunk, s, config=config)))(*args)
-  packed = packed_vjp(chunk, config)(ids, *args)
+      q, k, v, LOG_DECAY, chunk, s, config=config_for(config, layout))))(*args)
+  packed = packed_vjp(chunk, config, layout)(ids, *args)
   for got, expected in zip(jax.tree.leaves(packed), jax.tree.leaves(unpacked)):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
 

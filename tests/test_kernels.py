@@ -26,7 +26,22 @@ BATCH, HEADS = 2, 2
 D_K = TILE = 16 if GPU else 8  # the key width; the narrowest value tile
 D_V = 2 * TILE
 LOG_DECAY = np.log(np.array([0.6, 0.995])).astype(np.float32)
-TWO_TILES = kernels.KernelConfig(kernels.Tiling(TILE), kernels.Tiling(TILE))  # dq and dk: partial sums over the tiles
+LAYOUTS = kernels.LAYOUTS  # every test of the kernels runs on each layout, the split and the fused kernels
+
+
+def two_tiles(layout):
+  """Two value tiles (fused: dq and dk summed over them; split: two steps of the dq/dk walk over the values) and, in
+  the split layout interpreted, two key tiles per dq/dk program (compiled, one: Triton's dots take 16 columns or
+  more)."""
+  return kernels.KernelConfig(kernels.Tiling(TILE), kernels.Tiling(TILE), layout=layout,
+                              block_k=D_K if GPU else D_K // 2)
+
+
+def config_for(kind, layout):
+  """`two_tiles` for "two_tiles", else the layout's default config."""
+  return two_tiles(layout) if kind == "two_tiles" else kernels.default_config(D_K, D_V, layout)
+
+
 # (length, chunk) beside chunk 16's cases: several whole chunks and a partial one (chunk 4 interpreted, 32 compiled);
 # the default config's one value tile (at chunk 1 interpreted, at the largest chunk tile compiled).
 MANY_CHUNKS = (100, 32) if GPU else (21, 4)
@@ -84,30 +99,32 @@ def assert_close(results, expected, tol, context):
   assert max(errors.values()) < tol, (context, errors)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("length,chunk,config", [
-    (37, 16, TWO_TILES),  # a partial last chunk
-    (5, 16, TWO_TILES),  # shorter than one chunk
-    (*DEFAULT_CONFIG, None),  # one value tile
-    (64, 16, TWO_TILES),  # whole chunks
-    (*MANY_CHUNKS, TWO_TILES),  # several chunks and a partial one
+    (37, 16, "two_tiles"),  # a partial last chunk
+    (5, 16, "two_tiles"),  # shorter than one chunk
+    (*DEFAULT_CONFIG, "default"),  # one value tile
+    (64, 16, "two_tiles"),  # whole chunks
+    (*MANY_CHUNKS, "two_tiles"),  # several chunks and a partial one
 ])
-def test_float32_values_and_gradients_match_float64_and_xla(length, chunk, config):
+def test_float32_values_and_gradients_match_float64_and_xla(length, chunk, config, layout):
   inputs = random_inputs(length, seed=length + chunk)
   args = [jnp.asarray(x, jnp.float32) for x in inputs[:6]]
-  results = kernel_vjp(chunk, config)(*args)
+  results = kernel_vjp(chunk, config_for(config, layout))(*args)
   assert results[0].dtype == jnp.float32 and results[0].shape == args[2].shape
   assert results[1].dtype == jnp.float32 and results[1].shape == args[3].shape
   assert_close(results, reference(LOG_DECAY, *inputs[:6]), F32_TOL, "float64")
   assert_close(results, xla_vjp(chunk)(*args), F32_TOL, "xla")
 
 
-def test_bfloat16_inputs_within_bfloat16_rounding():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bfloat16_inputs_within_bfloat16_rounding(layout):
   """bfloat16 q, k, v (float32 state): out in bfloat16, state float32, both and the gradients within 2e-2 of the
   float64 reference, and as close to the XLA form's bfloat16 result; the final state within float32 rounding of the
   float64 state of the rounded inputs (the decayed keys are not rounded to bfloat16 for it)."""
   inputs = random_inputs(37, seed=11)
   args = [jnp.asarray(x, jnp.bfloat16) for x in inputs[:3]] + [jnp.asarray(x, jnp.float32) for x in inputs[3:6]]
-  results = kernel_vjp(16, TWO_TILES)(*args)
+  results = kernel_vjp(16, two_tiles(layout))(*args)
   assert results[0].dtype == jnp.bfloat16 and results[1].dtype == jnp.float32
   assert [g.dtype for g in results[2]] == [jnp.bfloat16] * 3 + [jnp.float32]
   assert_close(results, reference(LOG_DECAY, *inputs[:6]), BF16_TOL, "float64")
@@ -116,13 +133,14 @@ def test_bfloat16_inputs_within_bfloat16_rounding():
   assert rel_err(results[1], rounded_state) < F32_TOL
 
 
-def test_padded_value_dim_other_backward_tiling_and_extreme_decays():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_value_dim_other_backward_tiling_and_extreme_decays(layout):
   """d_v = 12 padded to 16 (24 to 32 on a GPU): one forward tile, two backward tiles; decays of 1 - 2^-20 (the state
   barely decays: float32's log(gamma) is where the precision lies) and 0.02 (gamma^16 underflows to 0 without NaNs)."""
   log_decay = np.log(np.array([1 - 2.0**-20, 0.02])).astype(np.float32)
   inputs = random_inputs(70, seed=3, d_v=TILE + TILE // 2)
   args = [jnp.asarray(x, jnp.float32) for x in inputs[:6]]
-  config = kernels.KernelConfig(forward=kernels.Tiling(2 * TILE), backward=kernels.Tiling(TILE))
+  config = kernels.KernelConfig(forward=kernels.Tiling(2 * TILE), backward=kernels.Tiling(TILE), layout=layout)
   results = kernel_vjp(16, config, tuple(log_decay))(*args)
   assert_close(results, reference(log_decay, *inputs[:6]), F32_TOL, "float64")
 
@@ -136,13 +154,14 @@ def test_empty_sequence_passes_the_states_through():
 
 
 @functools.cache
-def kernel_with_key_sum(chunk):
+def kernel_with_key_sum(chunk, layout):
   return jax.jit(lambda q, k, v, s, z: kernels.chunkwise_retention_with_key_sum(q, k, v, LOG_DECAY, chunk, s, z,
-                                                                                config=TWO_TILES))
+                                                                                config=two_tiles(layout)))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, BF16_TOL)])
-def test_normaliser_by_products_match_float64_and_layers(dtype, tol):
+def test_normaliser_by_products_match_float64_and_layers(dtype, tol, layout):
   """qz = q_n . z_n and the final key sum, from the same pass, against the float64 retention of a ones column and
   against `layers.py`'s second XLA call (retention of ones, rounded to the compute dtype); the divisors they give
   agree, and out and the state are those of `chunkwise_retention`."""
@@ -152,7 +171,7 @@ def test_normaliser_by_products_match_float64_and_layers(dtype, tol):
     ones = jnp.ones((BATCH, length, HEADS, 1), jnp.float64)
     ref_qz, ref_key_sum = retention.parallel_retention(q, k, ones, LOG_DECAY.astype(np.float64), key_sum[..., None])
   args = [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(x, jnp.float32) for x in (state, key_sum)]
-  out, final, qz, key_sum_out = kernel_with_key_sum(chunk)(*args)
+  out, final, qz, key_sum_out = kernel_with_key_sum(chunk, layout)(*args)
   assert qz.dtype == key_sum_out.dtype == jnp.float32 and qz.shape == (BATCH, length, HEADS)
   assert rel_err(qz, ref_qz[..., 0]) < tol and rel_err(key_sum_out, ref_key_sum[..., 0]) < tol
 
@@ -163,12 +182,13 @@ def test_normaliser_by_products_match_float64_and_layers(dtype, tol):
   divisors = [stability.divisor("shared", "chunkwise", x, positions, LOG_DECAY) for x in (qz, layers_qz[..., 0])]
   assert rel_err(*divisors) < tol
 
-  plain_out, plain_final = kernel_vjp(chunk, TWO_TILES)(*args[:4], args[2], args[3])[:2]
+  plain_out, plain_final = kernel_vjp(chunk, two_tiles(layout))(*args[:4], args[2], args[3])[:2]
   np.testing.assert_array_equal(out, plain_out)
   np.testing.assert_array_equal(final, plain_final)
 
 
-def test_key_sum_form_differentiates_like_the_plain_form():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_key_sum_form_differentiates_like_the_plain_form(layout):
   """Gradients flow through out and the state only: qz and the key sum are constants, as the divisor is."""
   length, chunk = MANY_CHUNKS
   q, k, v, state, d_out, d_state, key_sum = (jnp.asarray(x, jnp.float32) for x in random_inputs(length, seed=8))
@@ -178,8 +198,8 @@ def test_key_sum_form_differentiates_like_the_plain_form():
     return jnp.sum(out * d_out) + jnp.sum(final * d_state)
 
   with_key_sum = lambda *a: kernels.chunkwise_retention_with_key_sum(*a[:3], LOG_DECAY, chunk, a[3], key_sum,
-                                                                     config=TWO_TILES)
-  expected = kernel_vjp(chunk, TWO_TILES)(q, k, v, state, d_out, d_state)[2]
+                                                                     config=two_tiles(layout))
+  expected = kernel_vjp(chunk, two_tiles(layout))(q, k, v, state, d_out, d_state)[2]
   grads = jax.jit(jax.grad(functools.partial(loss, with_key_sum), argnums=(0, 1, 2, 3)))(q, k, v, state)
   for g, e in zip(grads, expected):
     np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
@@ -212,13 +232,18 @@ def test_input_errors_name_the_problem():
 def test_support_limits_name_the_limit_and_the_fix():
   assert support.resolve_interpret(None) is (jax.default_backend() != "gpu")
   for d_k, d_v in ((256, 256), (128, 128), (256, 512), (256, 432), (16, 32)):
-    assert kernels.is_supported(d_k, d_v, jnp.bfloat16, 64, "gpu")
+    assert kernels.is_supported(d_k, d_v, jnp.bfloat16, 64, "gpu", "fused")
+    assert kernels.is_supported(d_k, d_v, jnp.bfloat16, kernels.default_chunk(d_k, d_v), "gpu")
     kernels.check_supported(d_k, d_v, "float32", 64, "gpu")
+  assert [kernels.default_chunk(*dims) for dims in ((256, 512), (256, 256), (128, 128))] == [128, 64, 64]
   for args, match in [((256, 512, jnp.bfloat16, 64, "cpu"), "GPUs only .* backend is 'cpu'"),
                       ((256, 512, jnp.bfloat16, 64, "tpu"), "backend is 'tpu'"),
                       ((256, 512, jnp.float16, 64, "gpu"), "dtype float16"),
-                      ((256, 512, jnp.bfloat16, 100, "gpu"), r"chunk_size 100 is not one of .*\(16, 32, 64\)"),
-                      ((256, 512, jnp.bfloat16, 128, "gpu"), "chunk_size 128"),
+                      ((256, 512, jnp.bfloat16, 100, "gpu"),
+                       r"chunk_size 100 is not one of the split .*\(16, 32, 64, 128\)"),
+                      ((256, 512, jnp.bfloat16, 128, "gpu", "fused"),
+                       r"chunk_size 128 is not one of the fused .*\(16, 32, 64\)"),
+                      ((256, 512, jnp.bfloat16, 256, "gpu"), "chunk_size 256"),
                       ((256, 512, jnp.bfloat16, 8, "gpu"), "chunk_size 8"),
                       ((512, 512, jnp.bfloat16, 64, "gpu"), "key head dim 512"),
                       ((96, 512, jnp.bfloat16, 64, "gpu"), "key head dim 96")]:
@@ -228,6 +253,19 @@ def test_support_limits_name_the_limit_and_the_fix():
     assert "retention_impl='xla'" in str(error.value) and "'auto'" in str(error.value)
 
 
+def test_launch_grids_put_the_split_layout_s_serial_steps_in_the_state_passes_only():
+  """At the benchmark's 4k tokens (batch 4, 8 heads, d_k = d_v = 256, chunk 64): the split output pass launches at
+  least 20 times the fused forward's programs, one chunk each; only the state passes walk the chunks."""
+  split, fused = (kernels.launch_grids(4, 4096, 8, 256, 256, 64, kernels.default_config(256, 256, layout))
+                  for layout in ("split", "fused"))
+  assert split["split/output"]["programs"] >= 20 * fused["fused/forward"]["programs"]
+  assert fused["fused/forward"] == {"programs": 8 * 4 * 8, "serial_steps": 64}  # 32 value columns per program
+  assert split["split/output"] == {"programs": 4 * 64 * 4 * 8, "serial_steps": 1}
+  assert split["split/dqk"] == {"programs": 4 * 64 * 4 * 8, "serial_steps": 1, "value_steps": 4}
+  assert {name for name, grid in split.items() if grid["serial_steps"] > 1} == {"split/states",
+                                                                                 "split/state_gradients"}
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype,d_k,d_v,chunk,precision", [(jnp.bfloat16, 256, 512, 64, None),
                                                            (jnp.float32, 16, 32, 16, jax.lax.Precision.HIGHEST)])
@@ -235,9 +273,9 @@ def test_kernels_lower_to_triton_for_gpus(dtype, d_k, d_v, chunk, precision, pac
   """The forward (with the key sum) and backward kernels, with and without packed documents (an int32 document index
   per token), lower to Triton IR for CUDA at the paper's head sizes and in float32: they use only what Pallas' Triton
   lowering supports. Triton compiles the IR to GPU code on a GPU only, where its register and shared-memory limits
-  show (`scripts/kernel_check.py`)."""
+  show (`scripts/kernel_check.py`). The fused kernels here; the split ones in the next test."""
   batch, length, heads = 1, 2 * chunk, 2
-  config = kernels.default_config(d_k, d_v)
+  config = kernels.default_config(d_k, d_v, "fused")
   arrays = lambda *shapes_dtypes: [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
   q, v, state, key_sum, log_decay, documents = arrays(
       ((batch, length, heads, d_k), dtype), ((batch, length, heads, d_v), dtype),
@@ -258,3 +296,31 @@ def test_kernels_lower_to_triton_for_gpus(dtype, d_k, d_v, chunk, precision, pac
     if "GPU" not in str(e):
       raise
     pytest.skip(f"this JAX cannot lower Pallas Triton kernels without a GPU: {e}")
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("dtype,d_k,d_v,chunk,precision", [(jnp.bfloat16, 256, 512, 64, None),
+                                                           (jnp.float32, 16, 32, 16, jax.lax.Precision.HIGHEST)])
+def test_split_kernels_lower_to_triton_for_gpus(dtype, d_k, d_v, chunk, precision, per_token):
+  """The split kernels' forward and backward (key sum, packed documents, per-head or per-token decays, their
+  gradient) lower to Triton IR for CUDA: two kernels forward (states, outputs), four backward (states again, the
+  state gradient's reverse pass, dv, dq/dk)."""
+  batch, length, heads = 1, 2 * chunk - 3, 2
+  q, v = (jax.ShapeDtypeStruct((batch, length, heads, d), dtype) for d in (d_k, d_v))
+  log_decay = jax.ShapeDtypeStruct((batch, length, heads) if per_token else (heads,), jnp.float32)
+  ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+
+  def loss(q, k, v, log_decay, ids):
+    out, state, qz, _ = kernels.chunkwise_retention_with_key_sum(q, k, v, log_decay, chunk, segment_ids=ids,
+                                                                 precision=precision)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state) + jnp.sum(qz)
+
+  try:
+    with support.target_backend("gpu"):
+      texts = [jax.jit(fn).trace(q, q, v, log_decay, ids).lower(lowering_platforms=("cuda",)).as_text()
+               for fn in (loss, jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))]
+  except RuntimeError as e:  # newer JAX lowers Triton kernels only where it can see a GPU (or an abstract one)
+    if "GPU" not in str(e):
+      raise
+    pytest.skip(f"this JAX cannot lower Pallas Triton kernels without a GPU: {e}")
+  assert [text.count("xla.gpu.triton") for text in texts] == [2, 6]

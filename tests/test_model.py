@@ -262,6 +262,8 @@ def test_retention_impl_and_matmul_precision_configs():
     layers.check_retention_impl(torchscale, "gpu")
   with pytest.raises(ValueError, match="unknown model.retention_impl 'triton'"):
     tiny_model(retention_impl="triton")
+  with pytest.raises(ValueError, match=r"unknown model.kernel_layout 'tiled'; choose one of \('split', 'fused'\)"):
+    tiny_model(kernel_layout="tiled")
   with pytest.raises(ValueError, match="unknown model.matmul_precision 'tf32'"):
     tiny_model(matmul_precision="tf32")
 

@@ -1,9 +1,11 @@
-"""Chunkwise retention as fused Pallas kernels, with `retention.chunkwise_retention`'s contract and a custom VJP.
+"""Chunkwise retention as Pallas kernels, with `retention.chunkwise_retention`'s contract: the public functions, their
+checks and padding, and the fused layout's custom VJP (the split layout's is `split`).
 
-The sequence is zero-padded to whole chunks and d_v to whole value tiles here, outside the custom VJP, so autodiff
-of the padding hands the kernels aligned cotangents; the kernels are told the true length, so the final state decays
-by it. log_decay is a constant to these functions (`lax.stop_gradient`): no gradient flows to the decays. Packed
-documents (`segment_ids`) reach the kernels as each token's document index in its row (`segments.document_index`).
+The sequence is zero-padded to whole chunks and d_v to whole value tiles here, outside the custom VJPs, so autodiff
+of the padding hands the kernels aligned cotangents; the kernels are told the true length (split: per-token decays
+are padded with 0, a per-head decay counts real rows only), so the final state decays by it. The fused layout stops
+log_decay's gradient (`lax.stop_gradient`); the split layout differentiates it. Packed documents (`segment_ids`)
+reach the kernels as each token's document index in its row (`segments.document_index`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from retnet_jax import retention, segments
-from retnet_jax.kernels import support
+from retnet_jax.kernels import split, support
 from retnet_jax.kernels.backward import backward
 from retnet_jax.kernels.forward import forward
 
@@ -53,8 +55,19 @@ def _fused_bwd(static: _Static, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _check(q, k, v, log_decay, chunk_size, state, key_sum, segment_ids) -> int:
-  """Validates the inputs as the XLA forms do, plus the kernels' dtypes; returns the chunk size as an int."""
+def _check(q, k, v, log_decay, chunk_size, state, key_sum, segment_ids, layout: str) -> int:
+  """Validates the inputs as the XLA forms do, plus the kernels' dtypes and the decays' shape; returns the chunk
+  size as an int."""
+  log_decay = jnp.asarray(log_decay)
+  if log_decay.ndim == 3 and q.ndim == 4:
+    expected = q.shape[:3]
+    if log_decay.shape != expected:
+      raise ValueError(f"log_decay must be [heads] = ({q.shape[2]},) or [batch, seq, heads] = {expected}; got "
+                       f"{log_decay.shape}.")
+    if layout != "split":
+      raise ValueError("per-token decays ([batch, seq, heads] log_decay) run on the split kernels only: use "
+                       "KernelConfig(layout='split').")
+    log_decay = jnp.max(log_decay, axis=(0, 1))  # the [heads] check below: each head's largest log decay
   retention._check_inputs(q, k, v, log_decay, state)
   segments.check_segment_ids(segment_ids, q.shape[0], q.shape[1])
   size = retention.check_chunk_size(chunk_size)
@@ -75,13 +88,13 @@ def _pad_axis(x, axis: int, multiple: int):
 
 def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, segment_ids, precision, config, interpret):
   """Both public functions: `(out, final_state, qz, final_key_sum)`, the last two None unless `with_key_sum`."""
-  size = _check(q, k, v, log_decay, chunk_size, state, key_sum, segment_ids)
+  config = config or support.default_config(q.shape[-1], v.shape[-1])
+  size = _check(q, k, v, log_decay, chunk_size, state, key_sum, segment_ids, config.layout)
   batch, length, heads, key_dim = q.shape
   value_dim = v.shape[-1]
   interpret = support.resolve_interpret(interpret)
   if not interpret:
-    support.check_supported(key_dim, value_dim, q.dtype, size)
-  config = config or support.default_config(key_dim, value_dim)
+    support.check_supported(key_dim, value_dim, q.dtype, size, layout=config.layout)
   state = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32) if state is None else state.astype(jnp.float32)
   if with_key_sum:
     key_sum = jnp.zeros((batch, heads, key_dim), jnp.float32) if key_sum is None else key_sum.astype(jnp.float32)
@@ -95,9 +108,15 @@ def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, segment_i
   if segment_ids is not None:  # the padding joins the last document: it cuts no state
     documents = jnp.pad(segments.document_index(segment_ids), ((0, 0), (0, q.shape[1] - length)), mode="edge")
   v, state_padded = _pad_axis(v, 3, config.value_multiple), _pad_axis(state, 3, config.value_multiple)
-  static = _Static(size, length, precision, config, interpret)
-  log_decay = lax.stop_gradient(jnp.asarray(log_decay, jnp.float32))
-  out, final_state, qz, final_key_sum = _fused(q, k, v, log_decay, state_padded, key_sum, documents, static)
+  log_decay = jnp.asarray(log_decay, jnp.float32)
+  if config.layout == "split":
+    log_decay = _pad_axis(log_decay, 1, size) if log_decay.ndim == 3 else log_decay
+    static = split.Static(size, length, precision, config, interpret)
+    out, final_state, qz, final_key_sum = split.split(q, k, v, log_decay, state_padded, key_sum, documents, static)
+  else:
+    static = _Static(size, length, precision, config, interpret)
+    out, final_state, qz, final_key_sum = _fused(q, k, v, lax.stop_gradient(log_decay), state_padded, key_sum,
+                                                 documents, static)
   out, final_state = out[:, :length, :, :value_dim], final_state[..., :value_dim]
   if key_sum is None:
     return out, final_state, None, None
@@ -106,20 +125,22 @@ def _run(q, k, v, log_decay, chunk_size, state, key_sum, with_key_sum, segment_i
 
 def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, *, segment_ids=None, precision=None,
                         config: support.KernelConfig | None = None, interpret: bool | None = None):
-  """`retention.chunkwise_retention` as fused Pallas kernels, differentiable in q, k, v and state.
+  """`retention.chunkwise_retention` as Pallas kernels, differentiable in q, k, v and state (and, in the split
+  layout, log_decay).
 
   Args:
     q, k: `[batch, seq, heads, d_k]`. v: `[batch, seq, heads, d_v]`; q, k and v float32 or bfloat16, one dtype.
-    log_decay: log(gamma), `[heads]`, a constant: it gets no gradient. chunk_size: a positive integer (compiled on
-      a GPU: one of `support.CHUNK_SIZES`; shorter sequences are padded to one chunk).
+    log_decay: log(gamma) <= 0, `[heads]`, or per token `[batch, seq, heads]` (split layout only: S_n = gamma_n
+      S_(n-1) + k_n^T v_n, o_n = q_n S_n); the fused layout stops its gradient. chunk_size: a positive integer
+      (compiled on a GPU: one of `support.CHUNK_SIZES[layout]`; shorter sequences are padded to one chunk).
     state: the carried-in state `[batch, heads, d_k, d_v]`, or None for an empty one.
     segment_ids: integer `[batch, seq]`, packed documents (`segments`: a document is a maximal run of equal ids),
       or None for one document per row. Token n retains token m only within its document; the state carried in
       reaches each row's first document, the final state is its last document's.
     precision: the `lax.Precision` of every product in the kernels (on GPUs, float32 inputs multiply in TF32
       unless `HIGHEST`); products accumulate in float32 whatever it is.
-    config: the kernels' tilings (default `support.default_config`). interpret: Pallas interpret mode; None: interpreted
-      unless JAX's default backend is a GPU.
+    config: the kernels' layout and tilings (default `support.default_config`: split). interpret: Pallas interpret
+      mode; None: interpreted unless JAX's default backend is a GPU.
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` float32).
   Raises:

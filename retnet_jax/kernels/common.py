@@ -132,3 +132,76 @@ def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, we
 def chunk_rows(c: jax.Array, size: int) -> pl.Slice:
   """The rows of chunk `c` in a `[length, ...]` ref."""
   return pl.ds(pl.multiple_of(c * size, size), size)
+
+
+# The split kernels (`state_pass`, `output_pass`, `split_backward`): per-token decays, documents relative to the
+# state entering each chunk, and block specs over a `(tiles, chunks, batch * heads)` grid.
+
+
+def chunk_grid(num_tiles: int, num_chunks: int, batch: int, heads: int) -> tuple[int, int, int]:
+  """The chunk-parallel grid: one program per (value or key tile, chunk, batch x head), the tile fastest."""
+  return num_tiles, num_chunks, batch * heads
+
+
+def chunk_rows_spec(size: int, width: int, heads: int, tiled: bool = False) -> pl.BlockSpec:
+  """A `[batch, Lp, heads, width]` array's rows of the program's chunk: a `[size, width]` ref (the program's tile of
+  the last axis when `tiled`)."""
+  return pl.BlockSpec((None, size, None, width), lambda t, c, g: (g // heads, c, g % heads, t if tiled else 0))
+
+
+def chunk_vector_spec(size: int, heads: int) -> pl.BlockSpec:
+  """A `[batch, Lp, heads]` array (decays, qz) over the program's chunk: a `[size]` ref."""
+  return pl.BlockSpec((None, size, None), lambda t, c, g: (g // heads, c, g % heads))
+
+
+def chunk_documents_spec(size: int, heads: int) -> pl.BlockSpec:
+  """The `[batch, Lp]` relative document index over the program's chunk: a `[size]` ref."""
+  return pl.BlockSpec((None, size), lambda t, c, g: (g // heads, c))
+
+
+def chunk_state_spec(rows: int, cols: int, heads: int, key_tiles: int = 0) -> pl.BlockSpec:
+  """Per-chunk states `[batch, heads, chunks * d_k, d_v]`: the program's chunk's `[rows, cols]` tile, `rows` = d_k
+  by a value tile of `cols`, or, with `key_tiles` (d_k / rows) tiles of keys, a key tile by all `cols` = d_v."""
+  if key_tiles:
+    return pl.BlockSpec((None, None, rows, cols), lambda t, c, g: (g // heads, g % heads, c * key_tiles + t, 0))
+  return pl.BlockSpec((None, None, rows, cols), lambda t, c, g: (g // heads, g % heads, c, t))
+
+
+def vector_spec(length: int) -> pl.BlockSpec:
+  """A `[batch, Lp, heads]` array whole per (batch, head) on the `(tiles, batch, heads)` grid: a `[Lp]` ref."""
+  return pl.BlockSpec((None, length, None), lambda t, b, h: (b, 0, h))
+
+
+class SplitDecays(NamedTuple):
+  """One chunk's decays from its within-chunk cumulative log decays b (b_i = sum of log gamma over rows 0..i):
+  `mask_SxS` exp(b_i - b_j) for i >= j in one document (else 0); `xi_S` exp(b_i), the entering state's decay to row
+  i (0 outside the entering document); `zeta_S` exp(b_last - b_j), key j's decay to the chunk's end (0 outside the
+  last document); `expm1` exp(b_last) - 1; `keep` whether the entering state outlives the chunk (None: always)."""
+  mask_SxS: jax.Array | None
+  xi_S: jax.Array
+  zeta_S: jax.Array
+  expm1: jax.Array
+  keep: jax.Array | None
+
+
+def split_decays(b_S: jax.Array, rel_S: jax.Array | None, with_mask: bool = True) -> SplitDecays:
+  """`SplitDecays` of a chunk; `rel_S` is each row's document index less the entering document's (0: the document
+  the entering state belongs to), or None for unpacked rows; `with_mask=False` leaves `mask_SxS` None (the state
+  passes need none). Exponents are masked before `exp`: never positive."""
+  mask_SxS = None
+  if with_mask:
+    size = b_S.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    col = lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    inside = row >= col
+    if rel_S is not None:
+      inside = inside & (rel_S[:, None] == rel_S[None, :])
+    mask_SxS = jnp.where(inside, jnp.exp(jnp.where(inside, b_S[:, None] - b_S[None, :], 0.0)), 0.0)
+  last = jnp.min(b_S)  # b falls along the chunk (log decays <= 0); padding rows add 0
+  xi_S, zeta_S = jnp.exp(b_S), jnp.exp(jnp.minimum(last - b_S, 0.0))
+  keep = None
+  if rel_S is not None:
+    last_document = jnp.max(rel_S)
+    xi_S, zeta_S = jnp.where(rel_S == 0, xi_S, 0.0), jnp.where(rel_S == last_document, zeta_S, 0.0)
+    keep = last_document == 0
+  return SplitDecays(mask_SxS, xi_S, zeta_S, jnp.expm1(last), keep)
