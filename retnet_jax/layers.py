@@ -229,7 +229,7 @@ class MultiScaleRetention(nnx.Module):
   def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False, split_over=None,
                  segment_ids=None, wide_entry_states=False):
     """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only,
-    the entry states in q's dtype unless `wide_entry_states` (`retention._chunkwise`).
+    the entry states in q's dtype unless `wide_entry_states` (`retention.chunkwise_with_states`).
 
     `split_over`: the (mesh axis, size) that splits the sequence (`sharding.sequence_split`), where the parallel and
     chunkwise modes both run the chunkwise form per slice (`sequence_parallel`), or None."""
@@ -239,8 +239,8 @@ class MultiScaleRetention(nnx.Module):
     if mode == "parallel":
       return *retention.parallel_retention(q, k, v, log_decay_H, state, segment_ids), None, None
     if mode == "chunkwise":
-      return retention._chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums, segment_ids,
-                                  wide_entry_states)
+      return retention.chunkwise_with_states(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums,
+                                             segment_ids, wide_entry_states)
     return *retention.recurrent_retention(q, k, v, log_decay_H, state, segment_ids), None, None
 
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables, state: dict[str, jax.Array] | None,

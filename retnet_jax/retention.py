@@ -27,13 +27,14 @@ import numpy as np
 from retnet_jax import matmul, retention_decay, segments
 
 
-def _acc_dtype(x: jax.Array) -> jnp.dtype:
+def accumulation_dtype(x: jax.Array) -> jnp.dtype:
   """Accumulation dtype: float32 for float32/bfloat16 inputs, float64 for float64 inputs."""
   return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _check_inputs(q, k, v, log_decay, state):
-  """Validates shapes before tracing so a mistake names the bad array instead of an einsum error."""
+def check_inputs(q, k, v, log_decay, state):
+  """Validates shapes (and concrete decays' values) before tracing, so that a mistake names the bad array instead of
+  failing in an einsum: the forms', the kernels' and sequence parallelism's shared check."""
   if q.ndim != 4 or k.shape != q.shape:
     raise ValueError(f"q and k must both be [batch, seq, heads, d_k]; got q {q.shape}, k {k.shape}.")
   if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
@@ -64,12 +65,12 @@ def _starts(segment_ids, q):
   return None if segment_ids is None else segments.starts(segment_ids)
 
 
-def _powers(log_decay_H: jax.Array, exponent: jax.Array) -> jax.Array:
+def powers(log_decay_H: jax.Array, exponent: jax.Array) -> jax.Array:
   """gamma^exponent per head: `[heads, *exponent.shape]`, from log(gamma) to stay exact near gamma = 1."""
   return jnp.exp(log_decay_H.reshape((-1,) + (1,) * exponent.ndim) * exponent)
 
 
-def _decay_and_add(state, expm1_decay, kv):
+def decay_and_add(state, expm1_decay, kv):
   """`gamma S + kv` written `S + ((gamma - 1) S + kv)`, with `expm1_decay = gamma - 1` broadcast against S.
 
   gamma itself would round to the float nearest 1 (exactly 1 from gamma = 1 - 2^-25 on in float32), a bias that
@@ -81,8 +82,8 @@ def _decay_and_add(state, expm1_decay, kv):
   return state + (expm1_decay * state + kv)
 
 
-def _decayed_state(spec: str, k, zeta, v, acc) -> jax.Array:
-  """`einsum(spec, k * zeta, v)` accumulated in `acc`, with the decayed keys kept to `acc` precision when k is narrower.
+def decayed_state(spec: str, k, zeta, v, acc) -> jax.Array:
+  """`einsum(spec, k * zeta, v)` accumulated in `acc`, the decayed keys kept to `acc` precision when k is narrower.
 
   Rounding k * zeta to bfloat16 would cost the state 16 of float32's 24 bits. It is split instead into three parts in
   k's dtype (8 bits each in bfloat16), each multiplied exactly into `acc` on every backend, where a float32 product
@@ -110,10 +111,11 @@ def _decay_mask(log_decay_H: jax.Array, length: int, dtype) -> jax.Array:
   pos = jnp.arange(length, dtype=dtype)
   diff_LxL = pos[:, None] - pos[None, :]
   causal = diff_LxL >= 0
-  return jnp.where(causal, _powers(log_decay_H, jnp.where(causal, diff_LxL, 0)), 0)
+  return jnp.where(causal, powers(log_decay_H, jnp.where(causal, diff_LxL, 0)), 0)
 
 
-def _zeros_state(q, v, acc):
+def zeros_state(q, v, acc):
+  """An empty state `[batch, heads, d_k, d_v]` in `acc` for q `[batch, seq, heads, d_k]` and v `[..., d_v]`."""
   return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), acc)
 
 
@@ -129,9 +131,9 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` in the accumulation dtype).
   """
-  _check_inputs(q, k, v, log_decay, state)
+  check_inputs(q, k, v, log_decay, state)
   starts_BxL = _starts(segment_ids, q)
-  acc = _acc_dtype(q)
+  acc = accumulation_dtype(q)
   length = q.shape[1]
   if retention_decay.is_per_token(log_decay):  # products of the gammas, from sums of their logs
     mask, zeta_BxHxLx1, xi_BxHxLx1, carried_BxHx1x1 = retention_decay.parallel_factors(log_decay, acc)
@@ -139,9 +141,9 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
     log_decay_H = log_decay.astype(acc)
     pos_L = jnp.arange(length, dtype=acc)
     mask = _decay_mask(log_decay_H, length, acc)
-    zeta_BxHxLx1 = _powers(log_decay_H, length - 1 - pos_L)[None, :, :, None]  # gamma^(L-1-m): from m to the end
-    xi_BxHxLx1 = _powers(log_decay_H, pos_L + 1)[None, :, :, None]  # gamma^(n+1): from the carried state to n
-    carried_BxHx1x1 = _powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None]
+    zeta_BxHxLx1 = powers(log_decay_H, length - 1 - pos_L)[None, :, :, None]  # gamma^(L-1-m): from m to the end
+    xi_BxHxLx1 = powers(log_decay_H, pos_L + 1)[None, :, :, None]  # gamma^(n+1): from the carried state to n
+    carried_BxHx1x1 = powers(log_decay_H, jnp.asarray(length, acc))[None, :, None, None]
 
   # Head-major operands: the batched products then copy whole rows, where token-major ones transposed per head.
   q_h, k_h, v_h = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, L, *]
@@ -153,7 +155,7 @@ def parallel_retention(q, k, v, log_decay, state=None, segment_ids=None):
     zeta_BxHxLx1 = jnp.where((doc_BxL == doc_BxL[:, -1:])[:, None, :, None], zeta_BxHxLx1, 0)
   out_BxHxLxV = matmul.einsum("bhnm,bhmv->bhnv", scores_BxHxLxL.astype(v.dtype), v_h, acc)
 
-  state_out = _decayed_state("bhmk,bhmv->bhkv", k_h, zeta_BxHxLx1, v_h, acc)
+  state_out = decayed_state("bhmk,bhmv->bhkv", k_h, zeta_BxHxLx1, v_h, acc)
   if state is not None:
     state = state.astype(acc)
     carried = carried_BxHx1x1 * state
@@ -173,12 +175,12 @@ def recurrent_retention(q, k, v, log_decay, state=None, segment_ids=None):
 
   Args and returns as in `parallel_retention`.
   """
-  _check_inputs(q, k, v, log_decay, state)
+  check_inputs(q, k, v, log_decay, state)
   starts_BxL = _starts(segment_ids, q)
-  acc = _acc_dtype(q)
+  acc = accumulation_dtype(q)
   per_token = retention_decay.is_per_token(log_decay)
   expm1_decay = jnp.expm1(log_decay.astype(acc))  # gamma - 1: [heads], or [batch, seq, heads] read one step at a time
-  state = _zeros_state(q, v, acc) if state is None else state.astype(acc)
+  state = zeros_state(q, v, acc) if state is None else state.astype(acc)
 
   def step(s_BxHxKxV, inputs):
     if starts_BxL is not None:
@@ -188,7 +190,7 @@ def recurrent_retention(q, k, v, log_decay, state=None, segment_ids=None):
       *inputs, expm1_decay_BxH = inputs
     q_BxHxK, k_BxHxK, v_BxHxV = (x.astype(acc) for x in inputs)
     expm1_decay_xHx1x1 = (expm1_decay_BxH if per_token else expm1_decay[None, :])[:, :, None, None]
-    s_BxHxKxV = _decay_and_add(s_BxHxKxV, expm1_decay_xHx1x1, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
+    s_BxHxKxV = decay_and_add(s_BxHxKxV, expm1_decay_xHx1x1, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
     return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q_BxHxK, s_BxHxKxV)
 
   per_step = ((expm1_decay,) if per_token else ()) + (() if starts_BxL is None else (starts_BxL,))
@@ -237,7 +239,7 @@ def _chunk_documents(starts_BxL, size):
   return doc_BxCxS, jnp.cumsum(starts_BxCxS, axis=2) == 0
 
 
-def _chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=None):
+def chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=None):
   """The state entering each chunk, `[chunks, batch, heads, d_k, d_v]` (chunk c's: as at the last position of chunk
   c - 1) in `entry_dtype` (default: the accumulation dtype; the carry stays in it), and the final state; the last
   chunk decays the state by its true length only. `log_decay` in the accumulation dtype, `[heads]` or `[batch, seq,
@@ -257,7 +259,7 @@ def _chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=Non
     chunk_len_C = jnp.minimum(length - size * jnp.arange(num_chunks), size)
     valid = pos_CxS < length
     to_end_CxS = jnp.where(valid, (size * jnp.arange(num_chunks) + chunk_len_C)[:, None] - 1 - pos_CxS, 0)
-    zeta_HxCxS = jnp.where(valid, _powers(log_decay, to_end_CxS.astype(acc)), 0)
+    zeta_HxCxS = jnp.where(valid, powers(log_decay, to_end_CxS.astype(acc)), 0)
     zeta_CxBxHxSx1 = jnp.moveaxis(zeta_HxCxS, 0, 1)[:, None, ..., None]
     expm1_decay_CxBxH = jnp.expm1(log_decay[None, :] * chunk_len_C[:, None].astype(acc))[:, None, :]
   xs = (expm1_decay_CxBxH,)
@@ -271,19 +273,19 @@ def _chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=Non
   # cotangents in the backward pass) exists beside the entry states.
   def step(state_BxHxKxV, inputs):
     k_BxHxSxK, v_BxHxSxV, zeta_BxHxSx1, expm1_decay_BxH, *kept = inputs
-    kv = _decayed_state("bhmk,bhmv->bhkv", k_BxHxSxK, zeta_BxHxSx1, v_BxHxSxV, acc)
+    kv = decayed_state("bhmk,bhmv->bhkv", k_BxHxSxK, zeta_BxHxSx1, v_BxHxSxV, acc)
     entering = state_BxHxKxV if not kept else jnp.where(kept[0][:, None, None, None], state_BxHxKxV, 0)
-    return _decay_and_add(entering, expm1_decay_BxH[..., None, None], kv), state_BxHxKxV.astype(entry_dtype or acc)
+    return decay_and_add(entering, expm1_decay_BxH[..., None, None], kv), state_BxHxKxV.astype(entry_dtype or acc)
 
-  state = _zeros_state(k, v, acc) if state is None else state.astype(acc)
+  state = zeros_state(k, v, acc) if state is None else state.astype(acc)
   state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (k_c, v_c, zeta_CxBxHxSx1) + xs)
   return before_CxBxHxKxV, state_out
 
 
-def _chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL=None):
-  """The chunkwise form's outputs given the state entering each chunk (`_chunk_states`, `log_decay` as there), and
-  the in-chunk |score| row sums (None unless `score_abs_sums`); as in `_chunkwise`. With document `starts`, scores
-  within a document only and the entering state up to the chunk's first start."""
+def chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL=None):
+  """The chunkwise form's outputs given the state entering each chunk (`chunk_states`, `log_decay` as there), and
+  the in-chunk |score| row sums (None unless `score_abs_sums`); as in `chunkwise_with_states`. With document
+  `starts`, scores within a document only and the entering state up to the chunk's first start."""
   acc = log_decay.dtype
   length = q.shape[1]
   # Head-major inside chunks, as in parallel_retention.
@@ -294,7 +296,7 @@ def _chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_s
     mask, xi_BxCxHxSx1 = retention_decay.chunk_output_factors(log_decay, size, acc)
   else:
     mask = _decay_mask(log_decay, size, acc)
-    xi_BxCxHxSx1 = _powers(log_decay, jnp.arange(1, size + 1, dtype=acc))[None, None, :, :, None]
+    xi_BxCxHxSx1 = powers(log_decay, jnp.arange(1, size + 1, dtype=acc))[None, None, :, :, None]
   scores = matmul.einsum("bchnk,bchmk->bchnm", q_c, k_c, acc)
   scores = scores * mask
   if starts_BxL is not None:
@@ -310,8 +312,8 @@ def _chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_s
   return out.astype(v.dtype), abs_sums
 
 
-def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, segment_ids=None,
-               wide_entry_states=False):
+def chunkwise_with_states(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, segment_ids=None,
+                          wide_entry_states=False):
   """`chunkwise_retention` with two by-products of its pass, for normalisers built on it.
 
   `log_decay`: `[heads]` or `[batch, seq, heads]`, as in `chunkwise_retention`. Returns `(out, final_state,
@@ -321,13 +323,13 @@ def _chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False,
   `score_abs_sums`), the in-chunk `sum_m gamma^(j-m) |q_j . k_m|` over the m <= j of j's chunk (with a per-token
   decay, D[j, m] in place of gamma^(j-m)), the absolute row sums of the masked scores.
   """
-  _check_inputs(q, k, v, log_decay, state)
+  check_inputs(q, k, v, log_decay, state)
   starts_BxL = _starts(segment_ids, q)
   size = _chunk_len(chunk_size, q.shape[1])
-  log_decay = log_decay.astype(_acc_dtype(q))
+  log_decay = log_decay.astype(accumulation_dtype(q))
   entry_dtype = log_decay.dtype if wide_entry_states else q.dtype
-  entry_states_CxBxHxKxV, state_out = _chunk_states(k, v, log_decay, size, state, starts_BxL, entry_dtype)
-  out, abs_sums = _chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL)
+  entry_states_CxBxHxKxV, state_out = chunk_states(k, v, log_decay, size, state, starts_BxL, entry_dtype)
+  out, abs_sums = chunk_outputs(q, k, v, log_decay, size, entry_states_CxBxHxKxV, score_abs_sums, starts_BxL)
   return out, state_out, entry_states_CxBxHxKxV, abs_sums
 
 
@@ -344,5 +346,5 @@ def chunkwise_retention(q, k, v, log_decay, chunk_size, state=None, segment_ids=
   Returns:
     `(out [batch, seq, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` in the accumulation dtype).
   """
-  out, state_out, _, _ = _chunkwise(q, k, v, log_decay, chunk_size, state, segment_ids=segment_ids)
+  out, state_out, _, _ = chunkwise_with_states(q, k, v, log_decay, chunk_size, state, segment_ids=segment_ids)
   return out, state_out

@@ -27,7 +27,7 @@ near 0 underflows exp to an exact 0 with a zero gradient. log_decay must be fini
 0, where the values are known: the `[heads]` path's powers would form -inf * 0); -1e4 already decays to an exact 0 in
 one step. A decay near 1 (log gamma ~ -1e-6) keeps its
 precision as a log, and the recurrent and state updates use expm1 as the constant path does
-(`retention._decay_and_add`).
+(`retention.decay_and_add`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def check_length(length: int, devices: int, chunk_size, axis_name: str) -> None:
 
 def _decay(log_decay_H, steps):
   """gamma^steps per head, shaped to scale states: `steps [...]` -> `[..., 1, heads, 1, 1]`."""
-  powers = retention._powers(log_decay_H, jnp.asarray(steps).astype(log_decay_H.dtype))
+  powers = retention.powers(log_decay_H, jnp.asarray(steps).astype(log_decay_H.dtype))
   return jnp.moveaxis(powers, 0, -1)[..., None, :, None, None]
 
 
@@ -88,8 +88,8 @@ def _slice_starts(segment_ids_BxL, axis_name: str):
 
 def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, score_abs_sums=False,
                     segment_ids=None):
-  """Per-device body, to call inside `jax.shard_map` over mesh axis `axis_name`: `retention._chunkwise` of this
-  device's slice of the sequence, with the states of the slices before it combined in.
+  """Per-device body, to call inside `jax.shard_map` over mesh axis `axis_name`: `retention.chunkwise_with_states` of
+  this device's slice of the sequence, with the states of the slices before it combined in.
 
   Args:
     q, k: this device's slice `[batch, seq / R, heads, d_k]`. v: `[batch, seq / R, heads, d_v]`. log_decay: `[heads]`,
@@ -97,24 +97,24 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
       positive integer dividing seq / R.
     axis_name: the mesh axis (of R devices) that splits the sequence, slice r on the r-th device along it.
     state: the state carried into the whole sequence, `[batch, heads, d_k, d_v]`, the same on every device; or None.
-    score_abs_sums: as in `retention._chunkwise`.
+    score_abs_sums: as in `retention.chunkwise_with_states`.
     segment_ids: this device's slice `[batch, seq / R]` of the document ids (`retention.parallel_retention`), or None.
   Returns:
     `(out [batch, seq / R, heads, d_v]` in v's dtype, `final_state [batch, heads, d_k, d_v]` (the whole sequence's,
     the same on every device), `entry_states [chunks / R, batch, heads, d_k, d_v]` (this slice's chunks), `abs_sums`
-    `[batch, seq / R, heads]` or None), as `retention._chunkwise` gives for the whole sequence.
+    `[batch, seq / R, heads]` or None), as `retention.chunkwise_with_states` gives for the whole sequence.
   """
-  retention._check_inputs(q, k, v, log_decay, state)
+  retention.check_inputs(q, k, v, log_decay, state)
   segments.check_segment_ids(segment_ids, q.shape[0], q.shape[1])
   devices, slice_len = jax.lax.axis_size(axis_name), q.shape[1]
   check_length(slice_len * devices, devices, chunk_size, axis_name)
   size = retention.check_chunk_size(chunk_size)
-  log_decay = log_decay.astype(retention._acc_dtype(q))
+  log_decay = log_decay.astype(retention.accumulation_dtype(q))
 
   # From a zero state that varies over the axis, as the scan's keys and values do.
-  zero = jax.lax.pcast(retention._zeros_state(q, v, log_decay.dtype), axis_name, to="varying")
+  zero = jax.lax.pcast(retention.zeros_state(q, v, log_decay.dtype), axis_name, to="varying")
   starts_BxL = None if segment_ids is None else _slice_starts(segment_ids, axis_name)
-  local_entry_CxBxHxKxV, local_state = retention._chunk_states(k, v, log_decay, size, zero, starts_BxL)
+  local_entry_CxBxHxKxV, local_state = retention.chunk_states(k, v, log_decay, size, zero, starts_BxL)
 
   # The state entering this slice from the slices before it (one all-gather), and the final state from all of them
   # (one sum, the same on every device): sum_j gamma^(L_s (r-1-j)) S_loc(j) over j < r, and over j < R.
@@ -143,17 +143,17 @@ def chunkwise_slice(q, k, v, log_decay, chunk_size, axis_name: str, state=None, 
     state_in = state_in + keep("in", decays["in"] * state)
     state_out = state_out + keep("carried_out", decays["carried_out"] * state)
   entry_CxBxHxKxV = local_entry_CxBxHxKxV + keep("chunks", decays["chunks"] * state_in)
-  out, abs_sums = retention._chunk_outputs(q, k, v, log_decay, size, entry_CxBxHxKxV, score_abs_sums, starts_BxL)
+  out, abs_sums = retention.chunk_outputs(q, k, v, log_decay, size, entry_CxBxHxKxV, score_abs_sums, starts_BxL)
   return out, state_out, entry_CxBxHxKxV, abs_sums
 
 
 def sharded_chunkwise(q, k, v, log_decay, chunk_size, state=None, score_abs_sums=False, segment_ids=None, *,
                       axis_name="sequence", mesh=None):
-  """`retention._chunkwise` (with its by-products) with the sequence split over mesh axis `axis_name`.
+  """`retention.chunkwise_with_states` (with its by-products) with the sequence split over mesh axis `axis_name`.
 
   A `jax.shard_map` of `chunkwise_slice`, manual over `axis_name` only: the other mesh axes stay automatic, so arrays
   split over them (batch over `data`, heads over `tensor`) stay split. Arguments and returns as in
-  `chunkwise_retention`, plus `score_abs_sums` and the two by-products of `retention._chunkwise`, split over
+  `chunkwise_retention`, plus `score_abs_sums` and the two by-products of `retention.chunkwise_with_states`, split over
   `axis_name` along their chunk and sequence axes.
   """
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh

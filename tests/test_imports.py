@@ -121,3 +121,34 @@ def test_data_layer_loads_no_model_code():
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
+
+
+def private_uses(path: Path, modules: dict[str, Path]) -> list[str]:
+  """`alias._name` uses (and `from module import _name`) in `path` of another retnet_jax module's private names."""
+  aliases, found = {}, []
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("retnet_jax"):
+      for alias in node.names:
+        if f"{node.module}.{alias.name}" in modules:
+          aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif alias.name.startswith("_"):
+          found.append(f"from {node.module} import {alias.name}")
+    elif isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name in modules and alias.asname:
+          aliases[alias.asname] = alias.name
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+        and node.attr.startswith("_") and not node.attr.startswith("__")):
+      found.append(f"{aliases[node.value.id]}.{node.attr} (line {node.lineno})")
+  return found
+
+
+def test_no_module_uses_another_modules_private_names():
+  modules = module_names()
+  uses = {str(path.relative_to(PACKAGE.parent)): private_uses(path, modules) for path in modules.values()}
+  uses.update({str(path.relative_to(PACKAGE.parent)): private_uses(path, modules)
+               for path in sorted((PACKAGE.parent / "scripts").glob("*.py"))})
+  uses = {path: found for path, found in uses.items() if found}
+  assert not uses, f"private names used across modules (make them public where shared): {uses}"

@@ -175,8 +175,8 @@ def test_normaliser_by_products_match_float64_and_layers(dtype, tol, layout):
   assert qz.dtype == key_sum_out.dtype == jnp.float32 and qz.shape == (BATCH, length, HEADS)
   assert rel_err(qz, ref_qz[..., 0]) < tol and rel_err(key_sum_out, ref_key_sum[..., 0]) < tol
 
-  layers_qz, layers_key_sum, _, _ = retention._chunkwise(args[0], args[1], jnp.ones((BATCH, length, HEADS, 1), dtype),
-                                                         LOG_DECAY, chunk, args[4][..., None])
+  layers_qz, layers_key_sum, _, _ = retention.chunkwise_with_states(
+      args[0], args[1], jnp.ones((BATCH, length, HEADS, 1), dtype), LOG_DECAY, chunk, args[4][..., None])
   assert rel_err(qz, layers_qz[..., 0]) < tol and rel_err(key_sum_out, layers_key_sum[..., 0]) < tol
   positions = jnp.broadcast_to(jnp.arange(length), (BATCH, length))
   divisors = [stability.divisor("shared", "chunkwise", x, positions, LOG_DECAY) for x in (qz, layers_qz[..., 0])]

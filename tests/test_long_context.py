@@ -20,7 +20,7 @@ GAMMAS_32K = (1 - 2**-5, 1 - 1e-6, 1 - 2**-22, 1 - 1e-7)
 _parallel = jax.jit(retention.parallel_retention)
 _recurrent = jax.jit(retention.recurrent_retention)
 _chunkwise = jax.jit(retention.chunkwise_retention, static_argnames="chunk_size")
-_chunkwise_by_products = jax.jit(retention._chunkwise, static_argnames=("chunk_size", "wide_entry_states"))
+_chunkwise_by_products = jax.jit(retention.chunkwise_with_states, static_argnames=("chunk_size", "wide_entry_states"))
 FORMS = {
     "parallel": lambda q, k, v, lg, s: _parallel(q, k, v, lg, s),
     "recurrent": lambda q, k, v, lg, s: _recurrent(q, k, v, lg, s),
@@ -109,7 +109,7 @@ def test_bfloat16_prefill_hands_over_a_float32_accurate_state():
   """bfloat16 q, k, v: the chunkwise form's final and chunk-entry states (asked for wide) and the parallel form's final
   state are float32-accurate (their outputs are bfloat16), and so is the state after recurrent decoding continues from
   them; the entry states the outputs read are those rounded to bfloat16."""
-  # On GPUs too: the decayed keys are split into bfloat16 parts by `reduce_precision` (`retention._decayed_state`),
+  # On GPUs too: the decayed keys are split into bfloat16 parts by `reduce_precision` (`retention.decayed_state`),
   # which XLA keeps. A float32 -> bfloat16 -> float32 round trip, as before, was folded away there under XLA's
   # default excess precision (lower parts zero: the states 2.0e-3 off on an H100).
   tol = 1e-6

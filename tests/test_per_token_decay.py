@@ -201,8 +201,9 @@ def test_chunkwise_by_products_with_per_token_decay():
                                                           - b.transpose(0, 2, 1)[..., None, :], 0)), 0)
   expected_sums = np.einsum("bhnm,bhnm->bnh", np.abs(np.einsum("bnhk,bmhk->bhnm", q, k)), mask)
   with jax.enable_x64(True):
-    _, _, states, sums = retention._chunkwise(*(jnp.asarray(x) for x in (q, k, v, log_decay)), chunk,
-                                              jnp.asarray(state), score_abs_sums=True, wide_entry_states=True)
+    _, _, states, sums = retention.chunkwise_with_states(*(jnp.asarray(x) for x in (q, k, v, log_decay)), chunk,
+                                                         jnp.asarray(state), score_abs_sums=True,
+                                                         wide_entry_states=True)
   assert rel_err(states, expected_states) < 1e-10 and rel_err(sums, expected_sums) < 1e-10
 
 
@@ -229,7 +230,7 @@ def test_bad_log_decay_refused():
 
 
 _sharded = jax.jit(sequence_parallel.sharded_chunkwise, static_argnames=("chunk_size", "score_abs_sums"))
-_single = jax.jit(retention._chunkwise, static_argnames=("chunk_size", "score_abs_sums"))
+_single = jax.jit(retention.chunkwise_with_states, static_argnames=("chunk_size", "score_abs_sums"))
 
 
 @pytest.mark.devices(8)

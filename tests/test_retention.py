@@ -128,7 +128,7 @@ def test_shape_errors_name_the_array():
   with pytest.raises(ValueError, match="state must be"):
     retention.chunkwise_retention(q, k, v, LOG_DECAY, 2, jnp.zeros((BATCH, HEADS, D_K, D_V + 1)))
   with pytest.raises(ValueError, match=r"log_decay must have shape \[heads\]"):
-    retention._chunkwise(q, k, v, LOG_DECAY[:1], 2, score_abs_sums=True)
+    retention.chunkwise_with_states(q, k, v, LOG_DECAY[:1], 2, score_abs_sums=True)
   for form in (retention.parallel_retention, retention.recurrent_retention):  # gamma > 1: a growing state
     with pytest.raises(ValueError, match=r"log_decay must be <= 0"):
       form(q, k, v, -LOG_DECAY)
@@ -149,9 +149,10 @@ def test_chunkwise_by_products_match_float64(length, chunk):
   expected_sums = np.einsum("bhnm,hnm->bnh", np.abs(np.einsum("bnhk,bmhk->bhnm", q, k)), mask)
   with jax.enable_x64(True):
     args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, state)]
-    out, final, states, sums = retention._chunkwise(*args[:3], LOG_DECAY, chunk, args[3], score_abs_sums=True)
+    out, final, states, sums = retention.chunkwise_with_states(*args[:3], LOG_DECAY, chunk, args[3],
+                                                               score_abs_sums=True)
     expected_out, expected_final = retention.chunkwise_retention(*args[:3], LOG_DECAY, chunk, args[3])
-    assert retention._chunkwise(*args[:3], LOG_DECAY, chunk, args[3])[3] is None
+    assert retention.chunkwise_with_states(*args[:3], LOG_DECAY, chunk, args[3])[3] is None
   assert states.shape == expected_states.shape and rel_err(states, expected_states) < 1e-10
   assert sums.shape == expected_sums.shape and rel_err(sums, expected_sums) < 1e-10
   np.testing.assert_array_equal(out, expected_out)

@@ -44,7 +44,7 @@ def rel_err(a, b):
 
 
 _sharded = jax.jit(sequence_parallel.sharded_chunkwise, static_argnames=("chunk_size", "score_abs_sums"))
-_single = jax.jit(retention._chunkwise, static_argnames=("chunk_size", "score_abs_sums"))
+_single = jax.jit(retention.chunkwise_with_states, static_argnames=("chunk_size", "score_abs_sums"))
 
 
 @pytest.mark.parametrize("shape,names", MESHES)

@@ -68,7 +68,7 @@ def _check(q, k, v, log_decay, chunk_size, state, key_sum, segment_ids, layout: 
       raise ValueError("per-token decays ([batch, seq, heads] log_decay) run on the split kernels only: use "
                        "KernelConfig(layout='split').")
     log_decay = jnp.max(log_decay, axis=(0, 1))  # the [heads] check below: each head's largest log decay
-  retention._check_inputs(q, k, v, log_decay, state)
+  retention.check_inputs(q, k, v, log_decay, state)
   segments.check_segment_ids(segment_ids, q.shape[0], q.shape[1])
   size = retention.check_chunk_size(chunk_size)
   if not q.dtype == k.dtype == v.dtype or q.dtype not in support.DTYPES:
@@ -161,7 +161,7 @@ def chunkwise_retention_with_key_sum(q, k, v, log_decay, chunk_size, state=None,
   with a second call (there rounded to the compute dtype; here float32). qz and the key sum are constants to
   autodiff (`lax.stop_gradient`), as the normaliser's divisor is; out and the state are differentiable as in
   `chunkwise_retention`. The torchscale style's chunkwise normaliser (in-chunk |score| sums, chunk entry states)
-  is not computed here: it stays on the XLA form (`retention._chunkwise`).
+  is not computed here: it stays on the XLA form (`retention.chunkwise_with_states`).
 
   Args:
     q, k, v, log_decay, chunk_size, state, segment_ids, precision, config, interpret: as in `chunkwise_retention`.

@@ -117,7 +117,7 @@ def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, we
 
   The weighted keys are rounded to their dtype for the product; with `exact_weights`, narrower than float32, they
   are split into three parts in that dtype (bfloat16: 8 bits each) whose products add up to the float32 one, as
-  `retention._decayed_state` does for the XLA form's states.
+  `retention.decayed_state` does for the XLA form's states.
   """
   weighted_SxK = keys_SxK.astype(jnp.float32) * weights_S[:, None]
   part_SxK = weighted_SxK.astype(keys_SxK.dtype)
