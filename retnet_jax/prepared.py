@@ -295,6 +295,9 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     The metadata written to `out/metadata.json`.
   """
   out = Path(out)
+  if validation_documents is None and not 0 < validation_fraction < 1:
+    raise CorpusError(f"data.validation_fraction={validation_fraction} must lie strictly between 0 and 1 (the share "
+                      "of documents held out for validation); set it to e.g. 0.1, or give data.validation_files.")
   _check_out(out, sources)
   if (out / METADATA).exists():
     raise CorpusError(f"--out={str(out)!r} already holds a prepared corpus; choose another --out or delete it.")
@@ -374,6 +377,10 @@ def _check_out(out: Path, sources: list[str]) -> None:
   """Refuses an `out` that is a file, or holds or lies inside a source on disk (it would read what it writes)."""
   if out.exists() and not out.is_dir():
     raise CorpusError(f"--out={str(out)!r} is a file; give a directory (new or empty) for the prepared corpus.")
+  blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+  if blocking is not None:
+    raise CorpusError(f"--out={str(out)!r} lies under {str(blocking)!r}, which is a file; give a directory (new or "
+                      "empty) for the prepared corpus.")
   where = out.resolve()
   for source in sources:
     path = Path(source).resolve()
