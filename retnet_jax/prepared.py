@@ -243,9 +243,14 @@ class _ShardWriter:
     """Finishes the open shard (if it holds any document): its files are complete once listed in `done`."""
     if self._file is None:
       return
-    self._file.close()
     starts_path = _shard_paths(self.directory, self.split, len(self.done))[1]
-    np.asarray(self._starts, np.int64).tofile(starts_path)
+    try:
+      self._file.close()
+      _write_array(np.asarray(self._starts, np.int64), starts_path)
+    except OSError as e:  # a full disk: the prepare resumes at this shard once there is room
+      detail = str(e) if isinstance(e, WriteError) else f"writing {self._file.name} failed ({e.strerror or e})"
+      raise WriteError(f"{detail}; free space on its disk and rerun the same command: the prepare resumes at this "
+                       "shard") from None
     self.done.append({"tokens": self._tokens, "documents": len(self._starts)})
     self._file, self._starts, self._tokens = None, [], 0
 

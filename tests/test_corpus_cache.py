@@ -98,3 +98,24 @@ def test_a_full_disk_names_the_cache_file_its_bytes_and_the_fix(tmp_path, monkey
   assert not (tmp_path / "cache" / entry.stem).exists()  # the half-written entry is gone
   monkeypatch.setattr(prepared, "_tofile", real)
   assert corpus_cache.open_cached(data_cfg, byte, "data.files").path == tmp_path / "cache" / entry.stem
+
+
+def test_a_full_disk_during_prepare_names_the_shard_and_resumes_once_there_is_room(tmp_path, monkeypatch):
+  real = prepared._tofile
+
+  def full(array, path):
+    raise OSError(f"{array.nbytes} requested and 0 written")
+
+  monkeypatch.setattr(prepared, "_tofile", full)
+  documents = [f"document {i}: " + "the quick brown fox " * 5 for i in range(40)]
+  with pytest.raises(prepared.WriteError, match=r"^writing .*/c/train-00000.starts \([\d,]+ bytes\) failed \(\d+ "
+                                                r"requested and 0 written\); free space on its disk and rerun the "
+                                                r"same command: the prepare resumes at this shard$"):
+    prepared.write(tmp_path / "c", documents, None, "byte", ["test"], 0.1, shard_tokens=500, batch_documents=4)
+  monkeypatch.setattr(prepared, "_tofile", real)
+  prepared.write(tmp_path / "c", documents, None, "byte", ["test"], 0.1, shard_tokens=500, batch_documents=4)
+  whole = prepared.write(tmp_path / "whole", documents, None, "byte", ["test"], 0.1, shard_tokens=500,
+                         batch_documents=4)
+  for path in sorted((tmp_path / "whole").iterdir()):
+    assert (tmp_path / "c" / path.name).read_bytes() == path.read_bytes(), path.name
+  assert whole["tokens"]["train"] > 0
