@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -158,10 +159,54 @@ def distributed_flags() -> Callable[[], None]:
     import jax  # pylint: disable=import-outside-toplevel  (after `prepare`)
     if jax.config.jax_platforms in (None, "", "cpu"):
       jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
-    jax.distributed.initialize(*settings, initialization_timeout=start_timeout.value,
-                               heartbeat_timeout_seconds=heartbeat.value)
+    address, count, index = settings
+    timeout = start_timeout.value
+    _say(f"process {index} of {count}: " + (
+        f"serving the coordinator at {address}; waiting up to {timeout} s (--initialization_timeout) for the other "
+        f"{count - 1} process{'es' if count > 2 else ''} to connect" if index == 0 else
+        f"waiting up to {timeout} s (--initialization_timeout) to join the coordinator at {address} (process 0)"))
+    # JAX gives up by aborting the process with a stack dump (a fatal DEADLINE_EXCEEDED of its C++ client), which
+    # no `except` catches: the watchdog ends the wait first, with one line, and JAX's deadline comes later.
+    watchdog = threading.Timer(timeout, _gave_up, (address, count, index, timeout))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+      jax.distributed.initialize(address, count, index, initialization_timeout=timeout + _JAX_DEADLINE_MARGIN_S,
+                                 heartbeat_timeout_seconds=heartbeat.value)
+    finally:
+      watchdog.cancel()
 
   return initialize
+
+
+_JAX_DEADLINE_MARGIN_S = 30  # JAX's own deadline comes this long after the watchdog's (`distributed_flags`)
+
+
+def _say(line: str) -> None:
+  sys.stdout.flush()
+  sys.stderr.write(line + "\n")
+  sys.stderr.flush()
+
+
+def _gave_up(address: str, count: int, index: int, timeout: int) -> None:
+  """Ends the process with one line naming the coordinator's address, what was missing and the fix."""
+  host, _, port = address.rpartition(":")
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+    listening = True
+  except OSError:
+    listening = False
+  if index != 0 and not listening:
+    problem = f"nothing listens at {address}"
+    fix = (f"start process 0 (--process_id=0) on that host with --coordinator_address={address}, or give the "
+           "address process 0 serves")
+  else:
+    problem = f"not every one of the {count} processes connected to {address}"
+    fix = (f"start all {count} processes (--process_id=0 to {count - 1}) with the same --coordinator_address and "
+           f"--num_processes={count}")
+  _say(f"error: process {index} of {count} gave up after --initialization_timeout={timeout} s: {problem}; {fix} "
+       "(or raise --initialization_timeout).")
+  os._exit(1)
 
 
 def check_distributed(address: str | None, num_processes: int | None, process_id: int | None,

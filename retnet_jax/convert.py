@@ -266,7 +266,13 @@ def load_flags(config: ml_collections.ConfigDict, workdir: str | Path) -> str:
 
 
 def check_empty_workdir(workdir: str | Path) -> None:
-  """Raises FileExistsError if `workdir` already holds checkpoints (a conversion writes step 0 of a new one)."""
+  """Raises FileExistsError if `workdir` already holds checkpoints (a conversion writes step 0 of a new one), and
+  NotADirectoryError naming it when it is a file or lies under one."""
+  workdir = Path(workdir)
+  blocking = next((p for p in (workdir, *workdir.parents) if p.exists() and not p.is_dir()), None)
+  if blocking is not None:
+    where = "is a file" if blocking == workdir else f"lies under {str(blocking)!r}, which is a file"
+    raise NotADirectoryError(f"--workdir={str(workdir)!r} {where}; give a new or empty directory to convert into.")
   ckpt_dir = workdir_lib.checkpoint_dir(workdir)
   if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
     raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into an empty --workdir.")

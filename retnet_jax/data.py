@@ -19,6 +19,8 @@ Files are read and tokenized with HF `datasets`. A synthetic task's batches (`da
 from __future__ import annotations
 
 import glob
+import json
+import logging as logging_lib
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,6 +41,18 @@ from retnet_jax.tokenizer import Tokenizer
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 # File suffix -> `datasets` builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+
+def _quiet_read_errors(record: logging_lib.LogRecord) -> bool:
+  """datasets logs each file it fails to read (twice: its handler and absl's) before raising; `unreadable` then
+  names the file, the line and the fix in one line, so those records are dropped."""
+  return not record.getMessage().startswith(("Failed to load JSON from file", "Failed to read schema from",
+                                             "Failed to read file"))
+
+
+for _reader in ("json.json", "parquet.parquet"):
+  logging_lib.getLogger(f"datasets.packaged_modules.{_reader}").addFilter(_quiet_read_errors)
 
 
 class Split(NamedTuple):
@@ -141,6 +155,43 @@ def expand_files(files: Sequence[str], source: str) -> list[str]:
   return expanded
 
 
+def unreadable(source: str, file: str, error: BaseException) -> ValueError:
+  """One line for a file of `source` that datasets could not read: the file, for JSON lines the first line that is
+  not a JSON object (Arrow's row numbers count within a block), the parser's words and the fix."""
+  builder = BUILDERS[Path(file).suffix.lower()]
+  detail = " ".join(str(error.__cause__ or error).split())[:300]
+  if builder == "json":
+    bad = _first_bad_json_line(file)
+    if bad is not None:
+      line, why = bad
+      return ValueError(f"{source}: {file!r} line {line} is not a JSON object ({why}); a JSON-lines file holds one "
+                        "object per line: fix or remove that line.")
+    return ValueError(f"{source}: {file!r} could not be read as JSON lines ({detail}); give one JSON object per line "
+                      "(or a .txt file for plain text).")
+  if builder == "parquet":
+    return ValueError(f"{source}: {file!r} is not a readable Parquet file ({detail}); give a Parquet file, or a "
+                      "file named by its format (.jsonl, .txt).")
+  return ValueError(f"{source}: {file!r} could not be read as text ({detail}); check the file.")
+
+
+def _first_bad_json_line(file: str) -> tuple[int, str] | None:
+  """(line number from 1, why) of the first non-blank line of `file` that is not a JSON object, read line by line;
+  None when every one is, or when the file is one JSON array (a .json file datasets reads another way)."""
+  with open(file, encoding="utf-8", errors="replace") as lines:
+    for number, line in enumerate(lines, 1):
+      if not line.strip():
+        continue
+      if number == 1 and line.lstrip().startswith("[") and Path(file).suffix.lower() == ".json":
+        return None
+      try:
+        value = json.loads(line)
+      except ValueError as e:
+        return number, f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+      if not isinstance(value, dict):
+        return number, f"a {type(value).__name__}"
+  return None
+
+
 def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> Split:
   """Token stream of local files in order (glob patterns expanded); the cache lives in a temporary directory."""
   files = expand_files(files, source)
@@ -153,8 +204,7 @@ def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: T
         dataset = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache_dir,
                                         keep_in_memory=True, **options)
       except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:
-        raise ValueError(f"{source}: {file!r} could not be read as {builder} ({e.__cause__ or e}); "
-                         "check the file format.") from e
+        raise unreadable(source, file, e) from None
       field = "text" if builder == "text" else text_field
       split = _tokenize(dataset, field, tokenizer, f"{source}: {file!r}")
       if not len(split.tokens):

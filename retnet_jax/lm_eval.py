@@ -256,11 +256,13 @@ class RetNetLM(TemplateLM):
       tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
       max_length = config.train.seq_len if max_length is None else max_length
       self._context = sharding.placement(config.mesh).active
+      split = sharding.sequence_devices(config.mesh, jax.device_count())
+      self._multiple = split * config.model.chunk_size if split > 1 else 1
     else:
       if tokenizer is None or max_length is None:
         raise ValueError("a model object needs its tokenizer and max_length (tokens of context per request).")
       tokenizer_lib.check_vocab_size(tokenizer, model.config.vocab_size)
-      self._context = contextlib.nullcontext
+      self._context, self._multiple = contextlib.nullcontext, 1
     self.max_length = _integer("max_length", max_length, 1)
     self.tokenizer = tokenizer
     model_cfg = config.model if model is None else model.config
@@ -341,6 +343,9 @@ class RetNetLM(TemplateLM):
     """Scores continuations of prefilled rows: each input is its context's last token and its continuation but
     the last token."""
     width = _bucket(max(len(continuation) for _, _, continuation in part), self.max_length)
+    # A mesh that splits sequences runs whole chunks per device: the inputs are right-padded to such a width
+    # (a causal model's scored positions do not see the padding after them; only those are summed).
+    width = -(-width // self._multiple) * self._multiple
     inputs_BxC = np.full((self.batch_size, width), sampling.PAD_ID, np.int32)
     targets_BxC = np.full((self.batch_size, width), sampling.PAD_ID, np.int32)
     rows_B = np.zeros((self.batch_size,), np.int32)

@@ -43,6 +43,11 @@ def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> l
               else "the shipped corpus (data.files empty)")
     corpora = [corpus_cache.open_cached(data_cfg, tokenizer, source)]
     return _check_documents(corpora, data_cfg, source)
+  for i, path in enumerate(paths):
+    if not str(path).strip():  # Path('') is the current directory
+      where = f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared"
+      raise ValueError(f"{where} is empty (data.prepared={data_cfg.prepared!r}); give the --out directory of "
+                       "scripts/prepare_data.py, or unset data.prepared to train on data.files.")
   weights = tuple(data_cfg.prepared_weights or ())
   if weights and len(weights) != len(paths):
     raise ValueError(f"data.prepared_weights={weights} gives {len(weights)} weights for {len(paths)} prepared "

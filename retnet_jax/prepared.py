@@ -40,6 +40,22 @@ class CorpusError(ValueError):
   """A directory that is not a complete prepared corpus for this run."""
 
 
+class WriteError(OSError):
+  """A shard or metadata file the disk did not take whole (full, read-only): names the file and its bytes."""
+
+
+def _tofile(array: np.ndarray, path: Path) -> None:
+  array.tofile(path)  # OSError "N requested and M written" on a short write
+
+
+def _write_array(array: np.ndarray, path: Path) -> None:
+  """Writes `array`'s bytes to `path`; WriteError naming the file and its bytes when the disk takes fewer."""
+  try:
+    _tofile(array, path)
+  except OSError as e:
+    raise WriteError(f"writing {path} ({array.nbytes:,} bytes) failed ({e.strerror or e})") from None
+
+
 def fingerprint(tokenizer: tokenizer_lib.Tokenizer) -> str:
   """A digest of the tokenizer's whole definition: ids from another tokenizer must not train this model."""
   if isinstance(tokenizer, tokenizer_lib.ByteTokenizer):
@@ -211,7 +227,11 @@ class _ShardWriter:
     if self._starts and self.eos_id is not None:
       ids = np.concatenate([[self.eos_id], ids])  # the separator opens this document
     self._starts.append(self._tokens)
-    self._file.write(np.asarray(ids, self.dtype).tobytes())
+    try:
+      self._file.write(np.asarray(ids, self.dtype).tobytes())
+    except OSError as e:  # a full disk: the prepare resumes at this shard once there is room
+      raise WriteError(f"writing {self._file.name} failed ({e.strerror or e}); free space on its disk and rerun "
+                       "the same command: the prepare resumes at this shard") from None
     self._tokens += len(ids)
     return len(ids)
 
@@ -223,17 +243,25 @@ class _ShardWriter:
     """Finishes the open shard (if it holds any document): its files are complete once listed in `done`."""
     if self._file is None:
       return
-    self._file.close()
     starts_path = _shard_paths(self.directory, self.split, len(self.done))[1]
-    np.asarray(self._starts, np.int64).tofile(starts_path)
+    try:
+      self._file.close()
+      _write_array(np.asarray(self._starts, np.int64), starts_path)
+    except OSError as e:  # a full disk: the prepare resumes at this shard once there is room
+      detail = str(e) if isinstance(e, WriteError) else f"writing {self._file.name} failed ({e.strerror or e})"
+      raise WriteError(f"{detail}; free space on its disk and rerun the same command: the prepare resumes at this "
+                       "shard") from None
     self.done.append({"tokens": self._tokens, "documents": len(self._starts)})
     self._file, self._starts, self._tokens = None, [], 0
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
   """Writes atomically: a reader sees the old file or the new one, never a part."""
-  partial = path.with_suffix(_PARTIAL)
-  partial.write_text(json.dumps(value, indent=1))
+  partial, text = path.with_suffix(_PARTIAL), json.dumps(value, indent=1)
+  try:
+    partial.write_text(text)
+  except OSError as e:
+    raise WriteError(f"writing {partial} ({len(text):,} bytes) failed ({e.strerror or e})") from None
   os.replace(partial, path)
 
 
@@ -272,6 +300,9 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     The metadata written to `out/metadata.json`.
   """
   out = Path(out)
+  if validation_documents is None and not 0 < validation_fraction < 1:
+    raise CorpusError(f"data.validation_fraction={validation_fraction} must lie strictly between 0 and 1 (the share "
+                      "of documents held out for validation); set it to e.g. 0.1, or give data.validation_files.")
   _check_out(out, sources)
   if (out / METADATA).exists():
     raise CorpusError(f"--out={str(out)!r} already holds a prepared corpus; choose another --out or delete it.")
@@ -351,6 +382,10 @@ def _check_out(out: Path, sources: list[str]) -> None:
   """Refuses an `out` that is a file, or holds or lies inside a source on disk (it would read what it writes)."""
   if out.exists() and not out.is_dir():
     raise CorpusError(f"--out={str(out)!r} is a file; give a directory (new or empty) for the prepared corpus.")
+  blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+  if blocking is not None:
+    raise CorpusError(f"--out={str(out)!r} lies under {str(blocking)!r}, which is a file; give a directory (new or "
+                      "empty) for the prepared corpus.")
   where = out.resolve()
   for source in sources:
     path = Path(source).resolve()
@@ -412,8 +447,8 @@ def write_splits(out: str | os.PathLike, splits: dict[str, tuple[np.ndarray, np.
   entries = {}
   for split, (tokens, starts) in splits.items():
     tokens_path, starts_path = _shard_paths(out, split, 0)
-    np.asarray(tokens).astype(dtype).tofile(tokens_path)
-    np.asarray(starts, np.int64).tofile(starts_path)
+    _write_array(np.asarray(tokens).astype(dtype), tokens_path)
+    _write_array(np.asarray(starts, np.int64), starts_path)
     entries[split] = [{"tokens": len(tokens), "documents": len(starts)}]
   return _write_metadata(out, dtype, entries, tokenizer=_recorded(tokenizer, tokenizer_spec), sources=sources)
 

@@ -35,10 +35,15 @@ class SafetensorsFolder:
   def __init__(self, folder: Path):
     self.folder = folder
     if (folder / INDEX_FILE).is_file():
-      index = json.loads((folder / INDEX_FILE).read_text())
+      try:
+        index = json.loads((folder / INDEX_FILE).read_text())
+      except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{folder / INDEX_FILE} is not valid JSON ({e}); the checkpoint is damaged or truncated: "
+                         "copy or download its index again.") from None
       weight_map = index.get("weight_map") if isinstance(index, dict) else None
       if not isinstance(weight_map, dict):
-        raise ValueError(f"{folder / INDEX_FILE} has no weight_map (tensor name -> shard file).")
+        raise ValueError(f"{folder / INDEX_FILE} has no weight_map (tensor name -> shard file); the checkpoint is "
+                         "damaged or truncated: copy or download its index again.")
       files = sorted(set(weight_map.values()))
     elif (folder / SINGLE_FILE).is_file():
       weight_map, files = None, [SINGLE_FILE]

@@ -27,9 +27,17 @@ def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[i
   A shape with fewer entries than `axis_names` gives the trailing axes size 1, so a (data, fsdp, tensor) shape
   from before the `sequence` axis keeps its meaning.
   """
-  shape = tuple(int(s) for s in mesh_cfg.shape)
+  names = tuple(mesh_cfg.axis_names)
+  try:
+    if isinstance(mesh_cfg.shape, (str, bytes)) or any(isinstance(s, (bool, float)) for s in mesh_cfg.shape):
+      raise ValueError
+    shape = tuple(int(s) for s in mesh_cfg.shape)
+  except (TypeError, ValueError):
+    raise ValueError(f"mesh.shape={mesh_cfg.shape!r} must be a tuple of integer sizes, one per axis of "
+                     f"mesh.axis_names={names} (-1: the devices left over), e.g. --config.mesh.shape='(-1,1,1,1)'."
+                     ) from None
   if len(shape) > len(mesh_cfg.axis_names) or not shape:
-    raise ValueError(f"mesh.shape={shape} needs one size per axis of mesh.axis_names={tuple(mesh_cfg.axis_names)} "
+    raise ValueError(f"mesh.shape={shape} needs one size per axis of mesh.axis_names={names} "
                      "(trailing axes left out have size 1).")
   shape += (1,) * (len(mesh_cfg.axis_names) - len(shape))
   if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
@@ -57,7 +65,19 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]
 def logical_rules(mesh_cfg: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
   """`config.mesh.rules` as the (logical axis, mesh axes) pairs `nnx.logical_axis_rules` takes; the layer axis of
   stacked blocks (`model.scan_layers`) is replicated unless the rules name it."""
-  rules = tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes) for name, axes in mesh_cfg.rules)
+  names, rules = tuple(mesh_cfg.axis_names), []
+  for rule in mesh_cfg.rules:
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ValueError(f"mesh.rules holds {rule!r}, not a (logical axis, mesh axes) pair; write each rule as "
+                       "('embed', 'fsdp'), ('batch', ('data', 'fsdp')) or ('heads', None).")
+    name, axes = rule
+    axes = tuple(axes) if isinstance(axes, (list, tuple)) else axes
+    unknown = [a for a in (axes if isinstance(axes, tuple) else (axes,)) if a is not None and a not in names]
+    if unknown:
+      raise ValueError(f"mesh.rules maps {name!r} to {axes!r}, but {unknown[0]!r} is not an axis of the mesh "
+                       f"(mesh.axis_names={names}); name mesh axes among those, or None to replicate.")
+    rules.append((name, axes))
+  rules = tuple(rules)
   return rules if any(name == LAYER_AXIS for name, _ in rules) else (*rules, (LAYER_AXIS, None))
 
 

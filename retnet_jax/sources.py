@@ -11,6 +11,7 @@ from pathlib import Path
 
 import datasets
 import ml_collections
+import pyarrow as pa
 
 from retnet_jax import data
 
@@ -45,8 +46,11 @@ class Stream:
         self.characters += len(text)
         yield text
       else:
-        yield from self._rows(datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True),
-                              f"{self.source}: {file!r}")
+        try:
+          yield from self._rows(datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True),
+                                f"{self.source}: {file!r}")
+        except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:
+          raise data.unreadable(self.source, file, e) from None
 
   def _rows(self, dataset: datasets.IterableDataset, where: str) -> Iterator[str]:
     for row in dataset:

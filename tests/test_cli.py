@@ -13,7 +13,7 @@ import time
 import pytest
 
 from retnet_jax import cli, quiet_start
-from tests.helpers import REPO, run_script, script_lines
+from tests.helpers import REPO, free_port, run_script, script_lines
 
 
 @pytest.mark.slow
@@ -104,6 +104,47 @@ def test_distributed_settings_come_from_flags_then_environment(flags, env, expec
 def test_distributed_settings_refuse_what_would_fail_later(flags, env, message):
   with pytest.raises(ValueError, match=message):
     cli.check_distributed(*flags, env)
+
+
+JOIN = """
+from retnet_jax import cli
+cli.prepare()
+start = cli.distributed_flags()
+cli.run(lambda: (start(), print("joined")))
+"""
+
+
+def test_a_coordinator_nobody_answers_is_named_before_and_when_giving_up():
+  """A process whose coordinator never answers (nothing listens at the port), and a process 0 whose peers never
+  come, said nothing until JAX aborted with a stack dump at --initialization_timeout: each names what it waits for
+  and how long, then gives up in one line naming the address and the fix."""
+  ports = [free_port(), free_port()]
+  processes = [subprocess.Popen([sys.executable, "-c", JOIN, f"--coordinator_address=127.0.0.1:{port}",
+                                 "--num_processes=2", f"--process_id={index}", "--initialization_timeout=3"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+               for index, port in zip((1, 0), ports)]
+  started = time.monotonic()
+  results = [process.communicate(timeout=60) for process in processes]
+  assert time.monotonic() - started < 30
+  for (stdout, stderr), process, index, port in zip(results, processes, (1, 0), ports):
+    lines = [line for line in script_lines(stderr) if "distributed.py" not in line]  # JAX's own INFO lines
+    address = f"127.0.0.1:{port}"
+    assert process.returncode == 1 and "joined" not in stdout and len(lines) == 2, stderr[-3000:]
+    if index == 1:
+      assert lines == [
+          f"process 1 of 2: waiting up to 3 s (--initialization_timeout) to join the coordinator at {address} "
+          "(process 0)",
+          f"error: process 1 of 2 gave up after --initialization_timeout=3 s: nothing listens at {address}; start "
+          f"process 0 (--process_id=0) on that host with --coordinator_address={address}, or give the address "
+          "process 0 serves (or raise --initialization_timeout)."], stderr
+    else:
+      assert lines == [
+          f"process 0 of 2: serving the coordinator at {address}; waiting up to 3 s (--initialization_timeout) for "
+          "the other 1 process to connect",
+          f"error: process 0 of 2 gave up after --initialization_timeout=3 s: not every one of the 2 processes "
+          f"connected to {address}; start all 2 processes (--process_id=0 to 1) with the same "
+          "--coordinator_address and --num_processes=2 (or raise --initialization_timeout)."], stderr
 
 
 @pytest.mark.slow

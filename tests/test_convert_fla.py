@@ -18,7 +18,7 @@ import tokenizers
 from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
-from retnet_jax import convert_fla, presets, safetensors_folder, sharding
+from retnet_jax import convert, convert_fla, presets, safetensors_folder, sharding
 from retnet_jax.model import RetNet
 from tests.helpers import forward, random_tokens, run_script
 
@@ -440,6 +440,25 @@ def test_bad_folders_are_refused(tmp_path):
   (folder / safetensors_folder.INDEX_FILE).write_text(json.dumps(index))
   with pytest.raises(FileNotFoundError, match="model-00002.safetensors, a shard that"):
     convert_fla.load_fla(folder)
+
+
+def test_an_index_of_invalid_json_and_a_workdir_that_is_a_file_are_named(tmp_path):
+  """json's own "Expecting value: line 1 column 1" named no file; a --workdir that is a file (or lies under one)
+  failed with "[Errno 17] File exists" after reading the whole checkpoint."""
+  folder = edited_checkpoint(tmp_path, lambda tensors: None)
+  for damaged in ("", "{not json", '{"weight_map": ', "\xff\xfe"):
+    (folder / safetensors_folder.INDEX_FILE).write_text(damaged)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(folder / safetensors_folder.INDEX_FILE))} is not valid "
+                                         r"JSON \(.*\); the checkpoint is damaged or truncated: copy or download its "
+                                         r"index again.$"):
+      convert_fla.load_fla(folder)
+  (tmp_path / "a-file").write_text("mine")
+  for workdir, where in ((tmp_path / "a-file", "is a file"),
+                         (tmp_path / "a-file" / "run", f"lies under '{tmp_path / 'a-file'}', which is a file")):
+    with pytest.raises(NotADirectoryError, match=rf"^--workdir='{re.escape(str(workdir))}' {re.escape(where)}; give "
+                                                 r"a new or empty directory to convert into.$"):
+      convert.check_empty_workdir(workdir)
+  assert (tmp_path / "a-file").read_text() == "mine"
 
 
 @pytest.mark.slow

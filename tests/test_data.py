@@ -13,7 +13,7 @@ import tokenizers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from retnet_jax import data, tokenizer
+from retnet_jax import data, sources, tokenizer
 from retnet_jax.bench import corpus as bench_corpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -215,11 +215,29 @@ def test_bad_extension_errors(tmp_path):
     data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
-def test_unreadable_file_errors(tmp_path):
-  path = tmp_path / "broken.parquet"
-  path.write_text("not a parquet file")
-  with pytest.raises(ValueError, match=r"broken\.parquet' could not be read as parquet.*check the file format"):
+ROWS = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5))
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("broken.parquet", "not a parquet file", r"'.*broken\.parquet' is not a readable Parquet file \(Parquet magic "
+                                             r"bytes not found.*\); give a Parquet file, or a file named by its "
+                                             r"format \(\.jsonl, \.txt\)\.$"),
+    ("rows.jsonl", ROWS + "{not json\n" + ROWS, r"'.*rows\.jsonl' line 6 is not a JSON object \(Expecting property "
+                                                r"name enclosed in double quotes at column 2\); a JSON-lines file "
+                                                r"holds one object per line: fix or remove that line\.$"),
+    ("rows.jsonl", ROWS + "\n[1, 2]\n", r"'.*rows\.jsonl' line 7 is not a JSON object \(a list\)"),
+    ("rows.json", ROWS[:-1] + "}\n", r"'.*rows\.json' line 5 is not a JSON object \(Extra data at column"),
+])
+def test_an_unreadable_file_is_named_with_its_line_and_the_fix(tmp_path, name, text, message):
+  """Arrow's message ("JSON parse error: ... in row 5", counted within a block) named neither the file nor the line,
+  whether the files are read whole (training's cache) or streamed (prepare_data.py)."""
+  path = tmp_path / name
+  path.write_text(text)
+  with pytest.raises(ValueError, match=r"^data\.files: " + message):
     data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
+  train, _ = sources.of_config(data_config(files=(str(path),)))
+  with pytest.raises(ValueError, match=r"^data\.files: " + message):
+    list(train)
 
 
 def test_missing_text_field_errors(tmp_path):

@@ -1,6 +1,7 @@
 """lm-evaluation-harness integration, offline: local tasks over a JSON-lines file, scored by a tiny trained RetNet
 and a Transformer, against log-likelihoods and greedy decoding computed directly from the parallel logits."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -134,6 +135,22 @@ def test_simple_evaluate_by_registry_name_scores_as_the_parallel_logits(trained,
     [[text]], [(context, _)] = sample["resps"], sample["arguments"]
     assert text == reference_greedy(logits, tokenizer, encode(context) or [harness.NEWLINE_BYTE], 8, "\n")
   assert 0 <= results["results"]["tiny_mc"]["acc,none"] <= 1
+
+
+@pytest.mark.devices(8)
+def test_a_mesh_splitting_sequences_scores_as_one_device(trained):
+  """On a (1, 1, 1, 8) mesh each call's tokens split over 8 devices in whole chunks of 8: continuations of 1 to 3
+  tokens are right-padded to 64 (they failed: "its length 16 must be a multiple of 8 x chunk_size 8 = 64: pad or
+  cut the sequences", which a harness user cannot act on), and score as on one device."""
+  config = copy.deepcopy(trained.config)
+  config.train.seq_len = 64  # a multiple of 8 devices x chunk 8: the context the mesh takes
+  requests = [(None, [1, 2, 3, 4, 5, 6, 7], [8, 9, 10]), (None, [3] * 20, [4, 5]), (None, [9], [7])]
+  expected = harness.RetNetLM(workdir=str(trained.workdir), config=config, batch_size=2)._loglikelihood_tokens(
+      requests)
+  config.mesh.shape = (1, 1, 1, 8)
+  split = harness.RetNetLM(workdir=str(trained.workdir), config=config, batch_size=2)
+  for (logprob, greedy), (want, want_greedy) in zip(split._loglikelihood_tokens(requests), expected):
+    assert logprob == pytest.approx(want, rel=1e-5, abs=1e-5) and greedy == want_greedy
 
 
 @pytest.mark.parametrize("architecture", ["transformer", "hybrid"])

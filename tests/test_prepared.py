@@ -4,6 +4,7 @@ once per epoch, resumes exactly, mixes by weight and gives each process disjoint
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -438,3 +439,108 @@ def test_plain_files_train_through_their_cached_corpus(tmp_path, monkeypatch):
   config.files = (str(one),)
   with pytest.raises(ValueError, match=r"data.reset_at_documents=True but data.files holds a single document"):
     loader.open_corpora(config, byte)
+
+
+def _interrupted_prepare(out):
+  with pytest.raises(KeyboardInterrupt):
+    prepare(out, interrupted(40))
+
+
+def _finished_prepare(out):
+  prepare(out)
+
+
+def _edit_json(path, edit):
+  path.write_text(edit(path.read_text()))
+
+
+# The campaign's shapes of bad input (issue 41): (setup of the folder, what is run, the one line expected, which
+# names the file or field). `run` is "prepare" (prepared.write into the folder), "open" (training's open_corpus)
+# or "train" (loader.open_corpora of a data config).
+BAD_INPUTS = {
+    "an empty file in --out": (lambda out: (out.mkdir(), (out / "notes").write_text("")), "prepare",
+                               r"--out='{out}' holds 'notes', which prepare_data.py did not write; give an empty"),
+    "a file named like a shard in --out": (
+        lambda out: (out.mkdir(), (out / "train-notes.txt").write_text("mine")), "prepare",
+        r"--out='{out}' holds 'train-notes.txt', which prepare_data.py did not write"),
+    "--out a file": (lambda out: out.write_text("mine"), "prepare", r"--out='{out}' is a file; give a directory"),
+    "--out under a file": (lambda out: out.write_text("mine"), "prepare inside",
+                           r"--out='{out}/inside' lies under '{out}', which is a file; give a directory"),
+    "progress.json of {}": (lambda out: (_interrupted_prepare(out), (out / "progress.json").write_text("{}")),
+                            "prepare", r"--out='{out}': its progress.json is not a prepare's progress \(no field "
+                                       r"'settings'\); delete '{out}' and prepare again."),
+    "progress.json not JSON": (lambda out: (_interrupted_prepare(out), (out / "progress.json").write_text("{x")),
+                               "prepare", r"--out='{out}': its progress.json is not a prepare's progress \(Expecting"),
+    "progress.json of a list": (lambda out: (_interrupted_prepare(out), (out / "progress.json").write_text("[1]")),
+                                "prepare", r"its progress.json is not a prepare's progress \(list \[1\], not an "),
+    "progress.json with a bad count": (
+        lambda out: (_interrupted_prepare(out), _edit_json(out / "progress.json", lambda t: json.dumps(
+            {**json.loads(t), "consumed": -3}))), "prepare", r"its progress.json is not a prepare's progress "
+                                                             r"\(consumed -3 is not a count of documents\)"),
+    "an interrupted prepare, half-written": (_interrupted_prepare, "open",
+                                             r"data.prepared='{out}' is half-written \(a prepare was interrupted\); "
+                                             r"rerun scripts/prepare_data.py --out={out} to finish it."),
+    "metadata.json not JSON": (lambda out: (_finished_prepare(out), (out / "metadata.json").write_text("{x")),
+                               "open", r"data.prepared='{out}': its metadata.json is unreadable or of another "
+                                       r"format \(Expecting .*\); prepare it again: delete '{out}'"),
+    "metadata.json without splits": (
+        lambda out: (_finished_prepare(out), _edit_json(out / "metadata.json", lambda t: json.dumps(
+            {k: v for k, v in json.loads(t).items() if k != "splits"}))), "open",
+        r"its metadata.json is unreadable or of another format \(no field 'splits'\)"),
+    "metadata.json of another version": (
+        lambda out: (_finished_prepare(out), _edit_json(out / "metadata.json", lambda t: json.dumps(
+            {**json.loads(t), "version": 99}))), "open", r"of another format \(format 'retnet_jax.prepared' version "
+                                                         r"99\)"),
+    "a shard's name taken by the user's file": (
+        lambda out: (_finished_prepare(out), (out / "validation-00000.starts").write_text("mine")), "open",
+        r"data.prepared='{out}': shard validation-00000.starts holds 4 bytes, not \d+ \(damaged or truncated\)"),
+    "data.validation_fraction=-0.5": (lambda out: None, "prepare -0.5",
+                                      r"data.validation_fraction=-0.5 must lie strictly between 0 and 1 \(the share "
+                                      r"of documents held out for validation\); set it to e.g. 0.1, or give "
+                                      r"data.validation_files."),
+    "data.validation_fraction=1": (lambda out: None, "prepare 1", r"data.validation_fraction=1.0 must lie strictly"),
+    "data.prepared=''": (lambda out: None, "train ''", r"data.prepared is empty \(data.prepared=\(''?,?\)\); give "
+                                                      r"the --out directory of scripts/prepare_data.py, or unset "
+                                                      r"data.prepared to train on data.files."),
+    "one of data.prepared ''": (lambda out: _finished_prepare(out), "train both",
+                                r"data.prepared\[1\] is empty \(data.prepared=\('{out}', ''\)\); give the --out"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_the_campaigns_bad_inputs_are_one_line_naming_the_file_or_field(tmp_path, case):
+  """Each bad shape of a prepared corpus or of --out is refused in one line naming the file (or field) and the fix,
+  and no file of the user's is changed."""
+  setup, run, expected = BAD_INPUTS[case]
+  out = tmp_path / "c"
+  setup(out)
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} if out.exists() else {}
+  byte = tokenizer_lib.load("byte")
+  with pytest.raises(ValueError) as error:
+    if run == "prepare":
+      prepare(out)
+    elif run == "prepare inside":
+      prepare(out / "inside")
+    elif run.startswith("prepare "):
+      prepared.write(out, DOCUMENTS, None, "byte", ["test"], float(run.split()[1]))
+    elif run == "open":
+      prepared.open_corpus(out, byte)
+    else:
+      loader.open_corpora(data_config([out, ""] if run == "train both" else [""]), byte)
+  message = str(error.value)
+  assert "\n" not in message and re.search(expected.format(out=re.escape(str(out))), message), message
+  assert str(out) in message or message.startswith("data."), message  # the file, or the field
+  if not case.startswith("progress.json"):  # a resumed prepare refused: its own files are kept as they were too
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+  assert not (tmp_path / "c" / "inside").exists()
+
+
+def test_a_users_file_named_like_a_shard_survives_a_resumed_prepare_and_training(tmp_path):
+  """`train-notes.txt` is no shard name (int() of 'notes' failed once): a resume keeps it, training ignores it."""
+  out = tmp_path / "c"
+  with pytest.raises(KeyboardInterrupt):
+    prepare(out, interrupted(40))
+  (out / "train-notes.txt").write_text("mine")
+  prepare(out)
+  assert (out / "train-notes.txt").read_text() == "mine"
+  assert prepared.open_corpus(out, tokenizer_lib.load("byte")).num_tokens("train") > 0

@@ -142,3 +142,31 @@ def test_older_mesh_shapes_and_rules_keep_working():
   config.mesh.rules = tuple(r for r in config.mesh.rules if r[0] != "length")
   assert sharding.sequence_devices(config.mesh, 8) == 1
   assert sharding.sequence_split() is None
+
+
+@pytest.mark.parametrize("shape", [("abc",), ("(abc,1)",), (1.5, 1, 1, 1), (True, 1)])
+def test_a_mesh_shape_of_no_integers_is_named_with_its_form(shape):
+  """`--config.mesh.shape=abc` reaches the config as ('abc',): int() of it named neither the field nor its form."""
+  config = tiny(mesh_shape=(-1, 1, 1, 1))
+  config.mesh.shape = shape
+  with pytest.raises(ValueError, match=r"^mesh.shape=.* must be a tuple of integer sizes, one per axis of "
+                                       r"mesh.axis_names=\('data', 'fsdp', 'tensor', 'sequence'\) \(-1: the devices "
+                                       r"left over\), e.g. --config.mesh.shape='\(-1,1,1,1\)'.$"):
+    train.check_config(config, 8)
+
+
+@pytest.mark.parametrize("rule, detail", [
+    (("embed", "nothing"), r"mesh.rules maps 'embed' to 'nothing', but 'nothing' is not an axis of the mesh \("
+                           r"mesh.axis_names=\('data', 'fsdp', 'tensor', 'sequence'\)\); name mesh axes among those, "
+                           r"or None to replicate."),
+    (("batch", ("data", "fsbp")), r"mesh.rules maps 'batch' to \('data', 'fsbp'\), but 'fsbp' is not an axis"),
+    ("embed", r"mesh.rules holds 'embed', not a \(logical axis, mesh axes\) pair; write each rule as"),
+])
+def test_a_rule_naming_no_mesh_axis_is_refused_before_any_work(rule, detail):
+  """Such a rule failed as the first parameter was placed, in jax's words ("Resource axis: nothing of P('nothing',
+  'mlp') is not found in mesh"), naming neither the rule nor the field."""
+  config = tiny(mesh_shape=(-1, 1, 1, 1))
+  config.mesh.rules = tuple(r for r in config.mesh.rules if r[0] != (rule[0] if isinstance(rule, tuple) else rule)
+                            ) + (rule,)
+  with pytest.raises(ValueError, match="^" + detail):
+    train.check_config(config, 8)
