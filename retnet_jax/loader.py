@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from retnet_jax import corpus_cache, data, prepared
+from retnet_jax import corpus_cache, data, packed_rows, prepared
 from retnet_jax.tokenizer import Tokenizer
 
 
@@ -141,12 +141,12 @@ class PreparedBatches:
     self._iterator.set_state(saved)
 
 
-def validation_rows(corpora: Sequence[prepared.Corpus], seq_len: int, documents: bool) -> prepared.PackedRows:
+def validation_rows(corpora: Sequence[prepared.Corpus], seq_len: int, documents: bool) -> packed_rows.PackedRows:
   """Every corpus's validation split, one after another, as rows."""
-  return prepared.PackedRows([shard for c in corpora for shard in c.shards["validation"]], seq_len, documents)
+  return packed_rows.PackedRows([shard for c in corpora for shard in c.shards["validation"]], seq_len, documents)
 
 
-def eval_batches(rows: prepared.PackedRows, global_batch_size: int, max_batches: int | None,
+def eval_batches(rows: packed_rows.PackedRows, global_batch_size: int, max_batches: int | None,
                  sharding: jax.sharding.NamedSharding | None = None) -> Iterator[Any]:
   """Validation batches of `data.eval_rows` (every full batch, or `max_batches` spread over the split), each
   process reading only its own rows; checked on the call."""

@@ -13,18 +13,17 @@ of `retnet_jax.data`: documents joined by the tokenizer's separator, which opens
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from retnet_jax import encoding, tokenizer as tokenizer_lib
+from retnet_jax import encoding, packed_rows, tokenizer as tokenizer_lib
 
 FORMAT = "retnet_jax.prepared"
 VERSION = 1
@@ -66,12 +65,6 @@ def fingerprint(tokenizer: tokenizer_lib.Tokenizer) -> str:
 def token_dtype(vocab_size: int) -> np.dtype:
   """uint16 when every id fits, else uint32."""
   return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
-
-
-class Shard(NamedTuple):
-  """One shard of a split, memory-mapped."""
-  tokens: np.ndarray  # uint16 | uint32 [num_tokens]
-  starts: np.ndarray  # int64 [num_documents]
 
 
 def _shard_paths(directory: Path, split: str, index: int) -> tuple[Path, Path]:
@@ -119,51 +112,18 @@ def _reason(error: Exception) -> str:
   return f"no field {error}" if isinstance(error, KeyError) else str(error)
 
 
-class PackedRows:
-  """Rows `[seq_len + 1]` int32 of consecutive tokens, packed per shard (each shard's remainder dropped), in
-  shard order; with `documents`, a row is `(tokens, document ids)`, ids counted per shard. A Grain data source."""
-
-  def __init__(self, shards: list[Shard], seq_len: int, documents: bool = False):
-    self.shards, self.width, self.documents = shards, seq_len + 1, documents
-    counts = [len(shard.tokens) // self.width for shard in shards]
-    self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-
-  def __len__(self) -> int:
-    return int(self.offsets[-1])
-
-  def __getitem__(self, index: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    index = int(index)
-    if not 0 <= index < len(self):
-      raise IndexError(f"row {index} of {len(self)}")
-    shard_index = bisect.bisect_right(self.offsets, index) - 1
-    shard = self.shards[shard_index]
-    begin = (index - int(self.offsets[shard_index])) * self.width
-    tokens = np.array(shard.tokens[begin:begin + self.width], np.int32)
-    if not self.documents:
-      return tokens
-    positions = np.arange(begin, begin + self.width)
-    return tokens, (np.searchsorted(shard.starts, positions, side="right") - 1).astype(np.int32)
-
-  def take(self, indices: Iterable[int]) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """The rows at `indices`, stacked: `[n, seq_len + 1]` (and the ids alike)."""
-    rows = [self[i] for i in indices]
-    if not self.documents:
-      return np.stack(rows)
-    return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
-
-
 class Corpus:
   """An opened prepared directory: its metadata and memory-mapped shards."""
 
-  def __init__(self, path: Path, metadata: dict[str, Any], shards: dict[str, list[Shard]], label: str):
+  def __init__(self, path: Path, metadata: dict[str, Any], shards: dict[str, list[packed_rows.Shard]], label: str):
     self.path, self.metadata, self.shards = path, metadata, shards
     self.label = label  # how errors name it: `data.prepared='DIR'`, or the source of a cached corpus
 
   def num_tokens(self, split: str) -> int:
     return sum(len(shard.tokens) for shard in self.shards[split])
 
-  def rows(self, split: str, seq_len: int, documents: bool = False) -> PackedRows:
-    return PackedRows(self.shards[split], seq_len, documents)
+  def rows(self, split: str, seq_len: int, documents: bool = False) -> packed_rows.PackedRows:
+    return packed_rows.PackedRows(self.shards[split], seq_len, documents)
 
 
 def open_corpus(path: str | os.PathLike, tokenizer: tokenizer_lib.Tokenizer, field: str = "data.prepared"
@@ -206,7 +166,7 @@ def open_corpus(path: str | os.PathLike, tokenizer: tokenizer_lib.Tokenizer, fie
       if problem:
         raise CorpusError(f"{field}={str(path)!r}: shard {problem} (damaged or truncated); {rebuild}.")
       tokens_path, starts_path = _shard_paths(path, split, index)
-      shards[split].append(Shard(np.memmap(tokens_path, dtype, "r", shape=(entry["tokens"],)),
+      shards[split].append(packed_rows.Shard(np.memmap(tokens_path, dtype, "r", shape=(entry["tokens"],)),
                                  np.memmap(starts_path, np.int64, "r", shape=(entry["documents"],))))
   return Corpus(path, metadata, shards, f"{field}={str(path)!r}" if field.startswith("data.prepared") else field)
 
