@@ -7,7 +7,7 @@
       metrics.jsonl, tensorboard/, profile/   what training logs (retnet_jax.metrics, train.profile_steps)
       eval_step_STEP.json        scripts/evaluate.py's results (eval_step_STEP_by_position.png: its plot)
       passkey_step_STEP.json     scripts/passkey.py's results (passkey_step_STEP.png: its heatmap)
-      lm_eval_step_STEP.json     scripts/lm_eval.py's results (each with _N before .json for other settings)
+      lm_eval_step_STEP.json     scripts/harness_eval.py's results (each with _N before .json for other settings)
       train_PROCESS.lock         the lock of the training process (retnet_jax.workdir_lock)
 
     step, (state, meta) = restore_newest(checkpointer, config, lambda step: checkpointer.restore(abstract, step))

@@ -183,9 +183,10 @@ def test_a_transformer_or_hybrid_continues_from_its_kv_cache(tmp_path, architect
 def test_script_prints_the_table_and_writes_json(trained, tasks_dir, tmp_path):
   config, workdir, _ = trained
   output = tmp_path / "results.json"
-  result = run_script("lm_eval.py", f"--config={CONFIG}", f"--workdir={workdir}", f"--config.train.seq_len={SEQ_LEN}",
-                      "--tasks=tiny_mc,tiny_gen", f"--include_path={tasks_dir}", "--limit=2", "--batch_size=4",
-                      f"--output_path={output}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+  result = run_script("harness_eval.py", f"--config={CONFIG}", f"--workdir={workdir}",
+                      f"--config.train.seq_len={SEQ_LEN}", "--tasks=tiny_mc,tiny_gen", f"--include_path={tasks_dir}",
+                      "--limit=2", "--batch_size=4", f"--output_path={output}", HF_HUB_OFFLINE="1",
+                      HF_DATASETS_OFFLINE="1")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert any(line.startswith("|tiny_mc ") for line in lines) and any(line.startswith("|tiny_gen") for line in lines)
@@ -248,7 +249,7 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
 
 @pytest.mark.slow
 def test_a_negative_num_fewshot_is_refused_by_the_script(tmp_path):
-  result = run_script("lm_eval.py", f"--config={CONFIG}", f"--workdir={tmp_path}", "--tasks=tiny_mc",
+  result = run_script("harness_eval.py", f"--config={CONFIG}", f"--workdir={tmp_path}", "--tasks=tiny_mc",
                       "--num_fewshot=-1")
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert "error: flag --num_fewshot=-1: -1 is not a non-negative integer" in result.stderr, result.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Runs lm-evaluation-harness tasks on a checkpoint:
 
-    python scripts/lm_eval.py --config=configs/retnet.py:small --workdir=runs/shakespeare \\
+    python scripts/harness_eval.py --config=configs/retnet.py:small --workdir=runs/shakespeare \\
       --tasks=lambada_openai,hellaswag --num_fewshot=0 --limit=100 --batch_size=16
 
 Prints the harness's results table and, as the last line of stdout, one JSON object (the step, the results and
@@ -9,22 +9,18 @@ where they were written); the harness's full results go to `--output_path` (a `.
 (`mode=chunkwise,max_length=1024`; see `retnet_jax.lm_eval`). Needs the `eval` extra: pip install -e '.[eval]'.
 """
 
-import sys
-from pathlib import Path
-
-# This file bears the harness's package name: its folder, first on the path, would shadow the package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-from retnet_jax import cli  # noqa: E402
+from retnet_jax import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
 
-from absl import flags  # noqa: E402
-import lm_eval  # noqa: E402
-from lm_eval import utils as harness_utils  # noqa: E402
+from pathlib import Path
 
-from retnet_jax import lm_eval as harness, workdir  # noqa: E402
+from absl import flags
+import lm_eval
+from lm_eval import utils as harness_utils
+
+from retnet_jax import lm_eval as harness, workdir
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
