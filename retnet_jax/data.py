@@ -61,12 +61,6 @@ class Split(NamedTuple):
   starts: np.ndarray  # int64 [num_documents]: each document's first token (the separator opening it), from 0
 
 
-def load_splits(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-  """(train, valid) int32 token streams `[num_tokens]` from `config.data`: the tokens of `load_documents`."""
-  train, valid = load_documents(data_cfg, tokenizer)
-  return train.tokens, valid.tokens
-
-
 def load_documents(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[Split, Split]:
   """(train, valid) `Split`s from `config.data`.
 

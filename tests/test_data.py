@@ -118,7 +118,7 @@ def test_pack_too_short_errors():
 
 def test_default_corpus_split():
   corpus = (REPO / "data" / "tinyshakespeare.txt").read_bytes()
-  train, valid = data.load_splits(data_config(), tokenizer.ByteTokenizer())
+  train, valid = (split.tokens for split in data.load_documents(data_config(), tokenizer.ByteTokenizer()))
   assert train.dtype == valid.dtype == np.int32
   assert len(train) + len(valid) == len(corpus)
   assert len(valid) == int(len(corpus) * 0.1)
@@ -132,7 +132,7 @@ def test_local_txt_files_in_order(tmp_path):
   second.write_text("Another document.\n", encoding="utf-8")
   valid.write_text("held out\n", encoding="utf-8")
   cfg = data_config(files=(str(first), str(second)), validation_files=(str(valid),))
-  train, held_out = data.load_splits(cfg, tokenizer.ByteTokenizer())
+  train, held_out = (split.tokens for split in data.load_documents(cfg, tokenizer.ByteTokenizer()))
   np.testing.assert_array_equal(train, byte_tokens("Première ligne.\nSecond line.\nAnother document.\n"))
   np.testing.assert_array_equal(held_out, byte_tokens("held out\n"))
 
@@ -140,7 +140,7 @@ def test_local_txt_files_in_order(tmp_path):
 def test_local_jsonl_field_and_validation_fraction(tmp_path):
   path = write_jsonl(tmp_path / "docs.jsonl", [{"id": i, "body": f"doc {i};"} for i in range(10)])
   cfg = data_config(files=(str(path),), text_field="body", validation_fraction=0.25)
-  train, valid = data.load_splits(cfg, tokenizer.ByteTokenizer())
+  train, valid = (split.tokens for split in data.load_documents(cfg, tokenizer.ByteTokenizer()))
   stream = byte_tokens("".join(f"doc {i};" for i in range(10)))
   num_valid = int(len(stream) * 0.25)
   np.testing.assert_array_equal(train, stream[:-num_valid])
@@ -151,7 +151,7 @@ def test_local_parquet(tmp_path):
   path = tmp_path / "docs.parquet"
   datasets.Dataset.from_dict({"text": ["alpha ", "", "beta ", "gamma"], "n": [1, 2, 3, 4]}).to_parquet(path)
   cfg = data_config(files=(str(path),), validation_files=(str(path),))
-  train, valid = data.load_splits(cfg, tokenizer.ByteTokenizer())
+  train, valid = (split.tokens for split in data.load_documents(cfg, tokenizer.ByteTokenizer()))
   np.testing.assert_array_equal(train, byte_tokens("alpha beta gamma"))
   np.testing.assert_array_equal(valid, train)
 
@@ -162,24 +162,24 @@ def test_hf_tokenizer_separates_documents_with_eos(tmp_path, bpe_path):
   rows = [{"text": docs[0]}, {"text": ""}, {"other": "no text"}, {"text": docs[1]}]  # empty ones: no token
   path = write_jsonl(tmp_path / "docs.jsonl", rows)
   other = write_jsonl(tmp_path / "other.jsonl", [{"text": docs[2]}])
-  train, _ = data.load_splits(data_config(files=(str(path), str(other)), validation_files=(str(other),)), tok)
+  train, _ = data.load_documents(data_config(files=(str(path), str(other)), validation_files=(str(other),)), tok)
   eos = np.asarray([tok.eos_id], dtype=np.int32)
   expected = np.concatenate([tok.encode(docs[0]), eos, tok.encode(docs[1]), eos, tok.encode(docs[2])])
-  np.testing.assert_array_equal(train, expected)
+  np.testing.assert_array_equal(train.tokens, expected)
 
 
 def test_globs_expand_and_rows_without_text_are_counted(tmp_path, caplog):
   for name, text in (("b.txt", "second "), ("a.txt", "first "), ("c.md", "not matched")):
     (tmp_path / name).write_text(text)
   only_a = (str(tmp_path / "a.txt"),)
-  train, _ = data.load_splits(data_config(files=(str(tmp_path / "*.txt"),), validation_files=only_a),
-                              tokenizer.ByteTokenizer())
-  np.testing.assert_array_equal(train, byte_tokens("first second "))  # sorted matches
+  train, _ = data.load_documents(data_config(files=(str(tmp_path / "*.txt"),), validation_files=only_a),
+                                 tokenizer.ByteTokenizer())
+  np.testing.assert_array_equal(train.tokens, byte_tokens("first second "))  # sorted matches
   with pytest.raises(FileNotFoundError, match=r"data\.files: the pattern .*\*\.json' matches no file"):
-    data.load_splits(data_config(files=(str(tmp_path / "*.json"),)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(tmp_path / "*.json"),)), tokenizer.ByteTokenizer())
   rows = write_jsonl(tmp_path / "half.jsonl", [{"text": "a"}, {"other": 1}, {"text": "b"}, {"text": ""}])
   with caplog.at_level(logging.WARNING, logger="absl"):
-    data.load_splits(data_config(files=(str(rows),), validation_files=only_a), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(rows),), validation_files=only_a), tokenizer.ByteTokenizer())
   assert "half.jsonl': 2 of 4 rows have no text in field 'text'; they are skipped" in caplog.text
   with pytest.raises(ValueError, match=r"the validation split holds 5 tokens, too few"):
     data.pack(np.arange(5), 8, "validation split")
@@ -188,31 +188,31 @@ def test_globs_expand_and_rows_without_text_are_counted(tmp_path, caplog):
 def test_missing_file_errors(tmp_path):
   missing = str(tmp_path / "nope.txt")
   with pytest.raises(FileNotFoundError, match=r"data\.files.*nope\.txt.*does not exist"):
-    data.load_splits(data_config(files=(missing,)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(missing,)), tokenizer.ByteTokenizer())
   real = tmp_path / "real.txt"
   real.write_text("some text")
   with pytest.raises(FileNotFoundError, match=r"data\.validation_files.*nope\.txt"):
-    data.load_splits(data_config(files=(str(real),), validation_files=(missing,)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(real),), validation_files=(missing,)), tokenizer.ByteTokenizer())
 
 
 def test_empty_file_errors(tmp_path):
   path = tmp_path / "empty.txt"
   path.write_text("")
   with pytest.raises(ValueError, match=r"empty\.txt.*is empty"):
-    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
 def test_no_text_errors(tmp_path):
   path = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}])
   with pytest.raises(ValueError, match=r"blank\.jsonl.*holds no text in field 'text'"):
-    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
 def test_bad_extension_errors(tmp_path):
   path = tmp_path / "table.csv"
   path.write_text("text\nhello\n")
   with pytest.raises(ValueError, match=r"table\.csv.*unsupported type '\.csv'.*\.txt.*\.jsonl.*\.parquet"):
-    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
 
 
 ROWS = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5))
@@ -234,7 +234,7 @@ def test_an_unreadable_file_is_named_with_its_line_and_the_fix(tmp_path, name, t
   path = tmp_path / name
   path.write_text(text)
   with pytest.raises(ValueError, match=r"^data\.files: " + message):
-    data.load_splits(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
   train, _ = sources.of_config(data_config(files=(str(path),)))
   with pytest.raises(ValueError, match=r"^data\.files: " + message):
     list(train)
@@ -243,11 +243,11 @@ def test_an_unreadable_file_is_named_with_its_line_and_the_fix(tmp_path, name, t
 def test_missing_text_field_errors(tmp_path):
   jsonl = write_jsonl(tmp_path / "docs.jsonl", [{"content": "hello"}])
   with pytest.raises(ValueError, match=r"no field 'text'.*content.*set data\.text_field"):
-    data.load_splits(data_config(files=(str(jsonl),)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(jsonl),)), tokenizer.ByteTokenizer())
   parquet = tmp_path / "docs.parquet"
   datasets.Dataset.from_dict({"body": ["hello"]}).to_parquet(parquet)
   with pytest.raises(ValueError, match=r"docs\.parquet' has no field 'text'.*set data\.text_field"):
-    data.load_splits(data_config(files=(str(parquet),)), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(files=(str(parquet),)), tokenizer.ByteTokenizer())
 
 
 def test_unreachable_hub_errors(monkeypatch):
@@ -255,7 +255,7 @@ def test_unreachable_hub_errors(monkeypatch):
     raise ConnectionError("Couldn't reach 'some/dataset' on the Hub")
   monkeypatch.setattr(datasets, "load_dataset", offline)
   with pytest.raises(ConnectionError, match=r"'some/dataset'.*hub could not be reached.*data\.files"):
-    data.load_splits(data_config(hub_dataset="some/dataset"), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(hub_dataset="some/dataset"), tokenizer.ByteTokenizer())
 
 
 # Batches.

@@ -80,7 +80,7 @@ def test_one_document_is_refused_with_the_flag(tmp_path):
                                        r"give several files or rows, or set data.reset_at_documents=False"):
     data.load_documents(data_config(files=(str(path),), reset_at_documents=True), tokenizer.ByteTokenizer())
   with pytest.raises(ValueError, match=r"the shipped corpus \(data.files empty\) holds a single document"):
-    data.load_splits(data_config(reset_at_documents=True), tokenizer.ByteTokenizer())
+    data.load_documents(data_config(reset_at_documents=True), tokenizer.ByteTokenizer())
 
 
 def packed(num=10, width=5):

@@ -233,8 +233,8 @@ def test_loss_by_position_is_each_buckets_mean_per_token_nll(trained):
   model, _ = train_state.restore_model(config, workdir)
   results = evaluate.evaluate_model(model, config, modes=("chunkwise", "recurrent"), max_batches=1, seq_len=64,
                                     position_buckets=4)
-  _, valid = data.load_splits(config.data, tokenizer.ByteTokenizer())
-  sequences = data.pack(valid, 64)
+  _, valid = data.load_documents(config.data, tokenizer.ByteTokenizer())
+  sequences = data.pack(valid.tokens, 64)
   rows_NxL1 = sequences[data.eval_rows(len(sequences), 8, 1).reshape(-1)]
   with sharding.placement(config.mesh).active():
     logits_NxLxV = np.asarray(model(jnp.asarray(rows_NxL1[:, :-1]), mode="parallel")[0], np.float64)
