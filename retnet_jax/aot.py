@@ -27,8 +27,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
 
-from retnet_jax import (accelerators, architectures, flops, layer_stack, matmul_dtypes, model as model_lib, sampling,
-                        sharding, train_state, train_step as train_step_lib)
+from retnet_jax import (accelerators, architectures, flops, layer_stack, markdown, matmul_dtypes, model as model_lib,
+                        sampling, sharding, train_state, train_step as train_step_lib)
 from retnet_jax.kernels import support
 
 STEPS = ("train", "eval", "prefill", "decode")
@@ -278,17 +278,17 @@ def format_table(report: dict[str, Any]) -> str:
   tflop = lambda f: "-" if f is None else f"{f / 1e12:.2f}"
   lines = [f"{report['target']} ({report['devices']} x {report['device_kind']}), mesh {report['mesh']}, batch "
            f"{report['batch_size']} x {report['seq_len']}, remat {report['remat']}, {report['mode']}"
-           f"{', scanned layers' if report.get('scan_layers') else ''}",
-           "", "| step | fits | required GiB | of GiB | args GiB | temp GiB | XLA TFLOP | model TFLOP | collectives "
-           "| compile s | step >= s | f32-operand matmuls |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"{', scanned layers' if report.get('scan_layers') else ''}", ""]
+  rows = []
   for name, r in report["steps"].items():
     comm = ", ".join(f"{k} x{v['count']} ({gib(v['bytes'])} GiB)" for k, v in r.get("collectives", {}).items())
     bound = r.get("step_seconds_lower_bound")
-    lines.append(f"| {name} | {'yes' if r['fits'] else 'no'} | {gib(r['required_bytes_per_device'])} | "
-                 f"{gib(r['device_memory_bytes'])} | {gib(r.get('argument_bytes'))} | {gib(r.get('temporary_bytes'))} "
-                 f"| {tflop(r.get('xla_flops_per_device'))} | {tflop(r['model_flops_per_device'])} | {comm or '-'} "
-                 f"| {r['compile_seconds']:.1f} | {'-' if bound is None else f'{bound:.4f}'} | "
-                 f"{r['float32_matmul_share']:.1%} |")
+    rows.append([name, "yes" if r["fits"] else "no", gib(r["required_bytes_per_device"]), gib(r["device_memory_bytes"]),
+                 gib(r.get("argument_bytes")), gib(r.get("temporary_bytes")), tflop(r.get("xla_flops_per_device")),
+                 tflop(r["model_flops_per_device"]), comm or "-", f"{r['compile_seconds']:.1f}",
+                 "-" if bound is None else f"{bound:.4f}", f"{r['float32_matmul_share']:.1%}"])
+  lines += markdown.table(["step", "fits", "required GiB", "of GiB", "args GiB", "temp GiB", "XLA TFLOP", "model TFLOP",
+                           "collectives", "compile s", "step >= s", "f32-operand matmuls"], rows)
   lines.append("")
   lines.append("Per device. `step >= s` is a lower bound: max(FLOPs / peak bf16 FLOP/s, (arguments + outputs) / HBM "
                "bandwidth), FLOPs the larger of XLA's and the model's. `f32-operand matmuls`: the share of the step's "

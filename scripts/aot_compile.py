@@ -24,7 +24,7 @@ from pathlib import Path
 
 from absl import flags, logging
 
-from retnet_jax import accelerators, aot, layer_stack
+from retnet_jax import accelerators, aot, layer_stack, markdown
 
 _CONFIG = cli.config_flag("Config file and preset, with --config.x.y=... overrides.")
 _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {', '.join(accelerators.TARGET_NAMES)}.",
@@ -42,12 +42,11 @@ _OUT = flags.DEFINE_string("out", None, "Directory for the table and the JSON re
 def search_table(found: dict) -> str:
   """A Markdown table of a search's attempts, and what it found."""
   lines = [f"{found['target']}, seq_len {found['seq_len']}: largest batch {found['largest_batch']} with remat "
-           f"{found['lightest_remat_at_largest_batch']}", "", "| remat | batch | fits | required GiB | compile s |",
-           "|---|---|---|---|---|"]
-  for a in found["attempts"]:
-    need = "-" if a["required_bytes_per_device"] is None else f"{a['required_bytes_per_device'] / 2**30:.2f}"
-    lines.append(f"| {a['remat']} | {a['batch_size']} | {'yes' if a['fits'] else 'no'} | {need} | "
-                 f"{a['compile_seconds']:.1f} |")
+           f"{found['lightest_remat_at_largest_batch']}", ""]
+  lines += markdown.table(["remat", "batch", "fits", "required GiB", "compile s"], [
+      [a["remat"], a["batch_size"], "yes" if a["fits"] else "no",
+       "-" if a["required_bytes_per_device"] is None else f"{a['required_bytes_per_device'] / 2**30:.2f}",
+       f"{a['compile_seconds']:.1f}"] for a in found["attempts"]])
   return "\n".join(lines)
 
 

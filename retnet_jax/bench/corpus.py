@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import tokenizers
 
-from retnet_jax import data, loader, prepared, sharding, sources, tokenizer as tokenizer_lib, train_step
+from retnet_jax import data, loader, markdown, prepared, sharding, sources, tokenizer as tokenizer_lib, train_step
 from retnet_jax.bench.harness import random_tokens
 from retnet_jax.bench.sections import cpu_name
 
@@ -153,16 +153,16 @@ def run(config, out: Path, command: str, data_mb: float, memory_mb: tuple[float,
 
 
 def format_table(results: dict[str, Any]) -> str:
-  lines = [f"Data path on {results['cpu']} ({results['date']}): `{results['command']}`", "",
-           "| measurement | tokens/s |", "|---|---:|"]
-  lines += [f"| prepare, {name.replace('_workers', ', ')} worker(s) | {r['tokens_per_sec']:,.0f} |"
-            for name, r in results["prepare"].items()]
-  lines.append(f"| loader, batch {LOADER_BATCH} x {LOADER_SEQ_LEN}, one process | "
-               f"{results['loader']['loader_tokens_per_sec']:,.0f} |")
   step = results["train_step"]
-  lines.append(f"| train step, batch {step['batch_size']} x {step['seq_len']} | {step['tokens_per_sec']:,.0f} |")
+  lines = [f"Data path on {results['cpu']} ({results['date']}): `{results['command']}`", ""]
+  lines += markdown.table(["measurement", "tokens/s"], [
+      [f"prepare, {name.replace('_workers', ', ')} worker(s)", f"{r['tokens_per_sec']:,.0f}"]
+      for name, r in results["prepare"].items()] + [
+      [f"loader, batch {LOADER_BATCH} x {LOADER_SEQ_LEN}, one process",
+       f"{results['loader']['loader_tokens_per_sec']:,.0f}"],
+      [f"train step, batch {step['batch_size']} x {step['seq_len']}", f"{step['tokens_per_sec']:,.0f}"]], right=(1,))
   if results["memory"]:
-    lines += ["", "| prepared corpus | shard bytes | training peak RSS |", "|---|---:|---:|"]
-    lines += [f"| {name} | {m['corpus_bytes'] / 2**20:,.1f} MiB | {m['peak_rss_bytes'] / 2**20:,.1f} MiB |"
-              for name, m in results["memory"].items()]
+    lines += [""] + markdown.table(["prepared corpus", "shard bytes", "training peak RSS"], [
+        [name, f"{m['corpus_bytes'] / 2**20:,.1f} MiB", f"{m['peak_rss_bytes'] / 2**20:,.1f} MiB"]
+        for name, m in results["memory"].items()], right=(1, 2))
   return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from retnet_jax import layers, sharding
+from retnet_jax import layers, markdown, sharding
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config, too_big
 from retnet_jax.bench.harness import Budget
@@ -41,10 +41,9 @@ def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[
 
 def compile_markdown(results: dict[str, Any]) -> list[str]:
   """The compile part's table of compile times and XLA buffers, and skips."""
-  lines = ["## Train-step compile times (compiled, not run)", "",
-           "| model/impl | parameters | layers | batch x tokens | remat | compile s | XLA buffers |",
-           "|---|---|---|---|---|---|---|"]
-  for name, r in results["models"].items():
-    lines.append(f"| {name} | {r['params']:,} | {r['num_layers']} | {r['batch_size']} x {r['seq_len']} | {r['remat']} "
-                 f"| {r['compile_s']:.1f} | {fmt(r['compiled_bytes'], 'B')} |")
+  lines = ["## Train-step compile times (compiled, not run)", ""]
+  lines += markdown.table(
+      ["model/impl", "parameters", "layers", "batch x tokens", "remat", "compile s", "XLA buffers"],
+      [[name, f"{r['params']:,}", r["num_layers"], f"{r['batch_size']} x {r['seq_len']}", r["remat"],
+        f"{r['compile_s']:.1f}", fmt(r["compiled_bytes"], "B")] for name, r in results["models"].items()])
   return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from retnet_jax import presets, sampling, transformer
+from retnet_jax import markdown, presets, sampling, transformer
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config
 from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
@@ -104,13 +104,14 @@ def decode_markdown(results: dict[str, Any]) -> list[str]:
            f"floor {fmt(results['param_bytes'], 'B')} (float32 parameters) / "
            f"{fmt(results['read_bytes_per_s']['median'], 'B/s')} = {results['weight_read_floor_s'] * 1e3:.3g} "
            "ms/token: "
-           f"RetNet reaches {results['batch_1_over_floor']:.0%} of it.", "",
-           "| context | RetNet batch | RetNet tokens/s | RetNet state | Transformer batch | Transformer tokens/s | "
-           "KV cache | ratio |", "|---|---|---|---|---|---|---|---|"]
+           f"RetNet reaches {results['batch_1_over_floor']:.0%} of it.", ""]
+  rows = []
   for p in results["contexts"]:
     t = p.get("transformer")
-    lines.append(f"| {p['context']:,} | {p['retnet']['batch']} | {fmt_range(p['retnet']['tokens_per_s'])} | "
-                 f"{fmt(p['retnet']['state_bytes'], 'B')} | {t['batch'] if t else '-'} | "
-                 f"{fmt_range(t['tokens_per_s']) if t else p['transformer_skipped']} | "
-                 f"{fmt(t['state_bytes'], 'B') if t else '-'} | {fmt(p.get('throughput_ratio'))} |")
+    rows.append([f"{p['context']:,}", p["retnet"]["batch"], fmt_range(p["retnet"]["tokens_per_s"]),
+                 fmt(p["retnet"]["state_bytes"], "B"), t["batch"] if t else "-",
+                 fmt_range(t["tokens_per_s"]) if t else p["transformer_skipped"],
+                 fmt(t["state_bytes"], "B") if t else "-", fmt(p.get("throughput_ratio"))])
+  lines += markdown.table(["context", "RetNet batch", "RetNet tokens/s", "RetNet state", "Transformer batch",
+                           "Transformer tokens/s", "KV cache", "ratio"], rows)
   return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

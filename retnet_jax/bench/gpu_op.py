@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import decay, kernels, retention
+from retnet_jax import decay, kernels, markdown, retention
 from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
 from retnet_jax.bench.op import (KINDS, TOLERANCE, attention_op_flops, error_text, kind_flops, op_case, op_inputs,
                                  relative_error, retention_op_flops)
@@ -201,12 +201,10 @@ def op_markdown(results: dict[str, Any]) -> list[str]:
   names = sorted({name for p in results["points"] for name in p["cases"]})
   lines = [f"## Retention op, d_k {results['d_k']} / d_v {results['d_v']} (batch {results['batch']}, "
            f"{results['heads']} heads, bfloat16)", "",
-           "Tokens/s (TFLOP/s) per implementation and length; FLOP counts in `flop_counts`.", "",
-           "| tokens | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-  for p in results["points"]:
-    cells = [f"{fmt(c['tokens_per_s']['median'])} ({c['tflops_per_s']:.3g})" if (c := p["cases"].get(n)) else "-"
-             for n in names]
-    lines.append(f"| {p['seq_len']:,} | " + " | ".join(cells) + " |")
+           "Tokens/s (TFLOP/s) per implementation and length; FLOP counts in `flop_counts`.", ""]
+  lines += markdown.table(["tokens"] + names, [
+      [f"{p['seq_len']:,}"] + [f"{fmt(c['tokens_per_s']['median'])} ({c['tflops_per_s']:.3g})"
+                               if (c := p["cases"].get(n)) else "-" for n in names] for p in results["points"]])
   agreement = results["agreement"]
   lines += ["", f"Agreement with the XLA form in float32 at {agreement['seq_len']} tokens (relative error, tolerance "
             f"{agreement['tolerance']}): " + (", ".join(f"{k} {v:.1e}" for k, v in agreement["relative_error"].items())

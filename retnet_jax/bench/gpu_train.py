@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from retnet_jax import flops, layers, matmul_dtypes, presets, sharding, train_step
+from retnet_jax import flops, layers, markdown, matmul_dtypes, presets, sharding, train_step
 from retnet_jax.bench import cases
 from retnet_jax.bench.harness import (Budget, compile_timed, interleave, isolated, memory_source, out_of_memory,
                                       random_tokens, rate)
@@ -156,12 +156,12 @@ def train_markdown(results: dict[str, Any]) -> list[str]:
            f"train.remat={results['remat']}. Each case alone in a fresh process (its peak memory is its own), its MFU "
            f"against a bfloat16 GEMM ({results['matmul_size']}^2) timed alternately with its steps there"
            + (f"; the suite's own process held {fmt(held, 'B')} of device memory meanwhile." if held else ".")
-           + " f32-operand matmul share: the step's matmul FLOPs with a float32 operand (traced).", "",
-           "| model | tokens/s | step s | compile s | peak memory | XLA buffers | bf16 GEMM | MFU | "
-           "f32-operand matmul share |", "|---|---|---|---|---|---|---|---|---|"]
-  for name, r in results["cases"].items():
-    lines.append(f"| {name} | {fmt_range(r['tokens_per_s'])} | {fmt_range(r['step_s'])} | {fmt(r['compile_s'])} | "
-                 f"{fmt(r['memory']['peak_bytes'], 'B')} | {fmt(r['compiled_bytes'], 'B')} | "
-                 f"{fmt_range(r['bfloat16_gemm_flops_per_s'], 'FLOP/s')} | {r['mfu']:.1%} | "
-                 f"{r['float32_matmul_share']:.1%} |")
+           + " f32-operand matmul share: the step's matmul FLOPs with a float32 operand (traced).", ""]
+  lines += markdown.table(
+      ["model", "tokens/s", "step s", "compile s", "peak memory", "XLA buffers", "bf16 GEMM", "MFU",
+       "f32-operand matmul share"],
+      [[name, fmt_range(r["tokens_per_s"]), fmt_range(r["step_s"]), fmt(r["compile_s"]),
+        fmt(r["memory"]["peak_bytes"], "B"), fmt(r["compiled_bytes"], "B"),
+        fmt_range(r["bfloat16_gemm_flops_per_s"], "FLOP/s"), f"{r['mfu']:.1%}", f"{r['float32_matmul_share']:.1%}"]
+       for name, r in results["cases"].items()])
   return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

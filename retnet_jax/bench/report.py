@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from retnet_jax import markdown
 
 
 def _prefix(x: float, unit: str) -> tuple[float, str]:
@@ -26,11 +26,6 @@ def fmt_range(s: dict[str, float], unit: str = "", scale: float = 1.0) -> str:
   return f"{fmt(median, unit)} [{low / factor:.3g}-{high / factor:.3g}]"
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-
-
 def to_markdown(results) -> str:
   """The results dict of `sections.run` as a Markdown report."""
   meta, ceilings = results["meta"], results["ceilings"]
@@ -47,13 +42,14 @@ def to_markdown(results) -> str:
            "it exceeds ~1.", "", "## Ceilings", "",
            "Measured interleaved with what they are compared to: the matmuls with the training steps, the read "
            "bandwidth with the decoding runs.", ""]
-  lines += _table(["ceiling", "median [min-max]"], [
+  lines += markdown.table(["ceiling", "median [min-max]"], [
       [f"matmul {name} ({ceilings['matmul_size']}^2)", fmt_range(s, "FLOP/s")]
       for name, s in ceilings["matmul_flops"].items()] + [
       [f"memory read ({fmt(ceilings['read_array_bytes'], 'B')} reduction)",
        fmt_range(ceilings["memory_read_bytes_per_s"], "B/s")]])
   lines += ["", "## Training step", ""]
-  lines += _table(["model/form/dtype", "tokens/s", "step s", "compile s", "peak memory", "XLA buffers", "MFU"], [
+  header = ["model/form/dtype", "tokens/s", "step s", "compile s", "peak memory", "XLA buffers", "MFU"]
+  lines += markdown.table(header, [
       [name, fmt_range(r["tokens_per_s"]), fmt_range(r["step_s"]), fmt(r["compile_s"]),
        f"{fmt(r['memory']['peak_bytes'], 'B')} (+{fmt(r['memory']['above_start_bytes'], 'B')})",
        fmt(r["compiled_bytes"], "B"), f"{r['mfu']:.1%}"]
@@ -61,7 +57,7 @@ def to_markdown(results) -> str:
   ts = results["torchscale"]
   lines += ["", "## torchscale (official implementation), same configuration", "", ts["note"], ""]
   if ts["ratios"]:
-    lines += _table(["ours / theirs", "ratio"], [[k, f"{v:.2f}x"] for k, v in ts["ratios"].items()])
+    lines += markdown.table(["ours / theirs", "ratio"], [[k, f"{v:.2f}x"] for k, v in ts["ratios"].items()])
   for kind in ("forward", "train"):
     sweep, analysis = results["lengths"][kind], results["lengths"][f"{kind}_analysis"]
     lengths = sorted({p["seq_len"] for points in sweep.values() for p in points})
@@ -70,7 +66,8 @@ def to_markdown(results) -> str:
                                             f"peak (+{fmt(p['memory']['above_start_bytes'], 'B')}), "
                                             f"{fmt(p['compiled_bytes'], 'B')} XLA")
     lines += ["", f"## {kind.capitalize()} vs sequence length (batch 1)", ""]
-    lines += _table(["tokens"] + list(sweep), [[n] + [cell(by[name].get(n)) for name in sweep] for n in lengths])
+    lines += markdown.table(["tokens"] + list(sweep),
+                            [[n] + [cell(by[name].get(n)) for name in sweep] for n in lengths])
     lines += ["", (f"Chunkwise faster than parallel from {analysis['crossover_seq_len']} tokens. "
                   if analysis["crossover_seq_len"] else "Chunkwise faster than parallel at none of these lengths. ")
               + "Growth exponent between the two longest lengths (1 linear, 2 quadratic), time: "
@@ -80,13 +77,13 @@ def to_markdown(results) -> str:
   dec = results["decoding"]
   lines += ["", f"## Decoding (greedy `Sampler.decode` of {dec['new_tokens']} tokens after a prefilled prompt, "
             "no stream callback)", ""]
-  lines += _table(["model", "tokens/s"], [
+  lines += markdown.table(["model", "tokens/s"], [
       [f"{name} {key.replace('_', ' ')}" + (f" after {dec['prompt_len']} tokens" if name != "torchscale" else ""),
        fmt_range(value)]
       for name, entry in dec["throughput"].items() for key, value in entry.items()])
   lines += ["", "Per-token latency vs context (batch 1):", ""]
   names = list(dec["latency"])
-  lines += _table(["context"] + [f"{n} ms/token" for n in names] + [f"{n} state" for n in names], [
+  lines += markdown.table(["context"] + [f"{n} ms/token" for n in names] + [f"{n} state" for n in names], [
       [c] + [fmt_range(dec["latency"][n][i]["latency_s"], scale=1e3) for n in names]
       + [fmt(dec["latency"][n][i]["state_bytes"], "B") for n in names]
       for i, c in enumerate(dec["latency_contexts"])])
@@ -109,12 +106,12 @@ def to_markdown(results) -> str:
   lines += ["", "## Document resets (packed documents, `segment_ids`)", "",
             f"The same train step without and with the documents of a packed batch ({resets['documents_per_batch']} "
             f"documents of mean length {resets['document_len']}), interleaved.", ""]
-  lines += _table(["form/dtype", "tokens/s without", "tokens/s with", "with / without"], [
+  lines += markdown.table(["form/dtype", "tokens/s without", "tokens/s with", "with / without"], [
       [name, fmt_range(r["whole_tokens_per_s"]), fmt_range(r["documents_tokens_per_s"]), f"{r['ratio']:.3f}"]
       for name, r in resets["cases"].items()])
   lines += ["", "## Targets", ""]
   met = {True: "yes", False: "no", None: "not measured"}
-  lines += _table(["target", "value", "met"], [[t["target"], fmt(t["value"]), met[t["met"]]]
-                                               for t in results["targets"]])
+  lines += markdown.table(["target", "value", "met"], [[t["target"], fmt(t["value"]), met[t["met"]]]
+                                                      for t in results["targets"]])
   return "\n".join(lines) + "\n"
 

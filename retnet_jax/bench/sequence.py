@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from retnet_jax import host_memory, sharding, train_step
+from retnet_jax import host_memory, markdown, sharding, train_step
 from retnet_jax.bench.cases import compile_train_step, make_config, param_count
 from retnet_jax.bench.harness import Case, compile_timed, interleave, memory_source, random_tokens, rate, timed
 from retnet_jax.bench.report import fmt
@@ -97,16 +97,14 @@ def to_markdown(results: dict[str, Any]) -> str:
   meta = results["meta"]
   lines = [f"# Sequence-parallel training ({meta['date']})", "", f"`{meta['command']}`", "",
            f"{meta['machine']}; jax {meta['jax']}; {meta['device_count']} {meta['platform']} devices; model "
-           f"{meta['size']} ({meta['params']:,} parameters), float32, chunkwise, batch 1.", "",
-           "| tokens | devices | XLA buffers / device | vs 1 device | step | tokens/s | compile | loss vs 1 device |",
-           "|---|---|---|---|---|---|---|---|"]
-  for p in results["run"]:
-    lines.append(f"| {p['seq_len']:,} | {p['devices']} | {fmt(p['compiled_bytes_per_device'], 'B')} | "
-                 f"{p['buffer_fraction']:.3f} | {fmt(p['step_s']['median'], 's')} | "
-                 f"{fmt(p['tokens_per_s']['median'])} | {fmt(p['compile_s'], 's')} | {p['loss_rel_diff']:.1e} |")
-  for p in results["compiled_only"]:
-    lines.append(f"| {p['seq_len']:,} | {p['devices']} | {fmt(p['compiled_bytes_per_device'], 'B')} | "
-                 f"{p['buffer_fraction']:.3f} | (compiled only) | | {fmt(p['compile_s'], 's')} | |")
+           f"{meta['size']} ({meta['params']:,} parameters), float32, chunkwise, batch 1.", ""]
+  lines += markdown.table(
+      ["tokens", "devices", "XLA buffers / device", "vs 1 device", "step", "tokens/s", "compile", "loss vs 1 device"],
+      [[f"{p['seq_len']:,}", p["devices"], fmt(p["compiled_bytes_per_device"], "B"), f"{p['buffer_fraction']:.3f}",
+        fmt(p["step_s"]["median"], "s"), fmt(p["tokens_per_s"]["median"]), fmt(p["compile_s"], "s"),
+        f"{p['loss_rel_diff']:.1e}"] for p in results["run"]]
+      + [[f"{p['seq_len']:,}", p["devices"], fmt(p["compiled_bytes_per_device"], "B"), f"{p['buffer_fraction']:.3f}",
+          "(compiled only)", "", fmt(p["compile_s"], "s"), ""] for p in results["compiled_only"]])
   return "\n".join(lines) + "\n"
 
 
