@@ -13,7 +13,7 @@ from __future__ import annotations
 import ml_collections
 from flax import nnx
 
-from retnet_jax import layers, model as model_lib, presets, transformer
+from retnet_jax import config_checks, layers, model as model_lib, presets, transformer
 
 ARCHITECTURES = presets.ARCHITECTURES
 Model = model_lib.RetNet | transformer.Transformer
@@ -28,11 +28,8 @@ PREFILL_MODES = tuple(sorted(SEQUENCE_MODES, key=lambda mode: mode != "chunkwise
 
 def architecture(cfg: ml_collections.ConfigDict) -> str:
   """`cfg.architecture`, or ValueError naming it and the choices if it is unknown."""
-  name = cfg.get("architecture")
-  if name not in ARCHITECTURES:
-    raise ValueError(f"unknown model.architecture {name!r}; choose one of {ARCHITECTURES} "
-                     "(--config=configs/retnet.py:NAME or --config=configs/transformer.py:NAME).")
-  return name
+  return config_checks.choice(cfg.get("architecture"), "model.architecture", ARCHITECTURES,
+                              otherwise=" (--config=configs/retnet.py:NAME or --config=configs/transformer.py:NAME)")
 
 
 def check_config(cfg: ml_collections.ConfigDict) -> None:
@@ -49,9 +46,8 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
     model_lib.check_model_config(cfg)
   else:
     transformer.check_config(cfg)
-  if cfg.param_dtype not in layers.DTYPES:
-    raise ValueError(f"unknown model.param_dtype {cfg.param_dtype!r} (the weights' dtype for evaluation, generation "
-                     f"and export); choose one of {tuple(layers.DTYPES)}.")
+  config_checks.choice(cfg.param_dtype, "model.param_dtype", layers.DTYPES,
+                       why="the weights' dtype for evaluation, generation and export")
 
 
 def check_training(config: ml_collections.ConfigDict) -> None:

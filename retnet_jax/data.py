@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 from absl import logging
 from huggingface_hub.errors import HfHubHTTPError
 
+from retnet_jax import config_checks
 from retnet_jax.tokenizer import Tokenizer
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
@@ -272,8 +273,7 @@ def pack(tokens: np.ndarray, seq_len: int, split: str = "data") -> np.ndarray:
   Each row holds inputs `[:-1]` and next-token targets `[1:]`; every token appears exactly once, in order.
   `split` names the tokens in errors (e.g. "validation split").
   """
-  if seq_len < 1:
-    raise ValueError(f"train.seq_len must be a positive integer; got {seq_len}.")
+  config_checks.positive_int(seq_len, "train.seq_len")
   tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
   num_sequences = len(tokens) // (seq_len + 1)
   if num_sequences == 0:
@@ -311,8 +311,7 @@ def _check_batch(sequences: np.ndarray, global_batch_size: int, split: str,
   if document_ids is not None and document_ids.shape != sequences.shape:
     raise ValueError(f"{split} document_ids of shape {document_ids.shape} do not match the sequences' "
                      f"{sequences.shape}; pack both with pack_split().")
-  if global_batch_size < 1:
-    raise ValueError(f"train.batch_size must be a positive integer; got {global_batch_size}.")
+  config_checks.positive_int(global_batch_size, "train.batch_size")
   if len(sequences) < global_batch_size:
     raise ValueError(f"the {split} data holds {len(sequences)} sequences, fewer than one batch of "
                      f"train.batch_size={global_batch_size}; use a smaller train.batch_size or train.seq_len, "

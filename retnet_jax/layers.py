@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import decay, kernels, layer_stack, matmul, retention, rotation, sequence_parallel, sharding, stability
+from retnet_jax import (config_checks, decay, kernels, layer_stack, matmul, retention, rotation, sequence_parallel,
+                        sharding, stability)
 
 # model.retention_impl: the chunkwise form as XLA einsums, as the Pallas kernels (in model.kernel_layout), or the
 # kernels where they compile (GPU) and XLA elsewhere.
@@ -46,14 +47,12 @@ def _param(rngs: nnx.Rngs, init: nnx.Initializer, shape: tuple[int, ...], axes: 
 
 def check_activation(name: str) -> None:
   """Raises ValueError for an `ffn_activation` not in ACTIVATIONS."""
-  if name not in ACTIVATIONS:
-    raise ValueError(f"unknown model.ffn_activation {name!r}; choose one of {tuple(ACTIVATIONS)}.")
+  config_checks.choice(name, "model.ffn_activation", ACTIVATIONS)
 
 
 def check_matmul_precision(name: str) -> None:
   """Raises ValueError for a `matmul_precision` not in MATMUL_PRECISIONS."""
-  if name not in MATMUL_PRECISIONS:
-    raise ValueError(f"unknown model.matmul_precision {name!r}; choose one of {tuple(MATMUL_PRECISIONS)}.")
+  config_checks.choice(name, "model.matmul_precision", MATMUL_PRECISIONS)
 
 
 def _kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None) -> str | None:

@@ -38,7 +38,7 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
-from retnet_jax import (architectures, cli, losses, metrics, sampling, sampling_checks, sharding,
+from retnet_jax import (architectures, cli, config_checks, losses, metrics, sampling, sampling_checks, sharding,
                         tokenizer as tokenizer_lib, train_state)
 
 try:
@@ -93,8 +93,8 @@ def generation_settings(gen_kwargs: Any, default_max_gen_toks: int = 256) -> Gen
   if max_gen_toks < 1 or temperature < 0:
     raise ValueError(f"generation_kwargs need max_gen_toks >= 1 and temperature >= 0; got {max_gen_toks} and "
                      f"{temperature}.")
-  if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-    raise ValueError(f"generation_kwargs top_k={top_k!r} must be a positive integer or absent.")
+  if top_k is not None:
+    config_checks.positive_int(top_k, "generation_kwargs top_k", "or absent")
   if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
     raise ValueError(f"generation_kwargs top_p={top_p!r} must lie in (0, 1] or be absent.")
   greedy = not kwargs["do_sample"] or temperature == 0

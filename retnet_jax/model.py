@@ -14,7 +14,6 @@ A hybrid (`model.attention_layers`) runs the Transformer's attention in those la
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -23,8 +22,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import (decay, kernels, layer_stack, layers, retention, rotation, segments, sharding, stability,
-                        transformer)
+from retnet_jax import (config_checks, decay, kernels, layer_stack, layers, retention, rotation, segments, sharding,
+                        stability, transformer)
 
 MODES = ("parallel", "chunkwise", "recurrent")  # the retention forms (`architectures.MODES`)
 State = dict[str, Any]
@@ -79,9 +78,7 @@ def _check_attention(cfg: ml_collections.ConfigDict) -> None:
   if cfg.attention_window is not None and cfg.attention_window < 1:
     raise ValueError(f"model.attention_window={cfg.attention_window} must be a positive number of tokens (or None: "
                      "attend to every earlier token).")
-  if not math.isfinite(cfg.attention_rotation_base) or cfg.attention_rotation_base <= 0:
-    raise ValueError(f"model.attention_rotation_base must be a positive finite number; got "
-                     f"{cfg.attention_rotation_base}.")
+  config_checks.finite_number(cfg.attention_rotation_base, "model.attention_rotation_base", positive=True)
   if cfg.attention_max_len < 1:
     raise ValueError(f"model.attention_max_len must be a positive number of tokens; got {cfg.attention_max_len}.")
 
@@ -94,8 +91,7 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
     raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
                     + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
   for name in ("d_model", "num_layers", "num_heads", "value_dim", "ffn_dim", "vocab_size"):
-    if int(cfg[name]) < 1:
-      raise ValueError(f"model.{name} must be a positive integer; got {cfg[name]}.")
+    config_checks.positive_int(cfg[name], f"model.{name}")
   if cfg.d_model % cfg.num_heads:
     raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}; "
                      "choose num_heads dividing d_model.")
@@ -107,24 +103,18 @@ def check_model_config(cfg: ml_collections.ConfigDict) -> None:
                      f"{cfg.num_heads} (or None: one key/value head per query head).")
   rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
   rotation.check_rotation(cfg.rotation_pairs, cfg.rotation_freqs)
-  if not math.isfinite(cfg.rotation_base) or cfg.rotation_base <= 0:
-    raise ValueError(f"model.rotation_base must be a positive finite number; got {cfg.rotation_base}.")
+  config_checks.finite_number(cfg.rotation_base, "model.rotation_base", positive=True)
   for name in ("norm_eps", "head_norm_eps"):
-    if not math.isfinite(cfg[name]) or cfg[name] < 0:
-      raise ValueError(f"model.{name} must be a finite number >= 0; got {cfg[name]}.")
+    config_checks.finite_number(cfg[name], f"model.{name}")
   retention.check_chunk_size(cfg.chunk_size, "model.chunk_size")
   _check_attention(cfg)
   layers.compute_dtype(cfg.dtype)
   decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
   layers.check_activation(cfg.ffn_activation)
   layers.check_matmul_precision(cfg.matmul_precision)
-  if cfg.retention_impl not in layers.RETENTION_IMPLS:
-    raise ValueError(f"unknown model.retention_impl {cfg.retention_impl!r}; choose one of {layers.RETENTION_IMPLS}.")
-  if cfg.kernel_layout not in kernels.LAYOUTS:
-    raise ValueError(f"unknown model.kernel_layout {cfg.kernel_layout!r}; choose one of {kernels.LAYOUTS}.")
-  if cfg.stability_norm_style not in stability.NORM_STYLES:
-    raise ValueError(f"unknown model.stability_norm_style {cfg.stability_norm_style!r}; "
-                     f"choose one of {stability.NORM_STYLES}.")
+  config_checks.choice(cfg.retention_impl, "model.retention_impl", layers.RETENTION_IMPLS)
+  config_checks.choice(cfg.kernel_layout, "model.kernel_layout", kernels.LAYOUTS)
+  config_checks.choice(cfg.stability_norm_style, "model.stability_norm_style", stability.NORM_STYLES)
 
 
 def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from retnet_jax import config_checks
+
 SCHEDULES = ("cosine", "linear")
 # `train.optimizer_state_dtype` -> the dtype of AdamW's first moment (optax's `mu_dtype`). The second moment stays
 # float32: in bfloat16 its small squared gradients would round away against the large ones.
@@ -37,10 +39,8 @@ def check_config(train_cfg: ml_collections.ConfigDict) -> None:
 
 def state_dtype(train_cfg: ml_collections.ConfigDict):
   """The jnp dtype of AdamW's first moment that `train.optimizer_state_dtype` names, or ValueError with the choices."""
-  name = train_cfg.optimizer_state_dtype
-  if name not in STATE_DTYPES:
-    raise ValueError(f"unknown train.optimizer_state_dtype {name!r}; choose one of {tuple(STATE_DTYPES)}.")
-  return STATE_DTYPES[name]
+  return STATE_DTYPES[config_checks.choice(train_cfg.optimizer_state_dtype, "train.optimizer_state_dtype",
+                                            STATE_DTYPES)]
 
 
 def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:

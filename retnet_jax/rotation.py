@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from retnet_jax import config_checks
+
 PAIRS = ("interleaved", "half")
 FREQS = ("linspace", "rope")
 
@@ -24,10 +26,8 @@ def check_rotary_dim(head_dim: int) -> None:
 
 def check_rotation(pairs: str, freqs: str) -> None:
   """Raises ValueError for a pairing or frequency schedule not in PAIRS / FREQS."""
-  if pairs not in PAIRS:
-    raise ValueError(f"unknown model.rotation_pairs {pairs!r}; choose one of {PAIRS}.")
-  if freqs not in FREQS:
-    raise ValueError(f"unknown model.rotation_freqs {freqs!r}; choose one of {FREQS}.")
+  config_checks.choice(pairs, "model.rotation_pairs", PAIRS)
+  config_checks.choice(freqs, "model.rotation_freqs", FREQS)
 
 
 def rotation_tables(positions_BxL: jax.Array, head_dim: int, base: float = 10000.0,

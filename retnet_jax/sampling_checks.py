@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import architectures, layers, model as model_lib, sharding, stability, transformer
+from retnet_jax import architectures, config_checks, layers, model as model_lib, sharding, stability, transformer
 
 Stream = Callable[[np.ndarray, int], None]
 
@@ -137,9 +137,7 @@ def check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top
                     top_p: float | None, stop_tokens: Sequence[int], stream: Stream | None, stream_every: int
                     ) -> Settings:
   """The checked arguments as the loop's static `Settings`."""
-  max_new_tokens = _integer(max_new_tokens, "max_new_tokens", "a positive integer")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}.")
+  max_new_tokens = config_checks.positive_int(max_new_tokens, "max_new_tokens")
   temperature = float(temperature)
   if not 0 <= temperature < math.inf:
     raise ValueError(f"temperature must be >= 0 and finite (0 decodes greedily); got {temperature}.")
@@ -155,10 +153,7 @@ def check_settings(vocab_size: int, max_new_tokens: int, temperature: float, top
   bad = [t for t in stop if not 0 <= t < vocab_size]
   if bad:
     raise ValueError(f"stop tokens {bad} lie outside [0, vocab_size={vocab_size}); check the tokenizer's ids.")
-  stream_every = _integer(stream_every, "stream_every", "a positive integer (steps per hand-over to the stream)")
-  if stream_every < 1:
-    raise ValueError(f"stream_every must be a positive integer (steps per hand-over to the stream); "
-                     f"got {stream_every!r}.")
+  stream_every = config_checks.positive_int(stream_every, "stream_every", "steps per hand-over to the stream")
   if stream is not None and not callable(stream):
     raise ValueError(f"stream must be a callable stream(step_tokens_B, step) or None; got {stream!r}.")
   return Settings(max_new_tokens, temperature == 0, top_k, top_p is not None, stop,

@@ -36,7 +36,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import data, passkey, tokenizer as tokenizer_lib
+from retnet_jax import config_checks, data, passkey, tokenizer as tokenizer_lib
 
 SPLITS = ("train", "valid")  # each split its own stream of examples
 QUERY_PLACEMENTS = ("power", "uniform", "packed")
@@ -76,9 +76,7 @@ def mqar_vocab_size(config: ml_collections.ConfigDict) -> int:
 def check_mqar(config: ml_collections.ConfigDict) -> None:
   """Refuses MQAR knobs that cannot fit the sequence or the vocabularies, naming the value and the fix."""
   mqar, seq_len, vocab_size = config.data.mqar, config.train.seq_len, mqar_vocab_size(config)
-  num_pairs = mqar.num_pairs
-  if not isinstance(num_pairs, int) or num_pairs < 1:
-    raise ValueError(f"data.mqar.num_pairs must be a positive integer; got {num_pairs!r}.")
+  num_pairs = config_checks.positive_int(mqar.num_pairs, "data.mqar.num_pairs")
   if vocab_size > config.model.vocab_size:
     raise ValueError(f"data.mqar.vocab_size={vocab_size} exceeds model.vocab_size={config.model.vocab_size}; set "
                      f"--config.model.vocab_size={vocab_size} or more, or a smaller data.mqar.vocab_size.")
@@ -90,8 +88,7 @@ def check_mqar(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"data.mqar.num_pairs={num_pairs} needs {4 * num_pairs} tokens (every pair and its query, two "
                      f"tokens each) but a row holds train.seq_len + 1 = {seq_len + 1}; set train.seq_len to "
                      f"{4 * num_pairs - 1} or more, or use at most {(seq_len + 1) // 4} pairs.")
-  if mqar.query_placement not in QUERY_PLACEMENTS:
-    raise ValueError(f"unknown data.mqar.query_placement {mqar.query_placement!r}; choose one of {QUERY_PLACEMENTS}.")
+  config_checks.choice(mqar.query_placement, "data.mqar.query_placement", QUERY_PLACEMENTS)
   if config.data.tokenizer != "byte":
     raise ValueError(f"data.tokenizer={config.data.tokenizer!r} is unused by data.synthetic='mqar' (its examples "
                      "are token ids, data.mqar.vocab_size of them); drop it, or train on text or passkey.")
@@ -136,8 +133,7 @@ def check_passkey(config: ml_collections.ConfigDict) -> None:
   if depth is not None and not 0 <= depth <= 1:
     raise ValueError(f"data.passkey.depth={depth} must lie in [0, 1] (the fraction of the filler before the key), or "
                      "be unset for a uniform depth per example.")
-  if not isinstance(digits, int) or digits < 1:
-    raise ValueError(f"data.passkey.digits must be a positive integer; got {digits!r}.")
+  config_checks.positive_int(digits, "data.passkey.digits")
   if digits > passkey.MAX_DIGITS:
     raise ValueError(f"data.passkey.digits={digits} exceeds {passkey.MAX_DIGITS}: keys are drawn as 64-bit integers; "
                      f"use {passkey.MAX_DIGITS} digits or fewer.")
@@ -174,9 +170,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   task = config.data.synthetic
   if task is None:
     return
-  if task not in SOURCES:
-    raise ValueError(f"unknown data.synthetic {task!r}; choose one of {tuple(SOURCES)}, or leave it unset for text "
-                     "data.")
+  config_checks.choice(task, "data.synthetic", SOURCES, otherwise=", or leave it unset for text data")
   for name in ("files", "validation_files", "hub_dataset", "prepared"):
     if config.data[name]:
       raise ValueError(f"data.{name}={config.data[name]!r} is text data, unused by data.synthetic={task!r} (the "

@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (architectures, checkpointing, dispatch, flops, layers, loader, losses, metrics,
+from retnet_jax import (architectures, checkpointing, config_checks, dispatch, flops, layers, loader, losses, metrics,
                         peer_watch, preemption, sharding, synthetic, tokenizer as tokenizer_lib, train_state,
                         train_step as train_step_lib, workdir as workdir_lib, workdir_lock)
 
@@ -32,11 +32,9 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ValueError(f"seed={config.seed} is out of range: choose an integer from 0 to 2**63 - 1 (--config.seed).")
   train = config.train
   for name in ("steps", "log_every_steps", "eval_every_steps", "eval_batches"):
-    if int(train[name]) < 1:
-      raise ValueError(f"train.{name} must be a positive integer; got {train[name]}.")
+    config_checks.positive_int(train[name], f"train.{name}")
   for name in ("every_steps", "keep"):
-    if int(config.checkpoint[name]) < 1:
-      raise ValueError(f"checkpoint.{name} must be a positive integer; got {config.checkpoint[name]}.")
+    config_checks.positive_int(config.checkpoint[name], f"checkpoint.{name}")
   profile = train.profile_steps
   if profile is not None and (len(profile) != 2 or not 0 <= profile[0] <= profile[1] < train.steps):
     raise ValueError(f"train.profile_steps must be (first, last) with 0 <= first <= last < train.steps="

@@ -21,7 +21,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import architectures, layers, optimizer, presets, sharding, workdir as workdir_lib
+from retnet_jax import architectures, config_checks, layers, optimizer, presets, sharding, workdir as workdir_lib
 
 TrainState = dict[str, Any]
 
@@ -34,8 +34,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     layers.check_retention_impl(config.model)
   train = config.train
   for name in ("batch_size", "seq_len", "grad_accum_steps"):
-    if int(train[name]) < 1:
-      raise ValueError(f"train.{name} must be a positive integer; got {train[name]}.")
+    config_checks.positive_int(train[name], f"train.{name}")
   optimizer.check_config(train)
   sharding.check_batch_split(config.mesh, train.batch_size, train.grad_accum_steps, num_devices)
   segment = train.segment_len if 0 < train.segment_len < train.seq_len else train.seq_len

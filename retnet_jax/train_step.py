@@ -19,7 +19,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import architectures, layer_stack, losses, optimizer, sharding, stability, train_state
+from retnet_jax import architectures, config_checks, layer_stack, losses, optimizer, sharding, stability, train_state
 
 # What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
 NONFINITE_POLICIES = ("stop", "skip")
@@ -31,8 +31,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if train.mode not in architectures.SEQUENCE_MODES:
     raise ValueError(f"train.mode={train.mode!r}; train with {' or '.join(map(repr, architectures.SEQUENCE_MODES))} "
                      "(the recurrent form is for decoding).")
-  if train.nonfinite not in NONFINITE_POLICIES:
-    raise ValueError(f"unknown train.nonfinite {train.nonfinite!r}; choose one of {NONFINITE_POLICIES}.")
+  config_checks.choice(train.nonfinite, "train.nonfinite", NONFINITE_POLICIES)
   layer_stack.check_remat(train.remat, field="train.remat")
   if not isinstance(train.segment_len, int) or train.segment_len < 0:
     raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "

@@ -20,7 +20,6 @@ also serve a hybrid RetNet's attention layers (`model.attention_layers`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -30,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import layer_stack, layers, matmul, rotation, segments, sharding
+from retnet_jax import config_checks, layer_stack, layers, matmul, rotation, segments, sharding
 
 MODES = ("parallel", "recurrent")  # the forms (`architectures.MODES`): chunkwise is a retention form
 State = dict[str, Any]
@@ -40,17 +39,14 @@ _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only pa
 def check_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the bad value and the fix for a model config that cannot be built."""
   for name in ("d_model", "num_layers", "num_heads", "ffn_dim", "vocab_size", "max_len"):
-    if int(cfg[name]) < 1:
-      raise ValueError(f"model.{name} must be a positive integer; got {cfg[name]}.")
+    config_checks.positive_int(cfg[name], f"model.{name}")
   if cfg.d_model % cfg.num_heads:
     raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}; "
                      "choose num_heads dividing d_model.")
   rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
   rotation.check_rotation("interleaved", cfg.rotation_freqs)
-  if not math.isfinite(cfg.rotation_base) or cfg.rotation_base <= 0:
-    raise ValueError(f"model.rotation_base must be a positive finite number; got {cfg.rotation_base}.")
-  if not math.isfinite(cfg.norm_eps) or cfg.norm_eps < 0:
-    raise ValueError(f"model.norm_eps must be a finite number >= 0; got {cfg.norm_eps}.")
+  config_checks.finite_number(cfg.rotation_base, "model.rotation_base", positive=True)
+  config_checks.finite_number(cfg.norm_eps, "model.norm_eps")
   layers.compute_dtype(cfg.dtype)
   layers.check_activation(cfg.ffn_activation)
   layers.check_matmul_precision(cfg.matmul_precision)
