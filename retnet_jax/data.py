@@ -312,10 +312,26 @@ def _check_batch(sequences: np.ndarray, global_batch_size: int, split: str,
     raise ValueError(f"{split} document_ids of shape {document_ids.shape} do not match the sequences' "
                      f"{sequences.shape}; pack both with pack_split().")
   config_checks.positive_int(global_batch_size, "train.batch_size")
-  if len(sequences) < global_batch_size:
-    raise ValueError(f"the {split} data holds {len(sequences)} sequences, fewer than one batch of "
-                     f"train.batch_size={global_batch_size}; use a smaller train.batch_size or train.seq_len, "
-                     "or more data.")
+  check_one_batch(len(sequences), global_batch_size, f"the {split} data holds {len(sequences)} sequences",
+                  f"train.batch_size={global_batch_size}",
+                  "use a smaller train.batch_size or train.seq_len, or more data")
+
+
+def check_one_batch(num_sequences: int, global_batch_size: int, holds: str, batch: str, fix: str) -> None:
+  """Refuses a split of fewer sequences than one batch: training and evaluation read whole batches only.
+
+  Args:
+    num_sequences: the split's sequences of seq_len + 1 tokens.
+    global_batch_size: the sequences of one batch.
+    holds: what the split holds, for the message, e.g. "the validation data holds 8 sequences".
+    batch: the batch as the message names it, e.g. "train.batch_size=16".
+    fix: what to change, e.g. "use a smaller train.batch_size or train.seq_len, or more data".
+
+  Raises:
+    ValueError "`holds`, fewer than one batch of `batch`; `fix`." when `num_sequences < global_batch_size`.
+  """
+  if num_sequences < global_batch_size:
+    raise ValueError(f"{holds}, fewer than one batch of {batch}; {fix}.")
 
 
 def _batch(sequences: np.ndarray, document_ids: np.ndarray | None, rows: np.ndarray,

@@ -148,11 +148,11 @@ def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict
     reset = config.data.reset_at_documents
     corpora = loader.open_corpora(config.data, tokenizer)  # only the rows evaluated are read
     valid = loader.validation_rows(corpora, seq_len, reset)
-    if len(valid) < batch_size:
-      raise ValueError(f"the validation split holds {sum(c.num_tokens('validation') for c in corpora)} tokens: "
-                       f"{len(valid)} sequences of --eval_seq_len + 1 = {seq_len + 1} tokens, fewer than one batch "
-                       f"of {batch_size} (train.batch_size / train.grad_accum_steps); use a shorter --eval_seq_len, a "
-                       "smaller --config.train.batch_size, or more validation data (--config.data.validation_files).")
+    data.check_one_batch(
+        len(valid), batch_size, f"the validation split holds {sum(c.num_tokens('validation') for c in corpora)} "
+        f"tokens: {len(valid)} sequences of --eval_seq_len + 1 = {seq_len + 1} tokens",
+        f"{batch_size} (train.batch_size / train.grad_accum_steps)", "use a shorter --eval_seq_len, a smaller "
+        "--config.train.batch_size, or more validation data (--config.data.validation_files)")
     rows = data.eval_rows(len(valid), batch_size, max_batches).reshape(-1)
     taken = valid.take(rows)
     sequences, ids = taken if isinstance(taken, tuple) else (taken, None)

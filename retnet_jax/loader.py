@@ -105,10 +105,9 @@ class PreparedBatches:
         raise ValueError(f"{corpus.label}: its training split holds {corpus.num_tokens('train')} tokens, too few for "
                          f"one sequence of train.seq_len + 1 = {seq_len + 1} tokens in any of its shards; use a "
                          "smaller train.seq_len or more data.")
-      if len(rows) < global_batch_size:
-        raise ValueError(f"{corpus.label}: its training split holds {len(rows)} sequences of train.seq_len + 1 = "
-                         f"{seq_len + 1} tokens, fewer than one batch of train.batch_size={global_batch_size}; use a "
-                         "smaller batch or seq_len, or more data.")
+      data.check_one_batch(len(rows), global_batch_size, f"{corpus.label}: its training split holds {len(rows)} "
+                           f"sequences of train.seq_len + 1 = {seq_len + 1} tokens",
+                           f"train.batch_size={global_batch_size}", "use a smaller batch or seq_len, or more data")
     datasets = [grain.MapDataset.source(rows).shuffle(seed=seed + i).repeat() for i, rows in enumerate(sources)]
     mixed = (datasets[0] if len(datasets) == 1 else
              grain.MapDataset.mix(datasets, mixture_weights(corpora, weights)))
@@ -150,9 +149,8 @@ def eval_batches(rows: packed_rows.PackedRows, global_batch_size: int, max_batch
                  sharding: jax.sharding.NamedSharding | None = None) -> Iterator[Any]:
   """Validation batches of `data.eval_rows` (every full batch, or `max_batches` spread over the split), each
   process reading only its own rows; checked on the call."""
-  if len(rows) < global_batch_size:
-    raise ValueError(f"the prepared validation split holds {len(rows)} sequences, fewer than one batch of "
-                     f"{global_batch_size}; use a smaller batch size or seq_len, or prepare more validation data.")
+  data.check_one_batch(len(rows), global_batch_size, f"the prepared validation split holds {len(rows)} sequences",
+                       str(global_batch_size), "use a smaller batch size or seq_len, or prepare more validation data")
   local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
   rows_NxB = data.eval_rows(len(rows), global_batch_size, max_batches)
   return (_placed(rows.take(batch_rows[local]), global_batch_size, sharding) for batch_rows in rows_NxB)

@@ -249,6 +249,11 @@ def test_mixture_settings_and_sizes_are_refused_before_reading(tmp_path):
   with pytest.raises(ValueError, match=r"data.prepared='.*c': its training split holds \d+ sequences of "
                                        r"train.seq_len \+ 1 = 257 tokens, fewer than one batch of train.batch_size=64"):
     loader.PreparedBatches(loader.open_corpora(data_config([tmp_path / "c"]), byte), 256, 64, 0)
+  valid = loader.validation_rows(loader.open_corpora(data_config([tmp_path / "c"]), byte), 16, False)
+  with pytest.raises(ValueError, match=rf"^the prepared validation split holds {len(valid)} sequences, fewer than one "
+                                       rf"batch of {len(valid) + 1}; use a smaller batch size or seq_len, or prepare "
+                                       r"more validation data\.$"):
+    loader.eval_batches(valid, len(valid) + 1, None)
 
 
 def test_rows_pack_each_shard_and_carry_document_ids(tmp_path):
