@@ -18,13 +18,11 @@ whose first token opens a new document: S_in reaches no token).
 
 from __future__ import annotations
 
-import operator
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import matmul, retention_decay, segments
+from retnet_jax import config_checks, matmul, retention_decay, segments
 
 
 def accumulation_dtype(x: jax.Array) -> jnp.dtype:
@@ -201,13 +199,7 @@ def recurrent_retention(q, k, v, log_decay, state=None, segment_ids=None):
 
 def check_chunk_size(chunk_size, name: str = "chunk_size") -> int:
   """`chunk_size` as an int (any integer type), or ValueError naming `name` unless it is a positive integer."""
-  try:
-    size = operator.index(chunk_size)
-  except TypeError:
-    size = 0
-  if size < 1:
-    raise ValueError(f"{name} must be a positive integer; got {chunk_size!r}.")
-  return size
+  return config_checks.positive_int(chunk_size, name)
 
 
 def _chunk_len(chunk_size, length: int) -> int:
