@@ -3,9 +3,10 @@
 With the CUDA or TPU plugins installed (the `aot` extra) and no GPU or TPU present, JAX's plugin discovery prints two
 tracebacks, libtpu's host warnings and the CUDA stubs' "Could not find cuda drivers" notes before a script's own
 output. `use_cpu_without_accelerators` (called by `cli.prepare`, before jax is imported) sets JAX_PLATFORMS=cpu when
-no accelerator's device node exists and JAX_PLATFORMS is unset; `import_jax_quietly` then imports jax and the CUDA
-plugin's extension with the C++ notes they print dropped; anything else they write to stderr is passed on. A
-machine with a GPU or TPU, or a JAX_PLATFORMS the user set, is left as it is.
+no accelerator's device node exists and JAX_PLATFORMS is unset; `import_jax_quietly` then imports jax with the C++
+notes it prints dropped; anything else written to stderr meanwhile is passed on. A machine with a GPU or TPU, or a
+JAX_PLATFORMS the user set, is left as it is. (The CUDA plugin's library prints one more note when the backend
+starts, which entry points cannot move earlier: `jax.distributed` must be initialised first.)
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ ACCELERATOR_NODES = ("/proc/driver/nvidia/version", "/dev/nvidia[0-9]*", "/dev/a
                      "/dev/kfd")
 # Lines the CUDA stubs print (through C++ logging that precedes absl's set-up) when loaded without a driver.
 NOISE = (b"cudart_stub.cc", b"All log messages before absl::InitializeLog() is called")
-# The extensions that JAX's CUDA plugins load as they register (each load prints one note without a driver).
-CUDA_EXTENSIONS = ("jax_cuda13_plugin.cuda_plugin_extension", "jax_cuda12_plugin.cuda_plugin_extension")
 
 
 def accelerator_present(patterns: tuple[str, ...] = ACCELERATOR_NODES) -> bool:
@@ -62,9 +61,6 @@ def use_cpu_without_accelerators() -> bool:
 
 
 def import_jax_quietly() -> None:
-  """Imports jax and the CUDA plugins' extensions (which JAX's plugin discovery loads later) without their notes."""
+  """Imports jax without the CUDA stubs' notes it prints."""
   with dropped_notes():
     importlib.import_module("jax")
-    for name in CUDA_EXTENSIONS:
-      with contextlib.suppress(ImportError):
-        importlib.import_module(name)
