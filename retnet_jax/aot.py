@@ -27,8 +27,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
 
-from retnet_jax import (accelerators, architectures, flops, layer_stack, markdown, matmul_dtypes, model as model_lib,
-                        sampling, sharding, train_state, train_step as train_step_lib)
+from retnet_jax import (accelerators, architectures, flops, layer_stack, markdown, matmul_dtypes, sampling, sharding,
+                        train_state, train_step as train_step_lib)
 from retnet_jax.kernels import support
 
 STEPS = ("train", "eval", "prefill", "decode")
@@ -120,9 +120,9 @@ def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
           "decode": lambda: sampler.trace_decode(*prefill_args, DECODE_TOKENS)}
 
 
-def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:
-  """`flops.py`'s count of the step's model FLOPs (all devices), or None where it has none (a Transformer's
-  decoding); a hybrid's decoding reads its whole KV cache."""
+def _model_flops(config: ml_collections.ConfigDict, step: str) -> float:
+  """`flops.py`'s count of the step's model FLOPs (all devices); a decoding step's attention reads its whole KV
+  cache."""
   cfg, train = config.model, config.train
   tokens = train.batch_size * train.seq_len
   if step == "train":
@@ -131,9 +131,7 @@ def _model_flops(config: ml_collections.ConfigDict, step: str) -> float | None:
     return flops.forward_flops_per_token(cfg, train.seq_len, train.mode) * tokens
   if step == "prefill":
     return flops.forward_flops_per_token(cfg, train.seq_len, architectures.prefill_modes(cfg)[0]) * tokens
-  if cfg.architecture == "transformer":
-    return None
-  context = model_lib.attention_cache_len(cfg) if cfg.attention_layers else 1  # a hybrid's whole KV cache
+  context = architectures.decode_context(cfg)  # attention reads its whole KV cache
   return flops.forward_flops_per_token(cfg, context, "recurrent") * train.batch_size * DECODE_TOKENS
 
 
@@ -148,7 +146,7 @@ def _compile(trace, config: ml_collections.ConfigDict, target: accelerators.Targ
   lowered = traced.lower()
   model_flops = _model_flops(config, step)
   result: dict[str, Any] = {
-      "model_flops_per_device": None if model_flops is None else model_flops / devices,
+      "model_flops_per_device": model_flops / devices,
       "device_memory_bytes": chip.memory_bytes, "matmul_flops_by_dtype": by_dtype,
       "float32_matmul_share": matmul_dtypes.float32_share(by_dtype)}
   try:

@@ -1,27 +1,28 @@
-"""The model architectures that `config.model.architecture` chooses: RetNet, or the Transformer of its size.
+"""The registry: which token mixer each layer of a model section runs, and the checks and counts over them.
 
-    architectures.check_config(config.model)                  # before any work
-    model = architectures.build(config.model, rngs=nnx.Rngs(seed))
-    logits_BxLxV, state = model(tokens_BxL, mode=architectures.modes(config.model)[0], state=None)
+    architectures.check_config(config.model)           # before any work
+    mixers = architectures.layer_mixers(config.model)  # one `mixers.base.Mixer` per layer
+    model = model.Model(config.model, rngs=nnx.Rngs(seed))
 
-Both take `model(tokens, mode, state)` and return `(logits, state)`, so training, evaluation, checkpoints and
-sampling build and run either through this module; only the forms differ (the Transformer has no chunkwise form).
+`model.architecture` names the family: a RetNet's layers run `model.mixer` (retention), but for its
+`model.attention_layers` (a hybrid: attention with the `attention_` fields); a Transformer's layers all run
+attention. This module is the only one that tells families or mixers apart by name: everything else asks the
+mixers (`layer_mixers`, `mixers`) or the functions below.
 """
 
 from __future__ import annotations
 
 import ml_collections
-from flax import nnx
 
-from retnet_jax import config_checks, layers, model as model_lib, presets, transformer
+from retnet_jax import config_checks, layers, presets
+from retnet_jax.mixers import attention, base, multiscale_retention
 
 ARCHITECTURES = presets.ARCHITECTURES
-Model = model_lib.RetNet | transformer.Transformer
-# The forms each architecture computes, `parallel` first, as its model module defines them.
-MODES = {"retnet": model_lib.MODES, "transformer": transformer.MODES}
-ALL_MODES = tuple(dict.fromkeys(mode for forms in MODES.values() for mode in forms))  # any architecture's
+# `model.mixer`: a RetNet's token mixer (hybrids put attention in `model.attention_layers`).
+MIXERS: dict[str, base.Mixer] = {"retention": multiscale_retention.RETENTION}
+MODES = ("parallel", "chunkwise", "recurrent")  # every form a mixer computes, in this order
 # The forms that run whole sequences (training, prefill); the recurrent form decodes one token at a time.
-SEQUENCE_MODES = tuple(mode for mode in ALL_MODES if mode != "recurrent")
+SEQUENCE_MODES = tuple(mode for mode in MODES if mode != "recurrent")
 # The forms a prompt is prefilled in, the default first: chunkwise, whose memory grows linearly in the prompt.
 PREFILL_MODES = tuple(sorted(SEQUENCE_MODES, key=lambda mode: mode != "chunkwise"))
 
@@ -32,9 +33,49 @@ def architecture(cfg: ml_collections.ConfigDict) -> str:
                               otherwise=" (--config=configs/retnet.py:NAME or --config=configs/transformer.py:NAME)")
 
 
+def layer_mixers(cfg: ml_collections.ConfigDict) -> tuple[base.Mixer, ...]:
+  """The mixer of each layer of model section `cfg` (checked by `check_config`)."""
+  if architecture(cfg) == "transformer":
+    return (attention.TRANSFORMER,) * cfg.num_layers
+  mixer = MIXERS[cfg.mixer]
+  return tuple(attention.HYBRID if layer in cfg.attention_layers else mixer for layer in range(cfg.num_layers))
+
+
+def mixers(cfg: ml_collections.ConfigDict) -> tuple[base.Mixer, ...]:
+  """The distinct mixers of `cfg`'s layers, in the order the layers first use them."""
+  return tuple(dict.fromkeys(layer_mixers(cfg)))
+
+
+def _check_attention_layers(cfg: ml_collections.ConfigDict) -> None:
+  """A RetNet's per-layer choice: indices in range and distinct, and no attention option without attention
+  layers."""
+  chosen = cfg.attention_layers
+  if not isinstance(chosen, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
+    raise ValueError(f"model.attention_layers must be a tuple of layer indices, e.g. (1,) or (3, 7); got {chosen!r}.")
+  if not chosen:
+    for name in ("attention_num_heads", "attention_num_kv_heads", "attention_window"):
+      if cfg[name] is not None:
+        raise ValueError(f"model.{name}={cfg[name]} configures attention layers, but model.attention_layers is "
+                         "empty: name them (e.g. --config.model.attention_layers='(1,)') or unset "
+                         f"model.{name}.")
+    return
+  bad = [i for i in chosen if not 0 <= i < cfg.num_layers]
+  if bad:
+    raise ValueError(f"model.attention_layers={tuple(chosen)} names layers {bad} outside [0, model.num_layers="
+                     f"{cfg.num_layers}); choose indices from 0 to {cfg.num_layers - 1}.")
+  repeated = sorted({i for i in chosen if list(chosen).count(i) > 1})
+  if repeated:
+    raise ValueError(f"model.attention_layers={tuple(chosen)} repeats layers {repeated}; name each layer once.")
+
+
 def check_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the bad value and the fix for a model section that cannot be built: an unknown
-  architecture, another architecture's fields, or a bad value of its own."""
+  architecture or mixer, another architecture's fields, or a bad value of its own (TypeError for something other
+  than the model fields)."""
+  if not isinstance(cfg, ml_collections.ConfigDict) or "d_model" not in cfg:
+    full = isinstance(cfg, ml_collections.ConfigDict) and "model" in cfg
+    raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
+                    + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
   name = architecture(cfg)
   missing, foreign = sorted(presets.MODEL_FIELDS[name] - set(cfg)), sorted(set(cfg) - presets.MODEL_FIELDS[name])
   if missing or foreign:
@@ -42,32 +83,19 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         [f"{', '.join('model.' + k for k in foreign)} are not {name} fields"] if foreign else [])
     raise ValueError(f"model.architecture={name!r} does not fit this model section ({'; '.join(parts)}); take "
                      f"the whole section from configs/{name}.py, e.g. --config=configs/{name}.py:small.")
+  layers.check_config(cfg)
   if name == "retnet":
-    model_lib.check_model_config(cfg)
-  else:
-    transformer.check_config(cfg)
-  config_checks.choice(cfg.param_dtype, "model.param_dtype", layers.DTYPES,
-                       why="the weights' dtype for evaluation, generation and export")
-
-
-def check_training(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the option and the fix for train options the architecture lacks (the chunkwise
-  form and state-carrying segments are retention's)."""
-  if architecture(config.model) != "transformer":
-    return
-  if config.train.mode != "parallel":
-    raise ValueError(f"train.mode={config.train.mode!r}: a Transformer trains in the parallel form (chunkwise is a "
-                     "retention form, recurrent is for decoding); set --config.train.mode=parallel.")
-  if config.train.segment_len:
-    raise ValueError(f"train.segment_len={config.train.segment_len}: segments carry retention's fixed-size state; "
-                     "a Transformer's KV cache grows with the sequence, so they would not bound its memory. Set "
-                     "--config.train.segment_len=0 (train.remat trades compute for memory instead).")
+    config_checks.choice(cfg.mixer, "model.mixer", MIXERS)
+    _check_attention_layers(cfg)
+  for mixer in mixers(cfg):
+    mixer.check_config(cfg)
 
 
 def modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The forms the model of `cfg` computes: parallel, chunkwise, recurrent for RetNet; parallel, recurrent for the
-  Transformer."""
-  return MODES[architecture(cfg)]
+  """The forms the model of `cfg` computes, parallel first: its mixers' (parallel, chunkwise, recurrent for
+  retention; parallel, recurrent for a Transformer's attention)."""
+  own = {mode for mixer in mixers(cfg) for mode in mixer.modes}
+  return tuple(mode for mode in MODES if mode in own)
 
 
 def prefill_modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
@@ -76,8 +104,46 @@ def prefill_modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
   return tuple(mode for mode in PREFILL_MODES if mode in modes(cfg))
 
 
-def build(cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs) -> Model:
-  """The model of model section `cfg`, parameters drawn from `rngs` (its constructor checks `cfg`)."""
-  if architecture(cfg) == "transformer":
-    return transformer.Transformer(cfg, rngs=rngs)
-  return model_lib.RetNet(cfg, rngs=rngs)
+def check_backend(cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+  """Raises ValueError naming the field and the fix where an implementation `cfg` chooses (the Pallas kernels)
+  cannot run on `backend` (default: JAX's)."""
+  for mixer in mixers(cfg):
+    mixer.check_backend(cfg, backend)
+
+
+def check_training(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the option and the fix for train options the model lacks: a form it does not
+  compute, state-carrying segments where no layer's state has a fixed size."""
+  cfg, train = config.model, config.train
+  if train.mode in SEQUENCE_MODES and train.mode not in modes(cfg):  # train_step refuses the others
+    own = tuple(mode for mode in modes(cfg) if mode in SEQUENCE_MODES)
+    raise ValueError(f"train.mode={train.mode!r}: this model's layers do not compute the {train.mode} form (they "
+                     f"compute {modes(cfg)}); set --config.train.mode={own[0]}.")
+  if train.segment_len and not any(mixer.fixed_state for mixer in mixers(cfg)):
+    raise ValueError(f"train.segment_len={train.segment_len}: segments carry retention's fixed-size state; "
+                     "a KV cache grows with the sequence, so they would not bound this model's memory. Set "
+                     "--config.train.segment_len=0 (train.remat trades compute for memory instead).")
+
+
+def check_sequence_split(cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
+                         modes_: tuple[str, ...]) -> None:
+  """Raises ValueError (beginning with `where`) where some layer cannot split calls of `length` tokens in `modes_`
+  over `devices` devices of the sequence axis (mixers that cannot split at all are asked first)."""
+  for mixer in sorted(mixers(cfg), key=lambda mixer: mixer.splits_sequences):
+    mixer.check_sequence_split(cfg, where, devices, length, modes_)
+
+
+def document_refusal(cfg: ml_collections.ConfigDict, mode: str) -> str | None:
+  """Why some layer cannot reset its state at packed documents in `mode` (`Mixer.document_refusal`), or None."""
+  return next(filter(None, (mixer.document_refusal(cfg, mode) for mixer in mixers(cfg))), None)
+
+
+def cache_field(cfg: ml_collections.ConfigDict) -> str | None:
+  """The model field sizing a KV cache that must hold the whole context (a Transformer's `max_len`, an unwindowed
+  hybrid's `attention_max_len`), or None: the decoding state's size does not grow with the context."""
+  return next(filter(None, (mixer.cache_field(cfg) for mixer in mixers(cfg))), None)
+
+
+def decode_context(cfg: ml_collections.ConfigDict) -> int:
+  """The tokens the widest layer reads per decoding step: 1 for retention, a KV cache's slots for attention."""
+  return max(mixer.decode_context(cfg) for mixer in mixers(cfg))

@@ -29,7 +29,7 @@ from flax import nnx, traverse_util
 
 from retnet_jax import checkpointing, decay, layer_stack, presets, sharding, train_state, workdir as workdir_lib
 from retnet_jax.safetensors_folder import listing
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read
 # below only act in training (dropout, drop path, activation checkpointing, FSDP), choose the forward form
@@ -206,7 +206,7 @@ def unwrap_fairseq(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[str, Any], scan_layers: bool = False
-                    ) -> tuple[RetNet, ml_collections.ConfigDict]:
+                    ) -> tuple[Model, ml_collections.ConfigDict]:
   """A torchscale RetNetDecoder as a RetNet: `model(tokens, mode=...)` gives torchscale's logits in each form.
 
   Args:
@@ -224,7 +224,7 @@ def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[st
                      "torchscale RetNetDecoder built with its embed_tokens.")
   vocab_size = int(embed.shape[0])
   config = config_from_torchscale(torchscale_config, vocab_size)
-  abstract = nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Model(config.model, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))
   names = {path: torchscale_name(path) for path in targets}
@@ -278,7 +278,7 @@ def check_empty_workdir(workdir: str | Path) -> None:
     raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into an empty --workdir.")
 
 
-def write_checkpoint(model: RetNet, config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
+def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
   """Writes `model` into `workdir` as training does: a step-0 checkpoint and config.json, which
   `train_state.restore_model`, the scripts and training's resume load.
 

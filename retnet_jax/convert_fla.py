@@ -33,8 +33,9 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from retnet_jax import layer_stack, layers, model as model_lib, presets, sharding, tokenizer as tokenizer_lib
-from retnet_jax.model import RetNet, check_model_config
+from retnet_jax import architectures, layer_stack, layers, presets, sharding, tokenizer as tokenizer_lib
+from retnet_jax.mixers import attention, multiscale_retention
+from retnet_jax.model import Model
 from retnet_jax.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsFolder, listing
 
 # fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
@@ -122,7 +123,7 @@ def fla_names(path: tuple, fuse_norm: bool = True) -> tuple[str, ...]:
 
 def fuse_qkv(q_DxHK: np.ndarray, k_DxGK: np.ndarray, v_DxGK: np.ndarray, num_kv_heads: int) -> np.ndarray:
   """fla's q, k, v kernels (ours: [in, out]) as our attention's fused one, columns grouped per key/value head (its
-  query heads, then its key and value: `transformer.CausalSelfAttention`)."""
+  query heads, then its key and value: `attention.CausalSelfAttention`)."""
   d_model = q_DxHK.shape[0]
   q, k, v = (x.reshape(d_model, num_kv_heads, -1, k_DxGK.shape[1] // num_kv_heads) for x in (q_DxHK, k_DxGK, v_DxGK))
   return np.concatenate([q, k, v], axis=2).reshape(d_model, -1)
@@ -179,7 +180,7 @@ def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
       norm_eps=float(options["norm_eps"]), head_norm_eps=float(options["norm_eps"]),
       head_norm_scale=bool(options["elementwise_affine"]), decay_schedule="retnet", rotation_base=10000.0,
       dtype="float32", **attention)
-  check_model_config(config.model)
+  architectures.check_config(config.model)
   return config
 
 
@@ -261,7 +262,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = None, scan_layers: bool = False
-             ) -> tuple[RetNet, ml_collections.ConfigDict]:
+             ) -> tuple[Model, ml_collections.ConfigDict]:
   """An fla RetNet checkpoint folder as a RetNet: `model(tokens, mode=...)` gives fla's logits in every form.
 
   Args:
@@ -279,13 +280,13 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
     config.data.tokenizer = str((folder / "tokenizer.json").resolve())
     tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)  # refused if it outgrows V
   tensors = SafetensorsFolder(folder)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Model(config.model, rngs=nnx.Rngs(0))))
   targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))
   fuse_norm = bool(fla_config.get("fuse_norm", FLA_DEFAULTS["fuse_norm"]))
   names = {path: fla_names(path, fuse_norm) for path in targets}
   # fla ties lm_head to the embeddings whatever a stored lm_head.weight holds.
   ignored = {TOP_NAMES[("head", "kernel")]} if config.model.tie_embeddings else set()
-  heads, kv_heads = model_lib.attention_heads(config.model)
+  heads, kv_heads = attention.HYBRID.settings(config.model)[:2]
   expected = {}
   for path, target in targets.items():
     d_model, width = target.shape if len(names[path]) > 1 else (None, None)
@@ -314,8 +315,11 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
 
 def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
   """The model fields of `cfg` that fla's RetNet cannot express, each with the value it needs."""
-  if cfg.get("architecture", "retnet") != "retnet":
-    return [f"model.architecture={cfg.architecture!r} (fla's RetNet is a RetNet; export a RetNet workdir)"]
+  foreign = [mixer.name for mixer in architectures.mixers(cfg)
+             if mixer not in (multiscale_retention.RETENTION, attention.HYBRID)]
+  if foreign:
+    return [f"model.architecture={cfg.architecture!r} (fla's RetNet is a RetNet: retention layers, a hybrid's attention "
+            f"layers; these are {', '.join(foreign)} layers; export a RetNet workdir)"]
   problems = [f"model.{name}={cfg[name]!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
               if cfg[name] != value]
   if cfg.head_norm_eps != cfg.norm_eps:
@@ -324,7 +328,7 @@ def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
   if cfg.d_model // cfg.num_heads > MAX_KEY_HEAD_DIM:
     problems.append(f"key head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} (fla allows at most "
                     f"{MAX_KEY_HEAD_DIM})")
-  heads = model_lib.attention_heads(cfg)[0]
+  heads = attention.HYBRID.settings(cfg).num_heads
   if cfg.attention_layers and cfg.d_model // heads > MAX_ATTENTION_HEAD_DIM:
     problems.append(f"attention head dim d_model / attention_num_heads = {cfg.d_model // heads} (flash-attn, which "
                     f"fla's attention calls, allows at most {MAX_ATTENTION_HEAD_DIM})")
@@ -348,7 +352,7 @@ def _fla_attn(cfg: ml_collections.ConfigDict) -> dict[str, Any] | None:
   """fla's `attn` entry of a hybrid model config (None: no attention layers)."""
   if not cfg.attention_layers:
     return None
-  heads, kv_heads = model_lib.attention_heads(cfg)
+  heads, kv_heads = attention.HYBRID.settings(cfg)[:2]
   return {"layers": sorted(cfg.attention_layers), "num_heads": heads, "num_kv_heads": kv_heads, "qkv_bias": False,
           "window_size": cfg.attention_window, "rope_theta": cfg.attention_rotation_base}
 
@@ -373,7 +377,7 @@ def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_
   for path in paths:
     value = np.asarray(multihost_utils.process_allgather(params[path], tiled=True), dtype)
     names = fla_names(path)
-    parts = split_qkv(value, *model_lib.attention_heads(cfg)) if len(names) > 1 else (value,)
+    parts = split_qkv(value, *attention.HYBRID.settings(cfg)[:2]) if len(names) > 1 else (value,)
     for name, part in zip(names, parts):
       yield name, np.ascontiguousarray(part.T if path[-1] == "kernel" else part)
 
@@ -391,7 +395,7 @@ def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> toke
   return tokenizer_lib.load(config.data.tokenizer, vocab_size=vocab_size)
 
 
-def write_fla(model: RetNet, config: ml_collections.ConfigDict, out_dir: str | Path,
+def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Path,
               max_shard_bytes: int = 2 * 2**30) -> Path:
   """Writes `model` as an fla RetNet checkpoint folder that `RetNetForCausalLM.from_pretrained` loads.
 

@@ -21,8 +21,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax import (architectures, data, dispatch, loader, losses, presets, segments, sharding, synthetic,
-                        tokenizer as tokenizer_lib, train_state, train_step)
+from retnet_jax import (architectures, data, dispatch, loader, losses, model as model_lib, presets, segments, sharding,
+                        synthetic, tokenizer as tokenizer_lib, train_state, train_step)
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
 # relative; bfloat16 rounds each product to 8 mantissa bits.
@@ -105,7 +105,7 @@ def answer_stats(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str
   return nll_B, logits_BxLxV[:, -1], hits_B
 
 
-def evaluate_model(model: architectures.Model, config: ml_collections.ConfigDict, modes=("parallel",),
+def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, modes=("parallel",),
                    max_batches: int | None = None, seq_len: int | None = None,
                    position_buckets: int = 0) -> dict[str, Any]:
   """Validation metrics of `model` per mode, and with several modes their largest differences.

@@ -11,67 +11,25 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from retnet_jax import accelerators, model as model_lib
+from retnet_jax import accelerators, architectures
 
 
 def matmul_params(cfg: ml_collections.ConfigDict) -> int:
-  """Parameters used in matmuls per token: every projection and the output head (not the embedding lookup).
-
-  RetNet: q (d^2), k (d^2), v (d d_v), each of k and v scaled by num_kv_heads / num_heads, g (d d_v), out (d_v d)
-  and the GLU FFN (3 d f) per layer; the Transformer, and a hybrid RetNet's attention layers: q, k, v, o (d^2
-  each, k and v scaled by the key/value heads' share) and the GLU FFN.
-  """
-  d, f = cfg.d_model, cfg.ffn_dim
-  if cfg.architecture == "transformer":
-    return cfg.num_layers * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
-  v = cfg.value_dim
-  kv_share = (cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads) / cfg.num_heads
-  per_layer = d * d + round(kv_share * (d * d + d * v)) + d * v + v * d + 3 * d * f
-  num_attention = len(cfg.get("attention_layers", ()))
-  if not num_attention:
-    return cfg.num_layers * per_layer + d * cfg.vocab_size
-  heads, kv_heads = model_lib.attention_heads(cfg)
-  attention_per_layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * f
-  return (cfg.num_layers - num_attention) * per_layer + num_attention * attention_per_layer + d * cfg.vocab_size
+  """Parameters used in matmuls per token: every layer's mixer projections (`Mixer.matmul_params`), its GLU FFN
+  (3 d f) and the output head (not the embedding lookup)."""
+  per_layer = sum(mixer.matmul_params(cfg) for mixer in architectures.layer_mixers(cfg))
+  return per_layer + cfg.num_layers * 3 * cfg.d_model * cfg.ffn_dim + cfg.d_model * cfg.vocab_size
 
 
-def retention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
-  """Forward FLOPs per token of the retention products themselves (all layers), as the form computes them.
-
-  parallel: the full [L, L] score matrix and its product with V, 2 L (d + d_v) per token;
-  chunkwise: the same inside a chunk of C, plus the cross-chunk read q S and the state update k^T v,
-  2 C (d + d_v) + 4 d d_v / H; recurrent: the state update and read, 4 d d_v / H.
-  """
-  d, v, h = cfg.d_model, cfg.value_dim, cfg.num_heads
-  state_rw = 4 * d * v // h
-  if mode == "parallel":
-    per_layer = 2 * seq_len * (d + v)
-  elif mode == "chunkwise":
-    per_layer = 2 * min(cfg.chunk_size, seq_len) * (d + v) + state_rw
-  elif mode == "recurrent":
-    per_layer = state_rw
-  else:
-    raise ValueError(f"unknown mode {mode!r}; choose parallel, chunkwise or recurrent.")
-  return (cfg.num_layers - len(cfg.get("attention_layers", ()))) * per_layer
-
-
-def attention_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str = "parallel") -> int:
-  """Forward FLOPs per token of the attention products (a Transformer's layers, a hybrid's attention layers): the
-  full [L, L] score matrix and its product with V, 4 L d per token (a window masks scores, it does not skip them);
-  a windowed layer decoding (recurrent) reads its W cached tokens, 4 W d."""
-  if cfg.architecture == "transformer":
-    return cfg.num_layers * 4 * seq_len * cfg.d_model
-  window = cfg.get("attention_window")
-  keys = min(seq_len, window) if window and mode == "recurrent" else seq_len
-  return len(cfg.get("attention_layers", ())) * 4 * keys * cfg.d_model
+def mixing_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward FLOPs per token of the mixing products themselves (all layers, `Mixer.mixing_flops`): retention's as
+  its form `mode` computes them, attention's [L, L] scores (a windowed layer decoding: its window)."""
+  return sum(mixer.mixing_flops(cfg, seq_len, mode) for mixer in architectures.layer_mixers(cfg))
 
 
 def forward_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
-  """Forward: 2 x matmul params + the retention products in `mode` and the attention products."""
-  if cfg.architecture == "transformer":
-    return 2 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
-  mixing = retention_flops_per_token(cfg, seq_len, mode) + attention_flops_per_token(cfg, seq_len, mode)
-  return 2 * matmul_params(cfg) + mixing
+  """Forward: 2 x matmul params + the mixing products in `mode`."""
+  return 2 * matmul_params(cfg) + mixing_flops_per_token(cfg, seq_len, mode)
 
 
 def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:

@@ -140,6 +140,7 @@ def model_config(name: str) -> config_dict.ConfigDict:
   sizes = preset(name).model
   model = config_dict.ConfigDict(dict(
       architecture="retnet",  # retnet | transformer (configs/transformer.py)
+      mixer="retention",  # every layer's token mixer but attention_layers' (`architectures.MIXERS`)
       vocab_size=sizes.vocab_size,
       d_model=sizes.d_model,
       num_layers=sizes.num_layers,
@@ -238,6 +239,13 @@ def check_full_config(config: Any, argument: str = "config") -> None:
                   f"... as get_config builds it); got {got}.")
 
 
+# Each architecture's model section from the preset's RetNet section and training run (the Transformer's with a KV
+# cache for the training length, at least 1024 tokens).
+MODEL_SECTIONS = MappingProxyType({
+    "retnet": lambda retnet_model, run: retnet_model,
+    "transformer": lambda retnet_model, run: transformer_config(retnet_model, max(run.seq_len, 1024))})
+
+
 def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDict:
   """The full locked config of the preset called `name`, for `architecture` (retnet | transformer)."""
   if architecture not in ARCHITECTURES:
@@ -247,8 +255,7 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
   config.seed = 0
   config.model = model_config(name)
   run = preset(name).train
-  if architecture == "transformer":  # a cache for the training length, at least 1024 tokens
-    config.model = transformer_config(config.model, max(run.seq_len, 1024))
+  config.model = MODEL_SECTIONS[architecture](config.model, run)
 
   config.data = config_dict.ConfigDict(dict(
       files=(),  # local .txt / .jsonl / .json / .parquet files; empty: the shipped corpus data/tinyshakespeare.txt
@@ -286,7 +293,7 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
       seq_len=run.seq_len,
       grad_accum_steps=1,  # micro-batches per step (batch_size must divide evenly)
       # the form used for training: parallel | chunkwise (RetNet only)
-      mode="chunkwise" if architecture == "retnet" and run.seq_len > 512 else "parallel",
+      mode="chunkwise" if "chunk_size" in config.model and run.seq_len > 512 else "parallel",
       learning_rate=run.learning_rate,
       lr_schedule="cosine",  # cosine | linear decay after warm-up
       warmup_steps=run.warmup_steps,

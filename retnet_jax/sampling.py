@@ -123,7 +123,7 @@ class Sampler:
         options = None
     return jax.jit(self._loop, static_argnames=("graphdef", "settings"), compiler_options=options)
 
-  def prefill(self, model: architectures.Model, prompts_BxP: Any, lengths_B: Any, *,
+  def prefill(self, model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, *,
               prefill_mode: str | None = None) -> Prefilled:
     """Runs left-padded prompts in the chunkwise or parallel form, one compiled call.
 
@@ -138,7 +138,7 @@ class Sampler:
     checks.check_cache(model, *prompts_BxP.shape)
     return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding)
 
-  def decode(self, model: architectures.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
+  def decode(self, model: model_lib.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_tokens: Sequence[int] = (), stream: Stream | None = None, stream_every: int = 8) -> Generation:
     """Samples `max_new_tokens` tokens after prefilled prompts in one compiled loop.
@@ -154,7 +154,7 @@ class Sampler:
     checks.check_decoding_room(model, prefilled.state, settings.max_new_tokens)
     return self._decode_checked(*nnx.split(model), prefilled, settings, keys, temperature, top_p, stream)
 
-  def generate(self, model: architectures.Model, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int,
+  def generate(self, model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int,
                key: jax.Array, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                stop_tokens: Sequence[int] = (), prefill_mode: str | None = None,
                stream: Stream | None = None, stream_every: int = 8) -> Generation:

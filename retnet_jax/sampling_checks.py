@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import architectures, config_checks, layers, model as model_lib, sharding, stability, transformer
+from retnet_jax import architectures, config_checks, layers, model as model_lib, sharding, stability
 
 Stream = Callable[[np.ndarray, int], None]
 
@@ -39,7 +39,7 @@ def split_padding(prompt_len: int, chunk_size: int | None) -> int:
   return -(prompt_len - 1) % (split[1] * chunk_size)
 
 
-def check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
+def check_prefill(model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
                    ) -> tuple[int, str, int]:
   """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs)
   after checking the prompts, their lengths and the prefill mode (None: the model's default,
@@ -64,21 +64,13 @@ def check_prefill(model: architectures.Model, prompts_BxP: Any, lengths_B: Any, 
   return batch, prefill_mode, padding
 
 
-def cache_field(cfg) -> str | None:
-  """The model field that sizes a KV cache which must hold the whole context (a Transformer's, an unwindowed hybrid
-  attention layer's), or None: the state's size does not grow with the context."""
-  if cfg.architecture == "transformer":
-    return "max_len"
-  return "attention_max_len" if cfg.attention_layers and not cfg.attention_window else None
-
-
-def state_bytes(model: architectures.Model, batch: int) -> int:
+def state_bytes(model: model_lib.Model, batch: int) -> int:
   """Bytes of the decoding state of `batch` rows (RetNet: retention states; attention layers: KV caches), from its
   shapes: nothing is allocated."""
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_state(batch))))
 
 
-def check_cache(model: architectures.Model, batch: int, prompt_len: int, max_new_tokens: int = 0
+def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tokens: int = 0
                  ) -> None:
   """The decoding state of `batch` rows (KV caches included) must fit in memory, and a KV cache that holds the whole
   context (`cache_field`) must hold every prompt token but the last, then one token per decoding step."""
@@ -88,11 +80,11 @@ def check_cache(model: architectures.Model, batch: int, prompt_len: int, max_new
   limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
   memory = sum(limits) if all(limits) else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   if needed_bytes > memory:
-    field = "attention_window" if cfg.get("attention_window") else cache_field(cfg)
+    field = "attention_window" if cfg.get("attention_window") else architectures.cache_field(cfg)
     fix = f"lower model.{field}={cfg[field]}, or the batch" if field else "decode fewer rows at a time"
     raise ValueError(f"the decoding state of {batch} rows takes {needed_bytes / 2**30:.1f} GiB, more than the "
                      f"{memory / 2**30:.1f} GiB of memory of {devices[0].platform} devices here; {fix}.")
-  field = cache_field(cfg)
+  field = architectures.cache_field(cfg)
   if field is None:
     return
   needed, size = prompt_len - 1 + max_new_tokens, cfg[field]
@@ -102,13 +94,10 @@ def check_cache(model: architectures.Model, batch: int, prompt_len: int, max_new
                      f"(--config.model.{field}={needed}), or shorten the prompts or max_new_tokens.")
 
 
-def check_decoding_room(model: architectures.Model, state: dict[str, Any], max_new_tokens: int) -> None:
+def check_decoding_room(model: model_lib.Model, state: dict[str, Any], max_new_tokens: int) -> None:
   """A prefilled state's KV caches that hold the whole context must hold `max_new_tokens` more."""
-  field = cache_field(model.config)
-  if field == "max_len":
-    transformer.check_state_room(state, max_new_tokens)
-  elif field is not None:
-    model_lib.check_attention_room(model.config, state, max_new_tokens)
+  for mixer, layer_state in zip(architectures.layer_mixers(model.config), state["layers"]):
+    mixer.check_room(model.config, layer_state, max_new_tokens)
 
 
 def check_prompts(prompts_BxP: Any, lengths_B: Any, vocab_size: int) -> int:

@@ -49,7 +49,7 @@ class TextPrinter:
     self.printed = text
 
 
-def generate_text(sampler: sampling.Sampler, model: architectures.Model, tokenizer: Any, prompts: Sequence[str], *,
+def generate_text(sampler: sampling.Sampler, model: model_lib.Model, tokenizer: Any, prompts: Sequence[str], *,
                   print_row: int | None = None, **kwargs) -> list[str]:
   """Encodes `prompts`, generates with `sampler` (keyword arguments as `Sampler.generate`; stop tokens default to the
   tokenizer's `eos_id`) and decodes each row up to its stop token; with `print_row`, that row's text is printed as it

@@ -21,7 +21,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax import architectures, config_checks, layers, optimizer, presets, sharding, workdir as workdir_lib
+from retnet_jax import architectures, config_checks, layers, model as model_lib, optimizer, presets, sharding, workdir as workdir_lib
 
 TrainState = dict[str, Any]
 
@@ -30,8 +30,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks what the state and its batches need (model, optimizer, mesh and batch split) before any work."""
   presets.check_full_config(config)
   architectures.check_config(config.model)
-  if config.model.architecture == "retnet":
-    layers.check_retention_impl(config.model)
+  architectures.check_backend(config.model)
   train = config.train
   for name in ("batch_size", "seq_len", "grad_accum_steps"):
     config_checks.positive_int(train[name], f"train.{name}")
@@ -48,23 +47,7 @@ def check_sequence_split(config: ml_collections.ConfigDict, num_devices: int, le
   if devices == 1:
     return
   where = f"config.mesh splits each sequence over {devices} devices (mesh.shape={tuple(config.mesh.shape)})"
-  if config.model.architecture != "retnet":
-    raise ValueError(f"{where}, but only retention splits sequences (sequence-parallel attention is not built): "
-                     "give the Transformer a mesh whose sequence axis has size 1.")
-  if config.model.attention_layers:
-    raise ValueError(f"{where}, but model.attention_layers={tuple(config.model.attention_layers)} are attention "
-                     "layers, and only retention splits sequences (sequence-parallel attention is not built): give "
-                     "the hybrid a mesh whose sequence axis has size 1.")
-  if "recurrent" in modes:
-    raise ValueError(f"{where}, which the recurrent form (one token after another) cannot use: use the parallel "
-                     "or chunkwise mode, or a mesh whose sequence axis has size 1.")
-  if config.model.retention_impl == "pallas":
-    raise ValueError(f"{where}, but the Pallas kernels run whole sequences only: use model.retention_impl='xla' "
-                     "(or 'auto', which runs XLA's form where sequences are split).")
-  if length % (devices * config.model.chunk_size):
-    raise ValueError(f"{where} in whole chunks, so the {length} tokens of each call must be a multiple of "
-                     f"{devices} x model.chunk_size {config.model.chunk_size} = {devices * config.model.chunk_size}: "
-                     "change train.seq_len (or train.segment_len), the chunk size or the sequence axis's size.")
+  architectures.check_sequence_split(config.model, where, devices, length, tuple(modes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +71,7 @@ def _fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainSt
 def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
   """The pure function that creates a fresh state, parameters drawn from `config.seed`."""
   tx = optimizer.make_optimizer(config.train)
-  return lambda: _fresh_state(tx, nnx.state(architectures.build(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
+  return lambda: _fresh_state(tx, nnx.state(model_lib.Model(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
 
 
 def model_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> tuple[nnx.GraphDef, nnx.State]:
@@ -96,7 +79,7 @@ def model_layout(config: ml_collections.ConfigDict, placement: sharding.Placemen
   `model.param_dtype` (training's float32 masters as evaluation, generation and export hold them), traced
   abstractly (nothing runs; no optimizer: what evaluation restores)."""
   with placement.active():
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: architectures.build(config.model, rngs=nnx.Rngs(0))))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: model_lib.Model(config.model, rngs=nnx.Rngs(0))))
   shardings = sharding.tree_shardings(params, placement.mesh, placement.rules)
   dtype = layers.compute_dtype(config.model.param_dtype)
   return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), params, shardings)
@@ -128,7 +111,7 @@ def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.S
 
 
 def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
-                  ) -> tuple[architectures.Model, int]:
+                  ) -> tuple[model_lib.Model, int]:
   """The model of `workdir` at `step` (None: the newest that reads back whole), placed on `config.mesh` over the
   devices present, its parameters cast to `model.param_dtype` (every one: matrices, embeddings and norm scales).
   Only its parameters are read (`workdir.read_params`): no optimizer is built or restored.

@@ -60,15 +60,10 @@ def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> No
   model = config.model
   if not config.data.reset_at_documents:
     return
-  if "chunkwise" in modes and stability.torchscale_normaliser(model):
-    raise ValueError(f"data.reset_at_documents=True cannot reset the chunkwise form ({option}) of "
-                     "model.stability_norm_style='torchscale' (its per-chunk scalars span documents); use the "
-                     "parallel or recurrent form, model.stability_norm_style='shared', or "
-                     "data.reset_at_documents=False.")
-  if "recurrent" in modes and architectures.architecture(model) == "transformer":
-    raise ValueError(f"data.reset_at_documents=True cannot reset a Transformer's recurrent form ({option}), whose "
-                     "decoding step attends over its whole cache; use the parallel form, or "
-                     "data.reset_at_documents=False.")
+  for mode in modes:
+    if reason := architectures.document_refusal(model, mode):
+      raise ValueError(f"data.reset_at_documents=True ({option}) cannot reset {reason}; or set "
+                       "data.reset_at_documents=False.")
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: ml_collections.ConfigDict):

@@ -41,7 +41,7 @@ RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention
 # Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
 # with (the model's behaviour before the field existed).
 ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",
-                      "head_norm_scale": False, "architecture": "retnet", "attention_layers": (),
+                      "head_norm_scale": False, "architecture": "retnet", "mixer": "retention", "attention_layers": (),
                       "attention_num_heads": None, "attention_num_kv_heads": None, "attention_window": None,
                       "attention_rotation_base": 10000.0, "kernel_layout": "fused"}
 RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)

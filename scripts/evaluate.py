@@ -26,7 +26,7 @@ from retnet_jax import architectures, evaluate, metrics, train_state, workdir
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
-_MODE = flags.DEFINE_enum("mode", "parallel", architectures.ALL_MODES + ("all",), "The form to evaluate (a "
+_MODE = flags.DEFINE_enum("mode", "parallel", architectures.MODES + ("all",), "The form to evaluate (a "
                           "Transformer has no chunkwise form), or all the model's forms.")
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many batches, their rows spread over the "
                                     "validation split (default: all).")

@@ -24,8 +24,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import presets
 from retnet_jax.kernels import support
-from retnet_jax.model import RetNet
-from retnet_jax.transformer import Transformer
+from retnet_jax.model import Model
 
 # What XLA's C++ logging writes to stderr by itself when jax is imported (the aot extra's CUDA plugin on a machine
 # without a GPU: "Could not find cuda drivers"), before a script can say anything: not the script's own lines.
@@ -51,20 +50,20 @@ def kernel_chunk(interpreted: int) -> int:
   return support.CHUNK_SIZES["fused"][0] if on_gpu() else interpreted
 
 
-def tiny_model(**overrides) -> RetNet:
+def tiny_model(**overrides) -> Model:
   """The `tiny` preset's RetNet with the model fields `overrides`, initialised from seed 0."""
   cfg = retnet_config.get_config("tiny").model
   cfg.unlock()
   cfg.update(overrides)
-  return RetNet(cfg, rngs=nnx.Rngs(0))
+  return Model(cfg, rngs=nnx.Rngs(0))
 
 
-def tiny_transformer(max_len: int = 32, **overrides) -> Transformer:
+def tiny_transformer(max_len: int = 32, **overrides) -> Model:
   """The Transformer of the `tiny` RetNet's size (`presets.transformer_config`) with a KV cache of `max_len` tokens
   and the model fields `overrides`, initialised from seed 0."""
   cfg = presets.transformer_config(retnet_config.get_config("tiny").model, max_len)
   cfg.update(overrides)
-  return Transformer(cfg, rngs=nnx.Rngs(0))
+  return Model(cfg, rngs=nnx.Rngs(0))
 
 
 def random_tokens(batch: int, length: int, vocab_size: int = 256, seed: int = 0) -> np.ndarray:

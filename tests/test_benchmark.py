@@ -14,7 +14,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import flops
 from retnet_jax.bench import harness, report
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from tests.helpers import run_script
 
 
@@ -27,16 +27,16 @@ def test_flop_counter_matches_hand_count():
   # With one key/value head for the two query heads, k and v are half as wide (32x16 and 32x32): 1536 fewer per layer;
   # the count equals the model's projection and head kernels.
   cfg.num_kv_heads = 1
-  kernels = [x for path, x in nnx.to_flat_state(nnx.state(RetNet(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+  kernels = [x for path, x in nnx.to_flat_state(nnx.state(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param))
              if path[-1] == "kernel"]
   assert flops.matmul_params(cfg) == 36864 - 2 * 1536 == sum(x[...].size for x in kernels)
   cfg.num_kv_heads = None
   # Parallel at 16 tokens, per token and layer: scores 2 * 16 * 32 = 1024, scores @ V 2 * 16 * 64 = 2048.
-  assert flops.retention_flops_per_token(cfg, 16, "parallel") == 2 * (1024 + 2048)
+  assert flops.mixing_flops_per_token(cfg, 16, "parallel") == 2 * (1024 + 2048)
   # Chunkwise: the same in a chunk of 8 (512 + 1024), plus per head (d_k 16, d_v 32) the state read q S and
   # the update k^T v, 2 * 16 * 32 each: 2 heads x 2048 = 4096.
-  assert flops.retention_flops_per_token(cfg, 16, "chunkwise") == 2 * (512 + 1024 + 4096)
-  assert flops.retention_flops_per_token(cfg, 16, "recurrent") == 2 * 4096
+  assert flops.mixing_flops_per_token(cfg, 16, "chunkwise") == 2 * (512 + 1024 + 4096)
+  assert flops.mixing_flops_per_token(cfg, 16, "recurrent") == 2 * 4096
   # Training: forward (2 per multiply-add) + backward (twice the forward).
   assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36864 + 6144) == 239616
   assert flops.train_flops_per_token(cfg, 16, "chunkwise") == 3 * (2 * 36864 + 11264) == 254976
@@ -44,7 +44,7 @@ def test_flop_counter_matches_hand_count():
   # 32x16 (2 x 512), the same GLU (6144): 9216 in place of 14336; it equals the model's kernels. Its attention
   # products at 16 tokens: 4 * 16 * 32 = 2048 per token; decoding with a window of 4 reads 4 keys: 4 * 4 * 32 = 512.
   cfg.update(attention_layers=(1,), attention_num_heads=4, attention_num_kv_heads=2, attention_window=4)
-  kernels = [x for path, x in nnx.to_flat_state(nnx.state(RetNet(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+  kernels = [x for path, x in nnx.to_flat_state(nnx.state(Model(cfg, rngs=nnx.Rngs(0)), nnx.Param))
              if path[-1] == "kernel"]
   assert flops.matmul_params(cfg) == 14336 + 9216 + 8192 == sum(x[...].size for x in kernels)
   assert flops.forward_flops_per_token(cfg, 16, "parallel") == 2 * (14336 + 9216 + 8192) + 3072 + 2048

@@ -22,7 +22,7 @@ from configs.retnet import get_config
 from retnet_jax import integrity
 from retnet_jax.checkpointing import Checkpointer, CheckpointWriteError, export_params, load_params
 from retnet_jax.integrity import DamagedCheckpointError
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 
 META = {"data_position": [3, 1024], "config": {"preset": "tiny", "lr": 3e-3, "files": []}, "note": None}
 
@@ -34,7 +34,7 @@ def make_mesh(shape):
 @pytest.fixture(scope="module")
 def state():
   """Params, an AdamW state after one update (so its moments are non-zero), a step counter and rng key data."""
-  params = nnx.state(RetNet(get_config("tiny").model, rngs=nnx.Rngs(0)), nnx.Param)
+  params = nnx.state(Model(get_config("tiny").model, rngs=nnx.Rngs(0)), nnx.Param)
   tx = optax.adamw(1e-3)
   grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
   updates, opt_state = tx.update(grads, tx.init(params), params)
@@ -166,7 +166,7 @@ def test_incompatible_model_config_is_a_clear_error(tmp_path, state):
     ckpt.save(3, state, META)
   cfg = get_config("tiny").model
   cfg.d_model = 64
-  wider = nnx.state(nnx.eval_shape(lambda: RetNet(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  wider = nnx.state(nnx.eval_shape(lambda: Model(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   target = abstract(state)
   target["params"] = abstract(wider, lambda x: SingleDeviceSharding(jax.devices()[0]))
   expected = (rf"checkpoint at {tmp_path}/3 does not fit the state this config builds: "

@@ -19,7 +19,7 @@ from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
 from retnet_jax import convert, convert_fla, presets, safetensors_folder, sharding
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from tests.helpers import forward, random_tokens, run_script
 
 torch = pytest.importorskip("torch")
@@ -151,7 +151,7 @@ def saved_fla(tmp_path, options, seed=0):
 def with_chunk_size(model, config, chunk_size):
   """`model` with the chunkwise form's chunk length set to `chunk_size` (the fla preset's 256 exceeds LENGTH)."""
   config.model.chunk_size = chunk_size
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: RetNet(config.model, rngs=nnx.Rngs(0))))
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Model(config.model, rngs=nnx.Rngs(0))))
   return nnx.merge(graphdef, nnx.state(model))
 
 
@@ -220,7 +220,7 @@ def our_fla_model(seed=3, **overrides):
   config = presets.get_config("fla")
   config.model.update(vocab_size=47, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, value_dim=48, ffn_dim=40,
                       chunk_size=16, dtype="float32", **overrides)
-  model = RetNet(config.model, rngs=nnx.Rngs(seed))
+  model = Model(config.model, rngs=nnx.Rngs(seed))
   params = nnx.state(model, nnx.Param)
   rng = np.random.default_rng(seed)
   vector = lambda path, value: value.ndim == 1 + (config.model.scan_layers and path[0] == "blocks")  # scales

@@ -11,15 +11,16 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import (evaluate, layer_stack, losses, model as model_lib, passkey, passkey_eval, rotation, sampling,
-                        sharding, train, train_state, train_step, transformer)
+from retnet_jax import (architectures, evaluate, layer_stack, losses, passkey, passkey_eval, rotation, sampling,
+                        sharding, train, train_state, train_step)
+from retnet_jax.mixers import attention as attention_mixer
 from retnet_jax.tokenizer import ByteTokenizer
 from tests.helpers import (forms_agree, forward, max_abs_diff, on_gpu, random_tokens, read_metrics, tiny_config,
                            tiny_model)
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
-MODES = model_lib.MODES
+MODES = architectures.MODES
 # Layer 1 of the tiny preset's two is attention: every earlier token with grouped key/value heads, or a window of 5
 # tokens (shorter than the calls below, so the ring buffer wraps) with the tiny preset's heads; and four layers,
 # every second one attention, scanned (two groups of a retention and an attention block).
@@ -115,8 +116,8 @@ def test_attention_layer_matches_a_float64_reference(window):
   x = jax.random.normal(jax.random.key(1), (2, 11, model.config.d_model))
   positions = np.tile(np.arange(11), (2, 1))
   tables = rotation.tables_for(model.config, jnp.asarray(positions), 4, 300.0)
-  cache = transformer.empty_cache(model.config, 2, 11, 4, 1)
-  ours, _ = block.attention(block.attention_norm(x), jnp.asarray(positions), tables, cache, 0, "self")
+  context = attention_mixer.Context(jnp.asarray(positions), tables, "parallel", None)
+  ours, _ = block.attention(block.attention_norm(x), context, None)
   reference = _reference_attention(block, x, positions, window, model.config)
   assert np.max(np.abs(np.asarray(ours) - reference)) < 1e-5 * np.max(np.abs(reference))
 
@@ -213,7 +214,7 @@ def test_scanned_hybrids_equal_unrolled_ones(layers):
      "attention_num_kv_heads=3 must be a positive divisor of the attention layers' 4 query heads"),
     (dict(attention_layers=(1,), attention_window=0), "attention_window=0 must be a positive number of tokens"),
     (dict(attention_layers=(1,), attention_rotation_base=-1.0), "attention_rotation_base must be a positive"),
-    (dict(attention_layers=(1,), attention_max_len=0), "attention_max_len must be a positive number"),
+    (dict(attention_layers=(1,), attention_max_len=0), "attention_max_len must be a positive integer"),
     (dict(attention_window=8), r"model.attention_window=8 configures attention layers, but model.attention_layers "
                                r"is empty"),
 ])
@@ -256,7 +257,7 @@ def test_a_hybrid_trains_resumes_and_evaluates(tmp_path, run_crashing_at_batch):
   assert sorted(read_metrics(tmp_path / "straight")) == list(range(1, 9))
   assert resumed["eval_loss"] == straight["eval_loss"]
   model, step = train_state.restore_model(config, tmp_path / "resumed")
-  assert step == 8 and isinstance(model.blocks[1], transformer.TransformerBlock)
+  assert step == 8 and model.blocks[1].mixer_name == "attention"
   config.model.scan_layers = True  # the checkpoint read into the scanned layout: the same model
   scanned, _ = train_state.restore_model(config, tmp_path / "resumed")
   tokens = random_tokens(2, 20, seed=9)

@@ -1,5 +1,6 @@
-"""The package's import structure: no circle between its modules, the data layer loads no model code, and what the
-scripts import on a plain install is installed with it."""
+"""The package's import structure: no circle between its modules, the data layer loads no model code, no module uses
+another's private names or tells architectures apart by name outside the registry, and what the scripts import on a
+plain install is installed with it."""
 import ast
 import configparser
 import importlib.metadata
@@ -13,7 +14,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "retnet_jax"
 DATA_LAYER = ("retnet_jax.data", "retnet_jax.tokenizer", "retnet_jax.synthetic", "retnet_jax.passkey")
-MODEL_CODE = ("retnet_jax.model", "retnet_jax.sampling", "retnet_jax.layers", "retnet_jax.transformer")
+MODEL_CODE = ("retnet_jax.model", "retnet_jax.sampling", "retnet_jax.layers", "retnet_jax.mixers.attention",
+              "retnet_jax.mixers.multiscale_retention")
 # What README's scripts run on the Quickstart install (`pip install -e .`, no extras), plots included.
 QUICKSTART = ("retnet_jax.evaluate", "retnet_jax.passkey_eval", "retnet_jax.train", "retnet_jax.prepared")
 
@@ -152,3 +154,24 @@ def test_no_module_uses_another_modules_private_names():
                for path in sorted((PACKAGE.parent / "scripts").glob("*.py"))})
   uses = {path: found for path, found in uses.items() if found}
   assert not uses, f"private names used across modules (make them public where shared): {uses}"
+
+
+# A test of a model family by name: `cfg.architecture == "transformer"`, `architecture(cfg) != ...`,
+# `"retnet" == cfg.get("architecture")`.
+ARCHITECTURE_SWITCH = re.compile(r"\barchitecture\b.*(?:[!=]=|\bin\s*[(\[])|(?:[!=]=).*\barchitecture\b")
+REGISTRY = PACKAGE / "architectures.py"
+
+
+def architecture_switches(source: str) -> list[str]:
+  """The lines of `source` that switch on an architecture's name (comments aside)."""
+  return [line.strip() for line in source.splitlines() if ARCHITECTURE_SWITCH.search(line.split("#")[0])]
+
+
+def test_no_architecture_switch_outside_the_registry():
+  """Only `architectures` tells model families apart by name; everything else asks the mixers it gives."""
+  assert architecture_switches('  if cfg.architecture == "transformer":\n    pass') and architecture_switches(
+      'if "retnet" != architectures.architecture(model):') and not architecture_switches('name = cfg.architecture')
+  files = [path for path in PACKAGE.rglob("*.py") if path != REGISTRY] + sorted((PACKAGE.parent / "scripts").glob("*.py"))
+  found = {str(path.relative_to(PACKAGE.parent)): lines for path in files
+           if (lines := architecture_switches(path.read_text()))}
+  assert not found, f"architecture switches outside retnet_jax/architectures.py (ask its mixers instead): {found}"

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from configs import retnet as retnet_config
 from retnet_jax import checkpointing, layer_stack, sampling, sharding, train, train_state, train_step
-from retnet_jax.model import MODES
+from retnet_jax.architectures import MODES
 from tests.helpers import random_tokens, read_metrics, tiny_model, tiny_transformer
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests

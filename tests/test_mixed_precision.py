@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from retnet_jax import architectures, losses, matmul, matmul_dtypes, presets, sharding, train_step
+from retnet_jax import losses, matmul, matmul_dtypes, model as model_lib, presets, sharding, train_step
 
 
 def _step_report(name: str, architecture: str = "retnet", documents: bool = False, devices=None, **fields):
@@ -102,7 +102,7 @@ def test_matmul_einsum_keeps_a_float32_result_and_a_bfloat16_backward():
 def _tiny(architecture="retnet", **model_fields):
   config = presets.get_config("tiny", architecture)
   config.model.update(model_fields)
-  return nnx.split(architectures.build(config.model, rngs=nnx.Rngs(0)), nnx.Param)
+  return nnx.split(model_lib.Model(config.model, rngs=nnx.Rngs(0)), nnx.Param)
 
 
 def _loss_and_grads(graphdef, params, batch, tile, **kwargs):

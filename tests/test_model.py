@@ -13,7 +13,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import layer_stack, sharding
 from retnet_jax.kernels import support
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from tests.helpers import forms_agree, forward, kernel_chunk, max_abs_diff, random_tokens, tiny_model
 
 MODES = ("parallel", "chunkwise", "recurrent")
@@ -89,7 +89,7 @@ def test_bfloat16_config_keeps_decays_below_one():
 @pytest.mark.parametrize("preset,billions", [("1.3b", 1.3), ("2.7b", 2.7), ("6.7b", 6.7)])
 def test_preset_parameter_counts(preset, billions):
   cfg = retnet_config.get_config(preset)
-  abstract = nnx.eval_shape(lambda: RetNet(cfg.model, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Model(cfg.model, rngs=nnx.Rngs(0)))
   count = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   assert abs(count / (billions * 1e9) - 1) < 0.05, count
 
@@ -133,7 +133,7 @@ def test_bad_inputs():
   for wrong, got in ((config, "the full config: pass config.model."), (config.model.to_dict(), "a dict.")):
     with pytest.raises(TypeError, match=re.escape(f"a model takes the model fields, config.model (e.g. "
                                                   f"presets.model_config('tiny')); got {got}")):
-      RetNet(wrong, rngs=nnx.Rngs(0))
+      Model(wrong, rngs=nnx.Rngs(0))
 
 
 def test_states_from_another_config_or_batch_are_refused():
@@ -201,7 +201,7 @@ def test_model_builds_under_a_user_mesh(shape, names, with_rules):
   rules = sharding.logical_rules(cfg.mesh)
   mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules if with_rules else ()):
-    model = RetNet(cfg.model, rngs=nnx.Rngs(0))
+    model = Model(cfg.model, rngs=nnx.Rngs(0))
   reference, tokens = tiny_model(), random_tokens(2, 21)
   params = nnx.state(model, nnx.Param)
   assert max_abs_diff(params, nnx.state(reference, nnx.Param)) == 0
@@ -247,19 +247,20 @@ def test_pallas_retention_impl_matches_xla_in_values_states_and_gradients(stabil
 def test_retention_impl_and_matmul_precision_configs():
   """`pallas` is refused before any work where the kernels do not compile (the CPU, whatever runs the tests; naming
   the fix); `auto` picks XLA there; `highest` reaches every dot of the forward and backward pass."""
-  from retnet_jax import layers, train_state  # pylint: disable=import-outside-toplevel
+  from retnet_jax import train_state  # pylint: disable=import-outside-toplevel
+  from retnet_jax.mixers import multiscale_retention as msr  # pylint: disable=import-outside-toplevel
   config = retnet_config.get_config("tiny")
   config.model.retention_impl = "pallas"
   with support.target_backend("cpu"), pytest.raises(
       ValueError, match=r"retention_impl='pallas' cannot run here: .*GPUs only.*retention_impl='xla'"):
     train_state.check_config(config, 1)
   model_cfg = lambda **fields: ml_collections.ConfigDict({**config.model.to_dict(), **fields})
-  assert layers.uses_kernel(config.model, "cpu") and not layers.uses_kernel(model_cfg(retention_impl="auto"), "cpu")
+  assert msr.uses_kernel(config.model, "cpu") and not msr.uses_kernel(model_cfg(retention_impl="auto"), "cpu")
   gpu_ready = dict(retention_impl="auto", chunk_size=16, d_model=64, num_heads=2)
-  assert layers.uses_kernel(model_cfg(**gpu_ready), "gpu")
+  assert msr.uses_kernel(model_cfg(**gpu_ready), "gpu")
   torchscale = model_cfg(**{**gpu_ready, "retention_impl": "pallas", "stability_norm_style": "torchscale"})
   with pytest.raises(ValueError, match="torchscale normaliser's chunkwise scalars"):
-    layers.check_retention_impl(torchscale, "gpu")
+    msr.check_retention_impl(torchscale, "gpu")
   with pytest.raises(ValueError, match="unknown model.retention_impl 'triton'"):
     tiny_model(retention_impl="triton")
   with pytest.raises(ValueError, match=r"unknown model.kernel_layout 'tiled'; choose one of \('split', 'fused'\)"):

@@ -13,7 +13,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import passkey, passkey_eval
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from retnet_jax.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -156,7 +156,7 @@ def test_greedy_generate_continues_the_prompt_as_teacher_forced_argmax_does():
   and those tokens predicts by argmax: the scoring is both."""
   config = retnet_config.get_config("tiny")
   config.model.update(d_model=16, num_layers=1, num_heads=2, value_dim=32, ffn_dim=32)
-  model = RetNet(config.model, rngs=nnx.Rngs(0))
+  model = Model(config.model, rngs=nnx.Rngs(0))
   grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
   prompts_NxP = np.stack([ex.tokens[:ex.answer_positions[0]] for ex in grid.examples[0][0]])  # 174 tokens
   generated_NxT = passkey_eval.greedy_generate(model, "chunkwise")(prompts_NxP, np.full(2, 174), 3)

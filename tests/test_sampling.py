@@ -12,7 +12,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import architectures, sampling, sampling_checks, sharding, text_generation
 from retnet_jax.tokenizer import ByteTokenizer
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from tests.helpers import forward, tiny_model
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
@@ -82,7 +82,7 @@ def test_torchscale_style_pads_only_in_the_parallel_prefill():
   (4.5e-2 on the logits of a row padded by 6 with chunks of 8): refused; the parallel prefill pads exactly."""
   cfg = retnet_config.get_config("tiny").model
   cfg.stability_norm_style = "torchscale"
-  ts_model = RetNet(cfg, rngs=nnx.Rngs(0))
+  ts_model = Model(cfg, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"lengths \[5, 1, 11, 8\] are left-padded .* prefill_mode='parallel'"):
     run(ts_model, PROMPTS, temperature=0.0)
   greedy = run(ts_model, PROMPTS, temperature=0.0, prefill_mode="parallel")
@@ -155,7 +155,7 @@ def test_sharded_model_decodes_the_same_tokens(model, mesh_shape):
   config = retnet_config.get_config("tiny")
   config.mesh.shape = mesh_shape
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:2])
-  sharded = sharding.shard_model(RetNet(config.model, rngs=nnx.Rngs(0)), mesh, sharding.logical_rules(config.mesh))
+  sharded = sharding.shard_model(Model(config.model, rngs=nnx.Rngs(0)), mesh, sharding.logical_rules(config.mesh))
   kernel = sharded.blocks[0].retention.q_proj.kernel[...]
   assert len(kernel.sharding.device_set) == 2 and kernel.addressable_shards[0].data.shape[1] == (
       kernel.shape[1] // 2 if mesh_shape[2] == 2 else kernel.shape[1])

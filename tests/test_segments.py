@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from configs import retnet as retnet_config
 from retnet_jax import losses, retention, segments, sequence_parallel, sharding
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from tests import helpers
 from tests.test_retention import reference
 
@@ -230,7 +230,7 @@ def test_pallas_kernels_in_the_model_match_each_document_alone():
 
 def test_transformer_logits_match_each_document_alone():
   """Parallel form from no state (block-diagonal mask) and after a cached prefix (reaching the first documents only);
-  decoding from the returned state continues the last documents; its recurrent form refuses segment_ids."""
+  decoding from the returned state continues the last documents; its recurrent form resets at documents alike."""
   model = helpers.tiny_transformer(max_len=32, num_layers=1)
   tokens = helpers.random_tokens(BATCH, IDS.shape[1] + 4)
   _, cached = forward(model, jnp.asarray(tokens[:, :3]), None, "parallel")
@@ -241,8 +241,10 @@ def test_transformer_logits_match_each_document_alone():
     expected, expected_next = documents_alone(model, tokens[:, 3:-1], IDS, "parallel", state, tokens[:, -1:])
     assert rel_err(logits, expected) < 1e-5
     assert rel_err(next_logits[:, 0], expected_next) < 1e-5
-  with pytest.raises(ValueError, match="segment_ids cannot apply to a Transformer's recurrent"):
-    model(jnp.asarray(tokens[:, :1]), mode="recurrent", state=after, segment_ids=jnp.zeros((BATCH, 1), jnp.int32))
+  for state in (None, cached):  # token by token, a key before its query's document start is unseen
+    recurrent, _ = forward(model, jnp.asarray(tokens[:, 3:-1]), state, "recurrent", jnp.asarray(IDS))
+    expected, _ = documents_alone(model, tokens[:, 3:-1], IDS, "parallel", state, tokens[:, -1:])
+    assert rel_err(recurrent, expected) < 1e-5, rel_err(recurrent, expected)
 
 
 def test_none_is_bitwise_the_default():
@@ -302,7 +304,7 @@ def test_model_split_over_sequence_matches_one_device():
   config = retnet_config.get_config("tiny")
   config.model.update(chunk_size=4, num_layers=1)
   config.mesh.shape = (2, 1, 1, 4)
-  model = RetNet(config.model, rngs=nnx.Rngs(0))
+  model = Model(config.model, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(helpers.random_tokens(2, 3 + 32))
   _, carried = forward(model, tokens[:, :3], None, "chunkwise")
   expected = forward(model, tokens[:, 3:], carried, "chunkwise", jnp.asarray(MESH_IDS))

@@ -10,7 +10,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax import evaluate, losses, sampling, sampling_checks, sharding, train, train_state
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from tests.helpers import tiny_config
 
 
@@ -50,7 +50,7 @@ CASES = [((1, 1, 1, 8), "torchscale", "parallel"), ((2, 1, 1, 4), "torchscale", 
 def test_model_split_over_sequence_matches_one_device(mesh_shape, style, mode):
   """Logits, final states (kv and key sums), loss and gradients after a carried-in state, to 1e-5 relative."""
   config = tiny(style, mesh_shape)
-  model = RetNet(config.model, rngs=nnx.Rngs(0))
+  model = Model(config.model, rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 24 + 64 + 1), 0, config.model.vocab_size)
   _, carried = model(tokens[:, :24], mode="chunkwise")  # 24 tokens: not a whole number of slices
   step = jax.jit(forward_loss_and_grads, static_argnums=2)
@@ -121,7 +121,7 @@ def test_bad_sequence_splits_are_refused_before_any_work():
   with pytest.raises(ValueError, match=r"model.attention_layers=\(1,\) are attention layers, and only retention "
                                        r"splits sequences"):
     train.check_config(config, 8)
-  model = RetNet(config.model, rngs=nnx.Rngs(0))
+  model = Model(config.model, rngs=nnx.Rngs(0))
   with sharding.placement(config.mesh).active(), pytest.raises(ValueError, match="sequence-parallel attention is not"):
     model(np.zeros((1, 64), np.int32), mode="chunkwise")
   config.model.attention_layers = ()

@@ -12,7 +12,7 @@ from configs import retnet as retnet_config
 from configs import transformer as transformer_config
 from retnet_jax import (checkpointing, data, evaluate, losses, optimizer, passkey, sharding, synthetic, train,
                         train_state, train_step)
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from retnet_jax.tokenizer import ByteTokenizer
 
 # architecture -> the configs module of its presets
@@ -286,7 +286,7 @@ def test_a_tokenizer_without_digits_is_refused_for_passkey(tmp_path):
 def test_evaluate_reports_passkey_accuracy():
   """The fraction of key tokens predicted by argmax: here of an untrained tiny RetNet, in [0, 1]."""
   config = passkey_config()
-  results = evaluate.evaluate_model(RetNet(config.model, rngs=nnx.Rngs(0)), config, max_batches=1)
+  results = evaluate.evaluate_model(Model(config.model, rngs=nnx.Rngs(0)), config, max_batches=1)
   assert results["task"] == "passkey" and results["answers"] == 6 * config.train.batch_size
   assert 0 <= results["modes"]["parallel"]["passkey_accuracy"] <= 1
 

@@ -13,7 +13,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax import (checkpointing, flops, losses, sharding, stability, train, train_state, train_step,
                         workdir as workdir_lib)
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config
 
 
@@ -297,7 +297,7 @@ def test_profile_trace_and_tensorboard_events_are_written(tmp_path):
 
 
 def _loss_and_grads(model_cfg, tokens, mode, segment_len, remat="none"):
-  graphdef, params = nnx.split(RetNet(model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(Model(model_cfg, rngs=nnx.Rngs(0)))
   fn = lambda p: losses.token_loss(graphdef, p, tokens, mode, remat, segment_len)
   return jax.jit(jax.value_and_grad(fn))(params)
 

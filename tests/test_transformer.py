@@ -16,8 +16,7 @@ from ml_collections.config_flags import config_path
 from configs import retnet as retnet_config, transformer as transformer_config
 from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding,
                         text_generation, tokenizer, train, train_state, workdir as workdir_lib)
-from retnet_jax.model import RetNet
-from retnet_jax.transformer import Transformer
+from retnet_jax.model import Model
 from tests.helpers import forward, random_tokens, read_metrics, script_stdout, tiny_config, tiny_transformer
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
@@ -54,12 +53,12 @@ def trained(tmp_path_factory):
 def model(trained):
   """The trained Transformer, restored from its workdir."""
   restored, step = train_state.restore_model(*trained)
-  assert isinstance(restored, Transformer) and step == STEPS
+  assert isinstance(restored, Model) and step == STEPS
   return restored
 
 
 def count_params(model_cfg):
-  abstract = nnx.eval_shape(lambda: architectures.build(model_cfg, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Model(model_cfg, rngs=nnx.Rngs(0)))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
@@ -95,7 +94,7 @@ def test_transformer_matches_retnet_size_and_flop_count():
   assert flops.train_flops_per_token(cfg, 16, "parallel") == 3 * (2 * 36352 + 2 * 2048)
   # All parameters (norm scales and the embedding too): the same within the rounding of the FFN width.
   count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
-  assert abs(count(tiny_transformer()) / count(RetNet(retnet_cfg, rngs=nnx.Rngs(0))) - 1) < 0.02
+  assert abs(count(tiny_transformer()) / count(Model(retnet_cfg, rngs=nnx.Rngs(0))) - 1) < 0.02
 
 
 def test_learns_on_the_corpus(trained):
@@ -141,7 +140,7 @@ def test_kv_cache_decoding_equals_parallel_logits(model):
     logits, state = forward(model, tokens[:, t:t + 1], state, "recurrent")
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), parallel, atol=atol)
-  assert int(state["next_slot"]) == 40 and state["layers"][0]["key"].shape[1] == model.config.max_len
+  assert int(state["layers"][0]["next_slot"]) == 40 and state["layers"][0]["key"].shape[1] == model.config.max_len
 
 
 def test_transformer_incremental_decoding_matches_parallel():
@@ -164,7 +163,7 @@ def test_transformer_incremental_decoding_matches_parallel():
   rest, _ = forward(model, tokens[:, 13:], prefill_state, "recurrent")
   np.testing.assert_allclose(jnp.concatenate([prefill, rest], axis=1), parallel, atol=1e-5 * scale)
   for final in (state, recurrent_state, step_state):
-    assert int(final["next_slot"]) == 21 and final["position"].tolist() == [21, 21]
+    assert all(int(layer["next_slot"]) == 21 for layer in final["layers"]) and final["position"].tolist() == [21, 21]
   # The cache the parallel call returns continues like the one filled token by token.
   np.testing.assert_allclose(state["layers"][1]["key"][:, :21], step_state["layers"][1]["key"][:, :21],
                              atol=1e-5)
@@ -214,7 +213,7 @@ def test_transformer_input_errors():
   with pytest.raises(ValueError, match="KV cache holds 8 tokens; 6 are used"):
     _, state = model(random_tokens(1, 6), mode="recurrent", state=model.init_state(1))
     model(random_tokens(1, 3), mode="recurrent", state=state)
-  with pytest.raises(ValueError, match="not divisible"):
+  with pytest.raises(ValueError, match="must be a positive divisor of model.d_model"):
     tiny_transformer(num_heads=3)
 
 
@@ -283,12 +282,12 @@ def test_scripts_evaluate_and_generate_it(trained, model):
 @pytest.mark.parametrize("change,message", [
     (lambda c: c.model.update(architecture="mamba"), r"unknown model.architecture 'mamba'; choose one of \('retnet', "
                                                      r"'transformer'\)"),
-    (lambda c: c.train.update(mode="chunkwise"), r"train.mode='chunkwise': a Transformer trains in the parallel form"
+    (lambda c: c.train.update(mode="chunkwise"), r"train.mode='chunkwise': this model's layers do not compute the chunkwise form"
                                                  r".*--config.train.mode=parallel"),
     (lambda c: c.train.update(segment_len=16), r"train.segment_len=16: segments carry retention's fixed-size state.*"
                                                r"--config.train.segment_len=0"),
     (lambda c: c.model.update(max_len=0), "model.max_len must be a positive integer; got 0"),
-    (lambda c: c.model.update(num_heads=3), "model.d_model=32 is not divisible by model.num_heads=3"),
+    (lambda c: c.model.update(num_heads=3), "model.num_heads=3 must be a positive divisor of model.d_model=32"),
     (lambda c: c.model.update(rotation_freqs="xpos"), "unknown model.rotation_freqs 'xpos'"),
 ])
 def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):

@@ -12,10 +12,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax import flops, optimizer, presets, sampling, sampling_checks, sharding, train_step, transformer, workdir
+from retnet_jax import flops, optimizer, presets, sampling, sampling_checks, sharding, train_step, workdir
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 
 # Model widths the inference mesh's `tensor` axis splits: its device count must divide each.
 TENSOR_SPLIT = ("num_heads", "ffn_dim", "vocab_size")
@@ -32,7 +32,7 @@ def make_config(base, suite: Suite, dtype: str, mode: str, seq_len: int, batch_s
 
 def param_count(model_cfg) -> int:
   """Parameters of the RetNet of model section `model_cfg`, counted abstractly (nothing is allocated)."""
-  abstract = nnx.eval_shape(lambda: RetNet(model_cfg, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Model(model_cfg, rngs=nnx.Rngs(0)))
   return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
 
 
@@ -89,7 +89,7 @@ def compile_train_step(config, mesh) -> tuple[float, int | None]:
 def transformer_train_step(config, mesh) -> tuple[Any, dict[str, Any], jax.Array]:
   """The same train step (`train_step.make_train_step`, config.train.mode parallel) around a same-size Transformer:
   (the jitted step, its initial state, a batch)."""
-  model = transformer.Transformer(presets.transformer_config(config.model, config.train.seq_len),
+  model = Model(presets.transformer_config(config.model, config.train.seq_len),
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
   tx = optimizer.make_optimizer(config.train)

@@ -17,7 +17,7 @@ from retnet_jax import losses, optimizer
 from retnet_jax.bench.cases import make_config, train_case
 from retnet_jax.bench.harness import compile_timed, interleave, random_tokens, rate
 from retnet_jax.bench.suites import Suite
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 
 
 def document_ids(batch: int, length: int, mean_len: int, seed: int = 0) -> np.ndarray:
@@ -30,7 +30,7 @@ def document_ids(batch: int, length: int, mean_len: int, seed: int = 0) -> np.nd
 def reset_train_case(config, ids: np.ndarray | None):
   """One train step of `config` (`losses.token_loss`, its gradients, the optimizer's update) on random tokens
   `[B, L + 1]`, with the documents `ids [B, L + 1]` or without (None)."""
-  graphdef, params = nnx.split(RetNet(config.model, rngs=nnx.Rngs(config.seed)))
+  graphdef, params = nnx.split(Model(config.model, rngs=nnx.Rngs(config.seed)))
   tx = optimizer.make_optimizer(config.train)
   loss_and_grad = jax.value_and_grad(lambda params, tokens, ids: losses.token_loss(
       graphdef, params, tokens if ids is None else (tokens, None, ids), config.train.mode))

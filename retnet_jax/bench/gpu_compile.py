@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from retnet_jax import layers, markdown, sharding
+from retnet_jax import architectures, markdown, sharding
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config, too_big
 from retnet_jax.bench.harness import Budget
@@ -22,7 +22,7 @@ def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[
     for impl in suite.train_impls:
       config = model_config(suite, name, impl)
       try:
-        layers.check_retention_impl(config.model)
+        architectures.check_backend(config.model)
       except ValueError as e:
         results["skipped"][f"{name}/{impl}"] = str(e)
         continue

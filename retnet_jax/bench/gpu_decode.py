@@ -10,24 +10,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from retnet_jax import markdown, presets, sampling, transformer
+from retnet_jax import markdown, presets, sampling
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config
 from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
 from retnet_jax.bench.report import fmt, fmt_range
 from retnet_jax.bench.suites import GpuSuite
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 
 
 def _context_decode_case(model, batch: int, context: int, new_tokens: int) -> Case:
   """Greedy `Sampler.decode` of `new_tokens` from a state `context` tokens in: RetNet's retention state, or a KV
   cache of `context + new_tokens` slots with `context` filled. The state holds zeros (a prefill of this batch and
   length would not fit the device): a step's work does not depend on its values. Units as `cases.decode_case`."""
-  if model.config.architecture == "transformer":
-    state = model.init_state(batch, context + new_tokens)
-    state["next_slot"] = jnp.int32(context)
-  else:
-    state = model.init_state(batch)
+  state = model.init_state(batch, context + new_tokens)
+  state["layers"] = [{**layer, "next_slot": jnp.int32(context)} if "next_slot" in layer else layer
+                     for layer in state["layers"]]
   state["position"] = jnp.full((batch,), context, jnp.int32)
   prefilled = sampling.Prefilled(state, jnp.zeros((batch,), jnp.int32))
   sampler = sampling.Sampler()
@@ -48,9 +46,9 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None, budget: Budg
   largest power-of-two batch up to it whose KV cache fits a third of the device's memory (decoding holds it twice:
   the state passed in and the loop's updated copy). A context not started before `budget` is spent is skipped."""
   config = model_config(suite, suite.decode_model)
-  retnet = RetNet(config.model, rngs=nnx.Rngs(config.seed))
+  retnet = Model(config.model, rngs=nnx.Rngs(config.seed))
   # Its KV caches are made per context (`_context_decode_case`): max_len is unused.
-  attention = transformer.Transformer(presets.transformer_config(config.model, 1), rngs=nnx.Rngs(config.seed))
+  attention = Model(presets.transformer_config(config.model, 1), rngs=nnx.Rngs(config.seed))
   params = cases.param_count(config.model)
   param_bytes = 4 * params  # float32 parameters, as stored and read
   new = suite.decode_new_tokens

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from retnet_jax import flops, layers, markdown, matmul_dtypes, presets, sharding, train_step
+from retnet_jax import architectures, flops, markdown, matmul_dtypes, presets, sharding, train_step
 from retnet_jax.bench import cases
 from retnet_jax.bench.harness import (Budget, compile_timed, interleave, isolated, memory_source, out_of_memory,
                                       random_tokens, rate)
@@ -114,7 +114,7 @@ def _measure_alone(suite: GpuSuite, name: str, case: str, limit: int | None, bud
   """`measure_case` in a fresh process; {"skipped": reason} where the backend cannot run the case, `budget` is spent
   before it starts, or it is still running when the budget (and `GRACE_S` more) is spent (its process is ended)."""
   try:
-    layers.check_retention_impl(_case_config(suite, name, case).model)
+    architectures.check_backend(_case_config(suite, name, case).model)
   except ValueError as e:
     return {"skipped": str(e)}
   if budget.spent():

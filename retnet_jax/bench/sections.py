@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from retnet_jax import architectures, flops, presets, sharding, transformer
+from retnet_jax import architectures, flops, presets, sharding
 from retnet_jax.bench import documents
 from retnet_jax.bench.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
                                     make_config, matmul_case, param_count, read_case, retnet_train_case,
@@ -27,7 +27,7 @@ from retnet_jax.bench.report import fmt, to_markdown
 from retnet_jax.bench.suites import Suite
 from retnet_jax.bench.torchscale_worker import Torchscale
 from retnet_jax.layers import DTYPES
-from retnet_jax.model import RetNet
+from retnet_jax.model import Model
 
 
 def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale: Torchscale, source: str
@@ -92,12 +92,12 @@ def measure_lengths(base, suite: Suite, mesh, states: InitialStates, inference: 
   """Time and peak memory vs sequence length at batch 1, the forms interleaved at each length: the forward pass
   of RetNet (parallel, chunkwise) and the Transformer on the inference mesh, and RetNet's training step."""
   config = make_config(base, suite, "float32", "parallel", suite.seq_len, 1)
-  retnet = inference.place(RetNet(config.model, rngs=nnx.Rngs(config.seed)))
+  retnet = inference.place(Model(config.model, rngs=nnx.Rngs(config.seed)))
   builders = {
       "forward": {
           "retnet/parallel": lambda length: forward_case(retnet, "parallel", length, inference.mesh),
           "retnet/chunkwise": lambda length: forward_case(retnet, "chunkwise", length, inference.mesh),
-          "transformer/parallel": lambda length: forward_case(inference.place(transformer.Transformer(
+          "transformer/parallel": lambda length: forward_case(inference.place(Model(
               presets.transformer_config(config.model, length), rngs=nnx.Rngs(config.seed))), "parallel", length,
               inference.mesh)},
       "train": {f"retnet/{mode}": lambda length, mode=mode: retnet_train_case(
@@ -144,20 +144,20 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inferen
   """Greedy decoding on the inference mesh: tokens/s at batch 1 and `decode_batch`, per-token latency vs
   context, interleaved with the read bandwidth of the weight-read floor: (results, read bytes/s)."""
   config = make_config(base, suite, "float32", "chunkwise", suite.seq_len, 1)
-  retnet = inference.place(RetNet(config.model, rngs=nnx.Rngs(config.seed)))
+  retnet = inference.place(Model(config.model, rngs=nnx.Rngs(config.seed)))
   param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(retnet, nnx.Param)))
   contexts = sorted(set(suite.contexts) | {suite.prompt_len})
   cases, models = {"memory_read": read_case(param_bytes // 4)}, {"retnet": lambda context: retnet}
   # A preallocated KV cache as long as the prompt and the new tokens: attention reads what the context needs.
-  models["transformer"] = lambda context: inference.place(transformer.Transformer(
+  models["transformer"] = lambda context: inference.place(Model(
       presets.transformer_config(config.model, context + suite.new_tokens), rngs=nnx.Rngs(config.seed)))
   # The hybrid: the last layer attends over a window of `prompt_len` tokens (a ring-buffer cache of that many).
   hybrid_cfg = config.model.copy_and_resolve_references()
   hybrid_cfg.update(attention_layers=(hybrid_cfg.num_layers - 1,), attention_window=suite.prompt_len)
-  hybrid = inference.place(RetNet(hybrid_cfg, rngs=nnx.Rngs(config.seed)))
+  hybrid = inference.place(Model(hybrid_cfg, rngs=nnx.Rngs(config.seed)))
   models["hybrid"] = lambda context: hybrid
   for name, model_at in models.items():
-    prefill = "parallel" if name == "transformer" else "chunkwise"
+    prefill = architectures.prefill_modes(model_at(suite.prompt_len).config)[0]
     for context in contexts:
       cases[f"{name}/batch_1/{context}"] = decode_case(model_at(context), 1, context, suite.new_tokens, prefill)
     cases[f"{name}/batch_{suite.decode_batch}/{suite.prompt_len}"] = decode_case(
@@ -167,8 +167,7 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inferen
   print(f"decoding: {len(cases)} cases, {suite.new_tokens} new tokens each", flush=True)
   interleave(cases, suite.decode_rounds, source)
   read = rate(param_bytes, cases.pop("memory_read").info["seconds"])
-  forward_flops = 2 * flops.matmul_params(config.model) + flops.retention_flops_per_token(config.model, 1,
-                                                                                          "recurrent")
+  forward_flops = 2 * flops.matmul_params(config.model) + flops.mixing_flops_per_token(config.model, 1, "recurrent")
   results: dict[str, Any] = {"throughput": {}, "latency": {}, "latency_ratio": {}, "large_batch": {}}
   for name in models:
     results["latency"][name] = [

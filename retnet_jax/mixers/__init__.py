@@ -1,0 +1,2 @@
+"""Token mixers: retention, causal attention, each one module behind `base.Mixer` (`retnet_jax.architectures` maps
+config names to them)."""

@@ -1,0 +1,311 @@
+"""Causal softmax attention, the Transformer's token mixer and a hybrid's attention layers (`base.Mixer`).
+
+Rotary positions (`retnet_jax.rotation`), grouped key/value heads, a sliding window over a ring-buffer cache. Its
+decoding state is a KV cache per layer (`key`, `value` `[B, S, G, K]` in the compute dtype and `next_slot`, the tokens
+fed so far); as in retention, a state whose position starts at -p treats its first p tokens as left padding. With
+`segment_ids` every form attends within each document only (a key before a query's document start has a negative
+position). It computes the parallel and recurrent forms; in a hybrid's chunkwise call it attends all tokens at once,
+as in the parallel form. A Transformer's layers (`configs/transformer.py`) take their fields plainly (`num_heads`,
+`max_len`, `rotation_base`); a hybrid RetNet's (`model.attention_layers`) take the `attention_` fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from retnet_jax import config_checks, layer_stack, layers, matmul, rotation, segments, sharding
+from retnet_jax.mixers import base
+
+State = dict[str, Any]
+_MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
+
+
+def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_BxLxS: jax.Array
+              ) -> jax.Array:
+  """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` in v's dtype (scores and softmax in
+  float32). With G < H key/value heads, each group of H / G consecutive query heads shares one (query head j reads
+  key/value head j // (H / G))."""
+  batch, length, heads, key_dim = q_BxLxHxK.shape
+  groups = k_BxSxGxK.shape[2]
+  q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
+  scores = matmul.einsum("blgjk,bsgk->bgjls", q, k_BxSxGxK, jnp.float32)
+  probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None, None], scores, _MASKED), axis=-1)
+  out = matmul.einsum("bgjls,bsgk->blgjk", probs.astype(v_BxSxGxK.dtype), v_BxSxGxK)
+  return out.reshape(batch, length, heads, -1)
+
+
+def _visible(query_step_L, key_step_S, key_position_BxS, window: int | None, query_document_BxL=None,
+             key_document_BxS=None) -> jax.Array:
+  """`[B, L, S]`: which keys each query sees. Steps count the tokens fed to a cache (negative: a slot never
+  written); a query sees written keys at or before its step (within the last `window` steps if set), not left
+  padding (negative positions), and with documents only its own document's."""
+  step_LxS = query_step_L[:, None] - key_step_S[None, :]
+  visible_LxS = (step_LxS >= 0) & (key_step_S >= 0)[None, :]
+  if window is not None:
+    visible_LxS = visible_LxS & (step_LxS < window)
+  visible_BxLxS = visible_LxS[None] & (key_position_BxS >= 0)[:, None, :]
+  if query_document_BxL is not None:
+    visible_BxLxS = visible_BxLxS & (query_document_BxL[:, :, None] == key_document_BxS[:, None, :])
+  return visible_BxLxS
+
+
+def _slot_steps(last_step, size: int) -> jax.Array:
+  """`[S]`: the step each cache slot holds once steps up to `last_step` were written (step t goes to slot t mod S,
+  so a cache of S slots is a ring buffer of the last S tokens); negative: not written yet."""
+  slots_S = jnp.arange(size)
+  return last_step - (last_step - slots_S) % size
+
+
+def write_cache(cache: State, k, v, step, ring: bool) -> State:
+  """The cache with `k, v [B, L, G, K]` written for steps `step ... step + L - 1`, each at its step mod S (a `ring`
+  buffer: of more than S tokens, the last S), or from slot `step` on."""
+  length, size = k.shape[1], cache["key"].shape[1]
+  if not ring or length == 1 or (isinstance(step, int) and step + length <= size):
+    return {name: jax.lax.dynamic_update_slice_in_dim(cache[name], x.astype(cache[name].dtype), step % size, axis=1)
+            for name, x in (("key", k), ("value", v))}
+  kept = min(length, size)
+  slots = (step + length - kept + jnp.arange(kept)) % size
+  return {name: cache[name].at[:, slots].set(x[:, length - kept:].astype(cache[name].dtype))
+          for name, x in (("key", k), ("value", v))}
+
+
+def _cached_attention(q, k, v, cache, step, position_B, window: int | None, document_BxL=None):
+  """Writes k, v at `step` on into the cache and attends over it and them: (out `[B, L, H, K]`, cache).
+
+  The token fed at step t sits at position `position_B - step + t` (position_B: the first query's). A cache of
+  `window` slots (a ring buffer) cannot hold the keys of a multi-token call's first queries once it has written
+  their successors, so those attend over the old cache and the new keys side by side; otherwise the keys are
+  written first and the queries attend over the whole cache. With the queries' document index `document [B, L]`
+  (0: the first document), a query sees its own document's keys, the cached ones belonging to 0.
+  """
+  length, size = q.shape[1], cache["key"].shape[1]
+  query_step_L = step + jnp.arange(length)
+  new_cache = write_cache(cache, k, v, step, window is not None)
+  if window is not None and length > 1:  # attend over [old cache, new keys]
+    key_step_S = jnp.concatenate([_slot_steps(step - 1, size), query_step_L])
+    keys, values = (jnp.concatenate([cache[name], x.astype(cache[name].dtype)], axis=1)
+                    for name, x in (("key", k), ("value", v)))
+  else:
+    key_step_S = _slot_steps(step + length - 1, size)
+    keys, values = new_cache["key"], new_cache["value"]
+  key_document_BxS = None
+  if document_BxL is not None:
+    offset_S = key_step_S - step
+    key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1), 0)
+  key_position_BxS = position_B[:, None] + (key_step_S - step)[None, :]
+  visible = _visible(query_step_L, key_step_S, key_position_BxS, window, document_BxL, key_document_BxS)
+  return attention(q, keys, values, visible), new_cache
+
+
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal attention: fused q/k/v projection, rotary positions, output projection; optionally grouped
+  key/value heads and a sliding window of the last `window` tokens.
+
+  Its state is a KV cache (`key`, `value` `[B, S, G, K]`) and `next_slot`, the tokens fed so far. Without a state it
+  attends among the given tokens (or, recurrent, one at a time) over a cache it starts; with one it writes them into
+  the cache and attends over it. A windowed layer's cache needs only `window` slots (a ring buffer), so its decoding
+  memory stays constant in the context.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, settings: "Settings", *, dtype, rngs: nnx.Rngs):
+    self.num_heads, self.num_kv_heads = settings.num_heads, settings.num_kv_heads
+    self.head_dim = cfg.d_model // settings.num_heads
+    self.window = settings.window
+    self.rotation_pairs = settings.rotation_pairs
+    self.cache_len = settings.max_len
+    self.dtype = dtype
+    init = layers.xavier_uniform(1.0)
+    width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    self.qkv_proj = layers.Dense(cfg.d_model, width, ("embed", "heads"), init=init, dtype=dtype, rngs=rngs)
+    self.out_proj = layers.Dense(cfg.d_model, cfg.d_model, ("heads", "embed"), init=init, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x_BxLxD: jax.Array, context: "Context", state: State | None) -> tuple[jax.Array, State]:
+    """`x [B, L, D]` in the call `context` with the layer's state (None: a cache started for this call, of
+    max(L, max_len) slots unless windowed) -> (y, new state)."""
+    positions_BxL, tables, mode, document_BxL = context
+    batch, length, d = x_BxLxD.shape
+    if state is None:
+      size = self.window or max(length, self.cache_len)
+      cache = empty_cache(batch, size, self.num_kv_heads, self.head_dim, self.dtype)
+      slot, form = jnp.zeros((), jnp.int32), "recurrent" if mode == "recurrent" else "self"
+    else:
+      cache, slot = {k: state[k] for k in ("key", "value")}, state["next_slot"]
+      form = "recurrent" if mode == "recurrent" else "cache"
+    groups, group_size = self.num_kv_heads, self.num_heads // self.num_kv_heads
+    # Columns grouped per key/value head (its query heads, then its key and its value): a split of the `heads`
+    # axis over devices (tensor parallelism) gives each device whole groups. One group per head: q, k, v per head.
+    qkv = checkpoint_name(self.qkv_proj(x_BxLxD), layer_stack.QKV).reshape(batch, length, groups, group_size + 2,
+                                                                            self.head_dim)
+    rotate = lambda x: rotation.rotate(x, tables, self.rotation_pairs)
+    q = rotate(qkv[:, :, :, :group_size].reshape(batch, length, self.num_heads, self.head_dim))
+    q = q * jnp.asarray(self.head_dim**-0.5, self.dtype)
+    k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
+    if form == "self":
+      steps_L = jnp.arange(length)
+      visible = _visible(steps_L, steps_L, positions_BxL, self.window, document_BxL, document_BxL)
+      out = attention(q, k, v, visible)
+      cache = write_cache(cache, k, v, 0, self.window is not None)
+    elif form == "cache":
+      out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)
+    else:
+      def step(cache, inputs):  # a key before the query's document start has a negative position: unseen
+        q_t, k_t, v_t, position_B, t = inputs
+        out_t, cache = _cached_attention(q_t[:, None], k_t[:, None], v_t[:, None], cache, slot + t, position_B,
+                                         self.window)
+        return cache, out_t[:, 0]
+
+      # One token (decoding) is inlined rather than looped, so the cache updates in place in an outer loop.
+      time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, positions_BxL)) + (jnp.arange(length),)
+      cache, out_LxBxHxK = jax.lax.scan(step, cache, time_major, unroll=length == 1)
+      out = jnp.swapaxes(out_LxBxHxK, 0, 1)
+    out = checkpoint_name(out.reshape(batch, length, d), layer_stack.MIXER_OUT)
+    return self.out_proj(out.astype(self.dtype)), {**cache, "next_slot": slot + length}
+
+
+def empty_cache(batch_size: int, size: int, num_kv_heads: int, head_dim: int, dtype) -> State:
+  """One layer's empty KV cache of `size` slots: `key`, `value` `[B, size, num_kv_heads, head_dim]` in `dtype`."""
+  shape = (batch_size, size, num_kv_heads, head_dim)
+  return {"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
+
+
+def check_room(next_slot: Any, size: int, length: int, field: str) -> None:
+  """For a concrete `next_slot` (outside jit): a cache of `size` slots must hold `length` more tokens, or
+  ValueError naming `field` (its size) and the fix. A traced one is not checked: inside jit, tokens past the cache's
+  end would overwrite its first slots."""
+  try:
+    used = int(np.asarray(next_slot))
+  except jax.errors.TracerArrayConversionError:
+    return
+  if used + length > size:
+    raise ValueError(f"the KV cache holds {size} tokens; {used} are used and {length} more do not fit. Raise "
+                     f"{field} to at least {used + length} (--config.{field}={used + length}), or use fewer tokens.")
+
+
+
+
+class Settings(NamedTuple):
+  """An attention layer's settings as a model section gives them."""
+  num_heads: int
+  num_kv_heads: int
+  window: int | None  # attend to the last `window` tokens; None: every earlier token
+  rotation_pairs: str
+  rotation_base: float
+  max_len: int  # the KV cache's slots (unwindowed): the longest context a decoding state holds
+
+
+class Context(NamedTuple):
+  """What every attention layer of one call shares: positions `[B, L]`, rotation tables, form, documents `[B, L]`
+  (`segments.document_index`, or None)."""
+  positions_BxL: jax.Array
+  tables: tuple[jax.Array, jax.Array]
+  mode: str
+  document_BxL: jax.Array | None
+
+
+class Attention(base.Mixer):
+  """Causal attention as the registry holds it, reading its settings from the fields named `prefix + field` (the
+  Transformer's: no prefix; a hybrid's: `attention_`). Fields a model section lacks take their defaults: one
+  key/value head per query head, no window, interleaved rotation pairs."""
+
+  name = "attention"
+  modes = ("parallel", "recurrent")
+  splits_sequences = False
+  fixed_state = False
+
+  def __init__(self, prefix: str, what: str):
+    self.prefix, self.what = prefix, what  # `what`: the layers, as messages name them
+
+  def field(self, name: str) -> str:
+    return self.prefix + name
+
+  def settings(self, cfg: ml_collections.ConfigDict) -> Settings:
+    """Its settings in model section `cfg`: heads (None: `num_heads`), key/value heads (None: one per query head),
+    window, rotation pairs and base, cache length."""
+    heads = cfg.get(self.field("num_heads")) or cfg.num_heads
+    return Settings(heads, cfg.get(self.field("num_kv_heads")) or heads, cfg.get(self.field("window")),
+                    cfg.get("rotation_pairs", "interleaved"), cfg[self.field("rotation_base")],
+                    cfg[self.field("max_len")])
+
+  def check_config(self, cfg: ml_collections.ConfigDict) -> None:
+    heads, kv_heads, window, pairs, base_, max_len = self.settings(cfg)
+    heads_field = self.field("num_heads")
+    fallback = " (or None: model.num_heads)" if self.prefix else ""
+    if not isinstance(heads, int) or heads < 1 or cfg.d_model % heads:
+      raise ValueError(f"model.{heads_field}={heads} must be a positive divisor of model.d_model={cfg.d_model}"
+                       f"{fallback}.")
+    if kv_heads < 1 or heads % kv_heads:
+      raise ValueError(f"model.{self.field('num_kv_heads')}={kv_heads} must be a positive divisor of the attention "
+                       f"layers' {heads} query heads (or None: one key/value head per query head).")
+    rotation.check_rotary_dim(cfg.d_model // heads)
+    rotation.check_rotation(pairs, cfg.rotation_freqs)
+    if window is not None and window < 1:
+      raise ValueError(f"model.{self.field('window')}={window} must be a positive number of tokens (or None: "
+                       "attend to every earlier token).")
+    config_checks.finite_number(base_, f"model.{self.field('rotation_base')}", positive=True)
+    config_checks.positive_int(max_len, f"model.{self.field('max_len')}")
+
+  def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> CausalSelfAttention:
+    return CausalSelfAttention(cfg, self.settings(cfg), dtype=dtype, rngs=rngs)
+
+  def context(self, cfg: ml_collections.ConfigDict, call: base.Call) -> Context:
+    if (split := sharding.sequence_split()) is not None:
+      self.check_sequence_split(cfg, f"the active mesh splits sequences over its {split[0]!r} axis ({split[1]} "
+                                     "devices)", split[1], 0, (call.mode,))
+    settings = self.settings(cfg)
+    tables = rotation.tables_for(cfg, call.positions_BxL, settings.num_heads, settings.rotation_base)
+    document_BxL = None if call.segment_ids_BxL is None else segments.document_index(call.segment_ids_BxL)
+    return Context(call.positions_BxL, tables, call.mode, document_BxL)
+
+  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> State:
+    """An empty KV cache of `window` slots, else `max_len` (default the model's), and `next_slot` 0."""
+    settings = self.settings(cfg)
+    size = settings.window or max_len or settings.max_len
+    return {**empty_cache(batch_size, size, settings.num_kv_heads, cfg.d_model // settings.num_heads,
+                          layers.compute_dtype(cfg.dtype)), "next_slot": jnp.zeros((), jnp.int32)}
+
+  def state_for(self, cfg: ml_collections.ConfigDict, batch_size: int, found: Any) -> State:
+    size = None
+    if not self.settings(cfg).window and isinstance(found, dict) and "key" in found:
+      size = found["key"][1]  # an unwindowed cache may be made of any size
+    return self.init_state(cfg, batch_size, size)
+
+  def check_room(self, cfg: ml_collections.ConfigDict, state: State, length: int) -> None:
+    if not self.settings(cfg).window:
+      check_room(state["next_slot"], state["key"].shape[1], length, f"model.{self.field('max_len')}")
+
+  def cache_field(self, cfg: ml_collections.ConfigDict) -> str | None:
+    return None if self.settings(cfg).window else self.field("max_len")
+
+  def decode_context(self, cfg: ml_collections.ConfigDict) -> int:
+    settings = self.settings(cfg)
+    return settings.window or settings.max_len
+
+  def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
+    """q, k, v, o: d^2 each, k and v scaled by the key/value heads' share."""
+    heads, kv_heads = self.settings(cfg)[:2]
+    d = cfg.d_model
+    return 2 * d * d + 2 * d * (d * kv_heads // heads)
+
+  def mixing_flops(self, cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+    """The full [L, L] score matrix and its product with V, 4 L d per token (a window masks scores, it does not
+    skip them); a windowed layer decoding (recurrent) reads its W cached tokens, 4 W d."""
+    window = self.settings(cfg).window
+    keys = min(seq_len, window) if window and mode == "recurrent" else seq_len
+    return 4 * keys * cfg.d_model
+
+  def check_sequence_split(self, cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
+                           modes: tuple[str, ...]) -> None:
+    raise ValueError(f"{where}, but {self.what(cfg)} are attention layers, and only retention splits sequences "
+                     "(sequence-parallel attention is not built): use a mesh whose sequence axis has size 1.")
+
+
+# A Transformer's layers, and a hybrid RetNet's `model.attention_layers`.
+TRANSFORMER = Attention("", lambda cfg: "the Transformer's layers")
+HYBRID = Attention("attention_", lambda cfg: f"model.attention_layers={tuple(cfg.attention_layers)}")
