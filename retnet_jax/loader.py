@@ -38,11 +38,8 @@ def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> l
   one document is refused: nothing would reset."""
   paths = data.as_tuple(data_cfg.prepared)
   if not paths:
-    files = data.as_tuple(data_cfg.files)
-    source = ("data.files" if files else f"data.hub_dataset={data_cfg.hub_dataset!r}" if data_cfg.hub_dataset
-              else "the shipped corpus (data.files empty)")
-    corpora = [corpus_cache.open_cached(data_cfg, tokenizer, source)]
-    return _check_documents(corpora, data_cfg, source)
+    corpora = [corpus_cache.open_cached(data_cfg, tokenizer)]
+    return _check_documents(corpora, data_cfg, corpora[0].label)
   for i, path in enumerate(paths):
     if not str(path).strip():  # Path('') is the current directory
       where = f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared"

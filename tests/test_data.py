@@ -250,6 +250,53 @@ def test_missing_text_field_errors(tmp_path):
     data.load_documents(data_config(files=(str(parquet),)), tokenizer.ByteTokenizer())
 
 
+def test_one_chooser_names_the_source_for_training_and_preparing(tmp_path, monkeypatch):
+  """data.text_sources picks files, else the hub dataset, else the shipped corpus; load_documents and sources.of_config
+  read what it picks, and both refuse a missing shipped corpus with its message."""
+  for name in ("b.txt", "a.txt"):
+    (tmp_path / name).write_text(f"text of {name}")
+  pattern, valid = str(tmp_path / "*.txt"), str(tmp_path / "a.txt")
+  train, validation = data.text_sources(data_config(files=(pattern,), hub_dataset="ignored/dataset",
+                                                    validation_files=(valid,)))
+  assert train == data.TextSource("files", (str(tmp_path / "a.txt"), str(tmp_path / "b.txt")), None, None, "text",
+                                  "data.files")
+  assert validation == data.TextSource("files", (valid,), None, None, "text", "data.validation_files")
+  hub, none = data.text_sources(data_config(hub_dataset="some/dataset", hub_config="en", text_field="body"))
+  assert hub == data.TextSource("hub", (), "some/dataset", "en", "body", "data.hub_dataset='some/dataset'")
+  assert none is None and hub.names() == ["hub:some/dataset/en"] and train.names() == list(train.files)
+  shipped, _ = data.text_sources(data_config())
+  assert shipped == data.TextSource("shipped", (str(data.DEFAULT_CORPUS),), None, None, "text",
+                                    "the shipped corpus (data.files empty)")
+  streamed, held_out = sources.of_config(data_config(files=(pattern,), validation_files=(valid,)))
+  assert streamed.source == train and held_out.source == validation and sources.of_config(data_config())[1] is None
+  assert list(streamed) == ["text of a.txt", "text of b.txt"] and streamed.characters == 26
+  monkeypatch.setattr(data, "DEFAULT_CORPUS", tmp_path / "missing.txt")
+  for read in (lambda: data.load_documents(data_config(), tokenizer.ByteTokenizer()),
+               lambda: sources.of_config(data_config())):
+    with pytest.raises(FileNotFoundError, match=r"^the shipped corpus .*missing\.txt is missing \(data/ is not "
+                                                r"installed with the package\); set data\.files"):
+      read()
+
+
+def test_document_texts_checks_the_text_field():
+  rows = {"text": ["a", None, ""], "id": [1, 2, 3]}
+  assert data.document_texts(rows, "text", "here") == ["a", "", ""]  # null: no text
+  with pytest.raises(ValueError, match=r"^here has no field 'body' \(fields: \['id', 'text'\]\); set "
+                                       r"data\.text_field to the field holding the text\.$"):
+    data.document_texts(rows, "body", "here")
+  with pytest.raises(ValueError, match=r"^here: field 'id' holds int, not text; set data\.text_field"):
+    data.document_texts(rows, "id", "here")
+
+
+def test_both_readers_refuse_a_field_that_is_not_text_alike(tmp_path):
+  path = write_jsonl(tmp_path / "ids.jsonl", [{"text": 1}, {"text": 2}])
+  message = r"^data\.files: '.*ids\.jsonl': field 'text' holds int, not text; set data\.text_field"
+  with pytest.raises(ValueError, match=message):
+    data.load_documents(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
+  with pytest.raises(ValueError, match=message):
+    list(sources.of_config(data_config(files=(str(path),)))[0])
+
+
 def test_unreachable_hub_errors(monkeypatch):
   def offline(*args, **kwargs):
     raise ConnectionError("Couldn't reach 'some/dataset' on the Hub")

@@ -383,10 +383,15 @@ def test_sources_stream_parquet_rows_a_local_dataset_and_validation_files(tmp_pa
   assert list(train_stream) == DOCUMENTS[:30] and list(validation) == ["a validation document"]
   metadata = prepared.write(tmp_path / "c", train_stream, validation, "byte", train_stream.names(), 0.1)
   assert metadata["documents"] == {"train": 30, "validation": 1} and not metadata["held_out"]
-  hub = sources.Stream((), str(tmp_path / "hub"), None, "text", "data.hub_dataset")
-  assert list(hub) == DOCUMENTS[30:] and hub.total_characters is None
-  with pytest.raises(ValueError, match=r"has no field 'body' \(fields: \['text'\]\); set data.text_field"):
-    list(sources.Stream((), str(tmp_path / "hub"), None, "body", "data.hub_dataset"))
+  config.update(files=(), hub_dataset=str(tmp_path / "hub"), text_field="text")
+  hub, _ = sources.of_config(config)
+  assert list(hub) == DOCUMENTS[30:] and hub.characters == sum(map(len, DOCUMENTS[30:]))
+  assert hub.total_characters is None
+  assert hub.names() == [f"hub:{tmp_path / 'hub'}"]
+  config.text_field = "body"
+  with pytest.raises(ValueError, match=rf"^data.hub_dataset='{tmp_path / 'hub'}' has no field 'body' \(fields: "
+                                       r"\['text'\]\); set data.text_field"):
+    list(sources.of_config(config)[0])
 
 
 @pytest.mark.slow
