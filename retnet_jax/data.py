@@ -3,7 +3,7 @@
     tok = tokenizer.load(config.data.tokenizer, vocab_size=config.model.vocab_size)  # retnet_jax.tokenizer
     train, valid = load_documents(config.data, tok)  # Splits: int32 token streams and document starts
     sequences = pack(valid.tokens, seq_len)          # [num_sequences, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
-    batches = eval_batches(sequences, batch_size, max_batches, sharding)
+    batches = eval_batches(SequenceRows(sequences), batch_size, max_batches, sharding)
 
 Training reads these splits through the cached prepared corpus (`retnet_jax.corpus_cache`, `retnet_jax.loader`).
 With `data.reset_at_documents`, `pack_split` packs the per-token document ids beside the tokens, and a batch is
@@ -13,7 +13,8 @@ it ends, a document's first token from the separator alone, as from a BOS. Witho
 tokenizer) a document's first token is predicted from the end of the previous one: that one target crosses.
 
 Files are read and tokenized with HF `datasets`. A synthetic task's batches (`data.synthetic`) come from
-`retnet_jax.synthetic` instead, placed by the same `global_array`.
+`retnet_jax.synthetic` instead, placed by the same `global_batch`; validation batches of every source (`EvalRows`:
+these sequences, a prepared corpus's rows, a synthetic task's) come from the one `eval_batches`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging as logging_lib
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import datasets
 import jax
@@ -334,28 +335,23 @@ def process_rows(global_batch: int, process_index: int, process_count: int) -> s
   return slice(process_index * rows, (process_index + 1) * rows)
 
 
-def global_array(sequences: np.ndarray, rows: np.ndarray,
-                  sharding: jax.sharding.NamedSharding | None) -> jax.Array:
-  """The batch `sequences[rows]` (`[len(rows), ...]`, its dtype); each process reads only its own block."""
+def global_batch(local: np.ndarray | tuple[np.ndarray | None, ...], global_rows: int,
+                 sharding: jax.sharding.NamedSharding | None) -> jax.Array | tuple[jax.Array | None, ...]:
+  """One global batch of `global_rows` rows from this process's block of them (`process_rows`).
+
+  Args:
+    local: this process's rows `[global_rows / process_count, ...]`: an array, or a tuple of them (None kept, as in
+      `(tokens, None, document ids)`).
+    global_rows: the rows of the whole batch.
+    sharding: how the batch is laid out over the devices; None: one host's array of `local`, the whole batch.
+  Returns:
+    `local`'s structure, each array a global `jax.Array` `[global_rows, ...]` of its dtype.
+  """
+  if isinstance(local, tuple):
+    return tuple(None if array is None else global_batch(array, global_rows, sharding) for array in local)
   if sharding is None:
-    return jnp.asarray(sequences[rows])
-  local = process_rows(len(rows), jax.process_index(), jax.process_count())
-  global_shape = (len(rows), sequences.shape[1])
-  return jax.make_array_from_process_local_data(sharding, sequences[rows[local]], global_shape)
-
-
-def _check_batch(sequences: np.ndarray, global_batch_size: int, split: str,
-                 document_ids: np.ndarray | None = None) -> None:
-  if sequences.ndim != 2:
-    raise ValueError(f"{split} sequences must be packed as [num_sequences, seq_len + 1]; "
-                     f"got shape {sequences.shape}. Use pack().")
-  if document_ids is not None and document_ids.shape != sequences.shape:
-    raise ValueError(f"{split} document_ids of shape {document_ids.shape} do not match the sequences' "
-                     f"{sequences.shape}; pack both with pack_split().")
-  config_checks.positive_int(global_batch_size, "train.batch_size")
-  check_one_batch(len(sequences), global_batch_size, f"the {split} data holds {len(sequences)} sequences",
-                  f"train.batch_size={global_batch_size}",
-                  "use a smaller train.batch_size or train.seq_len, or more data")
+    return jnp.asarray(local)
+  return jax.make_array_from_process_local_data(sharding, local, (global_rows, *local.shape[1:]))
 
 
 def check_one_batch(num_sequences: int, global_batch_size: int, holds: str, batch: str, fix: str) -> None:
@@ -375,11 +371,37 @@ def check_one_batch(num_sequences: int, global_batch_size: int, holds: str, batc
     raise ValueError(f"{holds}, fewer than one batch of {batch}; {fix}.")
 
 
-def _batch(sequences: np.ndarray, document_ids: np.ndarray | None, rows: np.ndarray,
-           sharding: jax.sharding.NamedSharding | None) -> jax.Array | tuple[jax.Array, None, jax.Array]:
-  """The tokens of `rows`, or with `document_ids` the `losses.Batch` `(tokens, None, document ids)`."""
-  tokens = global_array(sequences, rows, sharding)
-  return tokens if document_ids is None else (tokens, None, global_array(document_ids, rows, sharding))
+class EvalRows(Protocol):
+  """A validation split as rows, for `eval_batches` (`packed_rows.PackedRows`, `SequenceRows`,
+  `synthetic.ValidationRows`): `len()` rows, and `take(indices)` those rows as one batch `[len(indices), ...]` in its
+  structure (`losses.Batch`'s, None kept)."""
+
+  def __len__(self) -> int: ...
+
+  def take(self, indices: np.ndarray) -> np.ndarray | tuple[np.ndarray | None, ...]: ...
+
+
+class SequenceRows:
+  """Packed validation sequences in memory as `EvalRows`: `pack`'s `[num_sequences, seq_len + 1]`, and with
+  `pack_split`'s document ids alike a batch is `(tokens, None, document ids)`."""
+
+  def __init__(self, sequences: np.ndarray, document_ids: np.ndarray | None = None):
+    self.sequences = np.asarray(sequences, dtype=np.int32)
+    self.document_ids = None if document_ids is None else np.asarray(document_ids, dtype=np.int32)
+    if self.sequences.ndim != 2:
+      raise ValueError(f"validation sequences must be packed as [num_sequences, seq_len + 1]; "
+                       f"got shape {self.sequences.shape}. Use pack().")
+    if self.document_ids is not None and self.document_ids.shape != self.sequences.shape:
+      raise ValueError(f"validation document_ids of shape {self.document_ids.shape} do not match the sequences' "
+                       f"{self.sequences.shape}; pack both with pack_split().")
+
+  def __len__(self) -> int:
+    return len(self.sequences)
+
+  def take(self, indices: np.ndarray) -> np.ndarray | tuple[np.ndarray, None, np.ndarray]:
+    """Tokens `[len(indices), seq_len + 1]`, or with document ids `(tokens, None, ids)`."""
+    tokens = self.sequences[indices]
+    return tokens if self.document_ids is None else (tokens, None, self.document_ids[indices])
 
 
 def eval_rows(num_sequences: int, global_batch_size: int, max_batches: int | None) -> np.ndarray:
@@ -393,19 +415,30 @@ def eval_rows(num_sequences: int, global_batch_size: int, max_batches: int | Non
   return (np.arange(num_rows) * num_sequences // num_rows).reshape(max_batches, global_batch_size)
 
 
-def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int | None,
-                 sharding: jax.sharding.NamedSharding | None = None, document_ids: np.ndarray | None = None
-                 ) -> Iterator[jax.Array | tuple[jax.Array, None, jax.Array]]:
-  """The validation batches `[global_batch_size, seq_len + 1]` of `eval_rows` (all when `max_batches` is None),
-  with `document_ids` (`pack_split`'s) `(tokens, None, document ids)`, each process reading only its own rows.
+def eval_batches(rows: EvalRows, global_batch_size: int, max_batches: int | None,
+                 sharding: jax.sharding.NamedSharding | None = None, *, holds: str | None = None,
+                 batch: str | None = None, fix: str = "use a smaller train.batch_size or train.seq_len, or more data"
+                 ) -> Iterator[jax.Array | tuple[jax.Array | None, ...]]:
+  """The validation batches of `rows`: those of `eval_rows` (every full batch in order, or `max_batches` spread
+  evenly over the split), each `[global_batch_size, ...]` in the structure of `rows.take`, each process taking and
+  placing only its own rows (`process_rows`, `global_batch`).
 
-  Checks run on the call, not on the first `next()`.
+  Args:
+    rows: the validation split (`EvalRows`).
+    global_batch_size: rows per batch.
+    max_batches: at most this many batches; None: every full batch.
+    sharding: the batches' layout over the devices; None: one host's arrays.
+    holds, batch, fix: how `check_one_batch` words a split of fewer rows than one batch; by default "the
+      validation data holds N sequences", "train.batch_size=B" and the fix given.
+  Returns:
+    An iterator of the batches; the checks run on the call, not on the first `next()`.
   """
-  sequences = np.asarray(sequences, dtype=np.int32)
-  document_ids = None if document_ids is None else np.asarray(document_ids, dtype=np.int32)
-  _check_batch(sequences, global_batch_size, "validation", document_ids)
-  rows_NxB = eval_rows(len(sequences), global_batch_size, max_batches)
-  return (_batch(sequences, document_ids, rows, sharding) for rows in rows_NxB)
+  config_checks.positive_int(global_batch_size, "train.batch_size")
+  check_one_batch(len(rows), global_batch_size, holds or f"the validation data holds {len(rows)} sequences",
+                  batch or f"train.batch_size={global_batch_size}", fix)
+  local = process_rows(global_batch_size, jax.process_index(), jax.process_count())
+  rows_NxB = eval_rows(len(rows), global_batch_size, max_batches)
+  return (global_batch(rows.take(batch_rows[local]), global_batch_size, sharding) for batch_rows in rows_NxB)
 
 
 def check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:

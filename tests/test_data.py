@@ -333,17 +333,51 @@ def data_sharding():
 
 def test_eval_batches(data_sharding):
   seqs = sequences(40, 9)
-  batches = list(data.eval_batches(seqs, 16, max_batches=8, sharding=data_sharding))
+  batches = list(data.eval_batches(data.SequenceRows(seqs), 16, max_batches=8, sharding=data_sharding))
   assert len(batches) == 2  # 40 sequences hold two full batches
   assert all(b.sharding == data_sharding and {s.data.shape for s in b.addressable_shards} == {(2, 9)}
              for b in batches)
   np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in batches]), seqs[:32])
   # One batch of two: its rows are spread evenly over the whole split, not its first 16 sequences.
-  sample = list(data.eval_batches(seqs, 16, max_batches=1, sharding=None))
+  sample = list(data.eval_batches(data.SequenceRows(seqs), 16, max_batches=1, sharding=None))
   assert len(sample) == 1
   rows = np.arange(16) * 40 // 16
   assert rows[0] == 0 and rows[-1] == 37 and len(set(rows)) == 16
-  np.testing.assert_array_equal(np.asarray(sample[0]), seqs[rows])
+  assert sample[0].dtype == np.int32 and np.asarray(sample[0]).tobytes() == seqs[rows].tobytes()
   np.testing.assert_array_equal(data.eval_rows(40, 16, 1), rows[None])
-  with pytest.raises(ValueError, match=r"validation data holds 8 sequences, fewer than one batch"):
-    data.eval_batches(seqs[:8], 16, max_batches=8, sharding=data_sharding)
+  with pytest.raises(ValueError, match=r"^the validation data holds 8 sequences, fewer than one batch of "
+                                       r"train\.batch_size=16; use a smaller train\.batch_size or train\.seq_len, "
+                                       r"or more data\.$"):
+    data.eval_batches(data.SequenceRows(seqs[:8]), 16, max_batches=8, sharding=data_sharding)
+  with pytest.raises(ValueError, match=r"^holds so much, fewer than one batch of B; fix it\.$"):
+    data.eval_batches(data.SequenceRows(seqs[:8]), 16, None, holds="holds so much", batch="B", fix="fix it")
+  with pytest.raises(ValueError, match=r"validation sequences must be packed as \[num_sequences, seq_len \+ 1\]"):
+    data.SequenceRows(seqs.reshape(-1))
+
+
+class Taken:
+  """Rows whose batch is `(row numbers, None)`, recording what each `take` asked for."""
+
+  def __init__(self, num_rows):
+    self.num_rows, self.asked = num_rows, []
+
+  def __len__(self):
+    return self.num_rows
+
+  def take(self, indices):
+    self.asked.append(np.asarray(indices))
+    return np.asarray(indices, np.int32)[:, None], None
+
+
+def test_eval_batches_take_each_batch_of_eval_rows_and_keep_its_structure(monkeypatch):
+  rows = Taken(50)
+  batches = list(data.eval_batches(rows, 8, 3))
+  for asked, expected in zip(rows.asked, data.eval_rows(50, 8, 3), strict=True):
+    np.testing.assert_array_equal(asked, expected)
+  assert all(isinstance(b, tuple) and b[1] is None for b in batches)
+  np.testing.assert_array_equal(np.asarray(batches[1][0])[:, 0], data.eval_rows(50, 8, 3)[1])
+  monkeypatch.setattr(jax, "process_index", lambda: 1)  # process 1 of 2 takes the second half of each batch's rows
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  rows = Taken(50)
+  list(data.eval_batches(rows, 8, None))
+  np.testing.assert_array_equal(np.stack(rows.asked), data.eval_rows(50, 8, None)[:, 4:])
