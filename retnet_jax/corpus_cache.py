@@ -1,6 +1,6 @@
 """Plain `data.files` (or a hub dataset) prepared once into a cached corpus, so every text run reads one way.
 
-    corpus = corpus_cache.open_cached(config.data, tokenizer, "data.files")  # built on first use, then mapped
+    corpus = corpus_cache.open_cached(config.data, tokenizer)  # built on first use, then mapped
 
 The cache key covers what decides the tokens: the files (path, size, modification time), the validation files or
 fraction, the hub dataset, the text field and the tokenizer's fingerprint. The first run tokenizes as
@@ -73,28 +73,29 @@ def _open_root(key: str) -> tuple[Path, Any]:
   return fallback, lock
 
 
-def cache_key(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> str:
-  """A digest of everything that decides the cached corpus's tokens."""
-  def described(files, source):
+def cache_key(data_cfg: ml_collections.ConfigDict, sources: tuple[data.TextSource, data.TextSource | None],
+              tokenizer: Tokenizer) -> str:
+  """A digest of everything that decides the cached corpus's tokens: `sources` (`data.text_sources(data_cfg)`),
+  the validation fraction and the tokenizer."""
+  def described(source):
     return [(str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns)
-            for f in data.expand_files(files, source)]
-  files = data.as_tuple(data_cfg.files) or (() if data_cfg.hub_dataset else (str(data.DEFAULT_CORPUS),))
-  validation = data.as_tuple(data_cfg.validation_files)
-  described_key = {"format": prepared.VERSION, "files": described(files, "data.files"),
-                   "validation_files": described(validation, "data.validation_files"),
+            for f in (source.files if source else ())]
+  train, validation = sources
+  described_key = {"format": prepared.VERSION, "files": described(train),
+                   "validation_files": described(validation),
                    "validation_fraction": None if validation else data_cfg.validation_fraction,
-                   "hub": [data_cfg.hub_dataset, data_cfg.hub_config] if not files else None,
+                   "hub": [train.hub_dataset, train.hub_config] if train.kind == "hub" else None,
                    "text_field": data_cfg.text_field, "tokenizer": prepared.fingerprint(tokenizer),
                    "vocab_size": tokenizer.vocab_size}
   return hashlib.sha256(json.dumps(described_key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def open_cached(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, source: str) -> prepared.Corpus:
-  """The cached corpus of `config.data`'s files (errors name `source`), built now if missing, rebuilt if damaged;
-  errors of the data itself as `data.load_documents` gives them."""
-  if not (data.as_tuple(data_cfg.files) or data_cfg.hub_dataset) and not data.DEFAULT_CORPUS.is_file():
-    data.load_documents(data_cfg, tokenizer)  # its error names the missing shipped corpus
-  key = cache_key(data_cfg, tokenizer)
+def open_cached(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> prepared.Corpus:
+  """The cached corpus of `config.data`'s text source (`data.text_sources`; errors and the corpus's label name it),
+  built now if missing, rebuilt if damaged; errors of the data itself as `data.load_documents` gives them."""
+  sources = data.text_sources(data_cfg)
+  source = sources[0].label
+  key = cache_key(data_cfg, sources, tokenizer)
   root, lock = _open_root(key)
   directory = root / key
   try:
@@ -107,10 +108,9 @@ def open_cached(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, sourc
     whole = ml_collections.ConfigDict({**data_cfg.to_dict(), "reset_at_documents": False})  # checked on use
     train, valid = data.load_documents(whole, tokenizer)
     shutil.rmtree(directory, ignore_errors=True)  # an interrupted or damaged build
-    sources = [str(f) for f in data.as_tuple(data_cfg.files)] or [data_cfg.hub_dataset or str(data.DEFAULT_CORPUS)]
     try:
       prepared.write_splits(directory, {"train": train, "validation": valid}, tokenizer, data_cfg.tokenizer,
-                            sources)
+                            sources[0].names())
     except prepared.WriteError as e:
       shutil.rmtree(directory, ignore_errors=True)  # a half-written entry frees its space
       raise ValueError(f"{source}: caching its tokenized corpus failed: {e}; free space there or point "

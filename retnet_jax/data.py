@@ -3,7 +3,7 @@
     tok = tokenizer.load(config.data.tokenizer, vocab_size=config.model.vocab_size)  # retnet_jax.tokenizer
     train, valid = load_documents(config.data, tok)  # Splits: int32 token streams and document starts
     sequences = pack(valid.tokens, seq_len)          # [num_sequences, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
-    batches = eval_batches(sequences, batch_size, max_batches, sharding)
+    batches = eval_batches(SequenceRows(sequences), batch_size, max_batches, sharding)
 
 Training reads these splits through the cached prepared corpus (`retnet_jax.corpus_cache`, `retnet_jax.loader`).
 With `data.reset_at_documents`, `pack_split` packs the per-token document ids beside the tokens, and a batch is
@@ -13,7 +13,8 @@ it ends, a document's first token from the separator alone, as from a BOS. Witho
 tokenizer) a document's first token is predicted from the end of the previous one: that one target crosses.
 
 Files are read and tokenized with HF `datasets`. A synthetic task's batches (`data.synthetic`) come from
-`retnet_jax.synthetic` instead, placed by the same `global_array`.
+`retnet_jax.synthetic` instead, placed by the same `global_batch`; validation batches of every source (`EvalRows`:
+these sequences, a prepared corpus's rows, a synthetic task's) come from the one `eval_batches`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import glob
 import json
 import logging as logging_lib
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import datasets
 import jax
@@ -65,34 +66,23 @@ class Split(NamedTuple):
 def load_documents(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[Split, Split]:
   """(train, valid) `Split`s from `config.data`.
 
-  Sources: `files`, else `hub_dataset`, else the shipped corpus. Validation: the `validation_files`, else
-  the last `validation_fraction` of the stream (a fixed split, so it never overlaps training data; the document
-  it cuts ends the training split and opens the validation split). With `reset_at_documents`, training data of
-  one document is refused: nothing would reset.
+  Sources: `text_sources`. Validation: the `validation_files`, else the last `validation_fraction` of the stream (a
+  fixed split, so it never overlaps training data; the document it cuts ends the training split and opens the
+  validation split). With `reset_at_documents`, training data of one document is refused: nothing would reset.
   """
-  files, hub_dataset = as_tuple(data_cfg.files), data_cfg.hub_dataset
   validation_files, fraction = as_tuple(data_cfg.validation_files), data_cfg.validation_fraction
   if not validation_files and not 0 < fraction < 1:
     raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {fraction}. "
                      "Set it to e.g. 0.1, or give data.validation_files.")
-  if files:
-    source, split = "data.files", _load_files(files, "data.files", data_cfg.text_field, tokenizer)
-  elif hub_dataset:
-    source, split = f"data.hub_dataset={hub_dataset!r}", _load_hub(hub_dataset, data_cfg.hub_config,
-                                                                   data_cfg.text_field, tokenizer)
-  else:
-    if not DEFAULT_CORPUS.is_file():
-      raise FileNotFoundError(f"the shipped corpus {DEFAULT_CORPUS} is missing (data/ is not installed with "
-                              "the package); set data.files to your own text files or run from the repository.")
-    source = "the shipped corpus (data.files empty)"
-    split = _load_files((str(DEFAULT_CORPUS),), source, data_cfg.text_field, tokenizer)
+  train_source, valid_source = text_sources(data_cfg)
+  split = _read(train_source, tokenizer)
   if data_cfg.reset_at_documents and len(split.starts) == 1:
-    raise ValueError(f"data.reset_at_documents=True but {source} holds a single document (a .txt file is one, a "
-                     "JSON-lines, Parquet or hub dataset row one each), so nothing would reset; give several files "
-                     "or rows, or set data.reset_at_documents=False.")
+    raise ValueError(f"data.reset_at_documents=True but {train_source.label} holds a single document (a .txt file is "
+                     "one, a JSON-lines, Parquet or hub dataset row one each), so nothing would reset; give several "
+                     "files or rows, or set data.reset_at_documents=False.")
 
-  if validation_files:
-    return split, _load_files(validation_files, "data.validation_files", data_cfg.text_field, tokenizer)
+  if valid_source is not None:
+    return split, _read(valid_source, tokenizer)
   tokens, starts = split
   num_valid = int(len(tokens) * fraction)
   if num_valid == 0 or num_valid == len(tokens):
@@ -122,6 +112,62 @@ def as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
   if not files:
     return ()
   return (files,) if isinstance(files, str) else tuple(files)
+
+
+class TextSource(NamedTuple):
+  """A text source that `config.data` names (`text_sources`): local files, a hub dataset or the shipped corpus."""
+  kind: str  # "files", "hub" or "shipped"
+  files: tuple[str, ...]  # the files, glob patterns expanded and checked (`expand_files`); () for a hub dataset
+  hub_dataset: str | None
+  hub_config: str | None
+  text_field: str  # the field holding a row's text (`document_texts`)
+  label: str  # how messages name it: "data.files", "data.hub_dataset='NAME'", "the shipped corpus (data.files empty)"
+
+  def names(self) -> list[str]:
+    """The files, or `hub:NAME[/CONFIG]`: the sources a prepared corpus records."""
+    return list(self.files) or [f"hub:{self.hub_dataset}" + (f"/{self.hub_config}" if self.hub_config else "")]
+
+
+def text_sources(data_cfg: ml_collections.ConfigDict) -> tuple[TextSource, TextSource | None]:
+  """(the training source, the validation files or None) of `config.data`, for training, evaluation and preparing.
+
+  The training source is `data.files`, else `data.hub_dataset`, else the shipped corpus. Files are expanded and
+  checked here (`expand_files`); a missing shipped corpus is a FileNotFoundError naming the fix.
+  """
+  files, validation, field = as_tuple(data_cfg.files), as_tuple(data_cfg.validation_files), data_cfg.text_field
+  if files:
+    train = TextSource("files", tuple(expand_files(files, "data.files")), None, None, field, "data.files")
+  elif data_cfg.hub_dataset:
+    train = TextSource("hub", (), data_cfg.hub_dataset, data_cfg.hub_config, field,
+                       f"data.hub_dataset={data_cfg.hub_dataset!r}")
+  else:
+    if not DEFAULT_CORPUS.is_file():
+      raise FileNotFoundError(f"the shipped corpus {DEFAULT_CORPUS} is missing (data/ is not installed with "
+                              "the package); set data.files to your own text files or run from the repository.")
+    label = "the shipped corpus (data.files empty)"
+    train = TextSource("shipped", tuple(expand_files((str(DEFAULT_CORPUS),), label)), None, None, field, label)
+  if not validation:
+    return train, None
+  return train, TextSource("files", tuple(expand_files(validation, "data.validation_files")), None, None, field,
+                           "data.validation_files")
+
+
+def document_texts(rows: Mapping[str, Sequence[Any]], field: str, where: str) -> list[str]:
+  """The texts of a batch of rows (columns by name; a JSON-lines, JSON, Parquet or hub dataset row is one document):
+  each row's `field`, "" where it is null. Both readers take their texts here: `load_documents` and `sources.Stream`.
+
+  Raises:
+    ValueError naming `where`, the fields and the fix when the rows have no `field` or it holds other than text.
+  """
+  if field not in rows:
+    raise ValueError(f"{where} has no field {field!r} (fields: {sorted(rows)}); set data.text_field to the field "
+                     "holding the text.")
+  texts = ["" if text is None else text for text in rows[field]]
+  wrong = next((text for text in texts if not isinstance(text, str)), None)
+  if wrong is not None:
+    raise ValueError(f"{where}: field {field!r} holds {type(wrong).__name__}, not text; set data.text_field to the "
+                     "field holding the text.")
+  return texts
 
 
 def expand_files(files: Sequence[str], source: str) -> list[str]:
@@ -187,66 +233,62 @@ def _first_bad_json_line(file: str) -> tuple[int, str] | None:
   return None
 
 
-def _load_files(files: Sequence[str], source: str, text_field: str, tokenizer: Tokenizer) -> Split:
-  """Token stream of local files in order (glob patterns expanded); the cache lives in a temporary directory."""
-  files = expand_files(files, source)
+def _read(source: TextSource, tokenizer: Tokenizer) -> Split:
+  """Token stream of `source`: its files in order, or its hub dataset's train split (downloaded into the usual HF
+  cache); the files' datasets cache lives in a temporary directory."""
+  if source.kind == "hub":
+    return _read_hub(source, tokenizer)
   splits = []
   with tempfile.TemporaryDirectory(prefix="retnet_jax_data_") as cache_dir:
-    for file in files:
+    for file in source.files:
       builder = BUILDERS[Path(file).suffix.lower()]
       options = dict(sample_by="document") if builder == "text" else {}  # a .txt file is one document
       try:
         dataset = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache_dir,
                                         keep_in_memory=True, **options)
       except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:
-        raise unreadable(source, file, e) from None
-      field = "text" if builder == "text" else text_field
-      split = _tokenize(dataset, field, tokenizer, f"{source}: {file!r}")
+        raise unreadable(source.label, file, e) from None
+      field = "text" if builder == "text" else source.text_field
+      split = _tokenize(dataset, field, tokenizer, f"{source.label}: {file!r}")
       if not len(split.tokens):
-        raise ValueError(f"{source}: {file!r} holds no text in field {field!r}; remove it or add text.")
+        raise ValueError(f"{source.label}: {file!r} holds no text in field {field!r}; remove it or add text.")
       splits.append(split)
   return _join(splits, tokenizer.eos_id)
 
 
-def _load_hub(name: str, config_name: str | None, text_field: str, tokenizer: Tokenizer) -> Split:
-  """Token stream of a hub dataset's train split (downloaded into the usual HF cache)."""
+def _read_hub(source: TextSource, tokenizer: Tokenizer) -> Split:
+  """Token stream of a hub dataset's train split."""
   try:
-    dataset = datasets.load_dataset(name, config_name, split="train")
+    dataset = datasets.load_dataset(source.hub_dataset, source.hub_config, split="train")
   except (ConnectionError, TimeoutError, HfHubHTTPError) as e:
-    raise ConnectionError(f"data.hub_dataset={name!r}: the Hugging Face hub could not be reached ({e}); "
+    raise ConnectionError(f"{source.label}: the Hugging Face hub could not be reached ({e}); "
                           "use local files with data.files instead.") from e
   except datasets.exceptions.DatasetNotFoundError as e:
-    raise FileNotFoundError(f"data.hub_dataset={name!r} was not found on the hub ({e}); check the name and "
+    raise FileNotFoundError(f"{source.label} was not found on the hub ({e}); check the name and "
                             "data.hub_config, or use local files with data.files.") from e
-  split = _tokenize(dataset, text_field, tokenizer, f"data.hub_dataset={name!r}")
+  split = _tokenize(dataset, source.text_field, tokenizer, source.label)
   if not len(split.tokens):
-    raise ValueError(f"data.hub_dataset={name!r} holds no text in field {text_field!r}; check data.text_field.")
+    raise ValueError(f"{source.label} holds no text in field {source.text_field!r}; check data.text_field.")
   return split
 
 
-def _tokenize(dataset: datasets.Dataset, field: str, tokenizer: Tokenizer, source: str) -> Split:
-  """The dataset's non-empty documents (rows) in order, joined by the tokenizer's eos_id."""
-  if field not in dataset.column_names:
-    raise ValueError(f"{source} has no field {field!r} (fields: {dataset.column_names}); "
-                     "set data.text_field to the field holding the text.")
-  if dataset.features[field] not in (datasets.Value("string"), datasets.Value("large_string")):
-    raise ValueError(f"{source}: field {field!r} holds {dataset.features[field]}, not text; "
-                     "set data.text_field to the field holding the text.")
-
-  column = dataset.data.column(field)
-  missing = column.null_count + int(pc.sum(pc.equal(pc.utf8_length(column), 0)).as_py() or 0)
-  if missing:
-    logging.warning(f"{source}: {missing} of {len(dataset)} rows have no text in field {field!r}; they are "
-                    "skipped.")
+def _tokenize(dataset: datasets.Dataset, field: str, tokenizer: Tokenizer, where: str) -> Split:
+  """The dataset's documents (rows with text in `field`, `document_texts`) in order, joined by the tokenizer's
+  eos_id; rows without text are skipped, counted in a warning."""
   eos = np.asarray([] if tokenizer.eos_id is None else [tokenizer.eos_id], dtype=np.int32)
 
-  def encode(batch: dict[str, list[Any]]) -> dict[str, list[np.ndarray]]:
-    documents = tokenizer.encode_batch([text or "" for text in batch[field]])  # None: a missing field
-    return {"ids": [np.concatenate([ids, eos]) if len(ids) else ids for ids in documents]}  # empty: skipped
+  def encode(batch: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
+    texts = document_texts(batch, field, where)
+    documents = tokenizer.encode_batch(texts)
+    return {"ids": [np.concatenate([ids, eos]) if len(ids) else ids for ids in documents],  # empty: skipped
+            "empty": [not text for text in texts]}
 
-  ids = dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
-                    desc="Tokenizing")
-  column = ids.with_format("arrow")["ids"]
+  encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, keep_in_memory=True,
+                        desc="Tokenizing").with_format("arrow")
+  missing = int(pc.sum(encoded["empty"]).as_py() or 0)
+  if missing:
+    logging.warning(f"{where}: {missing} of {len(dataset)} rows have no text in field {field!r}; they are skipped.")
+  column = encoded["ids"]
   stream = pc.list_flatten(column).to_numpy().astype(np.int32)
   lengths = pc.list_value_length(column).to_numpy()
   ends = np.cumsum(lengths[lengths > 0])  # each document's end, after its separator
@@ -293,28 +335,23 @@ def process_rows(global_batch: int, process_index: int, process_count: int) -> s
   return slice(process_index * rows, (process_index + 1) * rows)
 
 
-def global_array(sequences: np.ndarray, rows: np.ndarray,
-                  sharding: jax.sharding.NamedSharding | None) -> jax.Array:
-  """The batch `sequences[rows]` (`[len(rows), ...]`, its dtype); each process reads only its own block."""
+def global_batch(local: np.ndarray | tuple[np.ndarray | None, ...], global_rows: int,
+                 sharding: jax.sharding.NamedSharding | None) -> jax.Array | tuple[jax.Array | None, ...]:
+  """One global batch of `global_rows` rows from this process's block of them (`process_rows`).
+
+  Args:
+    local: this process's rows `[global_rows / process_count, ...]`: an array, or a tuple of them (None kept, as in
+      `(tokens, None, document ids)`).
+    global_rows: the rows of the whole batch.
+    sharding: how the batch is laid out over the devices; None: one host's array of `local`, the whole batch.
+  Returns:
+    `local`'s structure, each array a global `jax.Array` `[global_rows, ...]` of its dtype.
+  """
+  if isinstance(local, tuple):
+    return tuple(None if array is None else global_batch(array, global_rows, sharding) for array in local)
   if sharding is None:
-    return jnp.asarray(sequences[rows])
-  local = process_rows(len(rows), jax.process_index(), jax.process_count())
-  global_shape = (len(rows), sequences.shape[1])
-  return jax.make_array_from_process_local_data(sharding, sequences[rows[local]], global_shape)
-
-
-def _check_batch(sequences: np.ndarray, global_batch_size: int, split: str,
-                 document_ids: np.ndarray | None = None) -> None:
-  if sequences.ndim != 2:
-    raise ValueError(f"{split} sequences must be packed as [num_sequences, seq_len + 1]; "
-                     f"got shape {sequences.shape}. Use pack().")
-  if document_ids is not None and document_ids.shape != sequences.shape:
-    raise ValueError(f"{split} document_ids of shape {document_ids.shape} do not match the sequences' "
-                     f"{sequences.shape}; pack both with pack_split().")
-  config_checks.positive_int(global_batch_size, "train.batch_size")
-  check_one_batch(len(sequences), global_batch_size, f"the {split} data holds {len(sequences)} sequences",
-                  f"train.batch_size={global_batch_size}",
-                  "use a smaller train.batch_size or train.seq_len, or more data")
+    return jnp.asarray(local)
+  return jax.make_array_from_process_local_data(sharding, local, (global_rows, *local.shape[1:]))
 
 
 def check_one_batch(num_sequences: int, global_batch_size: int, holds: str, batch: str, fix: str) -> None:
@@ -334,11 +371,37 @@ def check_one_batch(num_sequences: int, global_batch_size: int, holds: str, batc
     raise ValueError(f"{holds}, fewer than one batch of {batch}; {fix}.")
 
 
-def _batch(sequences: np.ndarray, document_ids: np.ndarray | None, rows: np.ndarray,
-           sharding: jax.sharding.NamedSharding | None) -> jax.Array | tuple[jax.Array, None, jax.Array]:
-  """The tokens of `rows`, or with `document_ids` the `losses.Batch` `(tokens, None, document ids)`."""
-  tokens = global_array(sequences, rows, sharding)
-  return tokens if document_ids is None else (tokens, None, global_array(document_ids, rows, sharding))
+class EvalRows(Protocol):
+  """A validation split as rows, for `eval_batches` (`packed_rows.PackedRows`, `SequenceRows`,
+  `synthetic.ValidationRows`): `len()` rows, and `take(indices)` those rows as one batch `[len(indices), ...]` in its
+  structure (`losses.Batch`'s, None kept)."""
+
+  def __len__(self) -> int: ...
+
+  def take(self, indices: np.ndarray) -> np.ndarray | tuple[np.ndarray | None, ...]: ...
+
+
+class SequenceRows:
+  """Packed validation sequences in memory as `EvalRows`: `pack`'s `[num_sequences, seq_len + 1]`, and with
+  `pack_split`'s document ids alike a batch is `(tokens, None, document ids)`."""
+
+  def __init__(self, sequences: np.ndarray, document_ids: np.ndarray | None = None):
+    self.sequences = np.asarray(sequences, dtype=np.int32)
+    self.document_ids = None if document_ids is None else np.asarray(document_ids, dtype=np.int32)
+    if self.sequences.ndim != 2:
+      raise ValueError(f"validation sequences must be packed as [num_sequences, seq_len + 1]; "
+                       f"got shape {self.sequences.shape}. Use pack().")
+    if self.document_ids is not None and self.document_ids.shape != self.sequences.shape:
+      raise ValueError(f"validation document_ids of shape {self.document_ids.shape} do not match the sequences' "
+                       f"{self.sequences.shape}; pack both with pack_split().")
+
+  def __len__(self) -> int:
+    return len(self.sequences)
+
+  def take(self, indices: np.ndarray) -> np.ndarray | tuple[np.ndarray, None, np.ndarray]:
+    """Tokens `[len(indices), seq_len + 1]`, or with document ids `(tokens, None, ids)`."""
+    tokens = self.sequences[indices]
+    return tokens if self.document_ids is None else (tokens, None, self.document_ids[indices])
 
 
 def eval_rows(num_sequences: int, global_batch_size: int, max_batches: int | None) -> np.ndarray:
@@ -352,19 +415,30 @@ def eval_rows(num_sequences: int, global_batch_size: int, max_batches: int | Non
   return (np.arange(num_rows) * num_sequences // num_rows).reshape(max_batches, global_batch_size)
 
 
-def eval_batches(sequences: np.ndarray, global_batch_size: int, max_batches: int | None,
-                 sharding: jax.sharding.NamedSharding | None = None, document_ids: np.ndarray | None = None
-                 ) -> Iterator[jax.Array | tuple[jax.Array, None, jax.Array]]:
-  """The validation batches `[global_batch_size, seq_len + 1]` of `eval_rows` (all when `max_batches` is None),
-  with `document_ids` (`pack_split`'s) `(tokens, None, document ids)`, each process reading only its own rows.
+def eval_batches(rows: EvalRows, global_batch_size: int, max_batches: int | None,
+                 sharding: jax.sharding.NamedSharding | None = None, *, holds: str | None = None,
+                 batch: str | None = None, fix: str = "use a smaller train.batch_size or train.seq_len, or more data"
+                 ) -> Iterator[jax.Array | tuple[jax.Array | None, ...]]:
+  """The validation batches of `rows`: those of `eval_rows` (every full batch in order, or `max_batches` spread
+  evenly over the split), each `[global_batch_size, ...]` in the structure of `rows.take`, each process taking and
+  placing only its own rows (`process_rows`, `global_batch`).
 
-  Checks run on the call, not on the first `next()`.
+  Args:
+    rows: the validation split (`EvalRows`).
+    global_batch_size: rows per batch.
+    max_batches: at most this many batches; None: every full batch.
+    sharding: the batches' layout over the devices; None: one host's arrays.
+    holds, batch, fix: how `check_one_batch` words a split of fewer rows than one batch; by default "the
+      validation data holds N sequences", "train.batch_size=B" and the fix given.
+  Returns:
+    An iterator of the batches; the checks run on the call, not on the first `next()`.
   """
-  sequences = np.asarray(sequences, dtype=np.int32)
-  document_ids = None if document_ids is None else np.asarray(document_ids, dtype=np.int32)
-  _check_batch(sequences, global_batch_size, "validation", document_ids)
-  rows_NxB = eval_rows(len(sequences), global_batch_size, max_batches)
-  return (_batch(sequences, document_ids, rows, sharding) for rows in rows_NxB)
+  config_checks.positive_int(global_batch_size, "train.batch_size")
+  check_one_batch(len(rows), global_batch_size, holds or f"the validation data holds {len(rows)} sequences",
+                  batch or f"train.batch_size={global_batch_size}", fix)
+  local = process_rows(global_batch_size, jax.process_index(), jax.process_count())
+  rows_NxB = eval_rows(len(rows), global_batch_size, max_batches)
+  return (global_batch(rows.take(batch_rows[local]), global_batch_size, sharding) for batch_rows in rows_NxB)
 
 
 def check_state_keys(state: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -139,8 +139,8 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
   task, batch_size = config.data.synthetic, config.train.batch_size // config.train.grad_accum_steps
   placement = sharding.placement(config.mesh)
   if task:
-    batches = list(synthetic.eval_batches(config, batch_size, max_batches or config.train.eval_batches,
-                                          placement.batch_sharding))
+    valid_rows = synthetic.ValidationRows(config, batch_size, max_batches or config.train.eval_batches)
+    batches = list(data.eval_batches(valid_rows, batch_size, None, placement.batch_sharding))
     num_sequences, num_tokens = batch_size * len(batches), int(sum(float(batch[1].sum()) for batch in batches))
     results: dict[str, Any] = {"task": task, "answers": num_tokens, "sequences": num_sequences, "modes": {}}
   else:
@@ -148,18 +148,18 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
     reset = config.data.reset_at_documents
     corpora = loader.open_corpora(config.data, tokenizer)  # only the rows evaluated are read
     valid = loader.validation_rows(corpora, seq_len, reset)
-    data.check_one_batch(
-        len(valid), batch_size, f"the validation split holds {sum(c.num_tokens('validation') for c in corpora)} "
-        f"tokens: {len(valid)} sequences of --eval_seq_len + 1 = {seq_len + 1} tokens",
-        f"{batch_size} (train.batch_size / train.grad_accum_steps)", "use a shorter --eval_seq_len, a smaller "
-        "--config.train.batch_size, or more validation data (--config.data.validation_files)")
-    rows = data.eval_rows(len(valid), batch_size, max_batches).reshape(-1)
-    taken = valid.take(rows)
-    sequences, ids = taken if isinstance(taken, tuple) else (taken, None)
-    batches = list(data.eval_batches(sequences, batch_size, None, placement.batch_sharding, ids))
+    batches = list(data.eval_batches(
+        valid, batch_size, max_batches, placement.batch_sharding,
+        holds=f"the validation split holds {sum(c.num_tokens('validation') for c in corpora)} tokens: {len(valid)} "
+        f"sequences of --eval_seq_len + 1 = {seq_len + 1} tokens",
+        batch=f"{batch_size} (train.batch_size / train.grad_accum_steps)", fix="use a shorter --eval_seq_len, a "
+        "smaller --config.train.batch_size, or more validation data (--config.data.validation_files)"))
+    # The evaluated rows, read back for their counts.
+    sequences = np.concatenate([np.asarray(batch[0] if reset else batch) for batch in batches])
+    ids = np.concatenate([np.asarray(batch[2]) for batch in batches]) if reset else None
     targets = sequences[:, 1:]
     if position_buckets:  # inputs per bucket: every sequence's `width`, or by positions within documents
-      bucket_tokens = (np.full(position_buckets, len(rows) * (seq_len // position_buckets)) if ids is None else
+      bucket_tokens = (np.full(position_buckets, len(sequences) * (seq_len // position_buckets)) if ids is None else
                        np.bincount(np.asarray(position_buckets_of(ids, position_buckets)).reshape(-1),
                                    minlength=position_buckets))
     num_sequences, num_tokens, num_bytes = len(targets), int(targets.size), count_bytes(tokenizer, targets)

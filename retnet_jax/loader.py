@@ -5,6 +5,7 @@ of text, whether from `data.prepared` or from plain files through their cached c
     batches = PreparedBatches(corpora, seq_len, batch_size, seed, sharding, config.data.prepared_weights)
     tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
     meta = batches.get_state()   # into the checkpoint: resume continues with the next batch, mid-epoch too
+    valid = data.eval_batches(validation_rows(corpora, seq_len, False), batch_size, max_batches, sharding)
 
 The rows of every corpus are a Grain `MapDataset` over the memory-mapped shards, shuffled from the seed (another
 order each epoch) and repeated; several corpora are mixed by `data.prepared_weights` (empty: in proportion to their
@@ -23,7 +24,6 @@ from typing import Any
 import grain
 from absl import logging
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -38,11 +38,8 @@ def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> l
   one document is refused: nothing would reset."""
   paths = data.as_tuple(data_cfg.prepared)
   if not paths:
-    files = data.as_tuple(data_cfg.files)
-    source = ("data.files" if files else f"data.hub_dataset={data_cfg.hub_dataset!r}" if data_cfg.hub_dataset
-              else "the shipped corpus (data.files empty)")
-    corpora = [corpus_cache.open_cached(data_cfg, tokenizer, source)]
-    return _check_documents(corpora, data_cfg, source)
+    corpora = [corpus_cache.open_cached(data_cfg, tokenizer)]
+    return _check_documents(corpora, data_cfg, corpora[0].label)
   for i, path in enumerate(paths):
     if not str(path).strip():  # Path('') is the current directory
       where = f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared"
@@ -78,18 +75,6 @@ def mixture_weights(corpora: Sequence[prepared.Corpus], weights: Sequence[float]
   return list(weights) if weights else [c.num_tokens("train") for c in corpora]
 
 
-def _placed(local: np.ndarray | tuple[np.ndarray, np.ndarray], global_rows: int,
-            sharding: jax.sharding.NamedSharding | None):
-  """This process's rows as (a part of) one global batch: tokens, or `(tokens, None, document ids)`."""
-  def place(array):
-    if sharding is None:
-      return jnp.asarray(array)
-    return jax.make_array_from_process_local_data(sharding, array, (global_rows, array.shape[1]))
-  if isinstance(local, tuple):
-    return place(local[0]), None, place(local[1])
-  return place(local)
-
-
 class PreparedBatches:
   """Endless global batches `[global_batch_size, seq_len + 1]` int32 from `corpora` (`open_corpora`), mixed by
   `weights` (empty: in proportion to their training tokens); with `documents` (`data.reset_at_documents`)
@@ -120,7 +105,9 @@ class PreparedBatches:
     return self
 
   def __next__(self):
-    return _placed(next(self._iterator), self.global_batch_size, self.sharding)
+    local = next(self._iterator)  # Grain's batch of this process's rows: tokens, or (tokens, document ids)
+    return data.global_batch((local[0], None, local[1]) if isinstance(local, tuple) else local,
+                             self.global_batch_size, self.sharding)
 
   def get_state(self) -> dict[str, Any]:
     """Grain's position of the next batch, for checkpoints."""
@@ -143,14 +130,3 @@ class PreparedBatches:
 def validation_rows(corpora: Sequence[prepared.Corpus], seq_len: int, documents: bool) -> packed_rows.PackedRows:
   """Every corpus's validation split, one after another, as rows."""
   return packed_rows.PackedRows([shard for c in corpora for shard in c.shards["validation"]], seq_len, documents)
-
-
-def eval_batches(rows: packed_rows.PackedRows, global_batch_size: int, max_batches: int | None,
-                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[Any]:
-  """Validation batches of `data.eval_rows` (every full batch, or `max_batches` spread over the split), each
-  process reading only its own rows; checked on the call."""
-  data.check_one_batch(len(rows), global_batch_size, f"the prepared validation split holds {len(rows)} sequences",
-                       str(global_batch_size), "use a smaller batch size or seq_len, or prepare more validation data")
-  local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
-  rows_NxB = data.eval_rows(len(rows), global_batch_size, max_batches)
-  return (_placed(rows.take(batch_rows[local]), global_batch_size, sharding) for batch_rows in rows_NxB)

@@ -41,9 +41,10 @@ class PackedRows:
     positions = np.arange(begin, begin + self.width)
     return tokens, (np.searchsorted(shard.starts, positions, side="right") - 1).astype(np.int32)
 
-  def take(self, indices: Iterable[int]) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """The rows at `indices`, stacked: `[n, seq_len + 1]` (and the ids alike)."""
+  def take(self, indices: Iterable[int]) -> np.ndarray | tuple[np.ndarray, None, np.ndarray]:
+    """The rows at `indices` as a batch (`data.EvalRows`): tokens `[n, seq_len + 1]`, with `documents`
+    `(tokens, None, document ids)` (`losses.Batch`'s form: no loss weights)."""
     rows = [self[i] for i in indices]
     if not self.documents:
       return np.stack(rows)
-    return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+    return np.stack([r[0] for r in rows]), None, np.stack([r[1] for r in rows])

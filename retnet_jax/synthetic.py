@@ -3,7 +3,7 @@
     synthetic.check_config(config)                          # the task's knobs against seq_len and the vocabulary
     tokens_BxL1, weights_BxL = synthetic.batch(config, "train", index, batch_size)
     batches = synthetic.SyntheticBatches(config, batch_size, sharding)  # endless global batches, resumable
-    valid = synthetic.eval_batches(config, batch_size, num_batches, sharding)
+    valid = data.eval_batches(synthetic.ValidationRows(config, batch_size, num_batches), batch_size, None, sharding)
 
 `config.data.synthetic` names a task of SOURCES (None: text data). Each source makes a global batch of token rows
 `[B, seq_len + 1]` (inputs `[:, :-1]`, targets `[:, 1:]`) and float32 weights `[B, seq_len]` over the targets: 1 at
@@ -196,7 +196,7 @@ class SyntheticBatches:
   def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int,
                sharding: jax.sharding.NamedSharding | None = None):
     check_config(config)
-    data.process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fail early, not at next()
+    self.local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fails early
     self.config, self.global_batch_size, self.sharding = config, global_batch_size, sharding
     self.index = 0
 
@@ -206,7 +206,7 @@ class SyntheticBatches:
   def __next__(self) -> tuple[jax.Array, ...]:
     arrays = batch(self.config, "train", self.index, self.global_batch_size)
     self.index += 1
-    return _global_batch(arrays, self.sharding)
+    return data.global_batch(tuple(array[self.local] for array in arrays), self.global_batch_size, self.sharding)
 
   def get_state(self) -> dict[str, int]:
     """Index of the next batch, for checkpoints."""
@@ -220,18 +220,22 @@ class SyntheticBatches:
     self.index = int(state["index"])
 
 
-def eval_batches(config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int,
-                 sharding: jax.sharding.NamedSharding | None = None) -> Iterator[tuple[jax.Array, ...]]:
-  """The first `num_batches` validation batches `(tokens, loss weights[, ids])` of the task `config.data.synthetic` (the
-  same every time, drawn apart from the training batches). Checks run on the call, not on the first `next()`."""
-  check_config(config)
-  data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
-  return (_global_batch(batch(config, "valid", index, global_batch_size), sharding) for index in range(num_batches))
+class ValidationRows:
+  """The first `num_batches` validation batches of the task `config.data.synthetic` as rows (`data.EvalRows`): row
+  r is row `r % B` of `batch(config, "valid", r // B, B)`, so `data.eval_batches` of all of them gives those
+  batches, the same every time and drawn apart from the training batches. Checks the config on construction."""
 
+  def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int):
+    check_config(config)
+    self.config, self.global_batch_size, self.num_batches = config, global_batch_size, num_batches
 
-def _global_batch(arrays: tuple[np.ndarray, ...], sharding: jax.sharding.NamedSharding | None
-                  ) -> tuple[jax.Array, ...]:
-  """Global arrays (tokens, weights[, ids]) of a whole batch that every process generated; each places its own
-  rows."""
-  rows = np.arange(len(arrays[0]))
-  return tuple(data.global_array(array, rows, sharding) for array in arrays)
+  def __len__(self) -> int:
+    return self.num_batches * self.global_batch_size
+
+  def take(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`(tokens [n, seq_len + 1], weights [n, seq_len][, ids])` of the rows at `indices`, each batch they fall in
+    drawn once."""
+    batch_n, row_n = np.divmod(np.asarray(indices), self.global_batch_size)
+    drawn = {i: batch(self.config, "valid", i, self.global_batch_size) for i in np.unique(batch_n).tolist()}
+    rows = [tuple(array[r] for array in drawn[i]) for i, r in zip(batch_n.tolist(), row_n.tolist())]
+    return tuple(np.stack(column) for column in zip(*rows))

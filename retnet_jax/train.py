@@ -20,8 +20,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax import (architectures, checkpointing, config_checks, dispatch, flops, layers, loader, losses, metrics,
-                        peer_watch, preemption, sharding, synthetic, tokenizer as tokenizer_lib, train_state,
+from retnet_jax import (architectures, checkpointing, config_checks, data, dispatch, flops, layers, loader, losses,
+                        metrics, peer_watch, preemption, sharding, synthetic, tokenizer as tokenizer_lib, train_state,
                         train_step as train_step_lib, workdir as workdir_lib, workdir_lock)
 
 
@@ -106,14 +106,17 @@ def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.To
   train_cfg, reset = config.train, config.data.reset_at_documents
   eval_batch, num_eval = train_cfg.batch_size // train_cfg.grad_accum_steps, train_cfg.eval_batches
   if config.data.synthetic:
+    valid_rows = synthetic.ValidationRows(config, eval_batch, num_eval)
     return (synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
-            lambda: synthetic.eval_batches(config, eval_batch, num_eval, batch_sharding))
+            lambda: data.eval_batches(valid_rows, eval_batch, None, batch_sharding))
   corpora = loader.open_corpora(config.data, tokenizer)
   valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
   batches = loader.PreparedBatches(corpora, train_cfg.seq_len, train_cfg.batch_size, config.seed, batch_sharding,
                                    config.data.prepared_weights, reset)
-  loader.eval_batches(valid_rows, eval_batch, 1)  # enough to evaluate?
-  return batches, lambda: loader.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding)
+  too_few = dict(holds=f"the prepared validation split holds {len(valid_rows)} sequences", batch=str(eval_batch),
+                 fix="use a smaller batch size or seq_len, or prepare more validation data")
+  data.eval_batches(valid_rows, eval_batch, 1, **too_few)  # enough to evaluate?
+  return batches, lambda: data.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding, **too_few)
 
 
 # Data fields added since checkpoints were first written -> the value a checkpoint without the field was trained with.

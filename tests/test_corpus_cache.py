@@ -49,8 +49,8 @@ def test_an_unwritable_cache_warns_once_naming_both_folders_and_reuses_its_fallb
     monkeypatch.setenv("RETNET_JAX_CACHE", str(tmp_path / name))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="absl"):
-      first = corpus_cache.open_cached(data_cfg, byte, "data.files")
-      second = corpus_cache.open_cached(data_cfg, byte, "data.files")
+      first = corpus_cache.open_cached(data_cfg, byte)
+      second = corpus_cache.open_cached(data_cfg, byte)
     fallback = temporary / f"retnet_jax_cache_{os.getuid()}"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"RETNET_JAX_CACHE '{tmp_path / name}' cannot be written ({reason}); caching tokenized "
@@ -70,7 +70,7 @@ def test_a_cache_whose_fallback_cannot_be_written_either_is_one_line_naming_both
   with pytest.raises(ValueError, match=r"^RETNET_JAX_CACHE '.*a-file' cannot be written \(is a file\), nor can the "
                                        r"fallback '.*retnet_jax_cache_\d+' \(.*\); set RETNET_JAX_CACHE to a writable "
                                        r"folder.$"):
-    corpus_cache.open_cached(data_cfg, tokenizer_lib.load("byte"), "data.files")
+    corpus_cache.open_cached(data_cfg, tokenizer_lib.load("byte"))
 
 
 def test_a_full_disk_names_the_cache_file_its_bytes_and_the_fix(tmp_path, monkeypatch, data_cfg):
@@ -86,7 +86,7 @@ def test_a_full_disk_names_the_cache_file_its_bytes_and_the_fix(tmp_path, monkey
   monkeypatch.setattr(prepared, "_tofile", short_write)
   byte = tokenizer_lib.load("byte")
   with pytest.raises(ValueError) as error:
-    corpus_cache.open_cached(data_cfg, byte, "data.files")
+    corpus_cache.open_cached(data_cfg, byte)
   (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".lock"]
   message = str(error.value)
   assert message.startswith(f"data.files: caching its tokenized corpus failed: writing {tmp_path}/cache/"
@@ -97,7 +97,7 @@ def test_a_full_disk_names_the_cache_file_its_bytes_and_the_fix(tmp_path, monkey
   assert int(message.split(".tokens (")[1].split(" bytes")[0].replace(",", "")) > 0
   assert not (tmp_path / "cache" / entry.stem).exists()  # the half-written entry is gone
   monkeypatch.setattr(prepared, "_tofile", real)
-  assert corpus_cache.open_cached(data_cfg, byte, "data.files").path == tmp_path / "cache" / entry.stem
+  assert corpus_cache.open_cached(data_cfg, byte).path == tmp_path / "cache" / entry.stem
 
 
 def test_a_full_disk_during_prepare_names_the_shard_and_resumes_once_there_is_room(tmp_path, monkeypatch):

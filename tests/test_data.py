@@ -250,6 +250,53 @@ def test_missing_text_field_errors(tmp_path):
     data.load_documents(data_config(files=(str(parquet),)), tokenizer.ByteTokenizer())
 
 
+def test_one_chooser_names_the_source_for_training_and_preparing(tmp_path, monkeypatch):
+  """data.text_sources picks files, else the hub dataset, else the shipped corpus; load_documents and sources.of_config
+  read what it picks, and both refuse a missing shipped corpus with its message."""
+  for name in ("b.txt", "a.txt"):
+    (tmp_path / name).write_text(f"text of {name}")
+  pattern, valid = str(tmp_path / "*.txt"), str(tmp_path / "a.txt")
+  train, validation = data.text_sources(data_config(files=(pattern,), hub_dataset="ignored/dataset",
+                                                    validation_files=(valid,)))
+  assert train == data.TextSource("files", (str(tmp_path / "a.txt"), str(tmp_path / "b.txt")), None, None, "text",
+                                  "data.files")
+  assert validation == data.TextSource("files", (valid,), None, None, "text", "data.validation_files")
+  hub, none = data.text_sources(data_config(hub_dataset="some/dataset", hub_config="en", text_field="body"))
+  assert hub == data.TextSource("hub", (), "some/dataset", "en", "body", "data.hub_dataset='some/dataset'")
+  assert none is None and hub.names() == ["hub:some/dataset/en"] and train.names() == list(train.files)
+  shipped, _ = data.text_sources(data_config())
+  assert shipped == data.TextSource("shipped", (str(data.DEFAULT_CORPUS),), None, None, "text",
+                                    "the shipped corpus (data.files empty)")
+  streamed, held_out = sources.of_config(data_config(files=(pattern,), validation_files=(valid,)))
+  assert streamed.source == train and held_out.source == validation and sources.of_config(data_config())[1] is None
+  assert list(streamed) == ["text of a.txt", "text of b.txt"] and streamed.characters == 26
+  monkeypatch.setattr(data, "DEFAULT_CORPUS", tmp_path / "missing.txt")
+  for read in (lambda: data.load_documents(data_config(), tokenizer.ByteTokenizer()),
+               lambda: sources.of_config(data_config())):
+    with pytest.raises(FileNotFoundError, match=r"^the shipped corpus .*missing\.txt is missing \(data/ is not "
+                                                r"installed with the package\); set data\.files"):
+      read()
+
+
+def test_document_texts_checks_the_text_field():
+  rows = {"text": ["a", None, ""], "id": [1, 2, 3]}
+  assert data.document_texts(rows, "text", "here") == ["a", "", ""]  # null: no text
+  with pytest.raises(ValueError, match=r"^here has no field 'body' \(fields: \['id', 'text'\]\); set "
+                                       r"data\.text_field to the field holding the text\.$"):
+    data.document_texts(rows, "body", "here")
+  with pytest.raises(ValueError, match=r"^here: field 'id' holds int, not text; set data\.text_field"):
+    data.document_texts(rows, "id", "here")
+
+
+def test_both_readers_refuse_a_field_that_is_not_text_alike(tmp_path):
+  path = write_jsonl(tmp_path / "ids.jsonl", [{"text": 1}, {"text": 2}])
+  message = r"^data\.files: '.*ids\.jsonl': field 'text' holds int, not text; set data\.text_field"
+  with pytest.raises(ValueError, match=message):
+    data.load_documents(data_config(files=(str(path),)), tokenizer.ByteTokenizer())
+  with pytest.raises(ValueError, match=message):
+    list(sources.of_config(data_config(files=(str(path),)))[0])
+
+
 def test_unreachable_hub_errors(monkeypatch):
   def offline(*args, **kwargs):
     raise ConnectionError("Couldn't reach 'some/dataset' on the Hub")
@@ -286,17 +333,51 @@ def data_sharding():
 
 def test_eval_batches(data_sharding):
   seqs = sequences(40, 9)
-  batches = list(data.eval_batches(seqs, 16, max_batches=8, sharding=data_sharding))
+  batches = list(data.eval_batches(data.SequenceRows(seqs), 16, max_batches=8, sharding=data_sharding))
   assert len(batches) == 2  # 40 sequences hold two full batches
   assert all(b.sharding == data_sharding and {s.data.shape for s in b.addressable_shards} == {(2, 9)}
              for b in batches)
   np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in batches]), seqs[:32])
   # One batch of two: its rows are spread evenly over the whole split, not its first 16 sequences.
-  sample = list(data.eval_batches(seqs, 16, max_batches=1, sharding=None))
+  sample = list(data.eval_batches(data.SequenceRows(seqs), 16, max_batches=1, sharding=None))
   assert len(sample) == 1
   rows = np.arange(16) * 40 // 16
   assert rows[0] == 0 and rows[-1] == 37 and len(set(rows)) == 16
-  np.testing.assert_array_equal(np.asarray(sample[0]), seqs[rows])
+  assert sample[0].dtype == np.int32 and np.asarray(sample[0]).tobytes() == seqs[rows].tobytes()
   np.testing.assert_array_equal(data.eval_rows(40, 16, 1), rows[None])
-  with pytest.raises(ValueError, match=r"validation data holds 8 sequences, fewer than one batch"):
-    data.eval_batches(seqs[:8], 16, max_batches=8, sharding=data_sharding)
+  with pytest.raises(ValueError, match=r"^the validation data holds 8 sequences, fewer than one batch of "
+                                       r"train\.batch_size=16; use a smaller train\.batch_size or train\.seq_len, "
+                                       r"or more data\.$"):
+    data.eval_batches(data.SequenceRows(seqs[:8]), 16, max_batches=8, sharding=data_sharding)
+  with pytest.raises(ValueError, match=r"^holds so much, fewer than one batch of B; fix it\.$"):
+    data.eval_batches(data.SequenceRows(seqs[:8]), 16, None, holds="holds so much", batch="B", fix="fix it")
+  with pytest.raises(ValueError, match=r"validation sequences must be packed as \[num_sequences, seq_len \+ 1\]"):
+    data.SequenceRows(seqs.reshape(-1))
+
+
+class Taken:
+  """Rows whose batch is `(row numbers, None)`, recording what each `take` asked for."""
+
+  def __init__(self, num_rows):
+    self.num_rows, self.asked = num_rows, []
+
+  def __len__(self):
+    return self.num_rows
+
+  def take(self, indices):
+    self.asked.append(np.asarray(indices))
+    return np.asarray(indices, np.int32)[:, None], None
+
+
+def test_eval_batches_take_each_batch_of_eval_rows_and_keep_its_structure(monkeypatch):
+  rows = Taken(50)
+  batches = list(data.eval_batches(rows, 8, 3))
+  for asked, expected in zip(rows.asked, data.eval_rows(50, 8, 3), strict=True):
+    np.testing.assert_array_equal(asked, expected)
+  assert all(isinstance(b, tuple) and b[1] is None for b in batches)
+  np.testing.assert_array_equal(np.asarray(batches[1][0])[:, 0], data.eval_rows(50, 8, 3)[1])
+  monkeypatch.setattr(jax, "process_index", lambda: 1)  # process 1 of 2 takes the second half of each batch's rows
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  rows = Taken(50)
+  list(data.eval_batches(rows, 8, None))
+  np.testing.assert_array_equal(np.stack(rows.asked), data.eval_rows(50, 8, None)[:, 4:])

@@ -91,7 +91,7 @@ def packed(num=10, width=5):
 
 def test_evaluation_batches_carry_the_ids_of_their_rows():
   sequences, ids = packed()
-  evaluated = list(data.eval_batches(sequences, 3, 2, document_ids=ids))
+  evaluated = list(data.eval_batches(data.SequenceRows(sequences, ids), 3, 2))
   rows = data.eval_rows(10, 3, 2)
   for (tokens, weights, batch_ids), row in zip(evaluated, rows):
     assert weights is None and batch_ids.dtype == np.int32
@@ -103,7 +103,7 @@ def test_ids_of_another_shape_are_refused():
   sequences, ids = packed()
   with pytest.raises(ValueError, match=r"validation document_ids of shape \(9, 5\) do not match the sequences' "
                                        r"\(10, 5\); pack both with pack_split"):
-    data.eval_batches(sequences, 3, 2, document_ids=ids[:9])
+    data.SequenceRows(sequences, ids[:9])
 
 
 # Training and evaluation: a packed row computes what each of its documents computes alone.

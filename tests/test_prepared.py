@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
@@ -249,11 +250,6 @@ def test_mixture_settings_and_sizes_are_refused_before_reading(tmp_path):
   with pytest.raises(ValueError, match=r"data.prepared='.*c': its training split holds \d+ sequences of "
                                        r"train.seq_len \+ 1 = 257 tokens, fewer than one batch of train.batch_size=64"):
     loader.PreparedBatches(loader.open_corpora(data_config([tmp_path / "c"]), byte), 256, 64, 0)
-  valid = loader.validation_rows(loader.open_corpora(data_config([tmp_path / "c"]), byte), 16, False)
-  with pytest.raises(ValueError, match=rf"^the prepared validation split holds {len(valid)} sequences, fewer than one "
-                                       rf"batch of {len(valid) + 1}; use a smaller batch size or seq_len, or prepare "
-                                       r"more validation data\.$"):
-    loader.eval_batches(valid, len(valid) + 1, None)
 
 
 def test_rows_pack_each_shard_and_carry_document_ids(tmp_path):
@@ -263,10 +259,34 @@ def test_rows_pack_each_shard_and_carry_document_ids(tmp_path):
   expected = np.concatenate([data.pack(np.asarray(s.tokens, np.int32), 15) for s in corpus.shards["train"]])
   ids = np.concatenate([data.pack(data.document_ids(data.Split(np.asarray(s.tokens), s.starts)), 15)
                         for s in corpus.shards["train"]])
-  tokens, got_ids = rows.take(range(len(rows)))
+  tokens, weights, got_ids = rows.take(range(len(rows)))  # a batch of losses.Batch's form: no loss weights
+  assert weights is None
   np.testing.assert_array_equal(tokens, expected)
   np.testing.assert_array_equal(got_ids, ids)
   assert got_ids.max() > 0
+
+
+def test_validation_batches_are_the_rows_eval_rows_picks(tmp_path):
+  """data.eval_batches of a prepared corpus's validation rows: the packed shards' rows that data.eval_rows picks,
+  byte for byte, whole or sharded over the devices, with document ids `(tokens, None, ids)`."""
+  prepare(tmp_path / "c", DOCUMENTS * 4, shard_tokens=1000)
+  corpora = loader.open_corpora(data_config([tmp_path / "c"]), tokenizer_lib.load("byte"))
+  shards = corpora[0].shards["validation"]
+  assert len(shards) > 1
+  tokens = np.concatenate([data.pack(np.asarray(s.tokens, np.int32), 15) for s in shards])
+  ids = np.concatenate([data.pack(data.document_ids(data.Split(np.asarray(s.tokens), s.starts)), 15) for s in shards])
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  for max_batches, placed in ((None, None), (3, batch_sharding)):
+    rows_NxB = data.eval_rows(len(tokens), 8, max_batches)
+    plain = list(data.eval_batches(loader.validation_rows(corpora, 15, False), 8, max_batches, placed))
+    documents = list(data.eval_batches(loader.validation_rows(corpora, 15, True), 8, max_batches, placed))
+    assert len(plain) == len(documents) == len(rows_NxB) == (3 if max_batches else len(tokens) // 8)
+    for batch, (batch_tokens, weights, batch_ids), rows in zip(plain, documents, rows_NxB):
+      assert weights is None and batch.dtype == batch_tokens.dtype == batch_ids.dtype == np.int32
+      assert np.asarray(batch).tobytes() == np.asarray(batch_tokens).tobytes() == tokens[rows].tobytes()
+      assert np.asarray(batch_ids).tobytes() == ids[rows].tobytes()
+      assert placed is None or batch.sharding == batch_ids.sharding == placed
 
 
 def test_batches_cover_each_row_once_per_epoch_resume_exactly_and_mix_by_weight(tmp_path):
@@ -383,10 +403,15 @@ def test_sources_stream_parquet_rows_a_local_dataset_and_validation_files(tmp_pa
   assert list(train_stream) == DOCUMENTS[:30] and list(validation) == ["a validation document"]
   metadata = prepared.write(tmp_path / "c", train_stream, validation, "byte", train_stream.names(), 0.1)
   assert metadata["documents"] == {"train": 30, "validation": 1} and not metadata["held_out"]
-  hub = sources.Stream((), str(tmp_path / "hub"), None, "text", "data.hub_dataset")
-  assert list(hub) == DOCUMENTS[30:] and hub.total_characters is None
-  with pytest.raises(ValueError, match=r"has no field 'body' \(fields: \['text'\]\); set data.text_field"):
-    list(sources.Stream((), str(tmp_path / "hub"), None, "body", "data.hub_dataset"))
+  config.update(files=(), hub_dataset=str(tmp_path / "hub"), text_field="text")
+  hub, _ = sources.of_config(config)
+  assert list(hub) == DOCUMENTS[30:] and hub.characters == sum(map(len, DOCUMENTS[30:]))
+  assert hub.total_characters is None
+  assert hub.names() == [f"hub:{tmp_path / 'hub'}"]
+  config.text_field = "body"
+  with pytest.raises(ValueError, match=rf"^data.hub_dataset='{tmp_path / 'hub'}' has no field 'body' \(fields: "
+                                       r"\['text'\]\); set data.text_field"):
+    list(sources.of_config(config)[0])
 
 
 @pytest.mark.slow

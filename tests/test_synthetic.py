@@ -99,10 +99,35 @@ def test_batches_are_deterministic_and_resume_exactly():
     np.testing.assert_array_equal(weights, expected_weights)
   other_seed = mqar_config(seq_len=31, num_pairs=4, seed=1)
   assert not np.array_equal(take(synthetic.SyntheticBatches(other_seed, 8), 1)[0][0], uninterrupted[0][0])
-  valid = list(synthetic.eval_batches(config, 8, 2))
+  valid = list(data.eval_batches(synthetic.ValidationRows(config, 8, 2), 8, None))
   assert not np.array_equal(np.asarray(valid[0][0]), uninterrupted[0][0])  # a stream apart from training
-  np.testing.assert_array_equal(np.asarray(list(synthetic.eval_batches(config, 8, 2))[1][0]),
-                                np.asarray(valid[1][0]))
+  again = list(data.eval_batches(synthetic.ValidationRows(config, 8, 2), 8, None))
+  np.testing.assert_array_equal(np.asarray(again[1][0]), np.asarray(valid[1][0]))
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("reset", [False, True])
+def test_validation_batches_are_the_valid_streams_batches(reset):
+  """data.eval_batches of ValidationRows gives batch i of the "valid" stream byte for byte, whole or sharded, with
+  the (zero) document ids under data.reset_at_documents."""
+  config = mqar_config(seq_len=31, num_pairs=4)
+  config.data.reset_at_documents = reset
+  batch_sharding = sharding.placement(config.mesh).batch_sharding
+  for placed in (None, batch_sharding):
+    batches = list(data.eval_batches(synthetic.ValidationRows(config, 16, 3), 16, None, placed))
+    assert len(batches) == 3
+    for index, got in enumerate(batches):
+      expected = synthetic.batch(config, "valid", index, 16)
+      assert len(got) == len(expected) == (3 if reset else 2)
+      for array, want in zip(got, expected):
+        assert array.dtype == want.dtype and np.asarray(array).tobytes() == want.tobytes()
+        assert placed is None or array.sharding == placed
+  rows = synthetic.ValidationRows(config, 16, 3)
+  assert len(rows) == 48
+  tokens, weights = rows.take(np.array([40, 3, 17]))[:2]  # rows of batches 2, 0 and 1, in that order
+  drawn = [synthetic.batch(config, "valid", i, 16) for i in range(3)]
+  np.testing.assert_array_equal(tokens, np.stack([drawn[2][0][8], drawn[0][0][3], drawn[1][0][1]]))
+  np.testing.assert_array_equal(weights, np.stack([drawn[2][1][8], drawn[0][1][3], drawn[1][1][1]]))
 
 
 @pytest.mark.devices(8)
@@ -189,8 +214,8 @@ def test_mqar_accuracy_on_a_stub():
   config = mqar_config(vocab_size=32, num_pairs=6, seq_len=31)
   config.train.batch_size = 16
   results = evaluate.evaluate_model(Recall(32), config, modes=("parallel", "recurrent"), max_batches=3)
-  tokens, weights = (np.concatenate([np.asarray(b[i]) for b in synthetic.eval_batches(config, 16, 3)])
-                     for i in (0, 1))
+  valid = list(data.eval_batches(synthetic.ValidationRows(config, 16, 3), 16, None))
+  tokens, weights = (np.concatenate([np.asarray(b[i]) for b in valid]) for i in (0, 1))
   keys = tokens[:, :-1][weights > 0]  # the query keys; the stub recalls the even ones
   hits, answers = int(np.sum(keys % 2 == 0)), len(keys)
   assert results["task"] == "mqar" and results["answers"] == answers == 3 * 16 * 6

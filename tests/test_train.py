@@ -162,6 +162,9 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
      "train.segment_len=12 is not a multiple of model.chunk_size=8"),
     (lambda c: c.model.update(vocab_size=100), "the tokenizer has 256 tokens but model.vocab_size=100"),
     (lambda c: c.data.update(validation_fraction=1.5), "validation_fraction must lie strictly between 0 and 1"),
+    (lambda c: c.data.update(validation_fraction=0.003),
+     r"^the prepared validation split holds 5 sequences, fewer than one batch of 8; use a smaller batch size or "
+     r"seq_len, or prepare more validation data\.$"),
     (lambda c: c.data.update(reset_at_documents=True), r"data.reset_at_documents=True but data.files holds a single "
                                                        r"document .* or set data.reset_at_documents=False"),
     (lambda c: c.data.update(reset_at_documents=True) or c.train.update(mode="chunkwise")

@@ -64,7 +64,7 @@ def train_bpe(texts: Iterable[str], out: Path, vocab_size: int = 4096) -> Path:
 
 def prepare_rate(corpus: Path, spec: str, workers: int, out: Path) -> dict[str, float]:
   """Seconds and tokens/s of preparing `corpus` with `spec` in `workers` processes."""
-  stream = sources.Stream((str(corpus),), None, None, "text", "data.files")
+  stream = sources.Stream(data.TextSource("files", (str(corpus),), None, None, "text", "data.files"))
   started = time.perf_counter()
   metadata = prepared.write(out, stream, None, spec, stream.names(), 0.01, workers=workers)
   seconds = time.perf_counter() - started
