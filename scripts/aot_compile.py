@@ -12,7 +12,7 @@ writes both under --out (report.md and report.json, or search.md and search.json
 
 import os
 
-from retnet_jax import cli
+from retnet_jax.training import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -24,7 +24,10 @@ from pathlib import Path
 
 from absl import flags, logging
 
-from retnet_jax import accelerators, aot, layer_stack, markdown
+from retnet_jax.core import markdown
+from retnet_jax.hardware import accelerators
+from retnet_jax.nn import layer_stack
+from retnet_jax.planning import aot
 
 _CONFIG = cli.config_flag("Config file and preset, with --config.x.y=... overrides.")
 _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {', '.join(accelerators.TARGET_NAMES)}.",

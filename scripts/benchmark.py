@@ -38,7 +38,7 @@ recorded as skipped, what was measured is kept (OUT/gpu_run.md lists the groups 
 
 from __future__ import annotations
 
-from retnet_jax import cli
+from retnet_jax.training import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -54,7 +54,7 @@ import jax
 from retnet_jax.bench import cases, corpus, gpu, sections, sequence
 from retnet_jax.bench.harness import Budget
 from retnet_jax.bench.suites import GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
-from retnet_jax.layer_stack import REMAT_POLICIES
+from retnet_jax.nn.layer_stack import REMAT_POLICIES
 
 _CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
 # Config fields each case sets itself: overriding them with --config.X would be silently undone.

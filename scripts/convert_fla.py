@@ -15,7 +15,10 @@ from pathlib import Path
 
 from absl import flags
 
-from retnet_jax import cli, convert, convert_fla, presets, sharding, train_state, workdir as workdir_lib
+from retnet_jax.core import sharding
+from retnet_jax.interop import convert, convert_fla
+from retnet_jax.models import presets
+from retnet_jax.training import cli, train_state, workdir as workdir_lib
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fla RetNet checkpoint folder: read, or written with --to_fla.",
                                   required=True)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from absl import flags
 
-from retnet_jax import cli, convert, workdir
+from retnet_jax.interop import convert
+from retnet_jax.training import cli, workdir
 
 _STATE_DICT = flags.DEFINE_string("state_dict", None, "torch.save'd RetNetDecoder state_dict (.pt).", required=True)
 _TORCHSCALE_CONFIG = flags.DEFINE_string("torchscale_config", None, "JSON file of RetNetConfig keyword values.",

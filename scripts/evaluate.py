@@ -11,7 +11,7 @@ than training: the length-extrapolation curve) and adds each mode's loss in 16 e
 every form runs each document as if alone and the buckets hold positions within the document.
 """
 
-from retnet_jax import cli
+from retnet_jax.training import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -21,7 +21,9 @@ import sys
 
 from absl import flags, logging
 
-from retnet_jax import architectures, evaluate, metrics, train_state, workdir
+from retnet_jax.evaluation import evaluate
+from retnet_jax.models import architectures
+from retnet_jax.training import metrics, train_state, workdir
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")

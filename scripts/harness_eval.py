@@ -6,10 +6,11 @@
 Prints the harness's results table and, as the last line of stdout, one JSON object (the step, the results and
 where they were written); the harness's full results go to `--output_path` (a `.json` file, or a folder:
 `FOLDER/lm_eval_step_STEP.json`; default: the workdir). `--model_args` takes the adapter's options
-(`mode=chunkwise,max_length=1024`; see `retnet_jax.lm_eval`). Needs the `eval` extra: pip install -e '.[eval]'.
+(`mode=chunkwise,max_length=1024`; see `retnet_jax.evaluation.lm_eval`). Needs the `eval` extra: pip install -e
+'.[eval]'.
 """
 
-from retnet_jax import cli
+from retnet_jax.training import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -20,7 +21,8 @@ from absl import flags
 import lm_eval
 from lm_eval import utils as harness_utils
 
-from retnet_jax import lm_eval as harness, workdir
+from retnet_jax.evaluation import lm_eval as harness
+from retnet_jax.training import workdir
 
 _CONFIG = cli.config_flag("Config file and preset.")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")

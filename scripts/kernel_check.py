@@ -25,9 +25,9 @@ from pathlib import Path
 from absl import app, flags
 import jax
 
-from retnet_jax import cli
 from retnet_jax.bench import kernel_check
 from retnet_jax.bench.op import TOLERANCE
+from retnet_jax.training import cli
 
 _OUT = flags.DEFINE_string("out", "runs/kernel_check.json", "JSON results file.")
 _BATCH = flags.DEFINE_integer("batch", 4, "Batch size.", lower_bound=1)

@@ -9,14 +9,17 @@ table and, as the last line of stdout, one JSON object, also written to WORKDIR/
 heatmap in WORKDIR/passkey_step_STEP.png.
 """
 
-from retnet_jax import cli
+from retnet_jax.training import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
 
 from absl import flags
 
-from retnet_jax import architectures, metrics, passkey, passkey_eval, tokenizer as tokenizer_lib, train_state, workdir
+from retnet_jax.evaluation import passkey_eval
+from retnet_jax.input_pipeline import passkey, tokenizer as tokenizer_lib
+from retnet_jax.models import architectures
+from retnet_jax.training import metrics, train_state, workdir
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")

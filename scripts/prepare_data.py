@@ -4,15 +4,15 @@
       --config.data.tokenizer=tokenizer.json --out=prepared/corpus --workers=8
 
 Reads `config.data.files` or `config.data.hub_dataset` (streamed) as documents and writes OUT as
-`retnet_jax.prepared` describes. Validation is `config.data.validation_files`, else every document that falls in
-the held-out `config.data.validation_fraction` (documents spread evenly through the corpus, never a window of
+`retnet_jax.input_pipeline.prepared` describes. Validation is `config.data.validation_files`, else every document that
+falls in the held-out `config.data.validation_fraction` (documents spread evenly through the corpus, never a window of
 training text). OUT must be new or empty (never inside a source or a run's checkpoints/ or params/): preparing
 deletes no file it did not write. An interrupted prepare resumes at the shard it stopped at when run again with
 the same command; a directory is trainable only once its metadata.json is written, at the end. Prints progress,
 and as the last line of stdout one JSON object: documents, tokens, seconds, out.
 """
 
-from retnet_jax import cli
+from retnet_jax.training import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -24,7 +24,8 @@ from pathlib import Path
 
 from absl import flags
 
-from retnet_jax import metrics, prepared, sources, workdir
+from retnet_jax.input_pipeline import prepared, sources
+from retnet_jax.training import metrics, workdir
 
 _CONFIG = cli.config_flag("Config file and preset whose data section names the sources and the tokenizer.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the prepared corpus into.", required=True)

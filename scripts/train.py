@@ -8,14 +8,15 @@ of `accelerators.GPU_TRAINING_XLA_FLAGS` to XLA_FLAGS (a flag already there keep
 --xla_gpu_flags replaces them, --xla_gpu_flags=none adds none.
 """
 
-from retnet_jax import cli
+from retnet_jax.training import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
 
 from absl import flags, logging
 
-from retnet_jax import accelerators, metrics, train
+from retnet_jax.hardware import accelerators
+from retnet_jax.training import metrics, train
 
 _CONFIG = cli.config_flag("Training config file and preset.")
 _WORKDIR = cli.workdir_flag("Directory for checkpoints, metrics and the config.")

@@ -4,8 +4,8 @@ shared fixtures (the shared functions are in tests/helpers.py).
 On an accelerator, float32 matmuls run at full precision (`highest`: the forms' agreement tolerances assume exact
 float32 products, which TF32 would not give), XLA's GPU ops run deterministically (the resume tests compare runs bit
 for bit), tests marked `devices(n)` are skipped where fewer devices are present and tests marked `cpu_only(reason)`
-are skipped off the CPU: run them on the CPU as usual. Corpora of plain files are cached (retnet_jax/corpus_cache.py)
-in a temporary directory per test process, not in the user's cache.
+are skipped off the CPU: run them on the CPU as usual. Corpora of plain files are cached
+(retnet_jax/input_pipeline/corpus_cache.py) in a temporary directory per test process, not in the user's cache.
 """
 import os
 import tempfile
@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 if BACKEND != "cpu":
   jax.config.update("jax_default_matmul_precision", "highest")
 
-from retnet_jax import train  # noqa: E402
+from retnet_jax.training import train  # noqa: E402
 from tests import helpers  # noqa: E402
 
 
@@ -55,7 +55,7 @@ class Crash(Exception):
 @pytest.fixture
 def run_crashing_at_batch(monkeypatch):
   """`run_crashing_at_batch(n, fn, *args)`: calls fn with the n-th training batch fetch raising Crash."""
-  from retnet_jax import loader
+  from retnet_jax.input_pipeline import loader
 
   def run(n, fn, *args):
     original, calls = loader.PreparedBatches.__next__, []

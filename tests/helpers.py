@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import presets
-from retnet_jax.kernels import support
-from retnet_jax.model import Model
+from retnet_jax.mixers.kernels import support
+from retnet_jax.models import presets
+from retnet_jax.models.model import Model
 
 # What XLA's C++ logging writes to stderr by itself when jax is imported (the aot extra's CUDA plugin on a machine
 # without a GPU: "Could not find cuda drivers"), before a script can say anything: not the script's own lines.

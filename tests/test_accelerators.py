@@ -5,7 +5,7 @@ import importlib.util
 import jax
 import pytest
 
-from retnet_jax import accelerators
+from retnet_jax.hardware import accelerators
 from tests.helpers import script_flags, run_python, tiny_config
 
 RECOMMENDED = " ".join(accelerators.GPU_TRAINING_XLA_FLAGS)

@@ -1,5 +1,5 @@
-"""Compiling for GPUs and TPUs without them (retnet_jax.aot, scripts/aot_compile.py): the tiny preset's steps for an
-H100 (with the Pallas kernels) and a TPU, a compiler out-of-memory as a result, the targets' names and bad input.
+"""Compiling for GPUs and TPUs without them (retnet_jax.planning.aot, scripts/aot_compile.py): the tiny preset's steps
+for an H100 (with the Pallas kernels) and a TPU, a compiler out-of-memory as a result, the targets' names and bad input.
 Compiles need the aot extra (pip install -e '.[aot]'); without it those tests are skipped, naming it."""
 
 import json
@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from retnet_jax import accelerators, aot, flops, layer_stack, presets
 from retnet_jax.bench import cases
-from retnet_jax.kernels import support
+from retnet_jax.hardware import accelerators, flops
+from retnet_jax.mixers.kernels import support
+from retnet_jax.models import presets
+from retnet_jax.nn import layer_stack
+from retnet_jax.planning import aot
 from tests.helpers import run_script
 
 

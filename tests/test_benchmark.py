@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import flops
 from retnet_jax.bench import harness, report
-from retnet_jax.model import Model
+from retnet_jax.hardware import flops
+from retnet_jax.models.model import Model
 from tests.helpers import run_script
 
 
@@ -183,7 +183,7 @@ def test_gpu_suite_flop_counts_and_fla_mapping():
 
   import torch
 
-  from retnet_jax import decay, retention
+  from retnet_jax.mixers import decay, retention
   from retnet_jax.bench import gpu_op, op
   # B 2, H 3, T 128, d_k 16, d_v 32, chunk 64: per head and token 2 * 64 * 48 + 4 * 16 * 32 = 8192 FLOPs.
   assert op.retention_op_flops(2, 3, 128, 16, 32, 64) == 2 * 3 * 128 * 8192

@@ -19,10 +19,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.retnet import get_config
-from retnet_jax import integrity
-from retnet_jax.checkpointing import Checkpointer, CheckpointWriteError, export_params, load_params
-from retnet_jax.integrity import DamagedCheckpointError
-from retnet_jax.model import Model
+from retnet_jax.models.model import Model
+from retnet_jax.training import integrity
+from retnet_jax.training.checkpointing import Checkpointer, CheckpointWriteError, export_params, load_params
+from retnet_jax.training.integrity import DamagedCheckpointError
 
 META = {"data_position": [3, 1024], "config": {"preset": "tiny", "lr": 3e-3, "files": []}, "note": None}
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from retnet_jax import cli, quiet_start
+from retnet_jax.core import quiet_start
+from retnet_jax.training import cli
 from tests.helpers import REPO, free_port, run_script, script_lines
 
 
@@ -43,7 +44,8 @@ def test_errors_are_one_message(tmp_path, flags, message):
     ("evaluate.py", ("--config", "--workdir", "--step")),
 ])
 def test_help_lists_the_shared_flags(script, listed):
-  """--help names the flags a script takes from retnet_jax.cli beside its own, and help asked for is no error."""
+  """--help names the flags a script takes from retnet_jax.training.cli beside its own, and help asked for is no
+  error."""
   result = run_script(script, "--help")
   assert result.returncode == 0, result.stderr[-3000:]
   shown = set(re.findall(r"^  --(?:\[no\])?(\w+)", result.stdout, flags=re.MULTILINE))

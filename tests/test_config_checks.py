@@ -1,10 +1,10 @@
-"""The shared field checks (retnet_jax.config_checks): what each accepts and returns, and each refusal naming the
+"""The shared field checks (retnet_jax.core.config_checks): what each accepts and returns, and each refusal naming the
 field, the bad value and what to give."""
 
 import numpy as np
 import pytest
 
-from retnet_jax import config_checks
+from retnet_jax.core import config_checks
 
 
 def test_accepted_values_come_back_as_plain_numbers():

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import convert, train_state
+from retnet_jax.interop import convert
+from retnet_jax.training import train_state
 from tests.helpers import forward, random_tokens, run_script
 
 torch = pytest.importorskip("torch")

@@ -18,8 +18,10 @@ import tokenizers
 from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
-from retnet_jax import convert, convert_fla, presets, safetensors_folder, sharding
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.interop import convert, convert_fla, safetensors_folder
+from retnet_jax.models import presets
+from retnet_jax.models.model import Model
 from tests.helpers import forward, random_tokens, run_script
 
 torch = pytest.importorskip("torch")

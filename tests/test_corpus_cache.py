@@ -1,5 +1,6 @@
-"""The cache of plain files' tokenized corpora (retnet_jax/corpus_cache.py) where it cannot be written: one warning
-naming both folders and a fallback that later runs reuse; a disk that takes less than a file named with the fix."""
+"""The cache of plain files' tokenized corpora (retnet_jax/input_pipeline/corpus_cache.py) where it cannot be written:
+one warning naming both folders and a fallback that later runs reuse; a disk that takes less than a file named with the
+fix."""
 
 import json
 import logging
@@ -9,7 +10,7 @@ import tempfile
 import ml_collections
 import pytest
 
-from retnet_jax import corpus_cache, prepared, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline import corpus_cache, prepared, tokenizer as tokenizer_lib
 
 DOCUMENTS = [f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(30)]
 

@@ -1,4 +1,4 @@
-"""Tokenizers (retnet_jax.tokenizer), loading, packing and batching of retnet_jax.data."""
+"""Tokenizers (retnet_jax.input_pipeline.tokenizer), loading, packing and batching of retnet_jax.input_pipeline.data."""
 
 import importlib.util
 import json
@@ -13,8 +13,8 @@ import tokenizers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from retnet_jax import data, sources, tokenizer
 from retnet_jax.bench import corpus as bench_corpus
+from retnet_jax.input_pipeline import data, sources, tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 

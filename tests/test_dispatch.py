@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retnet_jax import dispatch
+from retnet_jax.core import dispatch
 
 
 def test_host_map_reads_each_output_back_before_queueing_more_than_in_flight_calls():

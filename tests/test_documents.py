@@ -12,7 +12,10 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from configs import transformer as transformer_config
-from retnet_jax import data, evaluate, losses, segments, sharding, synthetic, tokenizer, train, train_step
+from retnet_jax.core import segments, sharding
+from retnet_jax.evaluation import evaluate
+from retnet_jax.input_pipeline import data, synthetic, tokenizer
+from retnet_jax.training import losses, train, train_step
 from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config, tiny_model, tiny_transformer
 from tests.test_data import bpe_path, byte_tokens, data_config, write_jsonl  # noqa: F401  (bpe_path: a fixture)
 

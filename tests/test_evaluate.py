@@ -13,8 +13,10 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import (checkpointing, data, dispatch, evaluate, losses, metrics, sampling, sharding, tokenizer,
-                        train_state, workdir as workdir_lib)
+from retnet_jax.core import dispatch, sharding
+from retnet_jax.evaluation import evaluate, sampling
+from retnet_jax.input_pipeline import data, tokenizer
+from retnet_jax.training import checkpointing, losses, metrics, train_state, workdir as workdir_lib
 from tests.helpers import flip_bytes, run_script, script_stdout
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests

@@ -3,7 +3,7 @@ is allocated within goes back to the system when freed."""
 
 import pytest
 
-from retnet_jax import host_memory
+from retnet_jax.core import host_memory
 from tests.helpers import run_python
 
 # Each call of f allocates two 64 MB temporaries and a 64 MB output: above glibc's 32 MB mmap threshold.

@@ -11,10 +11,14 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import (architectures, evaluate, layer_stack, losses, passkey, passkey_eval, rotation, sampling,
-                        sharding, train, train_state, train_step)
+from retnet_jax.core import sharding
+from retnet_jax.evaluation import evaluate, passkey_eval, sampling
+from retnet_jax.input_pipeline import passkey
+from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.mixers import attention as attention_mixer
-from retnet_jax.tokenizer import ByteTokenizer
+from retnet_jax.models import architectures
+from retnet_jax.nn import layer_stack, rotation
+from retnet_jax.training import losses, train, train_state, train_step
 from tests.helpers import (forms_agree, forward, max_abs_diff, on_gpu, random_tokens, read_metrics, tiny_config,
                            tiny_model)
 

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "retnet_jax"
-DATA_LAYER = ("retnet_jax.data", "retnet_jax.tokenizer", "retnet_jax.synthetic", "retnet_jax.passkey")
-MODEL_CODE = ("retnet_jax.model", "retnet_jax.sampling", "retnet_jax.layers", "retnet_jax.mixers.attention",
-              "retnet_jax.mixers.multiscale_retention")
+DATA_LAYER = ("retnet_jax.input_pipeline.data", "retnet_jax.input_pipeline.tokenizer", "retnet_jax.input_pipeline.synthetic",
+              "retnet_jax.input_pipeline.passkey")
+MODEL_CODE = ("retnet_jax.models.model", "retnet_jax.evaluation.sampling", "retnet_jax.nn.layers",
+              "retnet_jax.mixers.attention", "retnet_jax.mixers.multiscale_retention")
 # What README's scripts run on the Quickstart install (`pip install -e .`, no extras), plots included.
-QUICKSTART = ("retnet_jax.evaluate", "retnet_jax.passkey_eval", "retnet_jax.train", "retnet_jax.prepared")
+QUICKSTART = ("retnet_jax.evaluation.evaluate", "retnet_jax.evaluation.passkey_eval", "retnet_jax.training.train",
+              "retnet_jax.input_pipeline.prepared")
 
 
 def module_names() -> dict[str, Path]:
@@ -91,9 +93,22 @@ def test_find_cycle_names_the_circle():
 def test_no_import_cycle():
   modules = module_names()
   graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-  assert "retnet_jax.workdir" in graph["retnet_jax.train_state"]  # the graph sees `from retnet_jax import workdir as ...`
+  # the graph sees `from retnet_jax.training import workdir as ...`
+  assert "retnet_jax.training.workdir" in graph["retnet_jax.training.train_state"]
   cycle = find_cycle(graph)
   assert cycle is None, f"import circle: {' -> '.join(cycle)}"
+
+
+def test_no_import_cycle_between_packages():
+  """The subpackages build on each other in one order (README's Layout): none imports from one that imports it."""
+  modules = module_names()
+  package = lambda name: ".".join(name.split(".")[:2])
+  graph: dict[str, set[str]] = {}
+  for name, path in modules.items():
+    graph.setdefault(package(name), set()).update(
+        package(found) for found in imports_of(name, path, modules) if package(found) != package(name))
+  cycle = find_cycle(graph)
+  assert cycle is None, f"packages importing each other: {' -> '.join(cycle)}"
 
 
 def test_quickstart_modules_need_no_extras():
@@ -159,7 +174,7 @@ def test_no_module_uses_another_modules_private_names():
 # A test of a model family by name: `cfg.architecture == "transformer"`, `architecture(cfg) != ...`,
 # `"retnet" == cfg.get("architecture")`.
 ARCHITECTURE_SWITCH = re.compile(r"\barchitecture\b.*(?:[!=]=|\bin\s*[(\[])|(?:[!=]=).*\barchitecture\b")
-REGISTRY = PACKAGE / "architectures.py"
+REGISTRY = PACKAGE / "models" / "architectures.py"
 
 
 def architecture_switches(source: str) -> list[str]:
@@ -174,4 +189,4 @@ def test_no_architecture_switch_outside_the_registry():
   files = [path for path in PACKAGE.rglob("*.py") if path != REGISTRY] + sorted((PACKAGE.parent / "scripts").glob("*.py"))
   found = {str(path.relative_to(PACKAGE.parent)): lines for path in files
            if (lines := architecture_switches(path.read_text()))}
-  assert not found, f"architecture switches outside retnet_jax/architectures.py (ask its mixers instead): {found}"
+  assert not found, f"architecture switches outside the registry, models/architectures.py (ask its mixers): {found}"

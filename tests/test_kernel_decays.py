@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retnet_jax import kernels, segments
+from retnet_jax.core import segments
+from retnet_jax.mixers import kernels
 from tests.test_kernels import BATCH, BF16_TOL, D_K, HEADS, LOG_DECAY, MANY_CHUNKS, random_inputs, rel_err, two_tiles
 from tests.test_kernel_segments import segment_ids
 

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retnet_jax import kernels, retention, stability
-from retnet_jax.kernels import backward, forward, support
+from retnet_jax.mixers import kernels
+from retnet_jax.mixers import retention, stability
+from retnet_jax.mixers.kernels import backward, forward, support
 from tests import helpers
 
 # Interpreted, the kernels take any size; compiled (on a GPU), key widths of 16 to 256 and chunks of 16, 32 or 64

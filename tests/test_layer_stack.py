@@ -15,8 +15,11 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, layer_stack, sampling, sharding, train, train_state, train_step
-from retnet_jax.architectures import MODES
+from retnet_jax.core import sharding
+from retnet_jax.evaluation import sampling
+from retnet_jax.models.architectures import MODES
+from retnet_jax.nn import layer_stack
+from retnet_jax.training import checkpointing, train, train_state, train_step
 from tests.helpers import random_tokens, read_metrics, tiny_model, tiny_transformer
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests

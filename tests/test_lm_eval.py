@@ -19,9 +19,9 @@ from lm_eval import utils as harness_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from retnet_jax import train_state  # noqa: E402
-from retnet_jax import lm_eval as harness  # noqa: E402
-from retnet_jax.tokenizer import ByteTokenizer  # noqa: E402
+from retnet_jax.evaluation import lm_eval as harness  # noqa: E402
+from retnet_jax.input_pipeline.tokenizer import ByteTokenizer  # noqa: E402
+from retnet_jax.training import train_state  # noqa: E402
 from tests.helpers import forward, run_script, tiny_model, tiny_transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax import decay, retention
+from retnet_jax.mixers import decay, retention
 
 D_K, D_V = 4, 4
 # Explicit decays up to 1 - 2^-22, float32-representable or not, and the retnet schedule's head 20, whose gamma

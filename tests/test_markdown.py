@@ -1,8 +1,8 @@
-"""The one Markdown table formatter (retnet_jax.markdown): header, separator, rows, alignment, blank cells."""
+"""The one Markdown table formatter (retnet_jax.core.markdown): header, separator, rows, alignment, blank cells."""
 
 import pytest
 
-from retnet_jax import markdown
+from retnet_jax.core import markdown
 
 
 def test_a_table_is_its_header_separator_and_rows():

@@ -3,7 +3,7 @@
 import json
 import logging
 
-from retnet_jax import metrics
+from retnet_jax.training import metrics
 
 
 def test_a_deleted_or_replaced_metrics_file_is_written_again_with_a_warning(tmp_path, caplog):

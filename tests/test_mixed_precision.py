@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from retnet_jax import losses, matmul, matmul_dtypes, model as model_lib, presets, sharding, train_step
+from retnet_jax.core import sharding
+from retnet_jax.hardware import matmul_dtypes
+from retnet_jax.models import model as model_lib, presets
+from retnet_jax.nn import matmul
+from retnet_jax.training import losses, train_step
 
 
 def _step_report(name: str, architecture: str = "retnet", documents: bool = False, devices=None, **fields):

@@ -11,9 +11,10 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import layer_stack, sharding
-from retnet_jax.kernels import support
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.mixers.kernels import support
+from retnet_jax.models.model import Model
+from retnet_jax.nn import layer_stack
 from tests.helpers import forms_agree, forward, kernel_chunk, max_abs_diff, random_tokens, tiny_model
 
 MODES = ("parallel", "chunkwise", "recurrent")
@@ -247,7 +248,7 @@ def test_pallas_retention_impl_matches_xla_in_values_states_and_gradients(stabil
 def test_retention_impl_and_matmul_precision_configs():
   """`pallas` is refused before any work where the kernels do not compile (the CPU, whatever runs the tests; naming
   the fix); `auto` picks XLA there; `highest` reaches every dot of the forward and backward pass."""
-  from retnet_jax import train_state  # pylint: disable=import-outside-toplevel
+  from retnet_jax.training import train_state  # pylint: disable=import-outside-toplevel
   from retnet_jax.mixers import multiscale_retention as msr  # pylint: disable=import-outside-toplevel
   config = retnet_config.get_config("tiny")
   config.model.retention_impl = "pallas"

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import optimizer
+from retnet_jax.training import optimizer
 from tests.helpers import tiny_model
 
 

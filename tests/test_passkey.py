@@ -12,9 +12,10 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import passkey, passkey_eval
-from retnet_jax.model import Model
-from retnet_jax.tokenizer import ByteTokenizer, HFTokenizer
+from retnet_jax.evaluation import passkey_eval
+from retnet_jax.input_pipeline import passkey
+from retnet_jax.input_pipeline.tokenizer import ByteTokenizer, HFTokenizer
+from retnet_jax.models.model import Model
 
 BYTES = ByteTokenizer()
 # Byte tokens of an example besides the filler: the introduction (64), the needle with two 6-token keys

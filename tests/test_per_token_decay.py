@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from retnet_jax import retention, sequence_parallel
+from retnet_jax.mixers import retention, sequence_parallel
 
 BATCH, HEADS, D_K, D_V = 2, 3, 4, 5
 CHUNKS = (1, 3, 4, 16)

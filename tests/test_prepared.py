@@ -15,8 +15,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from retnet_jax import data, loader, prepared, tokenizer as tokenizer_lib, train
 from retnet_jax.bench import corpus as bench_corpus
+from retnet_jax.input_pipeline import data, loader, prepared, tokenizer as tokenizer_lib
+from retnet_jax.training import train
 from tests.helpers import REPO, free_port, read_metrics, run_script, script_stdout, tiny_config
 
 DOCUMENTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(60)]
@@ -392,7 +393,7 @@ def test_sources_stream_parquet_rows_a_local_dataset_and_validation_files(tmp_pa
   data.validation_files, those are the validation split and nothing is held out."""
   import pyarrow as pa  # pylint: disable=import-outside-toplevel
   import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-  from retnet_jax import sources  # pylint: disable=import-outside-toplevel
+  from retnet_jax.input_pipeline import sources  # pylint: disable=import-outside-toplevel
   pq.write_table(pa.table({"body": DOCUMENTS[:30]}), tmp_path / "rows.parquet")
   (tmp_path / "hub").mkdir()
   (tmp_path / "hub" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCUMENTS[30:]))

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from retnet_jax import checkpointing, sharding, train, train_state, train_step
+from retnet_jax.core import sharding
+from retnet_jax.training import checkpointing, train, train_state, train_step
 from tests.helpers import corpus_slice, flip_bytes, free_port, read_metrics, run_script, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -252,7 +253,7 @@ def test_a_workdir_moved_while_training_is_not_recreated_at_its_old_path(tmp_pat
 
 
 def test_writer_lock_is_exclusive_and_released(tmp_path):
-  from retnet_jax import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
+  from retnet_jax.training import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
   with workdir_lib.writer_lock(tmp_path):
     with pytest.raises(workdir_lock.WorkdirBusyError, match=rf"being trained by process {os.getpid()} on .* since"):
       workdir_lib.writer_lock(tmp_path).acquire()  # another open file description: flock excludes it too

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retnet_jax import decay, retention, rotation
+from retnet_jax.mixers import decay, retention
+from retnet_jax.nn import rotation
 
 BATCH, HEADS, D_K, D_V = 2, 3, 4, 6
 LOG_DECAY = np.log(np.array([0.5, 0.9, 0.995])).astype(np.float32)  # fast, medium and slow decay

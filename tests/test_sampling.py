@@ -10,9 +10,11 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import architectures, sampling, sampling_checks, sharding, text_generation
-from retnet_jax.tokenizer import ByteTokenizer
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.evaluation import sampling, sampling_checks, text_generation
+from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
+from retnet_jax.models import architectures
+from retnet_jax.models.model import Model
 from tests.helpers import forward, tiny_model
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests

@@ -9,8 +9,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from configs import retnet as retnet_config
-from retnet_jax import losses, retention, segments, sequence_parallel, sharding
-from retnet_jax.model import Model
+from retnet_jax.core import segments, sharding
+from retnet_jax.mixers import retention, sequence_parallel
+from retnet_jax.models.model import Model
+from retnet_jax.training import losses
 from tests import helpers
 from tests.test_retention import reference
 

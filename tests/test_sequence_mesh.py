@@ -9,8 +9,10 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import evaluate, losses, sampling, sampling_checks, sharding, train, train_state
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.evaluation import evaluate, sampling, sampling_checks
+from retnet_jax.models.model import Model
+from retnet_jax.training import losses, train, train_state
 from tests.helpers import tiny_config
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from retnet_jax import retention, sequence_parallel
+from retnet_jax.mixers import retention, sequence_parallel
 
 BATCH, HEADS, D_K, D_V, CHUNK = 2, 4, 4, 6, 4
 LOG_DECAY = np.log(np.array([0.5, 0.9, 0.995, 1 - 1e-6])).astype(np.float32)

@@ -10,10 +10,12 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from configs import transformer as transformer_config
-from retnet_jax import (checkpointing, data, evaluate, losses, optimizer, passkey, sharding, synthetic, train,
-                        train_state, train_step)
-from retnet_jax.model import Model
-from retnet_jax.tokenizer import ByteTokenizer
+from retnet_jax.core import sharding
+from retnet_jax.evaluation import evaluate
+from retnet_jax.input_pipeline import data, passkey, synthetic
+from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
+from retnet_jax.models.model import Model
+from retnet_jax.training import checkpointing, losses, optimizer, train, train_state, train_step
 
 # architecture -> the configs module of its presets
 CONFIGS = {"retnet": retnet_config, "transformer": transformer_config}

@@ -11,9 +11,11 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import (checkpointing, flops, losses, sharding, stability, train, train_state, train_step,
-                        workdir as workdir_lib)
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.hardware import flops
+from retnet_jax.mixers import stability
+from retnet_jax.models.model import Model
+from retnet_jax.training import checkpointing, losses, train, train_state, train_step, workdir as workdir_lib
 from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config
 
 

@@ -14,9 +14,13 @@ from flax import nnx
 from ml_collections.config_flags import config_path
 
 from configs import retnet as retnet_config, transformer as transformer_config
-from retnet_jax import (architectures, checkpointing, cli, evaluate, flops, presets, sampling, sharding,
-                        text_generation, tokenizer, train, train_state, workdir as workdir_lib)
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.evaluation import evaluate, sampling, text_generation
+from retnet_jax.hardware import flops
+from retnet_jax.input_pipeline import tokenizer
+from retnet_jax.models import architectures, presets
+from retnet_jax.models.model import Model
+from retnet_jax.training import checkpointing, cli, train, train_state, workdir as workdir_lib
 from tests.helpers import forward, random_tokens, read_metrics, script_stdout, tiny_config, tiny_transformer
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
@@ -300,7 +304,7 @@ def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
 
 def test_retention_options_and_mixed_sections_are_refused(tmp_path):
   """A Transformer config has no retention fields: the locked config refuses them, and the command line's error
-  (`retnet_jax.cli`) names the option and the fix; a RetNet model section set to `transformer` is refused."""
+  (`retnet_jax.training.cli`) names the option and the fix; a RetNet model section set to `transformer` is refused."""
   config = transformer_config.get_config("tiny")
   for field in ("chunk_size", "retention_impl", "decay_schedule", "stability_norm", "value_dim"):
     with pytest.raises(KeyError, match=f'"{field}" does not exist and cannot be added since the config is locked'):

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax import checkpointing, optimizer, sharding, train_state, workdir as workdir_lib
+from retnet_jax.core import sharding
+from retnet_jax.training import checkpointing, optimizer, train_state, workdir as workdir_lib
 
 
 def save_steps(workdir, config, steps, state=None):

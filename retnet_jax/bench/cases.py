@@ -12,10 +12,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax import flops, optimizer, presets, sampling, sampling_checks, sharding, train_step, workdir
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.evaluation import sampling, sampling_checks
+from retnet_jax.hardware import flops
+from retnet_jax.models import presets
+from retnet_jax.models.model import Model
+from retnet_jax.training import optimizer, train_step, workdir
 
 # Model widths the inference mesh's `tensor` axis splits: its device count must divide each.
 TENSOR_SPLIT = ("num_heads", "ffn_dim", "vocab_size")

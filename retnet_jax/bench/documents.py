@@ -13,11 +13,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from retnet_jax import losses, optimizer
 from retnet_jax.bench.cases import make_config, train_case
 from retnet_jax.bench.harness import compile_timed, interleave, random_tokens, rate
 from retnet_jax.bench.suites import Suite
-from retnet_jax.model import Model
+from retnet_jax.models.model import Model
+from retnet_jax.training import losses, optimizer
 
 
 def document_ids(batch: int, length: int, mean_len: int, seed: int = 0) -> np.ndarray:

@@ -6,12 +6,13 @@ from typing import Any
 
 import jax
 
-from retnet_jax import architectures, markdown, sharding
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config, too_big
 from retnet_jax.bench.harness import Budget
 from retnet_jax.bench.report import fmt
 from retnet_jax.bench.suites import GpuSuite
+from retnet_jax.core import markdown, sharding
+from retnet_jax.models import architectures
 
 
 def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[str, Any]:

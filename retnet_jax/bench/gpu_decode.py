@@ -10,13 +10,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from retnet_jax import markdown, presets, sampling
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config
 from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
 from retnet_jax.bench.report import fmt, fmt_range
 from retnet_jax.bench.suites import GpuSuite
-from retnet_jax.model import Model
+from retnet_jax.core import markdown
+from retnet_jax.evaluation import sampling
+from retnet_jax.models import presets
+from retnet_jax.models.model import Model
 
 
 def _context_decode_case(model, batch: int, context: int, new_tokens: int) -> Case:

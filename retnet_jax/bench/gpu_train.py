@@ -16,12 +16,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from retnet_jax import architectures, flops, markdown, matmul_dtypes, presets, sharding, train_step
 from retnet_jax.bench import cases
 from retnet_jax.bench.harness import (Budget, compile_timed, interleave, isolated, memory_source, out_of_memory,
                                       random_tokens, rate)
 from retnet_jax.bench.report import fmt, fmt_range
 from retnet_jax.bench.suites import GpuSuite
+from retnet_jax.core import markdown, sharding
+from retnet_jax.hardware import flops, matmul_dtypes
+from retnet_jax.models import architectures, presets
+from retnet_jax.training import train_step
 
 GRACE_S = 10.0  # a case's process is ended this long after the time budget is spent (its rounds stop before it)
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from retnet_jax import host_memory
+from retnet_jax.core import host_memory
 
 SETTLE_S = 0.1  # pause before every measured run (see `interleave`)
 

@@ -22,10 +22,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from retnet_jax import decay, kernels, retention
 from retnet_jax.bench.harness import interleave, memory_source, rate
 from retnet_jax.bench.op import (KINDS, TOLERANCE, error_text, kind_flops, op_case, op_inputs, relative_error,
                                  retention_op_flops)
+from retnet_jax.mixers import kernels
+from retnet_jax.mixers import decay, retention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from retnet_jax import markdown
+from retnet_jax.core import markdown
 
 
 def _prefix(x: float, unit: str) -> tuple[float, str]:

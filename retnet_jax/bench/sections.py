@@ -16,7 +16,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from retnet_jax import architectures, flops, presets, sharding
 from retnet_jax.bench import documents
 from retnet_jax.bench.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
                                     make_config, matmul_case, param_count, read_case, retnet_train_case,
@@ -26,8 +25,11 @@ from retnet_jax.bench.plots import plot
 from retnet_jax.bench.report import fmt, to_markdown
 from retnet_jax.bench.suites import Suite
 from retnet_jax.bench.torchscale_worker import Torchscale
-from retnet_jax.layers import DTYPES
-from retnet_jax.model import Model
+from retnet_jax.core import sharding
+from retnet_jax.hardware import flops
+from retnet_jax.models import architectures, presets
+from retnet_jax.models.model import Model
+from retnet_jax.nn.layers import DTYPES
 
 
 def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale: Torchscale, source: str

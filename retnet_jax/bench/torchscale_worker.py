@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from retnet_jax import convert
 from retnet_jax.bench.harness import Case, peak_memory, random_tokens, timed
+from retnet_jax.interop import convert
 
 
 class _TorchscaleCases:

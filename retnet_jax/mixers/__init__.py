@@ -1,2 +1,2 @@
-"""Token mixers: retention, causal attention, each one module behind `base.Mixer` (`retnet_jax.architectures` maps
-config names to them)."""
+"""Token mixers: retention, causal attention, each one module behind `base.Mixer` (`retnet_jax.models.architectures`
+maps config names to them)."""

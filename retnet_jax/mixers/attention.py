@@ -1,6 +1,6 @@
 """Causal softmax attention, the Transformer's token mixer and a hybrid's attention layers (`base.Mixer`).
 
-Rotary positions (`retnet_jax.rotation`), grouped key/value heads, a sliding window over a ring-buffer cache. Its
+Rotary positions (`retnet_jax.nn.rotation`), grouped key/value heads, a sliding window over a ring-buffer cache. Its
 decoding state is a KV cache per layer (`key`, `value` `[B, S, G, K]` in the compute dtype and `next_slot`, the tokens
 fed so far); as in retention, a state whose position starts at -p treats its first p tokens as left padding. With
 `segment_ids` every form attends within each document only (a key before a query's document start has a negative
@@ -20,8 +20,9 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import config_checks, layer_stack, layers, matmul, rotation, segments, sharding
+from retnet_jax.core import config_checks, segments, sharding
 from retnet_jax.mixers import base
+from retnet_jax.nn import layer_stack, layers, matmul, rotation
 
 State = dict[str, Any]
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite

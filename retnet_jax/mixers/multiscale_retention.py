@@ -1,7 +1,8 @@
 """Multi-scale retention, RetNet's token mixer: its layer, fields, decoding state and FLOPs (`base.Mixer`).
 
-Its forms are `retnet_jax.retention`'s (parallel, chunkwise, recurrent) and the Pallas kernels (`model.retention_impl`),
-split over a mesh's sequence axis by `retnet_jax.sequence_parallel`; the normaliser is `retnet_jax.stability`'s.
+Its forms are `retnet_jax.mixers.retention`'s (parallel, chunkwise, recurrent) and the Pallas kernels
+(`model.retention_impl`), split over a mesh's sequence axis by `retnet_jax.mixers.sequence_parallel`; the normaliser is
+`retnet_jax.mixers.stability`'s.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax import (config_checks, decay, kernels, layer_stack, layers, retention, rotation, sequence_parallel,
-                        sharding, stability)
+from retnet_jax.core import config_checks, sharding
+from retnet_jax.mixers import kernels
+from retnet_jax.mixers import decay, retention, sequence_parallel, stability
 from retnet_jax.mixers import base
+from retnet_jax.nn import layer_stack, layers, rotation
 
 # model.retention_impl: the chunkwise form as XLA einsums, as the Pallas kernels (in model.kernel_layout), or the
 # kernels where they compile (GPU) and XLA elsewhere.
@@ -69,9 +72,9 @@ class MultiScaleRetention(nnx.Module):
   With `num_kv_heads` < `num_heads`, each group of num_heads / num_kv_heads query heads shares one key/value head
   (query head j reads key/value head j // group size); `head_norm_scale` gives the per-head RMSNorm a learned
   scale that all heads share. With `stability_norm`, each head's raw output is divided by the
-  `stability_norm_style` scalars of `retnet_jax.stability`. Positions below 0 are left padding: their keys are
+  `stability_norm_style` scalars of `retnet_jax.mixers.stability`. Positions below 0 are left padding: their keys are
   zeroed, so they add nothing to the state, and as retention depends on relative positions only, a left-padded
-  prompt gives the outputs it gives alone. With `segment_ids` (packed documents, `retnet_jax.segments`) every form
+  prompt gives the outputs it gives alone. With `segment_ids` (packed documents, `retnet_jax.core.segments`) every form
   retains within a document only, and positions count from each document's start, so the normaliser restarts too.
   """
 

@@ -1,0 +1,69 @@
+"""Model FLOPs per token, counted analytically, and the peak FLOP/s that MFU divides by: the devices' nominal bf16
+peak on GPUs and TPUs (`accelerators.CHIPS`), the best measured matmul rate on CPUs."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from retnet_jax.hardware import accelerators
+from retnet_jax.models import architectures
+
+
+def matmul_params(cfg: ml_collections.ConfigDict) -> int:
+  """Parameters used in matmuls per token: every layer's mixer projections (`Mixer.matmul_params`), its GLU FFN
+  (3 d f) and the output head (not the embedding lookup)."""
+  per_layer = sum(mixer.matmul_params(cfg) for mixer in architectures.layer_mixers(cfg))
+  return per_layer + cfg.num_layers * 3 * cfg.d_model * cfg.ffn_dim + cfg.d_model * cfg.vocab_size
+
+
+def mixing_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward FLOPs per token of the mixing products themselves (all layers, `Mixer.mixing_flops`): retention's as
+  its form `mode` computes them, attention's [L, L] scores (a windowed layer decoding: its window)."""
+  return sum(mixer.mixing_flops(cfg, seq_len, mode) for mixer in architectures.layer_mixers(cfg))
+
+
+def forward_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward: 2 x matmul params + the mixing products in `mode`."""
+  return 2 * matmul_params(cfg) + mixing_flops_per_token(cfg, seq_len, mode)
+
+
+def train_flops_per_token(cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  """Forward + backward: 3 x the forward (the backward pass costs two forwards)."""
+  return 3 * forward_flops_per_token(cfg, seq_len, mode)
+
+
+@functools.cache
+def _compiled_matmul(dtype, size: int):
+  """A `size`^2 operand and its compiled square, made once: measuring again compiles and allocates nothing."""
+  a = jnp.ones((size, size), dtype)
+  return jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)).lower(a, a).compile(), a
+
+
+def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5, best: bool = False) -> float:
+  """Median (with `best`, the highest) FLOP/s of a `size`^2 matmul (accumulating in float32), after a warm-up."""
+  matmul, a = _compiled_matmul(dtype, size)
+  matmul(a, a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * size**3 / float(np.min(times) if best else np.median(times))
+
+
+def peak_flops(dtype, devices: list[jax.Device]) -> tuple[float, bool]:
+  """(FLOP/s of `devices` together, measured): GPUs and TPUs in `accelerators.CHIPS` give their nominal bf16 peak
+  (MFU's usual reference, whatever `dtype`); CPUs the fastest of 10 measured `dtype` matmuls per process (each
+  process's devices share its cores). A measured ceiling is a lower bound of the machine's: one taken while the
+  machine was busy reads low, so the training loop raises it to any faster rate it achieves."""
+  chip = accelerators.chip_of(devices[0].device_kind)
+  if chip is not None:
+    return chip.peak_bf16_flops * len(devices), False
+  processes = len({device.process_index for device in devices})
+  return measure_matmul_flops(dtype, repeats=10, best=True) * processes, True

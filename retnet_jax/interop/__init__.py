@@ -1,0 +1,1 @@
+"""PyTorch checkpoints: torchscale's RetNet and fla's (and its hybrids), safetensors folders."""

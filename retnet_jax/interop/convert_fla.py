@@ -1,0 +1,444 @@
+"""flash-linear-attention's (fla 0.6.0) RetNet in its Hugging Face format, read and written without torch.
+
+    model, config = load_fla("checkpoints/retnet")   # config.json, model.safetensors (or shards), tokenizer.json
+    write_fla(model, config, "exported")             # a folder fla's RetNetForCausalLM.from_pretrained loads
+
+fla's RetNet is RetNet with: half-split rotation pairs at RoPE frequencies (`rotation_pairs="half"`,
+`rotation_freqs="rope"`), no stability normaliser (`stability_norm=False`), a learned per-head norm scale shared by
+the heads (`head_norm_scale`, its `elementwise_affine`), one epsilon for every norm, shared key/value heads
+(`num_kv_heads`) and a swish GLU of width `intermediate_size`. fla's `attn` entry (hybrids: softmax attention in
+chosen layers, optionally over a sliding window) maps to `model.attention_layers` and the `attention_*` fields; its
+separate q, k, v projections are our attention's fused one, split per key/value head. fla scales queries by d_k^-1/2
+where RetNet scales keys: the same function, with the retention state 1/sqrt(d_k) times fla's. fla builds its decays
+in float32, where 1 - 2^(-5-h) is exactly 1 for heads h >= 20; RetNet keeps them below 1 (it matters only past 20
+heads).
+
+Tensors are read one at a time from the safetensors files (float32, bfloat16 or float16) and placed at once, so
+the peak host memory stays near the float32 parameters' size; every name, shape and dtype is checked first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx, traverse_util
+from jax.experimental import multihost_utils
+from safetensors.numpy import save_file
+
+from retnet_jax.core import sharding
+from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
+from retnet_jax.interop.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsFolder, listing
+from retnet_jax.mixers import attention, multiscale_retention
+from retnet_jax.models import architectures, presets
+from retnet_jax.models.model import Model
+from retnet_jax.nn import layer_stack, layers
+
+# fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
+# these). Its other options act only in training (initializer_range, fuse_cross_entropy, use_l2warp, ...),
+# choose a kernel (attn_mode, fuse_swiglu) or are generation settings (token ids, use_cache).
+FLA_DEFAULTS = {
+    "hidden_size": 2048, "num_hidden_layers": 24, "num_heads": 8, "num_kv_heads": None, "expand_k": 1.0,
+    "expand_v": 2.0, "hidden_ratio": 2, "intermediate_size": None, "vocab_size": 32000, "norm_eps": 1e-6,
+    "elementwise_affine": True, "tie_word_embeddings": False, "fuse_norm": True, "hidden_act": "swish",
+    "use_short_conv": False, "feature_map": None, "use_output_gate": True, "attn": None, "attnres_block_size": None,
+}
+# Option -> the JSON type config.json must give it ("int": a whole number; "number": a finite number; "bool": true or
+# false), None allowed where fla's default is None.
+OPTION_TYPES = {"hidden_size": "int", "num_hidden_layers": "int", "num_heads": "int", "num_kv_heads": "int",
+                "expand_k": "number", "expand_v": "number", "hidden_ratio": "number", "intermediate_size": "int",
+                "vocab_size": "int", "norm_eps": "number", "elementwise_affine": "bool",
+                "tie_word_embeddings": "bool", "fuse_norm": "bool"}
+TYPE_NAMES = {"int": "a whole number", "number": "a finite number", "bool": "true or false"}
+# Option -> (the value RetNet implements, what another value means).
+UNSUPPORTED_OPTIONS = {
+    "expand_k": (1, "a key width other than hidden_size"),
+    "use_short_conv": (False, "short convolutions on q, k and v"),
+    "feature_map": (None, "a feature map on q and k"),
+    "use_output_gate": (True, "retention without its swish output gate"),
+    "attnres_block_size": (None, "attention residuals across layers"),
+    "hidden_act": ("swish", "another activation in the FFN and the output gate"),
+}
+# config.model field -> the value fla computes; other values cannot be exported.
+EXPORTABLE = {"stability_norm": False, "rotation_pairs": "half", "rotation_freqs": "rope", "rotation_base": 10000.0,
+              "decay_schedule": "retnet", "scale_embedding": False, "embed_norm": False, "ffn_activation": "swish"}
+MAX_KEY_HEAD_DIM = 256  # fla's MultiScaleRetention asserts head_k_dim <= 256 (its rotary kernel)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+# Our parameter path inside block i -> fla's name inside `model.layers.{i}.`: a retention block, then what differs in
+# a hybrid's attention block (its fused q/k/v kernel holds fla's three, `QKV_NAMES`).
+_FFN_NAMES = {
+    ("ffn_norm", "scale"): "mlp_norm.weight",
+    ("ffn", "fc1", "kernel"): "mlp.gate_proj.weight",
+    ("ffn", "gate", "kernel"): "mlp.up_proj.weight",
+    ("ffn", "fc2", "kernel"): "mlp.down_proj.weight",
+}
+BLOCK_NAMES = {
+    ("retention_norm", "scale"): "attn_norm.weight",
+    ("retention", "q_proj", "kernel"): "attn.q_proj.weight",
+    ("retention", "k_proj", "kernel"): "attn.k_proj.weight",
+    ("retention", "v_proj", "kernel"): "attn.v_proj.weight",
+    ("retention", "g_proj", "kernel"): "attn.g_proj.weight",
+    ("retention", "out_proj", "kernel"): "attn.o_proj.weight",
+    **_FFN_NAMES,
+}
+QKV = ("attention", "qkv_proj", "kernel")
+QKV_NAMES = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight")
+ATTENTION_BLOCK_NAMES = {
+    ("attention_norm", "scale"): "attn_norm.weight",
+    ("attention", "out_proj", "kernel"): "attn.o_proj.weight",
+    **_FFN_NAMES,
+}
+# fla's `attn` entry: its keys (fla's AttentionSpec), their defaults, and the value of those we implement one way.
+ATTN_DEFAULTS = {"num_kv_heads": None, "qkv_bias": False, "window_size": None, "rope_theta": 10000.0}
+ATTN_KEYS = ("layers", "num_heads", *ATTN_DEFAULTS)
+MAX_ATTENTION_HEAD_DIM = 256  # flash-attn's largest head dim, which fla's Attention calls
+# The head norm: fla's fused norm-and-gate module when fuse_norm is on (its default), its plain RMSNorm otherwise.
+HEAD_NORM_NAMES = {True: "attn.g_norm_swish_gate.weight", False: "attn.g_norm.weight"}
+TOP_NAMES = {
+    ("embed", "embedding"): "model.embeddings.weight",
+    ("final_norm", "scale"): "model.norm.weight",
+    ("head", "kernel"): "lm_head.weight",
+}
+
+
+def fla_names(path: tuple, fuse_norm: bool = True) -> tuple[str, ...]:
+  """fla's tensor names of our parameter at `path` (e.g. ("blocks", 0, "ffn", "fc1", "kernel")): one, or for an
+  attention block's fused q/k/v kernel fla's q, k and v."""
+  if path[0] != "blocks":
+    return (TOP_NAMES[tuple(path)],)
+  inner = tuple(path[2:])
+  if inner == QKV:
+    names = QKV_NAMES
+  elif inner == ("retention", "head_norm_scale"):
+    names = (HEAD_NORM_NAMES[fuse_norm],)
+  else:
+    names = ((BLOCK_NAMES | ATTENTION_BLOCK_NAMES)[inner],)
+  return tuple(f"model.layers.{path[1]}.{name}" for name in names)
+
+
+def fuse_qkv(q_DxHK: np.ndarray, k_DxGK: np.ndarray, v_DxGK: np.ndarray, num_kv_heads: int) -> np.ndarray:
+  """fla's q, k, v kernels (ours: [in, out]) as our attention's fused one, columns grouped per key/value head (its
+  query heads, then its key and value: `attention.CausalSelfAttention`)."""
+  d_model = q_DxHK.shape[0]
+  q, k, v = (x.reshape(d_model, num_kv_heads, -1, k_DxGK.shape[1] // num_kv_heads) for x in (q_DxHK, k_DxGK, v_DxGK))
+  return np.concatenate([q, k, v], axis=2).reshape(d_model, -1)
+
+
+def split_qkv(kernel: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[np.ndarray, ...]:
+  """`fuse_qkv` undone: (q, k, v) kernels `[in, out]`."""
+  d_model = kernel.shape[0]
+  grouped = kernel.reshape(d_model, num_kv_heads, num_heads // num_kv_heads + 2, -1)
+  return (grouped[:, :, :-2].reshape(d_model, -1), grouped[:, :, -2].reshape(d_model, -1),
+          grouped[:, :, -1].reshape(d_model, -1))
+
+
+def ffn_width(options: Mapping[str, Any]) -> int:
+  """fla's GatedMLP width: intermediate_size, else 2/3 x hidden_ratio (None: 4) x hidden_size rounded up to 256."""
+  if options["intermediate_size"] is not None:
+    return int(options["intermediate_size"])
+  width = int(options["hidden_size"] * (4 if options["hidden_ratio"] is None else options["hidden_ratio"]) * 2 / 3)
+  return 256 * -(-width // 256)
+
+
+def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The full config (the `fla` preset with the checkpoint's model) of fla's config.json values.
+
+  Raises ValueError for another model_type and, by name, for options RetNet does not implement.
+  """
+  if fla_config.get("model_type") != "retnet":
+    raise ValueError(f"config.json has model_type={fla_config.get('model_type')!r}; only fla's RetNet "
+                     "(model_type 'retnet') converts.")
+  options = {**FLA_DEFAULTS, **{name: fla_config[name] for name in FLA_DEFAULTS if name in fla_config}}
+  wrong = [f"{name}={options[name]!r} (needs {TYPE_NAMES[kind]})"
+           for name, kind in OPTION_TYPES.items()
+           if not (options[name] is None and FLA_DEFAULTS[name] is None) and not _is_type(options[name], kind)]
+  if wrong:
+    raise ValueError("config.json gives options of the wrong type: " + "; ".join(wrong) + "; fix config.json.")
+  options["attn"] = options["attn"] or None  # an empty list of attention layers is no hybrid
+  problems = [f"{name}={options[name]!r} ({what}; supported: {supported!r})"
+              for name, (supported, what) in UNSUPPORTED_OPTIONS.items() if options[name] != supported]
+  if problems:
+    raise ValueError("the fla config uses what RetNet does not implement: " + "; ".join(problems) + ".")
+  d_model = int(options["hidden_size"])
+  attention = _attention_fields(options["attn"], options["num_heads"])
+  value_dim = round(d_model * options["expand_v"])
+  if not math.isclose(d_model * options["expand_v"], value_dim):
+    raise ValueError(f"hidden_size * expand_v = {d_model * options['expand_v']} is not an integer (fla refuses it "
+                     "too).")
+  num_heads, num_kv_heads = int(options["num_heads"]), options["num_kv_heads"]
+  config = presets.get_config("fla")
+  config.model.update(presets.FLA_OPTIONS)
+  config.model.update(
+      vocab_size=int(options["vocab_size"]), d_model=d_model, num_layers=int(options["num_hidden_layers"]),
+      num_heads=num_heads, num_kv_heads=None if num_kv_heads in (None, num_heads) else int(num_kv_heads),
+      value_dim=value_dim, ffn_dim=ffn_width(options), tie_embeddings=bool(options["tie_word_embeddings"]),
+      norm_eps=float(options["norm_eps"]), head_norm_eps=float(options["norm_eps"]),
+      head_norm_scale=bool(options["elementwise_affine"]), decay_schedule="retnet", rotation_base=10000.0,
+      dtype="float32", **attention)
+  architectures.check_config(config.model)
+  return config
+
+
+def _attention_fields(attn: Any, num_heads: int) -> dict[str, Any]:
+  """The `model.attention_*` fields of fla's `attn` entry (None, one specification, or a list of them sharing their
+  settings) in a model of `num_heads` retention heads, or ValueError naming what RetNet's hybrids do not express."""
+  if attn is None:
+    return {}
+  specs = [attn] if isinstance(attn, dict) else attn
+  if not isinstance(specs, list) or not all(isinstance(spec, dict) for spec in specs):
+    raise ValueError(f"config.json's attn must be an object (layers, num_heads, ...) or a list of them; got {attn!r}.")
+  for spec in specs:
+    unknown = sorted(set(spec) - set(ATTN_KEYS))
+    if unknown:
+      raise ValueError(f"config.json's attn gives {', '.join(unknown)}, which RetNet's hybrids do not implement "
+                       f"(supported: {', '.join(ATTN_KEYS)}).")
+    missing = [key for key in ("layers", "num_heads") if key not in spec]
+    if missing:
+      raise ValueError(f"config.json's attn lacks {', '.join(missing)} (fla requires them too).")
+  settings = [{**ATTN_DEFAULTS, **{k: v for k, v in spec.items() if k != "layers"}} for spec in specs]
+  if any(setting != settings[0] for setting in settings):
+    raise ValueError(f"config.json's attn gives {len(specs)} specifications with different settings ({settings}); "
+                     "RetNet's hybrids give every attention layer one setting.")
+  setting = settings[0]
+  if setting["qkv_bias"] is not False:
+    raise ValueError(f"config.json's attn has qkv_bias={setting['qkv_bias']!r} (biases on q, k and v; supported: "
+                     "false).")
+  layers = [layer for spec in specs for layer in (spec["layers"] if isinstance(spec["layers"], list) else [None])]
+  wrong = [f"layers={[spec['layers'] for spec in specs]!r} (needs lists of layer indices)"
+           if not all(_is_type(layer, "int") for layer in layers) else None]
+  wrong += [f"{name}={setting[name]!r} (needs {TYPE_NAMES[kind]})" for name, kind in (
+      ("num_heads", "int"), ("num_kv_heads", "int"), ("window_size", "int"), ("rope_theta", "number"))
+      if not (setting[name] is None and name in ("num_kv_heads", "window_size")) and not _is_type(setting[name], kind)]
+  if any(wrong):
+    raise ValueError("config.json's attn gives options of the wrong type: " + "; ".join(filter(None, wrong)) +
+                     "; fix config.json.")
+  heads = int(setting["num_heads"])
+  kv_heads = setting["num_kv_heads"]
+  return dict(attention_layers=tuple(sorted(int(layer) for layer in layers)),
+              attention_num_heads=None if heads == num_heads else heads,
+              attention_num_kv_heads=None if kv_heads in (None, heads) else int(kv_heads),
+              attention_window=None if setting["window_size"] is None else int(setting["window_size"]),
+              attention_rotation_base=float(setting["rope_theta"]))
+
+
+def _is_type(value: Any, kind: str) -> bool:
+  """Whether a JSON value is of `kind` (OPTION_TYPES): bools are not numbers, 2.0 is an int, 2.5 is not."""
+  if kind == "bool":
+    return isinstance(value, bool)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    return False
+  return kind == "number" or float(value).is_integer()
+
+
+def _check_tensors(specs: Mapping[str, tuple], expected: Mapping[str, tuple[int, ...]], ignored: set[str]) -> None:
+  """Names every tensor missing, left over, of another shape or of an unsupported dtype."""
+  missing, extra = sorted(set(expected) - set(specs)), sorted(set(specs) - set(expected) - ignored)
+  if missing or extra:
+    raise ValueError("the safetensors do not match an fla RetNet of this config.json: "
+                     f"missing tensors: [{listing(missing)}]; unexpected tensors: [{listing(extra)}].")
+  for name, shape in expected.items():
+    if specs[name][1] != shape:
+      raise ValueError(f"{name} has shape {specs[name][1]} but config.json needs {shape}.")
+    if specs[name][2] not in DTYPES:
+      raise ValueError(f"{name} is stored as {specs[name][2]}; supported: {sorted(DTYPES)}.")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} is missing; point at the folder of an fla RetNet checkpoint (config.json, "
+                            "model.safetensors).")
+  try:
+    value = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}).") from e
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object.")
+  return value
+
+
+def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = None, scan_layers: bool = False
+             ) -> tuple[Model, ml_collections.ConfigDict]:
+  """An fla RetNet checkpoint folder as a RetNet: `model(tokens, mode=...)` gives fla's logits in every form.
+
+  Args:
+    checkpoint_dir: the folder: config.json (model_type retnet), model.safetensors or the shards of
+      model.safetensors.index.json, and optionally tokenizer.json (then `config.data.tokenizer`).
+    placement: the mesh and rules to place each parameter on as it is read (None: the default device).
+    scan_layers: build the model with its blocks stacked (`model.scan_layers`).
+  Returns:
+    (model, config): the model and the full config (the `fla` preset with the checkpoint's model fields).
+  """
+  folder = Path(checkpoint_dir)
+  fla_config = _read_json(folder / "config.json")
+  config = config_from_fla(fla_config)
+  if (folder / "tokenizer.json").is_file():
+    config.data.tokenizer = str((folder / "tokenizer.json").resolve())
+    tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)  # refused if it outgrows V
+  tensors = SafetensorsFolder(folder)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Model(config.model, rngs=nnx.Rngs(0))))
+  targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))
+  fuse_norm = bool(fla_config.get("fuse_norm", FLA_DEFAULTS["fuse_norm"]))
+  names = {path: fla_names(path, fuse_norm) for path in targets}
+  # fla ties lm_head to the embeddings whatever a stored lm_head.weight holds.
+  ignored = {TOP_NAMES[("head", "kernel")]} if config.model.tie_embeddings else set()
+  heads, kv_heads = attention.HYBRID.settings(config.model)[:2]
+  expected = {}
+  for path, target in targets.items():
+    d_model, width = target.shape if len(names[path]) > 1 else (None, None)
+    head_dim = None if width is None else width // (heads + 2 * kv_heads)
+    shapes = ([(d_model, n * head_dim) for n in (heads, kv_heads, kv_heads)] if width is not None else
+              [tuple(target.shape)])  # a fused q/k/v kernel: fla's q, k, v
+    expected.update({name: shape[::-1] if path[-1] == "kernel" else shape for name, shape in zip(names[path], shapes)})
+  _check_tensors(tensors.specs, expected, ignored)
+  if placement is None:
+    shardings = {path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for path in targets}
+  else:
+    shardings = traverse_util.flatten_dict(nnx.to_pure_dict(
+        sharding.tree_shardings(state, placement.mesh, placement.rules)))
+  arrays = {}
+  for path, target in targets.items():
+    # torch Linear weights are [out, in]; our kernels [in, out]
+    parts = [host.T if path[-1] == "kernel" else host for host in map(tensors.read, names[path])]
+    host = fuse_qkv(*parts, kv_heads) if len(parts) > 1 else parts[0]
+    del parts
+    arrays[path] = jax.make_array_from_callback(target.shape, shardings[path], host.__getitem__)
+    del host
+  nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(arrays))
+  config.model.scan_layers = scan_layers
+  return layer_stack.as_layout(nnx.merge(graphdef, state), scan_layers), config
+
+
+def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
+  """The model fields of `cfg` that fla's RetNet cannot express, each with the value it needs."""
+  foreign = [mixer.name for mixer in architectures.mixers(cfg)
+             if mixer not in (multiscale_retention.RETENTION, attention.HYBRID)]
+  if foreign:
+    return [f"model.architecture={cfg.architecture!r} (fla's RetNet is a RetNet: retention layers, a hybrid's attention "
+            f"layers; these are {', '.join(foreign)} layers; export a RetNet workdir)"]
+  problems = [f"model.{name}={cfg[name]!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
+              if cfg[name] != value]
+  if cfg.head_norm_eps != cfg.norm_eps:
+    problems.append(f"model.head_norm_eps={cfg.head_norm_eps} differs from model.norm_eps={cfg.norm_eps} (fla has "
+                    "one norm_eps)")
+  if cfg.d_model // cfg.num_heads > MAX_KEY_HEAD_DIM:
+    problems.append(f"key head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} (fla allows at most "
+                    f"{MAX_KEY_HEAD_DIM})")
+  heads = attention.HYBRID.settings(cfg).num_heads
+  if cfg.attention_layers and cfg.d_model // heads > MAX_ATTENTION_HEAD_DIM:
+    problems.append(f"attention head dim d_model / attention_num_heads = {cfg.d_model // heads} (flash-attn, which "
+                    f"fla's attention calls, allows at most {MAX_ATTENTION_HEAD_DIM})")
+  return problems
+
+
+def fla_config_of(cfg: ml_collections.ConfigDict, eos_id: int | None) -> dict[str, Any]:
+  """fla's config.json values for a model config that `export_problems` accepts."""
+  return {
+      "model_type": "retnet", "architectures": ["RetNetForCausalLM"], "hidden_size": cfg.d_model,
+      "num_hidden_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+      "expand_k": 1, "expand_v": cfg.value_dim / cfg.d_model, "intermediate_size": cfg.ffn_dim,
+      "hidden_act": "swish", "norm_eps": cfg.norm_eps, "elementwise_affine": cfg.head_norm_scale,
+      "fuse_norm": True, "use_output_gate": True, "use_short_conv": False, "feature_map": None,
+      "tie_word_embeddings": cfg.tie_embeddings, "vocab_size": cfg.vocab_size, "bos_token_id": None,
+      "eos_token_id": eos_id, "pad_token_id": None, "dtype": cfg.param_dtype, "attn": _fla_attn(cfg),
+  }
+
+
+def _fla_attn(cfg: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """fla's `attn` entry of a hybrid model config (None: no attention layers)."""
+  if not cfg.attention_layers:
+    return None
+  heads, kv_heads = attention.HYBRID.settings(cfg)[:2]
+  return {"layers": sorted(cfg.attention_layers), "num_heads": heads, "num_kv_heads": kv_heads, "qkv_bias": False,
+          "window_size": cfg.attention_window, "rope_theta": cfg.attention_rotation_base}
+
+
+def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
+  """Tensor names in order, grouped into consecutive shards of at most `max_bytes` (a larger tensor alone)."""
+  shards, used = [[]], 0
+  for name, size in sizes.items():
+    if shards[-1] and used + size > max_bytes:
+      shards.append([])
+      used = 0
+    shards[-1].append(name)
+    used += size
+  return shards
+
+
+def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_collections.ConfigDict
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+  """fla's names and numpy copies in `model.param_dtype` of `params[path]` in torch's layout ([out, in] for kernels;
+  a fused q/k/v kernel as fla's three), gathered across processes."""
+  dtype = layers.compute_dtype(cfg.param_dtype)
+  for path in paths:
+    value = np.asarray(multihost_utils.process_allgather(params[path], tiled=True), dtype)
+    names = fla_names(path)
+    parts = split_qkv(value, *attention.HYBRID.settings(cfg)[:2]) if len(names) > 1 else (value,)
+    for name, part in zip(names, parts):
+      yield name, np.ascontiguousarray(part.T if path[-1] == "kernel" else part)
+
+
+def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> tokenizer_lib.Tokenizer:
+  """Raises before anything is written if `out_dir` is not new or empty, if fla cannot express the model
+  (ValueError naming the fields), or if the tokenizer does not fit the vocabulary; returns the tokenizer."""
+  out = Path(out_dir)
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise FileExistsError(f"{out} exists and is not an empty folder; export into a new --checkpoint folder.")
+  problems = export_problems(config.model)
+  if problems:
+    raise ValueError("fla's RetNet cannot express this model: " + "; ".join(problems) + ".")
+  vocab_size = None if config.data.tokenizer == "byte" else config.model.vocab_size
+  return tokenizer_lib.load(config.data.tokenizer, vocab_size=vocab_size)
+
+
+def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Path,
+              max_shard_bytes: int = 2 * 2**30) -> Path:
+  """Writes `model` as an fla RetNet checkpoint folder that `RetNetForCausalLM.from_pretrained` loads.
+
+  Args:
+    model: the model, in either layout of its blocks; its parameters may be sharded.
+    config: its full config; `check_export` must accept it. The tensors are written in `model.param_dtype`
+      (float32 or bfloat16: every one, norm scales included), as config.json's `dtype` says. A `data.tokenizer`
+      tokenizer.json is copied, with the tokenizer files beside it.
+    out_dir: a new or empty folder.
+    max_shard_bytes: the bytes of one safetensors file; more make shards with an index.
+  Returns:
+    The folder: config.json, model.safetensors (or shards and model.safetensors.index.json), tokenizer files.
+  """
+  out = Path(out_dir)
+  tokenizer = check_export(config, out)
+  tokenizer_file = None if config.data.tokenizer == "byte" else Path(config.data.tokenizer)
+  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(layer_stack.as_layout(model, False), nnx.Param)))
+  itemsize = np.dtype(layers.compute_dtype(config.model.param_dtype)).itemsize
+  shards = _shards({path: itemsize * math.prod(value.shape) for path, value in params.items()}, max_shard_bytes)
+  files = ([SINGLE_FILE] if len(shards) == 1 else
+           [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+  writer = jax.process_index() == 0
+  if writer:
+    out.mkdir(parents=True, exist_ok=True)
+  for file, paths in zip(files, shards):
+    tensors = dict(_host_arrays(params, paths, config.model))
+    if writer:
+      save_file(tensors, out / file, metadata={"format": "pt"})
+    del tensors
+  if writer:
+    if len(shards) > 1:
+      weight_map = {name: file for file, paths in zip(files, shards) for path in paths for name in fla_names(path)}
+      total = sum(itemsize * math.prod(value.shape) for value in params.values())
+      (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                               indent=2))
+    (out / "config.json").write_text(json.dumps(fla_config_of(config.model, tokenizer.eos_id), indent=2))
+    if tokenizer_file is not None:
+      shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+      siblings = TOKENIZER_FILES[1:] if tokenizer_file.name == "tokenizer.json" else ()
+      for name in siblings:
+        if (tokenizer_file.parent / name).is_file():
+          shutil.copyfile(tokenizer_file.parent / name, out / name)
+  return out

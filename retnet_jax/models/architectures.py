@@ -1,0 +1,151 @@
+"""The registry: which token mixer each layer of a model section runs, and the checks and counts over them.
+
+    architectures.check_config(config.model)           # before any work
+    mixers = architectures.layer_mixers(config.model)  # one `mixers.base.Mixer` per layer
+    model = model.Model(config.model, rngs=nnx.Rngs(seed))
+
+`model.architecture` names the family: a RetNet's layers run `model.mixer` (retention), but for its
+`model.attention_layers` (a hybrid: attention with the `attention_` fields); a Transformer's layers all run
+attention. This module is the only one that tells families or mixers apart by name: everything else asks the
+mixers (`layer_mixers`, `mixers`) or the functions below.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from retnet_jax.core import config_checks
+from retnet_jax.mixers import attention, base, multiscale_retention
+from retnet_jax.models import presets
+from retnet_jax.nn import layers
+
+ARCHITECTURES = presets.ARCHITECTURES
+# `model.mixer`: a RetNet's token mixer (hybrids put attention in `model.attention_layers`).
+MIXERS: dict[str, base.Mixer] = {"retention": multiscale_retention.RETENTION}
+MODES = ("parallel", "chunkwise", "recurrent")  # every form a mixer computes, in this order
+# The forms that run whole sequences (training, prefill); the recurrent form decodes one token at a time.
+SEQUENCE_MODES = tuple(mode for mode in MODES if mode != "recurrent")
+# The forms a prompt is prefilled in, the default first: chunkwise, whose memory grows linearly in the prompt.
+PREFILL_MODES = tuple(sorted(SEQUENCE_MODES, key=lambda mode: mode != "chunkwise"))
+
+
+def architecture(cfg: ml_collections.ConfigDict) -> str:
+  """`cfg.architecture`, or ValueError naming it and the choices if it is unknown."""
+  return config_checks.choice(cfg.get("architecture"), "model.architecture", ARCHITECTURES,
+                              otherwise=" (--config=configs/retnet.py:NAME or --config=configs/transformer.py:NAME)")
+
+
+def layer_mixers(cfg: ml_collections.ConfigDict) -> tuple[base.Mixer, ...]:
+  """The mixer of each layer of model section `cfg` (checked by `check_config`)."""
+  if architecture(cfg) == "transformer":
+    return (attention.TRANSFORMER,) * cfg.num_layers
+  mixer = MIXERS[cfg.mixer]
+  return tuple(attention.HYBRID if layer in cfg.attention_layers else mixer for layer in range(cfg.num_layers))
+
+
+def mixers(cfg: ml_collections.ConfigDict) -> tuple[base.Mixer, ...]:
+  """The distinct mixers of `cfg`'s layers, in the order the layers first use them."""
+  return tuple(dict.fromkeys(layer_mixers(cfg)))
+
+
+def _check_attention_layers(cfg: ml_collections.ConfigDict) -> None:
+  """A RetNet's per-layer choice: indices in range and distinct, and no attention option without attention
+  layers."""
+  chosen = cfg.attention_layers
+  if not isinstance(chosen, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
+    raise ValueError(f"model.attention_layers must be a tuple of layer indices, e.g. (1,) or (3, 7); got {chosen!r}.")
+  if not chosen:
+    for name in ("attention_num_heads", "attention_num_kv_heads", "attention_window"):
+      if cfg[name] is not None:
+        raise ValueError(f"model.{name}={cfg[name]} configures attention layers, but model.attention_layers is "
+                         "empty: name them (e.g. --config.model.attention_layers='(1,)') or unset "
+                         f"model.{name}.")
+    return
+  bad = [i for i in chosen if not 0 <= i < cfg.num_layers]
+  if bad:
+    raise ValueError(f"model.attention_layers={tuple(chosen)} names layers {bad} outside [0, model.num_layers="
+                     f"{cfg.num_layers}); choose indices from 0 to {cfg.num_layers - 1}.")
+  repeated = sorted({i for i in chosen if list(chosen).count(i) > 1})
+  if repeated:
+    raise ValueError(f"model.attention_layers={tuple(chosen)} repeats layers {repeated}; name each layer once.")
+
+
+def check_config(cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the bad value and the fix for a model section that cannot be built: an unknown
+  architecture or mixer, another architecture's fields, or a bad value of its own (TypeError for something other
+  than the model fields)."""
+  if not isinstance(cfg, ml_collections.ConfigDict) or "d_model" not in cfg:
+    full = isinstance(cfg, ml_collections.ConfigDict) and "model" in cfg
+    raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
+                    + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
+  name = architecture(cfg)
+  missing, foreign = sorted(presets.MODEL_FIELDS[name] - set(cfg)), sorted(set(cfg) - presets.MODEL_FIELDS[name])
+  if missing or foreign:
+    parts = ([f"it lacks {', '.join('model.' + k for k in missing)}"] if missing else []) + (
+        [f"{', '.join('model.' + k for k in foreign)} are not {name} fields"] if foreign else [])
+    raise ValueError(f"model.architecture={name!r} does not fit this model section ({'; '.join(parts)}); take "
+                     f"the whole section from configs/{name}.py, e.g. --config=configs/{name}.py:small.")
+  layers.check_config(cfg)
+  if name == "retnet":
+    config_checks.choice(cfg.mixer, "model.mixer", MIXERS)
+    _check_attention_layers(cfg)
+  for mixer in mixers(cfg):
+    mixer.check_config(cfg)
+
+
+def modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The forms the model of `cfg` computes, parallel first: its mixers' (parallel, chunkwise, recurrent for
+  retention; parallel, recurrent for a Transformer's attention)."""
+  own = {mode for mixer in mixers(cfg) for mode in mixer.modes}
+  return tuple(mode for mode in MODES if mode in own)
+
+
+def prefill_modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The forms of PREFILL_MODES the model of `cfg` computes, its default first: chunkwise, parallel for RetNet;
+  parallel for the Transformer."""
+  return tuple(mode for mode in PREFILL_MODES if mode in modes(cfg))
+
+
+def check_backend(cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+  """Raises ValueError naming the field and the fix where an implementation `cfg` chooses (the Pallas kernels)
+  cannot run on `backend` (default: JAX's)."""
+  for mixer in mixers(cfg):
+    mixer.check_backend(cfg, backend)
+
+
+def check_training(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the option and the fix for train options the model lacks: a form it does not
+  compute, state-carrying segments where no layer's state has a fixed size."""
+  cfg, train = config.model, config.train
+  if train.mode in SEQUENCE_MODES and train.mode not in modes(cfg):  # train_step refuses the others
+    own = tuple(mode for mode in modes(cfg) if mode in SEQUENCE_MODES)
+    raise ValueError(f"train.mode={train.mode!r}: this model's layers do not compute the {train.mode} form (they "
+                     f"compute {modes(cfg)}); set --config.train.mode={own[0]}.")
+  if train.segment_len and not any(mixer.fixed_state for mixer in mixers(cfg)):
+    raise ValueError(f"train.segment_len={train.segment_len}: segments carry retention's fixed-size state; "
+                     "a KV cache grows with the sequence, so they would not bound this model's memory. Set "
+                     "--config.train.segment_len=0 (train.remat trades compute for memory instead).")
+
+
+def check_sequence_split(cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
+                         modes_: tuple[str, ...]) -> None:
+  """Raises ValueError (beginning with `where`) where some layer cannot split calls of `length` tokens in `modes_`
+  over `devices` devices of the sequence axis (mixers that cannot split at all are asked first)."""
+  for mixer in sorted(mixers(cfg), key=lambda mixer: mixer.splits_sequences):
+    mixer.check_sequence_split(cfg, where, devices, length, modes_)
+
+
+def document_refusal(cfg: ml_collections.ConfigDict, mode: str) -> str | None:
+  """Why some layer cannot reset its state at packed documents in `mode` (`Mixer.document_refusal`), or None."""
+  return next(filter(None, (mixer.document_refusal(cfg, mode) for mixer in mixers(cfg))), None)
+
+
+def cache_field(cfg: ml_collections.ConfigDict) -> str | None:
+  """The model field sizing a KV cache that must hold the whole context (a Transformer's `max_len`, an unwindowed
+  hybrid's `attention_max_len`), or None: the decoding state's size does not grow with the context."""
+  return next(filter(None, (mixer.cache_field(cfg) for mixer in mixers(cfg))), None)
+
+
+def decode_context(cfg: ml_collections.ConfigDict) -> int:
+  """The tokens the widest layer reads per decoding step: 1 for retention, a KV cache's slots for attention."""
+  return max(mixer.decode_context(cfg) for mixer in mixers(cfg))

@@ -1,0 +1,70 @@
+"""AdamW with warm-up and linear or cosine decay, global-norm clipping, no weight decay on norm scales; its first
+moment in float32 or bfloat16 (`train.optimizer_state_dtype`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from retnet_jax.core import config_checks
+
+SCHEDULES = ("cosine", "linear")
+# `train.optimizer_state_dtype` -> the dtype of AdamW's first moment (optax's `mu_dtype`). The second moment stays
+# float32: in bfloat16 its small squared gradients would round away against the large ones.
+STATE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Optimizer fields of `config.train`: (test, what the value must be).
+RANGES = {
+    "learning_rate": (lambda x: x > 0, "positive"),
+    "warmup_steps": (lambda x: x >= 0, "at least 0"),
+    "end_lr_fraction": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "b1": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "b2": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "weight_decay": (lambda x: x >= 0, "at least 0"),
+    "grad_clip_norm": (lambda x: x > 0, "positive"),
+}
+
+
+def check_config(train_cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first optimizer field out of its range, an unknown schedule or state dtype."""
+  for name, (valid, requirement) in RANGES.items():
+    if not math.isfinite(train_cfg[name]) or not valid(train_cfg[name]):
+      raise ValueError(f"train.{name} must be {requirement}; got {train_cfg[name]}.")
+  learning_rate_schedule(train_cfg)
+  state_dtype(train_cfg)
+
+
+def state_dtype(train_cfg: ml_collections.ConfigDict):
+  """The jnp dtype of AdamW's first moment that `train.optimizer_state_dtype` names, or ValueError with the choices."""
+  return STATE_DTYPES[config_checks.choice(train_cfg.optimizer_state_dtype, "train.optimizer_state_dtype",
+                                            STATE_DTYPES)]
+
+
+def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warm-up from 0 to `learning_rate`, then linear or cosine decay to `end_lr_fraction` of it."""
+  peak, warmup, steps = train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps
+  end = peak * train_cfg.end_lr_fraction
+  if train_cfg.lr_schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), end)
+  if train_cfg.lr_schedule == "linear":
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                 optax.linear_schedule(peak, end, max(steps - warmup, 1))], [warmup])
+  raise ValueError(f"unknown train.lr_schedule {train_cfg.lr_schedule!r}; choose one of {SCHEDULES}.")
+
+
+def decay_mask(params):
+  """Weight decay on matrices only: norm scales (and any bias or vector) are left alone."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """The paper's recipe: AdamW (0.9, 0.98), weight decay 0.05, warm-up then decay; clipped gradients. The first
+  moment is held in `train.optimizer_state_dtype` (its update computed in float32), the second in float32."""
+  return optax.chain(
+      optax.clip_by_global_norm(train_cfg.grad_clip_norm),
+      optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
+                  weight_decay=train_cfg.weight_decay, mask=decay_mask, mu_dtype=state_dtype(train_cfg)),
+  )

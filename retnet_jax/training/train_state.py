@@ -1,0 +1,128 @@
+"""The train state's layout: its structure and shardings on a mesh, sharded creation, and restore from a workdir.
+
+    layout = train_state.make_layout(config, placement)  # shapes and shardings only: nothing runs
+    state = train_state.init(config, layout)              # created sharded, in place
+    model, step = train_state.restore_model(config, workdir)  # the parameters alone (in model.param_dtype)
+
+The state is the pytree `{"params", "opt_state", "step", "nonfinite_steps", "first_nonfinite_step"}`. Nothing
+here builds a train step: evaluation, generation and conversion use the layout without compiling one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from retnet_jax.core import config_checks, sharding
+from retnet_jax.models import architectures, model as model_lib, presets
+from retnet_jax.nn import layers
+from retnet_jax.training import optimizer, workdir as workdir_lib
+
+TrainState = dict[str, Any]
+
+
+def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Checks what the state and its batches need (model, optimizer, mesh and batch split) before any work."""
+  presets.check_full_config(config)
+  architectures.check_config(config.model)
+  architectures.check_backend(config.model)
+  train = config.train
+  for name in ("batch_size", "seq_len", "grad_accum_steps"):
+    config_checks.positive_int(train[name], f"train.{name}")
+  optimizer.check_config(train)
+  sharding.check_batch_split(config.mesh, train.batch_size, train.grad_accum_steps, num_devices)
+  segment = train.segment_len if 0 < train.segment_len < train.seq_len else train.seq_len
+  check_sequence_split(config, num_devices, segment, (train.mode,))
+
+
+def check_sequence_split(config: ml_collections.ConfigDict, num_devices: int, length: int, modes=()) -> None:
+  """Where `config.mesh` splits each sequence over several devices: checks that calls of `length` tokens in
+  `modes` can be split so (whole chunks per device, not the recurrent form, not the kernels)."""
+  devices = sharding.sequence_devices(config.mesh, num_devices)
+  if devices == 1:
+    return
+  where = f"config.mesh splits each sequence over {devices} devices (mesh.shape={tuple(config.mesh.shape)})"
+  architectures.check_sequence_split(config.model, where, devices, length, tuple(modes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The train state of one config on one placement: model structure and abstract state with shardings."""
+  placement: sharding.Placement
+  graphdef: nnx.GraphDef
+  abstract_state: TrainState  # jax.ShapeDtypeStructs carrying the mesh's shardings
+
+  @property
+  def shardings(self) -> Any:
+    return jax.tree.map(lambda leaf: leaf.sharding, self.abstract_state)
+
+
+def _fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainState:
+  """Step 0 around `params`: a zero optimizer state and counters."""
+  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+          "nonfinite_steps": jnp.zeros((), jnp.int32), "first_nonfinite_step": jnp.full((), -1, jnp.int32)}
+
+
+def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
+  """The pure function that creates a fresh state, parameters drawn from `config.seed`."""
+  tx = optimizer.make_optimizer(config.train)
+  return lambda: _fresh_state(tx, nnx.state(model_lib.Model(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
+
+
+def model_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model's structure and its parameters as `jax.ShapeDtypeStruct`s with their shardings on `placement`, in
+  `model.param_dtype` (training's float32 masters as evaluation, generation and export hold them), traced
+  abstractly (nothing runs; no optimizer: what evaluation restores)."""
+  with placement.active():
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: model_lib.Model(config.model, rngs=nnx.Rngs(0))))
+  shardings = sharding.tree_shardings(params, placement.mesh, placement.rules)
+  dtype = layers.compute_dtype(config.model.param_dtype)
+  return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), params, shardings)
+
+
+def make_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> Layout:
+  """The state's structure and shardings for `config` on `placement`, traced abstractly (nothing runs)."""
+  graphdef, _ = model_layout(config, placement)
+  with placement.active():
+    abstract = jax.eval_shape(_init_fn(config))
+  shardings = sharding.tree_shardings(abstract, placement.mesh, placement.rules)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  return Layout(placement, graphdef, abstract)
+
+
+def init_fn(config: ml_collections.ConfigDict, layout: Layout) -> Callable[[], TrainState]:
+  """A jitted `init() -> state` that creates every array directly with its sharding (compiled on first call)."""
+  return jax.jit(_init_fn(config), out_shardings=layout.shardings)
+
+
+def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.State) -> TrainState:
+  """A fresh state (step 0, zero optimizer state) around `params`, placed with the layout's shardings."""
+  placed = jax.tree.map(lambda leaf: leaf, layout.abstract_state["params"])
+  nnx.replace_by_pure_dict(placed, nnx.to_pure_dict(params))
+  placed = jax.device_put(placed, layout.shardings["params"])
+  tx = optimizer.make_optimizer(config.train)
+  with layout.placement.active():
+    return jax.jit(lambda p: _fresh_state(tx, p), out_shardings=layout.shardings)(placed)
+
+
+def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
+                  ) -> tuple[model_lib.Model, int]:
+  """The model of `workdir` at `step` (None: the newest that reads back whole), placed on `config.mesh` over the
+  devices present, its parameters cast to `model.param_dtype` (every one: matrices, embeddings and norm scales).
+  Only its parameters are read (`workdir.read_params`): no optimizer is built or restored.
+
+  Returns:
+    (model, step).
+  """
+  check_config(config, jax.device_count())
+  graphdef, abstract_params = model_layout(config, sharding.placement(config.mesh))
+  params, step = workdir_lib.read_params(workdir, config, abstract_params, step)
+  return nnx.merge(graphdef, params), step

@@ -1,0 +1,149 @@
+"""The pure train step, and the compiled init, train and eval steps of one (config, mesh).
+
+    run = train_step.setup(config, mesh)   # compiled once per process for equal (model, train, mesh, seed)
+    with run.placement.active():
+      state = run.init()
+      state, metrics = run.train_step(state, batch)  # tokens [B, L + 1], or (tokens, loss weights [B, L])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from retnet_jax.core import config_checks, sharding
+from retnet_jax.mixers import stability
+from retnet_jax.models import architectures
+from retnet_jax.nn import layer_stack
+from retnet_jax.training import losses, optimizer, train_state
+
+# What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Checks the step's options in `config.train` (form, non-finite policy, remat, segments)."""
+  train = config.train
+  if train.mode not in architectures.SEQUENCE_MODES:
+    raise ValueError(f"train.mode={train.mode!r}; train with {' or '.join(map(repr, architectures.SEQUENCE_MODES))} "
+                     "(the recurrent form is for decoding).")
+  config_checks.choice(train.nonfinite, "train.nonfinite", NONFINITE_POLICIES)
+  layer_stack.check_remat(train.remat, field="train.remat")
+  if not isinstance(train.segment_len, int) or train.segment_len < 0:
+    raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "
+                     f"got {train.segment_len!r}.")
+  if not isinstance(train.loss_tile, int) or isinstance(train.loss_tile, bool) or train.loss_tile < 0:
+    raise ValueError(f"train.loss_tile must be 0 (the loss over all tokens at once) or a positive number of tokens "
+                     f"per tile; got {train.loss_tile!r}.")
+  check_documents(config, (train.mode,), "train.mode")
+  if (train.segment_len and train.mode == "chunkwise" and stability.torchscale_normaliser(config.model)
+      and train.segment_len % config.model.chunk_size):
+    raise ValueError(f"train.segment_len={train.segment_len} is not a multiple of model.chunk_size="
+                     f"{config.model.chunk_size}: the torchscale-style chunkwise normaliser depends on where chunks "
+                     "start; choose a multiple of the chunk size.")
+  model = config.model
+  if (0 < train.segment_len < train.seq_len and model.get("attention_layers") and not model.attention_window
+      and train.seq_len > model.attention_max_len):
+    raise ValueError(f"train.segment_len={train.segment_len} carries the attention layers' KV caches from segment to "
+                     f"segment, and without a window they hold the whole sequence: train.seq_len={train.seq_len} "
+                     f"exceeds model.attention_max_len={model.attention_max_len}. Raise it "
+                     f"(--config.model.attention_max_len={train.seq_len}) or set model.attention_window.")
+
+
+def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> None:
+  """Refuses `data.reset_at_documents` with forms of `modes` (set by `option`) that cannot reset: the torchscale-style
+  chunkwise normaliser, whose per-chunk scalars span documents, and a Transformer's recurrent (decoding) step."""
+  model = config.model
+  if not config.data.reset_at_documents:
+    return
+  for mode in modes:
+    if reason := architectures.document_refusal(model, mode):
+      raise ValueError(f"data.reset_at_documents=True ({option}) cannot reset {reason}; or set "
+                       "data.reset_at_documents=False.")
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: ml_collections.ConfigDict):
+  """A pure `train_step(state, batch) -> (state, metrics)`; micro-batches accumulate in a `lax.scan`.
+
+  The batch is a `losses.Batch`: with loss weights, each micro-batch's loss is its weighted mean and the step's
+  loss their mean (the synthetic sources give every row as many answers, so this is the batch's weighted mean).
+  A non-finite loss or gradient leaves the parameters and optimizer state as they were; the step is counted.
+  """
+  schedule = optimizer.learning_rate_schedule(train_cfg)
+  accum = train_cfg.grad_accum_steps
+  loss_and_grad = jax.value_and_grad(
+      lambda params, batch: losses.token_loss(graphdef, params, batch, train_cfg.mode, train_cfg.remat,
+                                              train_cfg.segment_len, train_cfg.loss_tile))
+
+  def train_step(state: train_state.TrainState, batch: losses.Batch):
+    params = state["params"]
+    if accum == 1:
+      loss, grads = loss_and_grad(params, batch)
+    else:
+      # Micro-batch i takes rows i, i + accum, ...: each device keeps its own rows (no resharding).
+      micro_batches = jax.tree.map(
+          lambda x_BxN: x_BxN.reshape(x_BxN.shape[0] // accum, accum, *x_BxN.shape[1:]).swapaxes(0, 1), batch)
+
+      def accumulate(carry, micro_batch):
+        loss_sum, grad_sum = carry
+        loss, grads = loss_and_grad(params, micro_batch)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_batches)
+      loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+    step = state["step"] + 1
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {
+        "params": keep(optax.apply_updates(params, updates), params),
+        "opt_state": keep(opt_state, state["opt_state"]),
+        "step": step,
+        "nonfinite_steps": state["nonfinite_steps"] + (~finite).astype(jnp.int32),
+        "first_nonfinite_step": jnp.where((state["first_nonfinite_step"] < 0) & ~finite, step,
+                                          state["first_nonfinite_step"]),
+    }
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
+
+  return train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup(train_state.Layout):
+  """A layout with its jitted functions: `init()`, `train_step(state, batch)`, `eval_step(params, batch)`."""
+  init: Callable[[], train_state.TrainState]
+  train_step: Callable[[train_state.TrainState, losses.Batch], tuple[train_state.TrainState, dict[str, jax.Array]]]
+  eval_step: Callable[[Any, losses.Batch], jax.Array]
+
+
+def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+  """The Setup for (config, mesh); equal model, train, mesh and seed fields reuse one (and its compilations)."""
+  fields = ml_collections.FrozenConfigDict({k: config[k] for k in ("model", "train", "mesh")} | {"seed": config.seed})
+  return _build_setup(fields, mesh)
+
+
+@functools.lru_cache(maxsize=16)
+def _build_setup(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+  layer_stack.check_remat(config.train.remat, mesh.devices.flat[:1], field="train.remat")
+  layout = train_state.make_layout(config, sharding.Placement(mesh, sharding.logical_rules(config.mesh)))
+  shardings, batch_sharding = layout.shardings, layout.placement.batch_sharding
+  tx = optimizer.make_optimizer(config.train)
+  graphdef, mode = layout.graphdef, config.train.mode
+  return Setup(
+      **{f.name: getattr(layout, f.name) for f in dataclasses.fields(train_state.Layout)},
+      init=train_state.init_fn(config, layout),
+      train_step=jax.jit(make_train_step(graphdef, tx, config.train), in_shardings=(shardings, batch_sharding),
+                         out_shardings=(shardings, None), donate_argnums=0),
+      eval_step=jax.jit(lambda params, batch: losses.token_loss(graphdef, params, batch, mode,
+                                                                loss_tile=config.train.loss_tile),
+                        in_shardings=(shardings["params"], batch_sharding)))

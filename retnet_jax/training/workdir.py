@@ -1,0 +1,310 @@
+"""A run's directory: where each of its files lives, and which checkpoint step is the newest that reads back whole.
+
+    WORKDIR/
+      checkpoints/STEP           training checkpoints (STEP.corrupt: one set aside as unreadable)
+      params/STEP                the parameters alone, exported when training ends
+      config.json                the config of the run (or of a conversion)
+      metrics.jsonl, tensorboard/, profile/   what training logs (retnet_jax.training.metrics, train.profile_steps)
+      eval_step_STEP.json        scripts/evaluate.py's results (eval_step_STEP_by_position.png: its plot)
+      passkey_step_STEP.json     scripts/passkey.py's results (passkey_step_STEP.png: its heatmap)
+      lm_eval_step_STEP.json     scripts/harness_eval.py's results (each with _N before .json for other settings)
+      train_PROCESS.lock         the lock of the training process (retnet_jax.training.workdir_lock)
+
+    step, (state, meta) = restore_newest(checkpointer, config, lambda step: checkpointer.restore(abstract, step))
+    params, step = read_params(workdir, config, abstract_params)  # evaluation: the parameters alone
+
+Training (the writer) and evaluation, generation, lm-eval and conversion (readers) choose their step by the one
+policy of `restore_newest`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ml_collections
+import numpy as np
+
+from retnet_jax.models import presets
+from retnet_jax.training import checkpointing, metrics, workdir_lock
+
+T = TypeVar("T")
+# Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes
+# (`param_dtype`: the dtype evaluation, generation and export cast the float32 weights to).
+RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl", "kernel_layout", "max_len",
+                           "scan_layers", "attention_max_len", "param_dtype")
+# Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
+# with (the model's behaviour before the field existed).
+ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",
+                      "head_norm_scale": False, "architecture": "retnet", "mixer": "retention", "attention_layers": (),
+                      "attention_num_heads": None, "attention_num_kv_heads": None, "attention_window": None,
+                      "attention_rotation_base": 10000.0, "kernel_layout": "fused"}
+RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)
+
+
+def check_training_dir(workdir: str | os.PathLike) -> Path:
+  """`workdir` as a Path, refused when empty (an unset shell variable would train into the current directory),
+  a file, or inside another run's `checkpoints/` or `params/`."""
+  if not os.fspath(workdir).strip():
+    raise ValueError("--workdir is empty (an unset shell variable?); name the run's directory, e.g. "
+                     "--workdir=runs/NAME.")
+  workdir = Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
+  check_outside_runs(workdir, "--workdir", "a new run's, or that run itself to resume it")
+  return workdir
+
+
+def check_outside_runs(path: Path, flag: str, choices: str) -> None:
+  """Refuses (naming `flag` and the `choices` of directory) a `path` inside a run's `checkpoints/` or `params/`,
+  whose folders that run writes, replaces and prunes."""
+  for parent in path.absolute().parents:
+    if parent.name in ("checkpoints", "params") and config_file(parent.parent).is_file():
+      raise ValueError(f"{flag}={path} lies inside the {parent.name}/ folder of the run {parent.parent}; "
+                       f"choose a directory outside it ({choices}).")
+
+
+def checkpoint_dir(workdir: str | os.PathLike) -> Path:
+  """`WORKDIR/checkpoints`: the training checkpoints, one folder per step."""
+  return Path(workdir) / "checkpoints"
+
+
+def has_checkpoints(workdir: str | os.PathLike) -> bool:
+  """Whether `checkpoint_dir` holds a step folder."""
+  return bool(listed_steps(workdir))
+
+
+def listed_steps(workdir: str | os.PathLike) -> list[int]:
+  """The step folders of `checkpoint_dir`, ascending, from a directory listing alone (no orbax, any thread): a
+  folder is renamed to its step once committed; whether it reads back whole is `restore_newest`'s question."""
+  ckpt_dir = checkpoint_dir(workdir)
+  try:
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+
+
+def remove_recreated(workdir: str | os.PathLike) -> bool:
+  """After a training's workdir vanished (deleted or moved): removes what its save in flight recreated at the old
+  path, a `checkpoints/` of orbax temporary folders alone, so that a workdir put back is not nested in it.
+  Returns whether it removed anything; a path holding anything else is left alone."""
+  removed = False
+  for _ in range(3):  # the save's last writes may land after a removal
+    if not _only_unfinished_saves(workdir):
+      break
+    shutil.rmtree(workdir, ignore_errors=True)
+    removed = True
+    time.sleep(0.5)
+  return removed
+
+
+def _only_unfinished_saves(workdir: str | os.PathLike) -> bool:
+  """Whether `workdir` holds `checkpoints/` alone, and that only orbax temporary folders."""
+  ckpt_dir = checkpoint_dir(workdir)
+  try:
+    return ([p.name for p in Path(workdir).iterdir()] == [ckpt_dir.name] and
+            all(_TMP_SUFFIX in p.name for p in ckpt_dir.iterdir()))
+  except (FileNotFoundError, NotADirectoryError):
+    return False
+
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step folder being written
+
+
+def export_dir(workdir: str | os.PathLike, step: int) -> Path:
+  """`WORKDIR/params/STEP`: the parameters alone (`checkpointing.export_params`) of `step`."""
+  return Path(workdir) / "params" / str(step)
+
+
+def exported_steps(workdir: str | os.PathLike) -> list[int]:
+  """The steps of the params exports, ascending."""
+  folder = export_dir(workdir, 0).parent
+  return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+def config_file(workdir: str | os.PathLike) -> Path:
+  """`WORKDIR/config.json`: the config the run was written with."""
+  return Path(workdir) / "config.json"
+
+
+def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+  """The full config a workdir was written with (by training or a conversion): its preset, with the model and
+  tokenizer of its config.json."""
+  path = config_file(workdir)
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} is missing; give a workdir written by scripts/train.py or a conversion.")
+  try:
+    saved = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); fix it, or give another workdir.") from None
+  missing = [key for key in ("preset", "model", "data") if not isinstance(saved, dict) or key not in saved]
+  if missing:
+    raise ValueError(f"{path} lacks {missing}: not the config.json of a retnet_jax run (training and the "
+                     "converters write preset, model and data); give the workdir of one.")
+  config = presets.get_config(saved["preset"], saved["model"].get("architecture", "retnet"))
+  config.model.update(saved["model"])
+  config.data.tokenizer = saved["data"].get("tokenizer", config.data.tokenizer)
+  return config
+
+
+def script_config(given: ml_collections.ConfigDict, workdir: str | os.PathLike, named: bool,
+                  overrides: Sequence[str]) -> ml_collections.ConfigDict:
+  """The config of a script that reads a run (evaluate, generate, passkey): `given` (--config) where it was named
+  on the command line or the workdir has no config.json; otherwise the workdir's saved config (its preset, model
+  and tokenizer: `saved_config`) with each of `overrides` (the dotted fields set by --config.x.y) taken from `given`,
+  so that a hybrid or an overridden model is read without repeating its fields.
+
+  Args:
+    given: --config's value. workdir: the run's directory. named: whether --config was on the command line.
+    overrides: the fields that --config.x.y flags set, e.g. ("model.param_dtype", "train.seq_len").
+  """
+  if named or not config_file(workdir).is_file():
+    return given
+  config = saved_config(workdir)
+  for name in overrides:
+    *parents, field = name.split(".")
+    source, target = given, config
+    for parent in parents:
+      source, target = source[parent], target[parent]
+    target[field] = source[field]
+  return config
+
+
+def results_file(folder: str | os.PathLike, kind: str, step: int, settings: Sequence[str] = ()) -> Path:
+  """Where evaluation `kind` (one of RESULTS) of checkpoint `step` run with `settings` (its command line:
+  `cli.given_flags`) writes its results: `FOLDER/KIND_step_STEP.json`, or `KIND_step_STEP_N.json` with the smallest N
+  from 2 where the names before it hold results of other settings (a result is replaced only by a rerun of its own
+  settings, which the JSON's "settings" records)."""
+  if kind not in RESULTS:
+    raise ValueError(f"unknown kind of results {kind!r}; choose one of {RESULTS}.")
+  for index in itertools.count(1):
+    path = Path(folder) / f"{kind}_step_{step}{'' if index == 1 else f'_{index}'}.json"
+    if not path.exists() or _recorded_settings(path) == list(settings):
+      return path
+
+
+def _recorded_settings(path: Path) -> list[str] | None:
+  """The "settings" a results file records (None where it records none or cannot be read)."""
+  try:
+    recorded = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+  return recorded.get("settings") if isinstance(recorded, dict) else None
+
+
+def writer_lock(workdir: str | os.PathLike, process_index: int = 0) -> workdir_lock.WriterLock:
+  """The lock `WORKDIR/train_<process_index>.lock` that one training process per workdir holds."""
+  return workdir_lock.WriterLock(workdir, Path(workdir) / f"train_{process_index}.lock")
+
+
+def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
+  """Refuses (IncompatibleCheckpointError) a checkpoint written with another model config, naming the fields."""
+  current = config.model.to_dict()
+  saved_model = {**{k: v for k, v in ADDED_MODEL_FIELDS.items() if k in current}, **saved_model}
+  differs = sorted(k for k in set(saved_model) | set(current)
+                   if k not in RESUMABLE_MODEL_CHANGES
+                   and json.dumps(saved_model.get(k)) != json.dumps(current.get(k)))
+  if "architecture" in differs:  # the other fields differ as a consequence
+    differs = ["architecture"]
+  if differs:
+    details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {current.get(k)!r}"
+                        for k in differs)
+    raise checkpointing.IncompatibleCheckpointError(
+        f"{workdir} holds a checkpoint of an incompatible model config ({details}); use the model config it was "
+        f"trained with ({config_file(workdir)}), or another --workdir for a new run.")
+
+
+def restore_newest(checkpointer: checkpointing.Checkpointer, config: ml_collections.ConfigDict,
+                   read: Callable[[int], T], step: int | None = None, attempts: int = 10) -> tuple[int, T] | None:
+  """`(step, read(step))` of checkpoint `step`, or (None) of the newest step that reads back whole.
+
+  A step's meta is checked first: a checkpoint of another model config is refused by name (`check_compatible`),
+  as is one whose arrays do not fit the config's (nothing older fits either). A step that does not read back
+  whole (meta or arrays unreadable, or unlike their checksums) is, for the writer (`checkpointer` not read-only:
+  the training process), set aside as `STEP.corrupt` with a warning and the previous step read; for a reader,
+  named in a ValueError with the steps to choose from, unless a training run deleted it while it was read (its
+  retention policy, as newer steps arrive): the newest is then resolved again, up to `attempts` times.
+
+  Returns:
+    `(step, read(step))`; None for the writer when no step is left (a fresh start).
+  """
+  workdir = Path(checkpointer.directory).parent
+  attempt = 0
+  while True:
+    attempt += 1
+    if not checkpointer.read_only and not checkpointer.all_steps():
+      return None
+    current, steps = checkpointer.resolve(step), checkpointer.all_steps()
+    try:
+      check_compatible(checkpointer.restore_meta(current)["config"]["model"], config, workdir)
+      return current, read(current)
+    except checkpointing.IncompatibleCheckpointError:
+      raise
+    except Exception as e:  # orbax and TensorStore raise many kinds for a damaged step folder
+      error = e
+    if not checkpointer.read_only:
+      target = checkpointer.set_aside(current)
+      metrics.log(f"WARNING: checkpoint {current} is unreadable ({type(error).__name__}: {_first_line(error)}); "
+                  f"moved to {target}, trying the previous one")
+      continue
+    checkpointer.reload()
+    if step is not None or attempt == attempts or checkpointer.latest_step() == current:
+      raise ValueError(f"checkpoint {current} in {checkpointer.directory} is unreadable ({type(error).__name__}: "
+                       f"{_first_line(error)}); choose another with --step (available steps: {steps}).") from error
+
+
+def read_params(workdir: str | os.PathLike, config: ml_collections.ConfigDict, abstract_params: Any,
+                step: int | None = None) -> tuple[Any, int]:
+  """The parameters of `workdir` at `step` (None: the newest that reads back whole), placed as `abstract_params`.
+
+  Reads the parameters alone (no optimizer state) of the training checkpoints, or, in a workdir that has none,
+  the params export that training writes at its end, checked against the workdir's config.json.
+
+  Args:
+    workdir: a training run's (or a conversion's) directory; it may be training meanwhile.
+    config: the full config; a checkpoint of another model config is refused by name.
+    abstract_params: the parameters' `jax.ShapeDtypeStruct`s with shardings (`train_state.model_layout`).
+    step: the checkpoint step (None: the newest).
+  Returns:
+    (params, step).
+  """
+  if not isinstance(workdir, (str, os.PathLike)) or not os.fspath(workdir):
+    raise TypeError(f"workdir must be a run's directory (a str or path); got {workdir!r}.")
+  if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
+    raise ValueError(f"step={step!r} must be a checkpoint step, a non-negative int (or None: the newest).")
+  ckpt_dir, exported = checkpoint_dir(workdir), exported_steps(workdir)
+  if has_checkpoints(workdir):
+    with checkpointing.Checkpointer(ckpt_dir, read_only=True) as checkpointer:
+      step, params = restore_newest(checkpointer, config, lambda s: checkpointer.restore(
+          {"params": abstract_params}, s, partial=True)[0]["params"], step)
+    return params, step
+  export = export_dir(workdir, 0).parent
+  if not exported:
+    raise FileNotFoundError(f"no checkpoints in {workdir} (expected {ckpt_dir} or {export}); train first "
+                            f"with scripts/train.py --workdir={workdir}, or point --workdir at a training run.")
+  if step is None:
+    step = exported[-1]
+  elif step not in exported:
+    raise ValueError(f"No exported params for step {step} in {export} (and no {ckpt_dir}); "
+                     f"available steps: {exported}.")
+  if config_file(workdir).is_file():
+    check_compatible(json.loads(config_file(workdir).read_text())["model"], config, workdir)
+  try:
+    return checkpointing.load_params(export_dir(workdir, step), abstract_params), step
+  except checkpointing.IncompatibleCheckpointError:
+    raise
+  except Exception as e:  # a truncated or damaged export: orbax and TensorStore raise many kinds
+    raise ValueError(f"the params export {export_dir(workdir, step)} is unreadable ({type(e).__name__}: "
+                     f"{_first_line(e)}); choose another with --step (available steps: {exported}), or restore "
+                     "from checkpoints/.") from e
+
+
+def _first_line(error: Exception) -> str:
+  """The first line of an error's message (TensorStore appends pages of its spec)."""
+  return (str(error).strip().splitlines() or [""])[0]
