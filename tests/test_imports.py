@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "retnet_jax"
 DATA_LAYER = ("retnet_jax.data", "retnet_jax.tokenizer", "retnet_jax.synthetic", "retnet_jax.passkey")
 MODEL_CODE = ("retnet_jax.model", "retnet_jax.sampling", "retnet_jax.layers", "retnet_jax.mixers.attention",
-              "retnet_jax.mixers.multiscale_retention")
+              "retnet_jax.mixers.multiscale_retention", "retnet_jax.mixers.gated_retention")
 # What README's scripts run on the Quickstart install (`pip install -e .`, no extras), plots included.
 QUICKSTART = ("retnet_jax.evaluate", "retnet_jax.passkey_eval", "retnet_jax.train", "retnet_jax.prepared")
 
