@@ -39,7 +39,7 @@ class GatedRetentionLayer(multiscale_retention.RetentionLayer):
     self.gt_proj = layers.Dense(cfg.d_model, cfg.num_heads, ("embed", "heads"), init=layers.xavier_uniform(2**-2.5),
                                 dtype=dtype, rngs=rngs)
 
-  def log_decay(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+  def gate_log_decay(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
     """log gamma `[B, L, H]` = logsigmoid(x W_gt) / gate_logit_normalizer, in float32 (float64 for float64 inputs),
     0 (gamma = 1) at left padding."""
     wide = jnp.promote_types(self.dtype, jnp.float32)
@@ -53,7 +53,7 @@ class GatedRetentionLayer(multiscale_retention.RetentionLayer):
     state `{"kv"}` (None: empty) -> (y, new state)."""
     positions_BxL, rotation_tables, mode, segment_ids_BxL = context
     q, k, v = self.project(x_BxLxD, positions_BxL, rotation_tables)
-    log_decay_BxLxH = self.log_decay(x_BxLxD, positions_BxL)
+    log_decay_BxLxH = self.gate_log_decay(x_BxLxD, positions_BxL)
     kv_in = None if state is None else state["kv"]
     split_over = None if mode == "recurrent" else sharding.sequence_split()
     if mode == "chunkwise" and self.kernel and split_over is None:
