@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "retnet_jax"
-DATA_LAYER = ("retnet_jax.input_pipeline.data", "retnet_jax.input_pipeline.tokenizer", "retnet_jax.input_pipeline.synthetic",
-              "retnet_jax.input_pipeline.passkey")
+DATA_LAYER = ("retnet_jax.input_pipeline.data", "retnet_jax.input_pipeline.tokenizer",
+              "retnet_jax.input_pipeline.synthetic", "retnet_jax.input_pipeline.passkey")
 MODEL_CODE = ("retnet_jax.models.model", "retnet_jax.evaluation.sampling", "retnet_jax.nn.layers",
-              "retnet_jax.mixers.attention", "retnet_jax.mixers.multiscale_retention")
+              "retnet_jax.mixers.attention", "retnet_jax.mixers.multiscale_retention",
+              "retnet_jax.mixers.gated_retention")
 # What README's scripts run on the Quickstart install (`pip install -e .`, no extras), plots included.
 QUICKSTART = ("retnet_jax.evaluation.evaluate", "retnet_jax.evaluation.passkey_eval", "retnet_jax.training.train",
               "retnet_jax.input_pipeline.prepared")

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retnet_jax.mixers import kernels
-from retnet_jax.mixers import retention
+from retnet_jax.mixers import kernels, retention
 from tests.test_kernels import BF16_TOL, F32_TOL, GPU, LOG_DECAY, LAYOUTS, config_for, random_inputs, rel_err, with_vjp
 
 # (chunk, length, each row's document starts, config): see the test's comments. Compiled, the kernels take chunks of

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retnet_jax.mixers import kernels
-from retnet_jax.mixers import retention, stability
+from retnet_jax.mixers import kernels, retention, stability
 from retnet_jax.mixers.kernels import backward, forward, support
 from tests import helpers
 

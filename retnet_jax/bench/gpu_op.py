@@ -20,8 +20,7 @@ from retnet_jax.bench.op import (KINDS, TOLERANCE, attention_op_flops, error_tex
 from retnet_jax.bench.report import fmt
 from retnet_jax.bench.suites import GpuSuite
 from retnet_jax.core import markdown
-from retnet_jax.mixers import kernels
-from retnet_jax.mixers import decay, retention
+from retnet_jax.mixers import decay, kernels, retention
 
 FLA_CHUNK = 64  # the chunk of fla's chunk_retention (its chunk_simple_gla)
 

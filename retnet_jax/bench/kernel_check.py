@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from retnet_jax.bench.harness import interleave, memory_source, rate
 from retnet_jax.bench.op import (KINDS, TOLERANCE, error_text, kind_flops, op_case, op_inputs, relative_error,
                                  retention_op_flops)
-from retnet_jax.mixers import kernels
-from retnet_jax.mixers import decay, retention
+from retnet_jax.mixers import decay, kernels, retention
 
 
 @dataclasses.dataclass(frozen=True)

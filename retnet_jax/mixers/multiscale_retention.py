@@ -2,7 +2,8 @@
 
 Its forms are `retnet_jax.mixers.retention`'s (parallel, chunkwise, recurrent) and the Pallas kernels
 (`model.retention_impl`), split over a mesh's sequence axis by `retnet_jax.mixers.sequence_parallel`; the normaliser is
-`retnet_jax.mixers.stability`'s.
+`retnet_jax.mixers.stability`'s. `RetentionLayer` and `check_retention_fields` hold what gated retention
+(`mixers.gated_retention`) shares with it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from retnet_jax.core import config_checks, sharding
-from retnet_jax.mixers import kernels
-from retnet_jax.mixers import decay, retention, sequence_parallel, stability
-from retnet_jax.mixers import base
+from retnet_jax.mixers import base, decay, kernels, retention, sequence_parallel, stability
 from retnet_jax.nn import layer_stack, layers, rotation
 
 # model.retention_impl: the chunkwise form as XLA einsums, as the Pallas kernels (in model.kernel_layout), or the
@@ -34,9 +33,13 @@ class Context(NamedTuple):
   segment_ids_BxL: jax.Array | None
 
 
-def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None) -> str | None:
-  """Why the compiled Pallas kernels cannot run this model's chunkwise retention on `backend`, or None."""
-  if stability.torchscale_normaliser(cfg):
+def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None, per_token_decay: bool = False) -> str | None:
+  """Why the compiled Pallas kernels cannot run this model's chunkwise retention on `backend`, or None. With
+  `per_token_decay` (gated retention: a decay per token, no normaliser) only the split layout takes the decays."""
+  if per_token_decay and cfg.kernel_layout != "split":
+    return (f"per-token decays run on the split kernels only, not model.kernel_layout={cfg.kernel_layout!r}: set "
+            "model.kernel_layout='split', or use retention_impl='xla'")
+  if not per_token_decay and stability.torchscale_normaliser(cfg):
     return ("the torchscale normaliser's chunkwise scalars need by-products only the XLA form computes; use "
             "retention_impl='xla' (or 'auto'), or stability_norm_style='shared'")
   try:
@@ -47,18 +50,21 @@ def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None) -> str | N
   return None
 
 
-def check_retention_impl(cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+def check_retention_impl(cfg: ml_collections.ConfigDict, backend: str | None = None,
+                         per_token_decay: bool = False) -> None:
   """Raises ValueError naming the limit and the fix where `retention_impl=pallas` cannot compile on `backend`
-  (default: JAX's) for this model: before any work, as training and evaluation call it. (A model built directly
-  runs the kernels interpreted where they do not compile: slow, for tests.)"""
-  if cfg.retention_impl == "pallas" and (reason := kernel_unfit(cfg, backend)):
+  (default: JAX's) for this model (`per_token_decay` as in `kernel_unfit`): before any work, as training and
+  evaluation call it. (A model built directly runs the kernels interpreted where they do not compile: slow, for
+  tests.)"""
+  if cfg.retention_impl == "pallas" and (reason := kernel_unfit(cfg, backend, per_token_decay)):
     raise ValueError(f"model.retention_impl='pallas' cannot run here: {reason}")
 
 
-def uses_kernel(cfg: ml_collections.ConfigDict, backend: str | None = None) -> bool:
+def uses_kernel(cfg: ml_collections.ConfigDict, backend: str | None = None, per_token_decay: bool = False) -> bool:
   """Whether the chunkwise form runs as the Pallas kernels: `pallas` (interpreted where they do not compile: for
-  tests), or `auto` where they compile."""
-  return cfg.retention_impl == "pallas" or (cfg.retention_impl == "auto" and kernel_unfit(cfg, backend) is None)
+  tests), or `auto` where they compile (`per_token_decay` as in `kernel_unfit`)."""
+  return cfg.retention_impl == "pallas" or (cfg.retention_impl == "auto" and
+                                            kernel_unfit(cfg, backend, per_token_decay) is None)
 
 
 def kv_heads(cfg: ml_collections.ConfigDict) -> int:
@@ -66,19 +72,41 @@ def kv_heads(cfg: ml_collections.ConfigDict) -> int:
   return cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads
 
 
-class MultiScaleRetention(nnx.Module):
-  """Multi-scale retention: rotated q/k, per-head decay, per-head RMSNorm, swish gate, output projection.
+def check_retention_fields(cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the field, the bad value and the fix for the fields every retention layer reads
+  (`RetentionLayer`'s: heads, widths, rotation, head norm, chunk size, implementation), whatever its decay."""
+  for field in ("num_heads", "value_dim"):
+    config_checks.positive_int(cfg[field], f"model.{field}")
+  if cfg.d_model % cfg.num_heads:
+    raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}; "
+                     "choose num_heads dividing d_model.")
+  if cfg.value_dim % cfg.num_heads:
+    raise ValueError(f"model.value_dim={cfg.value_dim} is not divisible by model.num_heads={cfg.num_heads}; "
+                     "choose value_dim as a multiple of num_heads.")
+  if cfg.num_kv_heads is not None and (cfg.num_kv_heads < 1 or cfg.num_heads % cfg.num_kv_heads):
+    raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} must be a positive divisor of model.num_heads="
+                     f"{cfg.num_heads} (or None: one key/value head per query head).")
+  rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
+  rotation.check_rotation(cfg.rotation_pairs, cfg.rotation_freqs)
+  config_checks.finite_number(cfg.rotation_base, "model.rotation_base", positive=True)
+  config_checks.finite_number(cfg.head_norm_eps, "model.head_norm_eps")
+  retention.check_chunk_size(cfg.chunk_size, "model.chunk_size")
+  config_checks.choice(cfg.retention_impl, "model.retention_impl", RETENTION_IMPLS)
+  config_checks.choice(cfg.kernel_layout, "model.kernel_layout", kernels.LAYOUTS)
+
+
+class RetentionLayer(nnx.Module):
+  """What multi-scale and gated retention layers share: the q/k/v/g/out projections (keys scaled by d_k^-0.5),
+  rotated q/k, grouped key/value heads, left padding, the retention forms (XLA's, split over a mesh's sequence axis,
+  the Pallas kernels), the per-head RMSNorm, swish gate and output projection. Subclasses give the decay.
 
   With `num_kv_heads` < `num_heads`, each group of num_heads / num_kv_heads query heads shares one key/value head
   (query head j reads key/value head j // group size); `head_norm_scale` gives the per-head RMSNorm a learned
-  scale that all heads share. With `stability_norm`, each head's raw output is divided by the
-  `stability_norm_style` scalars of `retnet_jax.mixers.stability`. Positions below 0 are left padding: their keys are
-  zeroed, so they add nothing to the state, and as retention depends on relative positions only, a left-padded
-  prompt gives the outputs it gives alone. With `segment_ids` (packed documents, `retnet_jax.core.segments`) every form
-  retains within a document only, and positions count from each document's start, so the normaliser restarts too.
+  scale that all heads share. Positions below 0 are left padding: their keys are zeroed, so they add nothing to the
+  state. With `segment_ids` (packed documents, `retnet_jax.core.segments`) every form retains within a document only.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, per_token_decay: bool, dtype, rngs: nnx.Rngs):
     d, heads = cfg.d_model, cfg.num_heads
     self.num_heads = heads
     self.num_kv_heads = kv_heads(cfg)
@@ -87,13 +115,10 @@ class MultiScaleRetention(nnx.Module):
     self.dtype = dtype
     self.rotation_pairs = cfg.rotation_pairs
     self.head_norm_eps = cfg.head_norm_eps
-    self.stability_norm = cfg.stability_norm
-    self.stability_norm_style = cfg.stability_norm_style
     self.chunk_size = cfg.chunk_size
-    self.kernel = uses_kernel(cfg)
+    self.kernel = uses_kernel(cfg, per_token_decay=per_token_decay)
     self.kernel_config = kernels.default_config(self.key_dim, self.value_dim, cfg.kernel_layout)
     self.precision = layers.MATMUL_PRECISIONS[cfg.matmul_precision]
-    self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, heads, cfg.decay_gammas))
     qkvg_init = layers.xavier_uniform(2**-2.5)
     dense = lambda i, o, axes, init: layers.Dense(i, o, axes, init=init, dtype=dtype, rngs=rngs)
     self.q_proj = dense(d, d, ("embed", "heads"), qkvg_init)
@@ -104,28 +129,9 @@ class MultiScaleRetention(nnx.Module):
     self.head_norm_scale = (layers.param(rngs, nnx.initializers.ones, (self.value_dim,), (None,))
                             if cfg.head_norm_scale else None)
 
-  def _retention(self, mode: str, q, k, v, log_decay_H, state, score_abs_sums=False, split_over=None,
-                 segment_ids=None, wide_entry_states=False):
-    """(out, final state, chunk entry states, in-chunk |score| row sums); the last two from the chunkwise form only,
-    the entry states in q's dtype unless `wide_entry_states` (`retention.chunkwise_with_states`).
-
-    `split_over`: the (mesh axis, size) that splits the sequence (`sharding.sequence_split`), where the parallel and
-    chunkwise modes both run the chunkwise form per slice (`sequence_parallel`), or None."""
-    if split_over is not None:
-      return sequence_parallel.sharded_chunkwise(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums,
-                                                 segment_ids, axis_name=split_over[0])
-    if mode == "parallel":
-      return *retention.parallel_retention(q, k, v, log_decay_H, state, segment_ids), None, None
-    if mode == "chunkwise":
-      return retention.chunkwise_with_states(q, k, v, log_decay_H, self.chunk_size, state, score_abs_sums,
-                                             segment_ids, wide_entry_states)
-    return *retention.recurrent_retention(q, k, v, log_decay_H, state, segment_ids), None, None
-
-  def __call__(self, x_BxLxD: jax.Array, context: "Context", state: dict[str, jax.Array] | None
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`x [B, L, D]` in the call `context` (positions, rotation tables, form, documents: positions then count
-    within each) with the layer's incoming state (None: empty) -> (y, new state)."""
-    positions_BxL, rotation_tables, mode, segment_ids_BxL = context
+  def project(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, rotation_tables) -> tuple[jax.Array, ...]:
+    """q, k `[B, L, H, d_k]` (rotated; k scaled by d_k^-0.5 and zero at left padding) and v `[B, L, H, d_v]`, each
+    key/value head repeated over its group of query heads."""
     batch, length, _ = x_BxLxD.shape
     heads = self.num_heads
     split = lambda proj, num_heads: checkpoint_name(proj(x_BxLxD), layer_stack.QKV).reshape(
@@ -136,7 +142,69 @@ class MultiScaleRetention(nnx.Module):
     q, k = (rotation.rotate(y, rotation_tables, self.rotation_pairs) for y in (q, k))
     if self.num_kv_heads < heads:  # each key/value head serves a group of consecutive query heads
       k, v = (jnp.repeat(y, heads // self.num_kv_heads, axis=2) for y in (k, v))
-    k = jnp.where((positions_BxL >= 0)[..., None, None], k, 0)  # negative positions are left padding
+    return q, jnp.where((positions_BxL >= 0)[..., None, None], k, 0), v  # negative positions are left padding
+
+  def retention_form(self, mode: str, q, k, v, log_decay, state, score_abs_sums=False, split_over=None,
+                     segment_ids=None, wide_entry_states=False):
+    """(out, final state, chunk entry states, in-chunk |score| row sums) of the XLA form of `mode`; the last two
+    from the chunkwise form only, the entry states in q's dtype unless `wide_entry_states`
+    (`retention.chunkwise_with_states`). `log_decay`: `[heads]` or `[batch, seq, heads]`.
+
+    `split_over`: the (mesh axis, size) that splits the sequence (`sharding.sequence_split`), where the parallel and
+    chunkwise modes both run the chunkwise form per slice (`sequence_parallel`), or None."""
+    if split_over is not None:
+      return sequence_parallel.sharded_chunkwise(q, k, v, log_decay, self.chunk_size, state, score_abs_sums,
+                                                 segment_ids, axis_name=split_over[0])
+    if mode == "parallel":
+      return *retention.parallel_retention(q, k, v, log_decay, state, segment_ids), None, None
+    if mode == "chunkwise":
+      return retention.chunkwise_with_states(q, k, v, log_decay, self.chunk_size, state, score_abs_sums,
+                                             segment_ids, wide_entry_states)
+    return *retention.recurrent_retention(q, k, v, log_decay, state, segment_ids), None, None
+
+  def kernel_form(self, q, k, v, log_decay, kv_in, segment_ids_BxL=None) -> tuple[jax.Array, jax.Array]:
+    """The chunkwise form as the Pallas kernels, on each device's batch and head shards: (float32 output, final
+    state). `log_decay`: `[heads]`, or `[batch, seq, heads]` (split layout), split like q."""
+    qkv_axes, state_axes = ("batch", None, "heads", None), ("batch", "heads", None, None)
+    decay_axes = ("batch", None, "heads") if log_decay.ndim == 3 else ("heads",)
+    kernel = lambda q, k, v, log_decay, kv, ids: kernels.chunkwise_retention(
+        q, k, v, log_decay, self.chunk_size, kv, segment_ids=ids, precision=self.precision, config=self.kernel_config)
+    out, kv = sharding.per_shard(kernel, [qkv_axes] * 3 + [decay_axes, state_axes, ("batch", None)],
+                                 [qkv_axes, state_axes])(q, k, v, log_decay, kv_in, segment_ids_BxL)
+    return out.astype(jnp.float32), kv
+
+  def output(self, out_BxLxHxV: jax.Array, x_BxLxD: jax.Array) -> jax.Array:
+    """The layer's output `[B, L, D]` from the raw retention `[B, L, H, d_v]` (float32, or float64 in float64
+    tests) and the layer's input: per-head RMSNorm, swish gate, output projection."""
+    batch, length, _ = x_BxLxD.shape
+    y = layers.rms_norm(out_BxLxHxV, self.head_norm_eps)
+    if self.head_norm_scale is not None:
+      y = y * self.head_norm_scale[...]
+    y = checkpoint_name(y.reshape(batch, length, -1), layer_stack.MIXER_OUT)
+    gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(y.dtype))
+    return self.out_proj((gate * y).astype(self.dtype))
+
+
+class MultiScaleRetention(RetentionLayer):
+  """Multi-scale retention: `RetentionLayer` with a fixed decay per head (`model.decay_schedule`).
+
+  With `stability_norm`, each head's raw output is divided by the `stability_norm_style` scalars of
+  `retnet_jax.mixers.stability`. As retention depends on relative positions only, a left-padded prompt gives the outputs
+  it gives alone; with packed documents positions count from each document's start, so the normaliser restarts too.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
+    super().__init__(cfg, per_token_decay=False, dtype=dtype, rngs=rngs)
+    self.stability_norm = cfg.stability_norm
+    self.stability_norm_style = cfg.stability_norm_style
+    self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas))
+
+  def __call__(self, x_BxLxD: jax.Array, context: "Context", state: dict[str, jax.Array] | None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`x [B, L, D]` in the call `context` (positions, rotation tables, form, documents: positions then count
+    within each) with the layer's incoming state (None: empty) -> (y, new state)."""
+    positions_BxL, rotation_tables, mode, segment_ids_BxL = context
+    q, k, v = self.project(x_BxLxD, positions_BxL, rotation_tables)
     log_decay_H = jnp.asarray(self.log_decay, jnp.float32)
 
     # No state (training from the start of a sequence): the forms skip the cross term with a zero state.
@@ -146,26 +214,17 @@ class MultiScaleRetention(nnx.Module):
     else:
       out_BxLxHxV, new_state = self._unfused(mode, q, k, v, log_decay_H, state, positions_BxL, split_over,
                                              segment_ids_BxL)
-    y = layers.rms_norm(out_BxLxHxV, self.head_norm_eps)
-    if self.head_norm_scale is not None:
-      y = y * self.head_norm_scale[...]
-    y = checkpoint_name(y.reshape(batch, length, -1), layer_stack.MIXER_OUT)
-    gate = jax.nn.swish(self.g_proj(x_BxLxD).astype(jnp.float32))
-    return self.out_proj((gate * y).astype(self.dtype)), new_state
+    return self.output(out_BxLxHxV, x_BxLxD), new_state
 
   def _fused(self, q, k, v, log_decay_H, state, positions_BxL, segment_ids_BxL=None):
     """The chunkwise form and the shared normaliser's q . z from one pass of the Pallas kernels, on each device's
     batch and head shards: (normalised float32 output, new state)."""
-    qkv_axes, state_axes = ("batch", None, "heads", None), ("batch", "heads", None, None)
     kv_in = None if state is None else state["kv"]
-    doc_axes = ("batch", None)  # the documents split over the batch like q
     if not self.stability_norm:
-      kernel = lambda q, k, v, log_decay, kv, ids: kernels.chunkwise_retention(
-          q, k, v, log_decay, self.chunk_size, kv, segment_ids=ids, precision=self.precision,
-          config=self.kernel_config)
-      out, kv = sharding.per_shard(kernel, [qkv_axes] * 3 + [("heads",), state_axes, doc_axes],
-                                   [qkv_axes, state_axes])(q, k, v, log_decay_H, kv_in, segment_ids_BxL)
-      return out.astype(jnp.float32), {"kv": kv}
+      out, kv = self.kernel_form(q, k, v, log_decay_H, kv_in, segment_ids_BxL)
+      return out, {"kv": kv}
+    qkv_axes, state_axes = ("batch", None, "heads", None), ("batch", "heads", None, None)
+    doc_axes = ("batch", None)  # the documents split over the batch like q
     kernel = lambda q, k, v, log_decay, kv, z, ids: kernels.chunkwise_retention_with_key_sum(
         q, k, v, log_decay, self.chunk_size, kv, z, segment_ids=ids, precision=self.precision,
         config=self.kernel_config)
@@ -178,15 +237,15 @@ class MultiScaleRetention(nnx.Module):
     return out.astype(jnp.float32) / divisor[..., None], {"kv": kv, "key_sum": key_sum}
 
   def _unfused(self, mode: str, q, k, v, log_decay_H, state, positions_BxL, split_over=None, segment_ids_BxL=None):
-    """The XLA form of `mode` (split over `split_over`, as in `_retention`), then the normaliser from a second call
-    on a ones value column: (normalised float32 output, new state)."""
+    """The XLA form of `mode` (split over `split_over`, as in `retention_form`), then the normaliser from a second
+    call on a ones value column: (normalised float32 output, new state)."""
     batch, length, heads = q.shape[:3]
     kv_in = None if state is None else state["kv"]
     # torchscale's chunkwise scalars read the entry states in float32.
     torchscale_chunks = stability.torchscale_normaliser(self) and mode == "chunkwise"
-    out_BxLxHxV, kv, entry_states, _ = self._retention(mode, q, k, v, log_decay_H, kv_in, split_over=split_over,
-                                                       segment_ids=segment_ids_BxL,
-                                                       wide_entry_states=torchscale_chunks)
+    out_BxLxHxV, kv, entry_states, _ = self.retention_form(mode, q, k, v, log_decay_H, kv_in, split_over=split_over,
+                                                           segment_ids=segment_ids_BxL,
+                                                           wide_entry_states=torchscale_chunks)
     new_state = {"kv": kv}
     out_BxLxHxV = out_BxLxHxV.astype(jnp.float32)
     if self.stability_norm:
@@ -196,8 +255,8 @@ class MultiScaleRetention(nnx.Module):
       q_sg, k_sg = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
       ones = jnp.ones((batch, length, heads, 1), q.dtype)
       z_in = None if state is None else state["key_sum"][..., None]
-      qz, key_sum, _, abs_sums = self._retention(mode, q_sg, k_sg, ones, log_decay_H, z_in, torchscale_chunks,
-                                                 split_over, segment_ids_BxL)
+      qz, key_sum, _, abs_sums = self.retention_form(mode, q_sg, k_sg, ones, log_decay_H, z_in, torchscale_chunks,
+                                                     split_over, segment_ids_BxL)
       new_state["key_sum"] = key_sum[..., 0]
       if torchscale_chunks:
         divisor = stability.torchscale_chunkwise_divisor(abs_sums, entry_states, self.chunk_size, log_decay_H)
@@ -216,25 +275,8 @@ class Retention(base.Mixer):
   fixed_state = True
 
   def check_config(self, cfg: ml_collections.ConfigDict) -> None:
-    for field in ("num_heads", "value_dim"):
-      config_checks.positive_int(cfg[field], f"model.{field}")
-    if cfg.d_model % cfg.num_heads:
-      raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}; "
-                       "choose num_heads dividing d_model.")
-    if cfg.value_dim % cfg.num_heads:
-      raise ValueError(f"model.value_dim={cfg.value_dim} is not divisible by model.num_heads={cfg.num_heads}; "
-                       "choose value_dim as a multiple of num_heads.")
-    if cfg.num_kv_heads is not None and (cfg.num_kv_heads < 1 or cfg.num_heads % cfg.num_kv_heads):
-      raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} must be a positive divisor of model.num_heads="
-                       f"{cfg.num_heads} (or None: one key/value head per query head).")
-    rotation.check_rotary_dim(cfg.d_model // cfg.num_heads)
-    rotation.check_rotation(cfg.rotation_pairs, cfg.rotation_freqs)
-    config_checks.finite_number(cfg.rotation_base, "model.rotation_base", positive=True)
-    config_checks.finite_number(cfg.head_norm_eps, "model.head_norm_eps")
-    retention.check_chunk_size(cfg.chunk_size, "model.chunk_size")
+    check_retention_fields(cfg)
     decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
-    config_checks.choice(cfg.retention_impl, "model.retention_impl", RETENTION_IMPLS)
-    config_checks.choice(cfg.kernel_layout, "model.kernel_layout", kernels.LAYOUTS)
     config_checks.choice(cfg.stability_norm_style, "model.stability_norm_style", stability.NORM_STYLES)
 
   def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> MultiScaleRetention:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import ml_collections
 
 from retnet_jax.core import config_checks
-from retnet_jax.mixers import attention, base, multiscale_retention
+from retnet_jax.mixers import attention, base, gated_retention, multiscale_retention
 from retnet_jax.models import presets
 from retnet_jax.nn import layers
 
 ARCHITECTURES = presets.ARCHITECTURES
-# `model.mixer`: a RetNet's token mixer (hybrids put attention in `model.attention_layers`).
-MIXERS: dict[str, base.Mixer] = {"retention": multiscale_retention.RETENTION}
+# `model.mixer`: a RetNet's token mixer (hybrids put attention in `model.attention_layers`): RetNet's multi-scale
+# retention, or YOCO's gated retention (a decay per token).
+MIXERS: dict[str, base.Mixer] = {"retention": multiscale_retention.RETENTION,
+                                 "gated_retention": gated_retention.GATED_RETENTION}
 MODES = ("parallel", "chunkwise", "recurrent")  # every form a mixer computes, in this order
 # The forms that run whole sequences (training, prefill); the recurrent form decodes one token at a time.
 SEQUENCE_MODES = tuple(mode for mode in MODES if mode != "recurrent")

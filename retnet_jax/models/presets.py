@@ -140,7 +140,9 @@ def model_config(name: str) -> config_dict.ConfigDict:
   sizes = preset(name).model
   model = config_dict.ConfigDict(dict(
       architecture="retnet",  # retnet | transformer (configs/transformer.py)
-      mixer="retention",  # every layer's token mixer but attention_layers' (`architectures.MIXERS`)
+      # every layer's token mixer but attention_layers' (`architectures.MIXERS`): retention | gated_retention
+      # (YOCO's per-token decay: decay_schedule, decay_gammas and the stability_norm fields are not read)
+      mixer="retention",
       vocab_size=sizes.vocab_size,
       d_model=sizes.d_model,
       num_layers=sizes.num_layers,
@@ -161,6 +163,7 @@ def model_config(name: str) -> config_dict.ConfigDict:
       # shared: one scalar that every form computes alike (forms agree exactly) | torchscale: the official
       # code's per-form scalars (its outputs reproduced form by form; forms agree up to head_norm_eps)
       stability_norm_style="shared",
+      gate_logit_normalizer=16.0,  # gated_retention: log gamma_t = logsigmoid(x_t W_gt) / this (YOCO: 16)
       head_norm_eps=1e-6,  # per-head RMSNorm epsilon
       head_norm_scale=False,  # a learned scale in the per-head RMSNorm, shared by all heads (fla)
       norm_eps=1e-6,  # block, final and embedding RMSNorm epsilon

@@ -99,8 +99,8 @@ class Dense(nnx.Module):
 
 
 def rms_norm(x: jax.Array, eps: float) -> jax.Array:
-  """x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
-  x = x.astype(jnp.float32)
+  """x / sqrt(mean(x^2) + eps) over the last axis, in float32 (float64 for float64 `x`)."""
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 

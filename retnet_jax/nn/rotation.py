@@ -57,13 +57,14 @@ def tables_for(cfg, positions_BxL: jax.Array, num_heads: int | None = None, base
 
 def rotate(x_BxLxHxK: jax.Array, tables: tuple[jax.Array, jax.Array], pairs: str = "interleaved") -> jax.Array:
   """Rotates the feature pairs (`interleaved` or `half`) of `x [batch, seq, heads, head_dim]` by
-  `rotation_tables(...)`."""
+  `rotation_tables(...)`, in the tables' float32 (float64 for float64 `x`)."""
   cos, sin = tables
+  wide = jnp.promote_types(x_BxLxHxK.dtype, cos.dtype)
   if pairs == "half":
-    first, second = jnp.split(x_BxLxHxK.astype(cos.dtype), 2, axis=-1)
+    first, second = jnp.split(x_BxLxHxK.astype(wide), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x_BxLxHxK.dtype)
-  x_BxLxHxPx2 = x_BxLxHxK.reshape(x_BxLxHxK.shape[:-1] + (-1, 2)).astype(cos.dtype)
+  x_BxLxHxPx2 = x_BxLxHxK.reshape(x_BxLxHxK.shape[:-1] + (-1, 2)).astype(wide)
   even, odd = x_BxLxHxPx2[..., 0], x_BxLxHxPx2[..., 1]
   rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
   return rotated.reshape(x_BxLxHxK.shape).astype(x_BxLxHxK.dtype)

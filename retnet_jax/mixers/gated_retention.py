@@ -1,0 +1,110 @@
+"""Gated retention, the self-decoder layer of YOCO ("You Only Cache Once", Sun et al. 2024): retention whose decay is
+a gate computed from each token (`model.mixer="gated_retention"`, `base.Mixer`).
+
+Per head h and token n, with a gate projection W_gt `[d_model, heads]`,
+
+    log gamma_n = logsigmoid(x_n W_gt)_h / gate_logit_normalizer,    S_n = gamma_n S_(n-1) + k_n^T v_n,    o_n = q_n S_n
+
+then, as in multi-scale retention, a per-head RMSNorm (no affine unless `head_norm_scale`), the swish gate
+swish(x W_g) * o and the output projection (`multiscale_retention.RetentionLayer`: q, k rotated by position, keys
+scaled by d_k^-0.5 as YOCO's kernels scale them, its xavier_uniform(2^-2.5) initialisation, W_gt's too). fla's
+`chunk_simple_gla` computes the same recurrence. There is no stability normaliser: the state is `kv [B, H, d_k, d_v]`
+float32 alone. The forms are `retnet_jax.mixers.retention`'s with a per-token decay
+(`retnet_jax.mixers.retention_decay`), split over a mesh's sequence axis by `retnet_jax.mixers.sequence_parallel`, or
+the split-layout Pallas kernels. The fixed-decay fields (`decay_schedule`, `decay_gammas`) and the normaliser's
+(`stability_norm`, `stability_norm_style`) are not read.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from retnet_jax.core import config_checks, sharding
+from retnet_jax.mixers import base, multiscale_retention, retention
+from retnet_jax.nn import layers
+
+
+class GatedRetentionLayer(multiscale_retention.RetentionLayer):
+  """Gated retention: `RetentionLayer` with a decay per token and head from the gate projection `gt_proj`.
+
+  A left-padding token (position below 0) adds no key and keeps the state (its gate is exactly 1, log 0), so a
+  left-padded prompt gives the outputs it gives alone; a document start of `segment_ids` zeroes the state and the
+  gate products reaching across it (the forms do).
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
+    super().__init__(cfg, per_token_decay=True, dtype=dtype, rngs=rngs)
+    self.gate_logit_normalizer = float(cfg.gate_logit_normalizer)
+    self.gt_proj = layers.Dense(cfg.d_model, cfg.num_heads, ("embed", "heads"), init=layers.xavier_uniform(2**-2.5),
+                                dtype=dtype, rngs=rngs)
+
+  def gate_log_decay(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+    """log gamma `[B, L, H]` = logsigmoid(x W_gt) / gate_logit_normalizer, in float32 (float64 for float64 inputs),
+    0 (gamma = 1) at left padding."""
+    wide = jnp.promote_types(self.dtype, jnp.float32)
+    logits_BxLxH = self.gt_proj(x_BxLxD).astype(wide)
+    log_decay = jax.nn.log_sigmoid(logits_BxLxH) / jnp.asarray(self.gate_logit_normalizer, wide)
+    return jnp.where((positions_BxL >= 0)[..., None], log_decay, 0)
+
+  def __call__(self, x_BxLxD: jax.Array, context: multiscale_retention.Context, state: base.State | None
+               ) -> tuple[jax.Array, base.State]:
+    """`x [B, L, D]` in the call `context` (positions, rotation tables, form, documents) with the layer's incoming
+    state `{"kv"}` (None: empty) -> (y, new state)."""
+    positions_BxL, rotation_tables, mode, segment_ids_BxL = context
+    q, k, v = self.project(x_BxLxD, positions_BxL, rotation_tables)
+    log_decay_BxLxH = self.gate_log_decay(x_BxLxD, positions_BxL)
+    kv_in = None if state is None else state["kv"]
+    split_over = None if mode == "recurrent" else sharding.sequence_split()
+    if mode == "chunkwise" and self.kernel and split_over is None:
+      out_BxLxHxV, kv = self.kernel_form(q, k, v, log_decay_BxLxH, kv_in, segment_ids_BxL)
+    else:
+      out_BxLxHxV, kv, _, _ = self.retention_form(mode, q, k, v, log_decay_BxLxH, kv_in, split_over=split_over,
+                                                  segment_ids=segment_ids_BxL)
+      out_BxLxHxV = out_BxLxHxV.astype(retention.accumulation_dtype(out_BxLxHxV))
+    return self.output(out_BxLxHxV, x_BxLxD), {"kv": kv}
+
+
+class GatedRetention(multiscale_retention.Retention):
+  """Gated retention as the registry holds it (`model.mixer="gated_retention"`): multi-scale retention's fields,
+  forms, context, sequence split and FLOPs, its own decay (`model.gate_logit_normalizer`), no normaliser.
+
+  Its FLOPs per token are retention's products form by form (`Retention.mixing_flops`): the per-token decay's own
+  work (cumulative sums and exps of the gates, per token and head L terms in the parallel form, C in the chunkwise
+  form, 1 recurrent) is elementwise and not counted, as the fixed decay's mask is not; the gate projection is
+  counted in `matmul_params`."""
+
+  name = "gated_retention"
+
+  def check_config(self, cfg: ml_collections.ConfigDict) -> None:
+    multiscale_retention.check_retention_fields(cfg)
+    config_checks.finite_number(cfg.gate_logit_normalizer, "model.gate_logit_normalizer", positive=True,
+                                why="the gate's log-sigmoid is divided by it; YOCO's is 16")
+    if cfg.retention_impl == "pallas" and cfg.kernel_layout != "split":
+      raise ValueError(f"model.retention_impl='pallas' with model.kernel_layout={cfg.kernel_layout!r}: per-token "
+                       "decays run on the split kernels only; set model.kernel_layout='split' (or "
+                       "model.retention_impl='xla' or 'auto').")
+
+  def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> GatedRetentionLayer:
+    return GatedRetentionLayer(cfg, dtype=dtype, rngs=rngs)
+
+  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> base.State:
+    """`kv [B, H, d_k, d_v]` float32 zeros (`max_len` is unused)."""
+    del max_len
+    heads = cfg.num_heads
+    return {"kv": jnp.zeros((batch_size, heads, cfg.d_model // heads, cfg.value_dim // heads), jnp.float32)}
+
+  def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
+    """Multi-scale retention's projections (q, k, v, g, out) and the gate's, d x heads."""
+    return super().matmul_params(cfg) + cfg.d_model * cfg.num_heads
+
+  def check_backend(self, cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+    multiscale_retention.check_retention_impl(cfg, backend, per_token_decay=True)
+
+  def document_refusal(self, cfg: ml_collections.ConfigDict, mode: str) -> str | None:
+    return None  # every form resets the state at a document start; no normaliser spans documents
+
+
+GATED_RETENTION = GatedRetention()
