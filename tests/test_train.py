@@ -162,6 +162,9 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
     (lambda c: c.train.update(segment_len=-4), "train.segment_len must be 0"),
     (lambda c: c.train.update(mode="chunkwise", segment_len=12) or c.model.update(stability_norm_style="torchscale"),
      "train.segment_len=12 is not a multiple of model.chunk_size=8"),
+    (lambda c: c.train.update(segment_len=8) or c.model.update(attention_layers=(1,), attention_max_len=16),
+     r"train.segment_len=8 carries the attention layers' KV caches from segment to segment, .* exceeds "
+     r"model.attention_max_len=16. Raise it \(--config.model.attention_max_len=\d+\) or set model.attention_window"),
     (lambda c: c.model.update(vocab_size=100), "the tokenizer has 256 tokens but model.vocab_size=100"),
     (lambda c: c.data.update(validation_fraction=1.5), "validation_fraction must lie strictly between 0 and 1"),
     (lambda c: c.data.update(validation_fraction=0.003),
@@ -171,7 +174,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
                                                        r"document .* or set data.reset_at_documents=False"),
     (lambda c: c.data.update(reset_at_documents=True) or c.train.update(mode="chunkwise")
      or c.model.update(stability_norm_style="torchscale"),
-     r"data.reset_at_documents=True cannot reset the chunkwise form \(train.mode\) of "
+     r"data.reset_at_documents=True \(train.mode\) cannot reset the chunkwise form of "
      r"model.stability_norm_style='torchscale'"),
     (lambda c: c.train.update(learning_rate=-1.0), r"train.learning_rate must be positive; got -1.0"),
     (lambda c: c.train.update(warmup_steps=-5), r"train.warmup_steps must be at least 0; got -5"),

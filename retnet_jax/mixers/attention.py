@@ -301,6 +301,14 @@ class Attention(base.Mixer):
     keys = min(seq_len, window) if window and mode == "recurrent" else seq_len
     return 4 * keys * cfg.d_model
 
+  def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
+    settings, field = self.settings(cfg), f"model.{self.field('max_len')}"
+    if not settings.window and seq_len > settings.max_len:
+      raise ValueError(f"train.segment_len={segment_len} carries the attention layers' KV caches from segment to "
+                       f"segment, and without a window they hold the whole sequence: train.seq_len={seq_len} "
+                       f"exceeds {field}={settings.max_len}. Raise it (--config.{field}={seq_len}) or set "
+                       f"model.{self.field('window')}.")
+
   def check_sequence_split(self, cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
                            modes: tuple[str, ...]) -> None:
     raise ValueError(f"{where}, but {self.what(cfg)} are attention layers, and only retention splits sequences "

@@ -84,6 +84,10 @@ class Mixer(abc.ABC):
     """Raises ValueError (beginning with `where`) where calls of `length` tokens in `modes` cannot be split over
     `devices` devices of the sequence axis."""
 
+  def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
+    """Raises ValueError naming the fields and the fix where training sequences of `seq_len` tokens cannot be
+    backpropagated through segments of `segment_len` tokens carrying its state in `mode`."""
+
   def document_refusal(self, cfg: ml_collections.ConfigDict, mode: str) -> str | None:
     """Why packed documents cannot reset its state in `mode` and what to use instead ("the chunkwise form of ...:
     use ..."), or None."""

@@ -103,6 +103,9 @@ class GatedRetention(multiscale_retention.Retention):
   def check_backend(self, cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
     multiscale_retention.check_retention_impl(cfg, backend, per_token_decay=True)
 
+  def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
+    """Any segment length: no normaliser depends on where chunks start."""
+
   def document_refusal(self, cfg: ml_collections.ConfigDict, mode: str) -> str | None:
     return None  # every form resets the state at a document start; no normaliser spans documents
 

@@ -333,6 +333,12 @@ class Retention(base.Mixer):
                        f"{devices} x model.chunk_size {cfg.chunk_size} = {devices * cfg.chunk_size}: change "
                        "train.seq_len (or train.segment_len), the chunk size or the sequence axis's size.")
 
+  def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
+    if mode == "chunkwise" and stability.torchscale_normaliser(cfg) and segment_len % cfg.chunk_size:
+      raise ValueError(f"train.segment_len={segment_len} is not a multiple of model.chunk_size={cfg.chunk_size}: "
+                       "the torchscale-style chunkwise normaliser depends on where chunks start; choose a multiple "
+                       "of the chunk size.")
+
   def document_refusal(self, cfg: ml_collections.ConfigDict, mode: str) -> str | None:
     if mode == "chunkwise" and stability.torchscale_normaliser(cfg):
       return ("the chunkwise form of model.stability_norm_style='torchscale' (its per-chunk scalars span "

@@ -20,7 +20,6 @@ import optax
 from flax import nnx
 
 from retnet_jax.core import config_checks, sharding
-from retnet_jax.mixers import stability
 from retnet_jax.models import architectures
 from retnet_jax.nn import layer_stack
 from retnet_jax.training import losses, optimizer, train_state
@@ -44,23 +43,14 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train.loss_tile must be 0 (the loss over all tokens at once) or a positive number of tokens "
                      f"per tile; got {train.loss_tile!r}.")
   check_documents(config, (train.mode,), "train.mode")
-  if (train.segment_len and train.mode == "chunkwise" and stability.torchscale_normaliser(config.model)
-      and train.segment_len % config.model.chunk_size):
-    raise ValueError(f"train.segment_len={train.segment_len} is not a multiple of model.chunk_size="
-                     f"{config.model.chunk_size}: the torchscale-style chunkwise normaliser depends on where chunks "
-                     "start; choose a multiple of the chunk size.")
-  model = config.model
-  if (0 < train.segment_len < train.seq_len and model.get("attention_layers") and not model.attention_window
-      and train.seq_len > model.attention_max_len):
-    raise ValueError(f"train.segment_len={train.segment_len} carries the attention layers' KV caches from segment to "
-                     f"segment, and without a window they hold the whole sequence: train.seq_len={train.seq_len} "
-                     f"exceeds model.attention_max_len={model.attention_max_len}. Raise it "
-                     f"(--config.model.attention_max_len={train.seq_len}) or set model.attention_window.")
+  if 0 < train.segment_len < train.seq_len:
+    for mixer in architectures.mixers(config.model):
+      mixer.check_segments(config.model, train.segment_len, train.seq_len, train.mode)
 
 
 def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> None:
-  """Refuses `data.reset_at_documents` with forms of `modes` (set by `option`) that cannot reset: the torchscale-style
-  chunkwise normaliser, whose per-chunk scalars span documents, and a Transformer's recurrent (decoding) step."""
+  """Refuses `data.reset_at_documents` with forms of `modes` (set by `option`) in which a layer's mixer cannot reset
+  (`Mixer.document_refusal`: the torchscale-style chunkwise normaliser, whose per-chunk scalars span documents)."""
   model = config.model
   if not config.data.reset_at_documents:
     return
