@@ -1,9 +1,10 @@
 """Gated retention (`model.mixer="gated_retention"`) through the tools, which reach it through the registry: training
 crashed and resumed logs the straight run's metrics; evaluation agrees across forms (loss by position too), passkey
 and MQAR evaluate; greedy decoding after either prefill is the same; the decoding state is the kv states alone; the
-steps compile ahead of time for an H100 (Pallas kernels) and a TPU with the gated model's FLOPs; the fla exporter
-refuses it by name."""
+steps compile ahead of time for an H100 (Pallas kernels; scripts/aot_compile.py too) and a TPU with the gated model's
+FLOPs; the fla exporter refuses it by name."""
 
+import json
 import re
 
 import jax
@@ -21,13 +22,13 @@ from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
 from retnet_jax.planning import aot
 from retnet_jax.training import train, train_state
-from tests.helpers import forward, max_abs_diff, random_tokens, read_metrics, tiny_config, tiny_model
+from tests.helpers import forward, random_tokens, read_metrics, run_script, tiny_config, tiny_model
 
 MODES = architectures.MODES
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
 
-@pytest.mark.slow  # ~60 s: three tiny runs
+@pytest.mark.slow  # 40 to 60 s: three tiny runs
 def test_trains_resumes_bit_for_bit_and_evaluates_alike_in_every_form(tmp_path, run_crashing_at_batch):
   """Trained chunkwise in segments of 16 tokens (states carried): crashed in step 6 and resumed from checkpoint 4, it
   logs the straight run's losses and evaluation; its checkpoint evaluates alike in the three forms, loss by position
@@ -142,6 +143,18 @@ def test_train_and_decode_steps_compile_for_a_tpu():
   context = architectures.decode_context(config.model)
   assert decode["model_flops_per_device"] == (flops.forward_flops_per_token(config.model, context, "recurrent")
                                               * config.train.batch_size * aot.DECODE_TOKENS / 4)
+
+
+@pytest.mark.skipif(_installed("gpu") is not None, reason=str(_installed("gpu")))
+def test_aot_script_compiles_a_gated_model_for_an_h100(tmp_path):
+  """scripts/aot_compile.py with --config.model.mixer=gated_retention: the step fits, with the gated model's FLOPs."""
+  result = run_script("aot_compile.py", "--config=configs/retnet.py:tiny", "--target=h100:1", "--steps=train",
+                      f"--out={tmp_path}", "--config.model.num_layers=1", "--config.model.mixer=gated_retention")
+  assert result.returncode == 0, result.stderr[-3000:]
+  step = json.loads(result.stdout.strip().splitlines()[-1])["steps"]["train"]
+  config = gated_aot_config()
+  expected = flops.train_flops_per_token(config.model, config.train.seq_len, config.train.mode)
+  assert step["fits"] and step["model_flops_per_device"] == expected * config.train.batch_size * config.train.seq_len
 
 
 def test_the_fla_exporter_refuses_gated_retention_by_its_mixer(tmp_path):
