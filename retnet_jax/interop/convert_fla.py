@@ -318,11 +318,15 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
 
 def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
   """The model fields of `cfg` that fla's RetNet cannot express, each with the value it needs."""
-  foreign = [mixer.name for mixer in architectures.mixers(cfg)
+  foreign = [mixer for mixer in architectures.mixers(cfg)
              if mixer not in (multiscale_retention.RETENTION, attention.HYBRID)]
-  if foreign:
-    return [f"model.architecture={cfg.architecture!r} (fla's RetNet is a RetNet: retention layers, a hybrid's attention "
-            f"layers; these are {', '.join(foreign)} layers; export a RetNet workdir)"]
+  names = ", ".join(mixer.name for mixer in foreign)
+  if attention.TRANSFORMER in foreign:
+    return [f"model.architecture={cfg.architecture!r} (fla's RetNet is a RetNet: retention layers, a hybrid's "
+            f"attention layers; these are {names} layers; export a RetNet workdir)"]
+  if foreign:  # a RetNet whose model.mixer is not multi-scale retention
+    return [f"model.mixer={cfg.mixer!r} (fla's RetNet computes multi-scale retention, a fixed decay per head; these "
+            f"are {names} layers; export a workdir with model.mixer='retention')"]
   problems = [f"model.{name}={cfg[name]!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
               if cfg[name] != value]
   if cfg.head_norm_eps != cfg.norm_eps:

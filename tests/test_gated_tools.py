@@ -1,0 +1,167 @@
+"""Gated retention (`model.mixer="gated_retention"`) through the tools, which reach it through the registry: training
+crashed and resumed logs the straight run's metrics; evaluation agrees across forms (loss by position too), passkey
+and MQAR evaluate; greedy decoding after either prefill is the same; the decoding state is the kv states alone; the
+steps compile ahead of time for an H100 (Pallas kernels; scripts/aot_compile.py too) and a TPU with the gated model's
+FLOPs; the fla exporter refuses it by name."""
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import retnet as retnet_config
+from retnet_jax.evaluation import evaluate, passkey_eval, sampling, sampling_checks
+from retnet_jax.hardware import accelerators, flops
+from retnet_jax.input_pipeline import passkey
+from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
+from retnet_jax.interop import convert_fla
+from retnet_jax.models import architectures, presets
+from retnet_jax.models.model import Model
+from retnet_jax.planning import aot
+from retnet_jax.training import train, train_state
+from tests.helpers import forward, random_tokens, read_metrics, run_script, tiny_config, tiny_model
+
+MODES = architectures.MODES
+SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
+
+
+@pytest.mark.slow  # 40 to 60 s: three tiny runs
+def test_trains_resumes_bit_for_bit_and_evaluates_alike_in_every_form(tmp_path, run_crashing_at_batch):
+  """Trained chunkwise in segments of 16 tokens (states carried): crashed in step 6 and resumed from checkpoint 4, it
+  logs the straight run's losses and evaluation; its checkpoint evaluates alike in the three forms, loss by position
+  included (4 buckets of 8 tokens)."""
+  config = tiny_config(tmp_path, mode="chunkwise", segment_len=16)
+  config.model.mixer = "gated_retention"
+  straight = train.train_and_evaluate(config, tmp_path / "straight")
+  run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")
+  resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+  assert sorted(read_metrics(tmp_path / "straight")) == list(range(1, 9))
+  assert read_metrics(tmp_path / "resumed") == read_metrics(tmp_path / "straight")
+  assert resumed["eval_loss"] == straight["eval_loss"]
+  model, step = train_state.restore_model(config, tmp_path / "resumed")
+  assert step == 8 and model.blocks[0].mixer_name == "gated_retention"
+  results = evaluate.evaluate_model(model, config, modes=MODES, max_batches=1, position_buckets=4)
+  assert results["modes_agree"] and results["max_loss_difference"] < 1e-5
+  for mode in MODES:
+    buckets = results["modes"][mode]["loss_by_position"]
+    assert [(b["start"], b["end"]) for b in buckets] == [(0, 8), (8, 16), (16, 24), (24, 32)], mode
+    assert all(0 < b["loss"] < np.log(256) for b in buckets), mode
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(buckets, results["modes"]["parallel"]["loss_by_position"])
+               ) < 1e-5, mode
+
+
+def test_passkey_decodes_an_untrained_model():
+  """Passkey retrieval (200-token prompts) decodes an untrained tiny gated model: accuracy in [0, 1]."""
+  grid = passkey.make_grid(ByteTokenizer(), [200], [0.5], samples=2)
+  scores = passkey_eval.evaluate(passkey_eval.greedy_generate(tiny_model(mixer="gated_retention")), grid)
+  assert scores["samples"] == 2 and 0 <= scores["mean_accuracy"] <= 1
+
+
+def test_mqar_evaluates_an_untrained_model_alike_in_every_form():
+  config = retnet_config.get_config("tiny")
+  config.model.update(mixer="gated_retention", vocab_size=16)
+  config.train.seq_len = 15
+  config.data.synthetic = "mqar"
+  config.data.mqar.num_pairs = 3
+  results = evaluate.evaluate_model(Model(config.model, rngs=nnx.Rngs(0)), config, modes=MODES, max_batches=1)
+  assert results["task"] == "mqar" and results["modes_agree"] and results["max_loss_difference"] < 1e-5
+  assert all(0 <= results["modes"][mode]["mqar_accuracy"] <= 1 for mode in MODES)
+
+
+def test_greedy_generation_is_the_same_after_either_prefill():
+  """Two prompts of 11 and 4 tokens (left-padded; chunks of 4 do not divide them): greedy tokens after a chunkwise
+  prefill equal those after a parallel prefill, and are the argmax of the parallel logits over each prompt and its
+  generated tokens."""
+  model = tiny_model(mixer="gated_retention", chunk_size=4)
+  prompts = [random_tokens(1, 11, seed=6)[0], random_tokens(1, 4, seed=7)[0]]
+  tokens, lengths = sampling.pad_prompts(prompts)
+  out = {mode: SAMPLER.generate(model, tokens, lengths, max_new_tokens=6, key=jax.random.key(0), temperature=0,
+                                prefill_mode=mode).tokens for mode in ("chunkwise", "parallel")}
+  np.testing.assert_array_equal(out["chunkwise"], out["parallel"])
+  for prompt, new in zip(prompts, np.asarray(out["chunkwise"])):
+    logits, _ = forward(model, np.concatenate([prompt, new])[None], None, "parallel")
+    np.testing.assert_array_equal(np.argmax(np.asarray(logits[0, len(prompt) - 1:-1]), -1), new)
+
+
+def test_decoding_state_is_the_kv_states_alone():
+  """batch x layers x heads x d_k x d_v float32 (no key_sum: no normaliser) plus each row's int32 position; RetNet's
+  state of the same size holds a key_sum more."""
+  batch, model = 3, tiny_model(mixer="gated_retention")
+  cfg = model.config
+  kv_bytes = batch * cfg.num_layers * cfg.num_heads * (cfg.d_model // cfg.num_heads) * (cfg.value_dim // cfg.num_heads)
+  assert sampling_checks.state_bytes(model, batch) == 4 * kv_bytes + 4 * batch
+  assert sampling_checks.state_bytes(tiny_model(), batch) > sampling_checks.state_bytes(model, batch)
+
+
+def _installed(platform: str) -> str | None:
+  """None if the aot extra's packages for `platform` are installed, else why not (the skip reason)."""
+  try:
+    accelerators.check_installed(platform)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def gated_aot_config(**model_fields):
+  """The tiny preset with gated retention in one layer (fast compiles) and `model_fields`."""
+  config = presets.get_config("tiny")
+  config.model.update(mixer="gated_retention", num_layers=1, **model_fields)
+  return config
+
+
+@pytest.mark.skipif(_installed("gpu") is not None, reason=str(_installed("gpu")))
+def test_train_step_compiles_for_an_h100_with_the_kernels():
+  """Chunkwise with the split Pallas kernels (per-token decays): the step fits, calls the kernels, and its model
+  FLOPs are flops' count for the gated model (its gate projection's more than RetNet's)."""
+  config = gated_aot_config(retention_impl="pallas", chunk_size=16)
+  config.train.mode = "chunkwise"
+  report = aot.plan(config, accelerators.parse_target("h100:1"), ("train",))
+  step = report["steps"]["train"]
+  # as RetNet's split kernels: the state and output passes forward; backward the state pass again, the state
+  # gradient's reverse pass, dv, and dq/dk (the decay's gradient is XLA's, from their outputs)
+  assert report["fits"] and step["fits"] and step["pallas_kernel_calls"] == 6
+  tokens = config.train.batch_size * config.train.seq_len
+  expected = flops.train_flops_per_token(config.model, config.train.seq_len, "chunkwise") * tokens
+  assert step["model_flops_per_device"] == expected
+  config.model.mixer = "retention"
+  assert expected > flops.train_flops_per_token(config.model, config.train.seq_len, "chunkwise") * tokens
+
+
+@pytest.mark.skipif(_installed("tpu") is not None, reason=str(_installed("tpu")))
+def test_train_and_decode_steps_compile_for_a_tpu():
+  """On v5e-4 (data parallel): training and decoding fit, with flops' counts for the gated model per device."""
+  config = gated_aot_config()
+  report = aot.plan(config, accelerators.parse_target("v5e-4"), ("train", "decode"))
+  train_step, decode = report["steps"]["train"], report["steps"]["decode"]
+  assert report["fits"] and train_step["fits"] and decode["fits"]
+  tokens = config.train.batch_size * config.train.seq_len
+  assert train_step["model_flops_per_device"] == flops.train_flops_per_token(
+      config.model, config.train.seq_len, config.train.mode) * tokens / 4
+  context = architectures.decode_context(config.model)
+  assert decode["model_flops_per_device"] == (flops.forward_flops_per_token(config.model, context, "recurrent")
+                                              * config.train.batch_size * aot.DECODE_TOKENS / 4)
+
+
+@pytest.mark.skipif(_installed("gpu") is not None, reason=str(_installed("gpu")))
+def test_aot_script_compiles_a_gated_model_for_an_h100(tmp_path):
+  """scripts/aot_compile.py with --config.model.mixer=gated_retention: the step fits, with the gated model's FLOPs."""
+  result = run_script("aot_compile.py", "--config=configs/retnet.py:tiny", "--target=h100:1", "--steps=train",
+                      f"--out={tmp_path}", "--config.model.num_layers=1", "--config.model.mixer=gated_retention")
+  assert result.returncode == 0, result.stderr[-3000:]
+  step = json.loads(result.stdout.strip().splitlines()[-1])["steps"]["train"]
+  config = gated_aot_config()
+  expected = flops.train_flops_per_token(config.model, config.train.seq_len, config.train.mode)
+  assert step["fits"] and step["model_flops_per_device"] == expected * config.train.batch_size * config.train.seq_len
+
+
+def test_the_fla_exporter_refuses_gated_retention_by_its_mixer(tmp_path):
+  """fla's RetNet has a fixed decay per head: the refusal names model.mixer, not the architecture, before writing."""
+  config = presets.get_config("fla")
+  config.model.mixer = "gated_retention"
+  assert any("model.mixer='gated_retention'" in problem for problem in convert_fla.export_problems(config.model))
+  with pytest.raises(ValueError, match=re.escape("model.mixer='gated_retention' (fla's RetNet")):
+    convert_fla.check_export(config, tmp_path / "out")
+  assert not (tmp_path / "out").exists()
