@@ -6,9 +6,10 @@ Measures, in one run: the matmul ceilings (float32, bfloat16) and memory read ba
 of the real train step (`train_step.setup`) in the parallel and chunkwise forms, float32 and bfloat16; forward and
 training time and peak memory vs sequence length; greedy decoding with `Sampler.decode` (tokens/s at batch 1 and a
 large batch, per-token latency vs context); the same for a Transformer of the same size, and decoding for a hybrid
-whose last layer attends over a window of the prompt's length; and torchscale's RetNet at the identical
-configuration when torch and torchscale import. Writes OUT/results.json, OUT/results.md (also printed) and PNG
-plots. The benchmark itself is `retnet_jax.bench`.
+whose last layer attends over a window of the prompt's length; gated retention (`model.mixer="gated_retention"`)
+beside RetNet in the training rows and decoding tokens/s of the suite's `gated_forms` and `gated_decode_batches`;
+and torchscale's RetNet at the identical configuration when torch and torchscale import. Writes OUT/results.json,
+OUT/results.md (also printed) and PNG plots. The benchmark itself is `retnet_jax.bench`.
 
 Cases that are compared are measured interleaved: each is warmed up once (its peak memory is taken then),
 then timed once per round, round after round, because this machine's speed drifts between runs.

@@ -56,7 +56,8 @@ EXPECTED_KEYS = {
              "total_s", "plots"],
     "ceilings": ["matmul_flops", "memory_read_bytes_per_s", "matmul_size", "read_array_bytes"],
     "training": [f"{model}/{form}/{dtype}" for dtype in ("float32", "bfloat16")
-                 for model, form in (("retnet", "parallel"), ("retnet", "chunkwise"), ("transformer", "parallel"))],
+                 for model, form in (("retnet", "parallel"), ("retnet", "chunkwise"), ("transformer", "parallel"))]
+                + ["gated/chunkwise/float32"],  # quick: gated retention's one train row
     "lengths": ["forward", "train", "forward_analysis", "train_analysis"],
     "decoding": ["throughput", "latency", "latency_ratio", "large_batch", "weight_read_floor_s",
                  "weight_read_floor_tokens_per_s", "batch_1_over_floor", "large_batch_flops_per_s",
@@ -135,8 +136,12 @@ def test_quick_suite_writes_every_result(tmp_path):
   for model in ("retnet", "transformer", "hybrid"):
     assert {"batch_1", "batch_32"} <= set(results["decoding"]["throughput"][model])
     assert all({"context", "latency_s", "state_bytes"} <= set(p) for p in results["decoding"]["latency"][model])
+  assert set(results["decoding"]["throughput"]["gated"]) == {"batch_1"}  # quick: gated retention's one decode row
+  assert {name for name in results["training"] if name.startswith("gated/")} == {"gated/chunkwise/float32"}
   assert [t["target"] for t in results["targets"]] and all("met" in t for t in results["targets"])
-  assert "## Training step" in (tmp_path / "results.md").read_text()
+  text = (tmp_path / "results.md").read_text()
+  assert "## Training step" in text and "Gated retention over RetNet, decoding tokens/s: batch 1 " in text
+  assert "over RetNet (`retnet/`, the same size), tokens/s: chunkwise/float32 " in text
   for name in results["meta"]["plots"]:
     assert (tmp_path / name).stat().st_size > 0
 

@@ -75,7 +75,7 @@ def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
     assert (run_dir / "plots" / name).stat().st_size > 1000, name
   results = json.loads((run_dir / "results.json").read_text())
   assert "nonfinite" not in results, results["nonfinite"]  # metrics.to_json lists any non-finite value there
-  models = {"retnet", "hybrid", "transformer"}
+  models = {"retnet", "gated", "hybrid", "transformer"}
   for section in ("parameters", "steps", "validation", "loss_by_position", "mqar"):
     assert set(results[section]) == models, section
   for arch in models:
@@ -94,8 +94,10 @@ def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
     assert 0 <= results["mqar"][arch]["accuracy"] <= 1 and math.isfinite(results["mqar"][arch]["loss"])
   # The sizes are matched as the paper does: parameter counts within 2%.
   assert results["parameters"]["transformer"] == pytest.approx(results["parameters"]["retnet"], rel=0.02)
+  # Gated RetNet adds the gate projections, [d_model 32, 2 heads] in each of the 2 layers.
+  assert results["parameters"]["gated"] == results["parameters"]["retnet"] + 2 * 32 * 2
   modes = {arch: by_position["mode"] for arch, by_position in results["loss_by_position"].items()}
-  assert modes == {"retnet": "chunkwise", "hybrid": "chunkwise", "transformer": "parallel"}
+  assert modes == {"retnet": "chunkwise", "gated": "chunkwise", "hybrid": "chunkwise", "transformer": "parallel"}
 
   decoding = results["decoding"]
   assert decoding["contexts"] == [16, 32]
@@ -103,9 +105,11 @@ def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
     assert len(decoding[arch]["ms_per_token"]) == len(decoding[arch]["state_bytes"]) == 2
     assert all(ms > 0 for ms in decoding[arch]["ms_per_token"])
   # tiny: 2 layers, d_model 32 in float32. RetNet: per layer kv [1, 2 heads, 16, 32] and key_sum [1, 2, 16], and
-  # the position; the Transformer: keys and values [1, n, 2 heads, 16] per layer, the position and the next slot.
+  # the position; gated RetNet: kv alone per layer, and the position; the Transformer: keys and values
+  # [1, n, 2 heads, 16] and the next slot per layer, and the position.
   assert decoding["retnet"]["state_bytes"] == [2 * (2 * 16 * 32 + 2 * 16) * 4 + 4] * 2
-  assert decoding["transformer"]["state_bytes"] == [2 * 2 * n * 32 * 4 + 8 for n in (16, 32)]
+  assert decoding["gated"]["state_bytes"] == [2 * 2 * 16 * 32 * 4 + 4] * 2
+  assert decoding["transformer"]["state_bytes"] == [2 * (2 * n * 32 * 4 + 4) + 4 for n in (16, 32)]
   # The hybrid: layer 0's retention state, layer 1's ring buffer of the training length's 64 tokens (keys and values
   # [1, 64, 2 heads, 16]) and its next slot, and the position: constant in the context.
   assert decoding["hybrid"]["state_bytes"] == [(2 * 16 * 32 + 2 * 16) * 4 + 2 * 64 * 32 * 4 + 4 + 4] * 2

@@ -34,6 +34,13 @@ def make_config(base, suite: Suite, dtype: str, mode: str, seq_len: int, batch_s
   return config
 
 
+def gated_config(config):
+  """A copy of `config` with YOCO's gated retention (a decay per token) in place of multi-scale retention."""
+  config = config.copy_and_resolve_references()
+  config.model.mixer = "gated_retention"
+  return config
+
+
 def param_count(model_cfg) -> int:
   """Parameters of the RetNet of model section `model_cfg`, counted abstractly (nothing is allocated)."""
   abstract = nnx.eval_shape(lambda: Model(model_cfg, rngs=nnx.Rngs(0)))

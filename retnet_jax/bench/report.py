@@ -54,6 +54,13 @@ def to_markdown(results) -> str:
        f"{fmt(r['memory']['peak_bytes'], 'B')} (+{fmt(r['memory']['above_start_bytes'], 'B')})",
        fmt(r["compiled_bytes"], "B"), f"{r['mfu']:.1%}"]
       for name, r in results["training"].items()])
+  tokens_per_s = {name: r["tokens_per_s"]["median"] for name, r in results["training"].items()}
+  gated = [name.split("/", 1)[1] for name in tokens_per_s if name.startswith("gated/")]
+  if gated:  # (absent from the results of earlier runs)
+    lines += ["", "Gated retention (`model.mixer=\"gated_retention\"`: a decay per token from a gate) over RetNet "
+              "(`retnet/`, the same size), tokens/s: " + ", ".join(
+                  f"{form} {tokens_per_s[f'gated/{form}'] / tokens_per_s[f'retnet/{form}']:.2f}x" for form in gated)
+              + "."]
   ts = results["torchscale"]
   lines += ["", "## torchscale (official implementation), same configuration", "", ts["note"], ""]
   if ts["ratios"]:
@@ -81,6 +88,10 @@ def to_markdown(results) -> str:
       [f"{name} {key.replace('_', ' ')}" + (f" after {dec['prompt_len']} tokens" if name != "torchscale" else ""),
        fmt_range(value)]
       for name, entry in dec["throughput"].items() for key, value in entry.items()])
+  if "gated" in dec["throughput"]:
+    lines += ["", "Gated retention over RetNet, decoding tokens/s: " + ", ".join(
+        f"{key.replace('_', ' ')} {value['median'] / dec['throughput']['retnet'][key]['median']:.2f}x"
+        for key, value in dec["throughput"]["gated"].items()) + "."]
   lines += ["", "Per-token latency vs context (batch 1):", ""]
   names = list(dec["latency"])
   lines += markdown.table(["context"] + [f"{n} ms/token" for n in names] + [f"{n} state" for n in names], [

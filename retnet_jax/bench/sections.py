@@ -18,8 +18,8 @@ from flax import nnx
 
 from retnet_jax.bench import documents
 from retnet_jax.bench.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
-                                    make_config, matmul_case, param_count, read_case, retnet_train_case,
-                                    transformer_train_case)
+                                    gated_config, make_config, matmul_case, param_count, read_case,
+                                    retnet_train_case, transformer_train_case)
 from retnet_jax.bench.harness import interleave, memory_source, rate
 from retnet_jax.bench.plots import plot
 from retnet_jax.bench.report import fmt, to_markdown
@@ -34,8 +34,9 @@ from retnet_jax.nn.layers import DTYPES
 
 def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale: Torchscale, source: str
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Train-step throughput and MFU per model / form / dtype, interleaved with the matmul ceilings they are
-  divided by: (results per case, matmul FLOP/s per dtype)."""
+  """Train-step throughput and MFU per model / form / dtype (RetNet, gated retention in `suite.gated_forms`, the
+  Transformer), interleaved with the matmul ceilings they are divided by: (results per case, matmul FLOP/s per
+  dtype)."""
   cases = {f"matmul/{name}": matmul_case(dtype, suite.matmul_size) for name, dtype in DTYPES.items()}
   flops_per_token = {}
   for dtype in DTYPES:
@@ -47,6 +48,10 @@ def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale
     cases[f"transformer/parallel/{dtype}"] = transformer_train_case(config, mesh)
     flops_per_token[f"transformer/parallel/{dtype}"] = flops.train_flops_per_token(
         presets.transformer_config(config.model, suite.seq_len), suite.seq_len, "parallel")
+  for mode, dtype in suite.gated_forms:
+    config = gated_config(make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size))
+    cases[f"gated/{mode}/{dtype}"] = retnet_train_case(config, mesh, states)
+    flops_per_token[f"gated/{mode}/{dtype}"] = flops.train_flops_per_token(config.model, suite.seq_len, mode)
   if torchscale.available:
     for mode in architectures.SEQUENCE_MODES:
       config = make_config(base, suite, "float32", mode, suite.seq_len, suite.batch_size)
@@ -144,7 +149,8 @@ def measure_long_training(base, suite: Suite, mesh, states: InitialStates, sourc
 def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inference: Inference, source: str
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Greedy decoding on the inference mesh: tokens/s at batch 1 and `decode_batch`, per-token latency vs
-  context, interleaved with the read bandwidth of the weight-read floor: (results, read bytes/s)."""
+  context, gated retention's tokens/s at `gated_decode_batches`, interleaved with the read bandwidth of the
+  weight-read floor: (results, read bytes/s)."""
   config = make_config(base, suite, "float32", "chunkwise", suite.seq_len, 1)
   retnet = inference.place(Model(config.model, rngs=nnx.Rngs(config.seed)))
   param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(retnet, nnx.Param)))
@@ -164,6 +170,10 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inferen
       cases[f"{name}/batch_1/{context}"] = decode_case(model_at(context), 1, context, suite.new_tokens, prefill)
     cases[f"{name}/batch_{suite.decode_batch}/{suite.prompt_len}"] = decode_case(
         model_at(suite.prompt_len), suite.decode_batch, suite.prompt_len, suite.new_tokens, prefill)
+  gated = inference.place(Model(gated_config(config).model, rngs=nnx.Rngs(config.seed)))
+  for batch in suite.gated_decode_batches:
+    cases[f"gated/batch_{batch}/{suite.prompt_len}"] = decode_case(
+        gated, batch, suite.prompt_len, suite.new_tokens, architectures.prefill_modes(gated.config)[0])
   if torchscale.available:
     cases["torchscale/batch_1"] = torchscale.decode_case(suite.new_tokens)
   print(f"decoding: {len(cases)} cases, {suite.new_tokens} new tokens each", flush=True)
@@ -185,6 +195,9 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inferen
         f"batch_{suite.decode_batch}": rate(suite.decode_batch, large["seconds"])}
     results["large_batch"][name] = {"batch": suite.decode_batch, "state_bytes": large["state_bytes"],
                                     "memory": large["memory"], "first_call_s": large["first_run_s"]}
+  results["throughput"]["gated"] = {
+      f"batch_{batch}": rate(batch, cases[f"gated/batch_{batch}/{suite.prompt_len}"].info["seconds"])
+      for batch in suite.gated_decode_batches}
   if torchscale.available:
     results["throughput"]["torchscale"] = {"batch_1": rate(1, cases["torchscale/batch_1"].info["seconds"])}
   bandwidth = read["median"]

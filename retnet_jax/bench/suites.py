@@ -28,6 +28,8 @@ class Suite:
   segment_len: int  # train.segment_len of the segmented long training step
   document_len: int  # mean document length of the packed batches that time document resets
   document_forms: tuple[tuple[str, str], ...]  # the (mode, dtype) train steps timed with and without resets
+  gated_forms: tuple[tuple[str, str], ...]  # the (mode, dtype) train steps of gated retention, beside RetNet's
+  gated_decode_batches: tuple[int, ...]  # gated retention's decoding after `prompt_len` tokens, at these batches
   matmul_size: int
 
 
@@ -37,7 +39,8 @@ SUITES = {
                    seq_len=64, batch_size=4, rounds=2, sweep_rounds=2, decode_rounds=2, lengths=(32, 64),
                    train_lengths=(32,), quadratic_max_len=64, prompt_len=16, decode_batch=32, new_tokens=8,
                    contexts=(16, 32), long_train_len=256, segment_len=64, document_len=16,
-                   document_forms=(("chunkwise", "float32"),), matmul_size=256),
+                   document_forms=(("chunkwise", "float32"),), gated_forms=(("chunkwise", "float32"),),
+                   gated_decode_batches=(1,), matmul_size=256),
     "full": Suite(size=dict(d_model=512, num_layers=6, num_heads=4, value_dim=1024, ffn_dim=1024, vocab_size=256,
                             chunk_size=128),
                   seq_len=512, batch_size=8, rounds=3, sweep_rounds=2, decode_rounds=4,
@@ -46,6 +49,9 @@ SUITES = {
                   contexts=(128, 512, 2048, 8192), long_train_len=16384, segment_len=2048, document_len=128,
                   document_forms=tuple((mode, dtype) for dtype in ("float32", "bfloat16")
                                        for mode in ("parallel", "chunkwise")),
+                  gated_forms=tuple((mode, dtype) for dtype in ("float32", "bfloat16")
+                                    for mode in ("parallel", "chunkwise")),
+                  gated_decode_batches=(1, 32),
                   matmul_size=2048),
 }
 
