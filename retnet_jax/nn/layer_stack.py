@@ -3,7 +3,7 @@ leading layer axis, run under `jax.lax.scan` so that compile time stops growing 
 Blocks of several structures (a hybrid's retention and attention blocks) are stacked by their period: the shortest
 run of blocks whose structures repeat through the stack (a `Group`) is the scanned unit, one group per step.
 
-    blocks = build(lambda rngs, layer: RetNetBlock(cfg, ...), cfg.num_layers, cfg.scan_layers, rngs)
+    blocks = build(lambda rngs, layer: model.Block(cfg, mixer, ...), cfg.num_layers, cfg.scan_layers, rngs)
     x, layer_states = run(blocks, x, layer_states, call, remat)  # call(block, x, layer_state) -> (x, layer_state)
     tree = relayout(tree, scanned=True)  # parameters, optimizer moments: one layout to the other
 
