@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from configs import retnet as retnet_config
+from retnet_jax.hardware import accelerators
 from retnet_jax.mixers.kernels import support
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
@@ -42,6 +43,16 @@ def on_gpu() -> bool:
   `kernels.check_supported` accepts, instead of running interpreted at any size, and some results round otherwise
   than on the CPU (each test that allows for it says why)."""
   return jax.default_backend() == "gpu"
+
+
+def aot_extra_missing(platform: str) -> str | None:
+  """None if the aot extra's packages for compiling for `platform` (gpu, tpu) are installed, else why not (a skip
+  reason)."""
+  try:
+    accelerators.check_installed(platform)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def kernel_chunk(interpreted: int) -> int:

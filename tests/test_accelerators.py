@@ -57,7 +57,7 @@ def test_the_training_script_sets_and_logs_them_where_it_sees_a_gpu(tmp_path):
   unknown one would abort the process) adds them to XLA_FLAGS before JAX starts, logs them, and keeps the user's."""
   config = tiny_config(tmp_path, steps=1, eval_every_steps=1)
   flags = [*script_flags(config, tmp_path / "run"), "--config.train.steps=1", "--config.train.eval_every_steps=1"]
-  program = ("import runpy, sys; from retnet_jax import accelerators; accelerators.local_gpu = lambda: True; "
+  program = ("import runpy, sys; from retnet_jax.hardware import accelerators; accelerators.local_gpu = lambda: True; "
              f"sys.argv = ['scripts/train.py', *{flags!r}]; "
              "runpy.run_path('scripts/train.py', run_name='__main__')")
   result = run_python("-c", program, XLA_FLAGS="--xla_gpu_enable_triton_gemm=true")

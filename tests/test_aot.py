@@ -15,20 +15,11 @@ from retnet_jax.mixers.kernels import support
 from retnet_jax.models import presets
 from retnet_jax.nn import layer_stack
 from retnet_jax.planning import aot
-from tests.helpers import run_script
+from tests.helpers import aot_extra_missing, run_script
 
 
-def _installed(platform: str) -> str | None:
-  """None if the aot extra's packages for `platform` are installed, else why not (the skip reason)."""
-  try:
-    accelerators.check_installed(platform)
-  except ValueError as e:
-    return str(e)
-  return None
-
-
-needs_gpu = pytest.mark.skipif(_installed("gpu") is not None, reason=str(_installed("gpu")))
-needs_tpu = pytest.mark.skipif(_installed("tpu") is not None, reason=str(_installed("tpu")))
+needs_gpu = pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
+needs_tpu = pytest.mark.skipif(aot_extra_missing("tpu") is not None, reason=str(aot_extra_missing("tpu")))
 
 
 def tiny(**fields):

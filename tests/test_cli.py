@@ -109,7 +109,7 @@ def test_distributed_settings_refuse_what_would_fail_later(flags, env, message):
 
 
 JOIN = """
-from retnet_jax import cli
+from retnet_jax.training import cli
 cli.prepare()
 start = cli.distributed_flags()
 cli.run(lambda: (start(), print("joined")))
@@ -179,7 +179,7 @@ def test_without_an_accelerator_the_plugins_start_quietly_on_the_cpu():
   """With the CUDA/TPU plugins installed (the aot extra) and no accelerator, plugin discovery printed two tracebacks
   and libtpu's warnings before each script's output."""
   env = {name: value for name, value in os.environ.items() if name != "JAX_PLATFORMS"}
-  code = "from retnet_jax import cli; cli.prepare(); import jax; print(jax.devices()[0].platform)"
+  code = "from retnet_jax.training import cli; cli.prepare(); import jax; print(jax.devices()[0].platform)"
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=120)
   assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr

@@ -220,17 +220,6 @@ def test_model_forms_and_hybrid_forms_agree():
     assert set(results["parallel"][1]["layers"][0]) == {"kv"}
 
 
-@pytest.mark.parametrize("first,second", list(itertools.product(MODES, MODES)))
-def test_prefill_in_one_form_continues_in_another(first, second):
-  model = tiny_gated()
-  tokens = random_tokens(2, 19, seed=1)
-  whole, whole_state = forward(model, tokens, None, "parallel")
-  logits1, state1 = forward(model, tokens[:, :11], None, first)
-  logits2, state2 = forward(model, tokens[:, 11:], state1, second)
-  assert max_abs_diff(jnp.concatenate([logits1, logits2], axis=1), whole) < 5e-5
-  assert max_abs_diff(state2, whole_state) < 1e-5
-
-
 def test_packed_documents_equal_each_document_alone_and_left_padding_the_prompt_alone():
   """Model level: a row of three packed documents gives each document's logits alone (and the last one's state), and
   a prompt left-padded by 6 tokens (a state starting at position -6) the prompt's logits and state, in every form."""

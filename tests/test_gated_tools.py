@@ -22,7 +22,8 @@ from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
 from retnet_jax.planning import aot
 from retnet_jax.training import train, train_state
-from tests.helpers import forward, random_tokens, read_metrics, run_script, tiny_config, tiny_model
+from tests.helpers import (aot_extra_missing, forward, random_tokens, read_metrics, run_script, tiny_config,
+                           tiny_model)
 
 MODES = architectures.MODES
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
@@ -96,15 +97,6 @@ def test_decoding_state_is_the_kv_states_alone():
   assert sampling_checks.state_bytes(tiny_model(), batch) > sampling_checks.state_bytes(model, batch)
 
 
-def _installed(platform: str) -> str | None:
-  """None if the aot extra's packages for `platform` are installed, else why not (the skip reason)."""
-  try:
-    accelerators.check_installed(platform)
-  except ValueError as e:
-    return str(e)
-  return None
-
-
 def gated_aot_config(**model_fields):
   """The tiny preset with gated retention in one layer (fast compiles) and `model_fields`."""
   config = presets.get_config("tiny")
@@ -112,7 +104,7 @@ def gated_aot_config(**model_fields):
   return config
 
 
-@pytest.mark.skipif(_installed("gpu") is not None, reason=str(_installed("gpu")))
+@pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
 def test_train_step_compiles_for_an_h100_with_the_kernels():
   """Chunkwise with the split Pallas kernels (per-token decays): the step fits, calls the kernels, and its model
   FLOPs are flops' count for the gated model (its gate projection's more than RetNet's)."""
@@ -130,7 +122,7 @@ def test_train_step_compiles_for_an_h100_with_the_kernels():
   assert expected > flops.train_flops_per_token(config.model, config.train.seq_len, "chunkwise") * tokens
 
 
-@pytest.mark.skipif(_installed("tpu") is not None, reason=str(_installed("tpu")))
+@pytest.mark.skipif(aot_extra_missing("tpu") is not None, reason=str(aot_extra_missing("tpu")))
 def test_train_and_decode_steps_compile_for_a_tpu():
   """On v5e-4 (data parallel): training and decoding fit, with flops' counts for the gated model per device."""
   config = gated_aot_config()
@@ -145,7 +137,7 @@ def test_train_and_decode_steps_compile_for_a_tpu():
                                               * config.train.batch_size * aot.DECODE_TOKENS / 4)
 
 
-@pytest.mark.skipif(_installed("gpu") is not None, reason=str(_installed("gpu")))
+@pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
 def test_aot_script_compiles_a_gated_model_for_an_h100(tmp_path):
   """scripts/aot_compile.py with --config.model.mixer=gated_retention: the step fits, with the gated model's FLOPs."""
   result = run_script("aot_compile.py", "--config=configs/retnet.py:tiny", "--target=h100:1", "--steps=train",

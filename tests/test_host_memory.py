@@ -9,7 +9,7 @@ from tests.helpers import run_python
 # Each call of f allocates two 64 MB temporaries and a 64 MB output: above glibc's 32 MB mmap threshold.
 SCRIPT = """
 import resource, statistics, sys
-from retnet_jax import host_memory
+from retnet_jax.core import host_memory
 applied = host_memory.keep_freed_memory() if sys.argv[1] == "keep" else False
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x))
@@ -46,7 +46,7 @@ def test_kept_memory_is_reused_by_later_executions():
 # MiB returned to the system when a 256 MiB block is freed, allocated outside and inside `one_off_buffers`.
 ONE_OFF_SCRIPT = """
 import contextlib, resource
-from retnet_jax import host_memory
+from retnet_jax.core import host_memory
 assert host_memory.keep_freed_memory()
 import numpy as np
 

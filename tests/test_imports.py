@@ -19,8 +19,8 @@ MODEL_CODE = ("retnet_jax.models.model", "retnet_jax.evaluation.sampling", "retn
               "retnet_jax.mixers.attention", "retnet_jax.mixers.multiscale_retention",
               "retnet_jax.mixers.gated_retention")
 # What README's scripts run on the Quickstart install (`pip install -e .`, no extras), plots included.
-QUICKSTART = ("retnet_jax.evaluation.evaluate", "retnet_jax.evaluation.passkey_eval", "retnet_jax.training.train",
-              "retnet_jax.input_pipeline.prepared")
+QUICKSTART = ("retnet_jax.evaluation.evaluate", "retnet_jax.evaluation.passkey_eval",
+              "retnet_jax.training.train", "retnet_jax.input_pipeline.prepared")
 
 
 def module_names() -> dict[str, Path]:
@@ -187,7 +187,8 @@ def test_no_architecture_switch_outside_the_registry():
   """Only `architectures` tells model families apart by name; everything else asks the mixers it gives."""
   assert architecture_switches('  if cfg.architecture == "transformer":\n    pass') and architecture_switches(
       'if "retnet" != architectures.architecture(model):') and not architecture_switches('name = cfg.architecture')
-  files = [path for path in PACKAGE.rglob("*.py") if path != REGISTRY] + sorted((PACKAGE.parent / "scripts").glob("*.py"))
+  files = [path for path in PACKAGE.rglob("*.py") if path != REGISTRY]
+  files += sorted((PACKAGE.parent / "scripts").glob("*.py"))
   found = {str(path.relative_to(PACKAGE.parent)): lines for path in files
            if (lines := architecture_switches(path.read_text()))}
   assert not found, f"architecture switches outside the registry, models/architectures.py (ask its mixers): {found}"

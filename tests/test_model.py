@@ -47,9 +47,10 @@ def test_modes_agree_bfloat16():
   assert max_abs_diff(results["parallel"][0], reference) < 0.05 * scale  # and bf16 is close to f32
 
 
+@pytest.mark.parametrize("mixer", ["retention", "gated_retention"])
 @pytest.mark.parametrize("first,second", list(itertools.product(MODES, MODES)))
-def test_prefill_in_one_mode_continues_in_another(first, second):
-  model = tiny_model()
+def test_prefill_in_one_mode_continues_in_another(first, second, mixer):
+  model = tiny_model(mixer=mixer)
   tokens = random_tokens(2, 19, seed=1)
   whole, whole_state = forward(model, tokens, None, "parallel")
   logits1, state1 = forward(model, tokens[:, :11], None, first)

@@ -323,7 +323,7 @@ def test_two_processes_read_disjoint_rows_whose_union_is_the_global_batch(tmp_pa
       process = int(sys.argv[1])
       jax.distributed.initialize("127.0.0.1:{{}}".format(sys.argv[2]), 2, process)
       sys.path.insert(0, {str(REPO)!r})
-      from retnet_jax import loader, tokenizer
+      from retnet_jax.input_pipeline import loader, tokenizer
       from tests.test_prepared import data_config
       mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
       sharding = jax.NamedSharding(mesh, jax.P("data"))

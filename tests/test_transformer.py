@@ -286,8 +286,8 @@ def test_scripts_evaluate_and_generate_it(trained, model):
 @pytest.mark.parametrize("change,message", [
     (lambda c: c.model.update(architecture="mamba"), r"unknown model.architecture 'mamba'; choose one of \('retnet', "
                                                      r"'transformer'\)"),
-    (lambda c: c.train.update(mode="chunkwise"), r"train.mode='chunkwise': this model's layers do not compute the chunkwise form"
-                                                 r".*--config.train.mode=parallel"),
+    (lambda c: c.train.update(mode="chunkwise"),
+     r"train.mode='chunkwise': this model's layers do not compute the chunkwise form.*--config.train.mode=parallel"),
     (lambda c: c.train.update(segment_len=16), r"train.segment_len=16: segments carry retention's fixed-size state.*"
                                                r"--config.train.segment_len=0"),
     (lambda c: c.model.update(max_len=0), "model.max_len must be a positive integer; got 0"),

@@ -39,7 +39,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from retnet_jax.core import config_checks, sharding
-from retnet_jax.evaluation import sampling, sampling_checks
+from retnet_jax.evaluation import sampling
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
 from retnet_jax.training import cli, losses, metrics, train_state
@@ -270,7 +270,7 @@ class RetNetLM(TemplateLM):
     self.tokenizer = tokenizer
     model_cfg = config.model if model is None else model.config
     self._prefix_token = self._choose_prefix_token(prefix_token, model_cfg.vocab_size)
-    field = sampling_checks.cache_field(model_cfg)
+    field = architectures.cache_field(model_cfg)
     if field is not None and self.max_length > model_cfg[field]:
       raise ValueError(f"max_length={self.max_length} tokens of context and continuation do not fit the KV cache of "
                        f"model.{field}={model_cfg[field]}; raise it (config.model.{field}={self.max_length}) or "

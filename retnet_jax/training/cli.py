@@ -1,6 +1,6 @@
 """What the scripts share: the host-memory setting made first, their common flags, and the absl entry point.
 
-    from retnet_jax import cli
+    from retnet_jax.training import cli
     if __name__ == "__main__":
       cli.prepare()  # before numpy and jax are imported
     ...
