@@ -42,9 +42,13 @@ def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
   if len(state["layers"]) != cfg.num_layers:
     raise ValueError(f"the state holds {len(state['layers'])} layer states but model.num_layers={cfg.num_layers}; "
                      "it was made by another model config.")
+  expected_by = {}  # (mixer, found) -> its shapes: traced once per kind of layer state, not once per layer
   for i, (mixer, layer_state) in enumerate(zip(architectures.layer_mixers(cfg), state["layers"])):
     found = {k: tuple(np.shape(v)) for k, v in layer_state.items()} if isinstance(layer_state, dict) else layer_state
-    expected = {k: v.shape for k, v in jax.eval_shape(lambda: mixer.state_for(cfg, batch, found)).items()}
+    key = (mixer.name, repr(found))
+    if key not in expected_by:
+      expected_by[key] = {k: v.shape for k, v in jax.eval_shape(lambda: mixer.state_for(cfg, batch, found)).items()}
+    expected = expected_by[key]
     if found != expected:
       raise ValueError(f"layer {i} of the state holds {found}, but a batch of {batch} in this model config needs "
                        f"{expected}; the state was made by another model config or batch size.")
