@@ -153,12 +153,14 @@ def test_a_mesh_splitting_sequences_scores_as_one_device(trained):
     assert logprob == pytest.approx(want, rel=1e-5, abs=1e-5) and greedy == want_greedy
 
 
-@pytest.mark.parametrize("architecture", ["transformer", "hybrid"])
-def test_a_transformer_or_hybrid_continues_from_its_kv_cache(tmp_path, architecture):
+@pytest.mark.parametrize("architecture", ["transformer", "hybrid", "gated_retention"])
+def test_a_transformer_hybrid_or_gated_model_continues_from_its_state(tmp_path, architecture):
   """The adapter is generic over model(tokens, mode, state): a Transformer's KV cache carries the contexts, as do a
-  hybrid RetNet's retention states and (its layer 1 attending over a window of 6 tokens) ring buffer."""
-  model = (tiny_transformer(max_len=128) if architecture == "transformer" else
-           tiny_model(attention_layers=(1,), attention_window=6))
+  hybrid RetNet's retention states and (its layer 1 attending over a window of 6 tokens) ring buffer, and a gated
+  RetNet's kv states (their decay a function of each token)."""
+  model = {"transformer": lambda: tiny_transformer(max_len=128),
+           "hybrid": lambda: tiny_model(attention_layers=(1,), attention_window=6),
+           "gated_retention": lambda: tiny_model(mixer="gated_retention")}[architecture]()
   tokenizer = ByteTokenizer()
   lm = harness.RetNetLM(model=model, tokenizer=tokenizer, max_length=16, batch_size=3)
   logits = parallel_logits(model)
