@@ -14,6 +14,11 @@ BACKEND = os.environ.get("RETNET_TEST_BACKEND", "cpu")
 if BACKEND == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if BACKEND == "cpu":
+  # The 8 simulated devices meet in each collective; XLA aborts the process when one arrives a minute after the
+  # others (20 s to a warning, 40 s more to the abort), a watchdog for deadlocks. Two test workers on 2 cores, beside
+  # the subprocesses some tests start, can delay a device's thread that long without any deadlock: allow 10 minutes.
+  os.environ["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
 if BACKEND != "cpu":
   # test_resume_is_exact (RetNet's and the Transformer's) compares a straight run's losses with a resumed run's bit
   # for bit; on a GPU, XLA's scatter-adds (the embedding gradient) run as atomics, summing in a varying order, unless
