@@ -16,7 +16,9 @@ NOTEBOOK = REPO / "notebooks" / "compare_modes.ipynb"
 TINY = dict(TRAIN_STEPS="4", BATCH="1", SEQ_LENS="24", DECODE_CONTEXTS="24", REPEATS="1")
 VERSUS = REPO / "notebooks" / "retnet_vs_transformer.ipynb"
 VERSUS_TINY = dict(TRAIN_STEPS="4", EVAL_EVERY="2", EVAL_SEQ_LEN="128", POSITION_BUCKETS="4", EVAL_BATCHES="1",
-                   MQAR_STEPS="4", MQAR_BATCH="8", DECODE_CONTEXTS="16,32", DECODE_TOKENS="4", REPEATS="1")
+                   MQAR_STEPS="4", MQAR_BATCH="8", MQAR_WIDTHS="16,32", PASSKEY_SEQ_LEN="176", PASSKEY_STEPS="2",
+                   PASSKEY_BATCH="2", PASSKEY_LENGTHS="176,200", PASSKEY_DEPTHS="0,1", PASSKEY_SAMPLES="2",
+                   DECODE_CONTEXTS="16,32", DECODE_TOKENS="4", REPEATS="1")
 
 
 @pytest.mark.parametrize("path, tiny", [(NOTEBOOK, TINY), (VERSUS, VERSUS_TINY)], ids=["compare_modes", "versus"])
@@ -71,13 +73,15 @@ def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
   client = NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}})
   client.execute(env=env)  # raises CellExecutionError, naming the cell, if any cell fails
 
-  for name in ("validation_loss.png", "loss_by_position.png", "mqar.png", "decoding.png"):
+  for name in ("validation_loss.png", "loss_by_position.png", "mqar.png", "mqar_by_state.png", "passkey.png",
+               "decoding.png"):
     assert (run_dir / "plots" / name).stat().st_size > 1000, name
   results = json.loads((run_dir / "results.json").read_text())
   assert "nonfinite" not in results, results["nonfinite"]  # metrics.to_json lists any non-finite value there
   models = {"retnet", "gated", "hybrid", "transformer"}
-  for section in ("parameters", "steps", "validation", "loss_by_position", "mqar"):
+  for section in ("parameters", "steps", "validation", "loss_by_position", "mqar", "passkey"):
     assert set(results[section]) == models, section
+  assert set(results["mqar_by_state"]) == models | {"widths", "context"}
   for arch in models:
     for task in ("text", "mqar"):
       assert (run_dir / task / arch / "checkpoints" / "4").is_dir(), (task, arch)
@@ -92,6 +96,17 @@ def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
     assert all(math.isfinite(b["loss"]) for b in by_position["buckets"])
     assert sum(b["loss"] for b in by_position["buckets"]) / 4 == pytest.approx(by_position["loss"], rel=1e-5)
     assert 0 <= results["mqar"][arch]["accuracy"] <= 1 and math.isfinite(results["mqar"][arch]["loss"])
+    # MQAR at widths 16 and 32: the preset's own width (32) is the MQAR run above, the other a run of its own.
+    narrow, preset_width = results["mqar_by_state"][arch]
+    assert (narrow["d_model"], preset_width["d_model"]) == (16, 32) and narrow["step"] == 4
+    assert (run_dir / "mqar_width" / "d16" / arch / "checkpoints" / "4").is_dir()
+    assert not (run_dir / "mqar_width" / "d32").exists()
+    assert preset_width["accuracy"] == results["mqar"][arch]["accuracy"]
+    assert narrow["parameters"] < preset_width["parameters"] and narrow["state_bytes"] < preset_width["state_bytes"]
+    passkey = results["passkey"][arch]
+    assert (passkey["step"], passkey["train_seq_len"], passkey["lengths"], passkey["depths"]) == (2, 176, [176, 200],
+                                                                                                  [0.0, 1.0])
+    assert passkey["samples"] == 2 and all(a in (0.0, 0.5, 1.0) for row in passkey["accuracy"] for a in row)
   # The sizes are matched as the paper does: parameter counts within 2%.
   assert results["parameters"]["transformer"] == pytest.approx(results["parameters"]["retnet"], rel=0.02)
   # Gated RetNet adds the gate projections, [d_model 32, 2 heads] in each of the 2 layers.
@@ -112,4 +127,9 @@ def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
   assert decoding["transformer"]["state_bytes"] == [2 * (2 * n * 32 * 4 + 4) + 4 for n in (16, 32)]
   # The hybrid: layer 0's retention state, layer 1's ring buffer of the training length's 64 tokens (keys and values
   # [1, 64, 2 heads, 16]) and its next slot, and the position: constant in the context.
+  # MQAR's state after its 32 tokens, at widths 16 and 32 (value width 2 d_model, 2 heads of d_model / 2).
+  assert [p["state_bytes"] for p in results["mqar_by_state"]["retnet"]] == [
+      2 * (2 * (d // 2) * d + 2 * (d // 2)) * 4 + 4 for d in (16, 32)]
+  assert [p["state_bytes"] for p in results["mqar_by_state"]["transformer"]] == [
+      2 * (2 * 32 * d * 4 + 4) + 4 for d in (16, 32)]
   assert decoding["hybrid"]["state_bytes"] == [(2 * 16 * 32 + 2 * 16) * 4 + 2 * 64 * 32 * 4 + 4 + 4] * 2
