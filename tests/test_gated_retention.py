@@ -305,7 +305,8 @@ def test_sequence_split_matches_one_device():
      r"model.gate_logit_normalizer must be a positive finite number.*got 0.0"),
     (dict(mixer="gated_retention", gate_logit_normalizer=float("inf")), r"model.gate_logit_normalizer"),
     (dict(mixer="gated_retention", retention_impl="pallas", kernel_layout="fused"),
-     r"retention_impl='pallas' with model.kernel_layout='fused': per-token decays run on the split kernels only"),
+     r"retention_impl='pallas' cannot run: per-token decays run on the split kernels only, not "
+     r"model.kernel_layout='fused': set model.kernel_layout='split'"),
     (dict(mixer="gated_retention", num_heads=3), r"model.d_model=32 is not divisible by model.num_heads=3"),
 ])
 def test_bad_configs_are_refused(overrides, message):

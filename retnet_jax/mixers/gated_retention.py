@@ -82,19 +82,16 @@ class GatedRetention(multiscale_retention.Retention):
     multiscale_retention.check_retention_fields(cfg)
     config_checks.finite_number(cfg.gate_logit_normalizer, "model.gate_logit_normalizer", positive=True,
                                 why="the gate's log-sigmoid is divided by it; YOCO's is 16")
-    if cfg.retention_impl == "pallas" and cfg.kernel_layout != "split":
-      raise ValueError(f"model.retention_impl='pallas' with model.kernel_layout={cfg.kernel_layout!r}: per-token "
-                       "decays run on the split kernels only; set model.kernel_layout='split' (or "
-                       "model.retention_impl='xla' or 'auto').")
+    # What no backend changes is refused as the model is built; the kernels' sizes by check_backend, before work.
+    if cfg.retention_impl == "pallas" and (reason := multiscale_retention.kernel_config_unfit(cfg, True)):
+      raise ValueError(f"model.retention_impl='pallas' cannot run: {reason}")
 
   def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> GatedRetentionLayer:
     return GatedRetentionLayer(cfg, dtype=dtype, rngs=rngs)
 
   def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> base.State:
-    """`kv [B, H, d_k, d_v]` float32 zeros (`max_len` is unused)."""
-    del max_len
-    heads = cfg.num_heads
-    return {"kv": jnp.zeros((batch_size, heads, cfg.d_model // heads, cfg.value_dim // heads), jnp.float32)}
+    """`kv [B, H, d_k, d_v]` float32 zeros, retention's state without a normaliser (`max_len` is unused)."""
+    return {"kv": super().init_state(cfg, batch_size, max_len)["kv"]}
 
   def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
     """Multi-scale retention's projections (q, k, v, g, out) and the gate's, d x heads."""

@@ -33,8 +33,8 @@ class Context(NamedTuple):
   segment_ids_BxL: jax.Array | None
 
 
-def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None, per_token_decay: bool = False) -> str | None:
-  """Why the compiled Pallas kernels cannot run this model's chunkwise retention on `backend`, or None. With
+def kernel_config_unfit(cfg: ml_collections.ConfigDict, per_token_decay: bool = False) -> str | None:
+  """Why the Pallas kernels cannot take this model's chunkwise retention on any backend, or None. With
   `per_token_decay` (gated retention: a decay per token, no normaliser) only the split layout takes the decays."""
   if per_token_decay and cfg.kernel_layout != "split":
     return (f"per-token decays run on the split kernels only, not model.kernel_layout={cfg.kernel_layout!r}: set "
@@ -42,6 +42,14 @@ def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None, per_token_
   if not per_token_decay and stability.torchscale_normaliser(cfg):
     return ("the torchscale normaliser's chunkwise scalars need by-products only the XLA form computes; use "
             "retention_impl='xla' (or 'auto'), or stability_norm_style='shared'")
+  return None
+
+
+def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None, per_token_decay: bool = False) -> str | None:
+  """Why the compiled Pallas kernels cannot run this model's chunkwise retention on `backend`, or None: its
+  configuration (`kernel_config_unfit`), then the kernels' sizes and dtypes on that backend."""
+  if reason := kernel_config_unfit(cfg, per_token_decay):
+    return reason
   try:
     kernels.check_supported(cfg.d_model // cfg.num_heads, cfg.value_dim // cfg.num_heads,
                             layers.compute_dtype(cfg.dtype), cfg.chunk_size, backend, cfg.kernel_layout)
