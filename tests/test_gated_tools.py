@@ -1,8 +1,8 @@
 """Gated retention (`model.mixer="gated_retention"`) through the tools, which reach it through the registry: training
 crashed and resumed logs the straight run's metrics; evaluation agrees across forms (loss by position too), passkey
 and MQAR evaluate; greedy decoding after either prefill is the same; the decoding state is the kv states alone; the
-steps compile ahead of time for an H100 (Pallas kernels; scripts/aot_compile.py too) and a TPU with the gated model's
-FLOPs; the fla exporter refuses it by name."""
+steps compile ahead of time (scripts/aot_compile.py) for an H100 (the Pallas kernels too) and a TPU with the gated
+model's FLOPs; the fla exporter refuses it by name."""
 
 import json
 import re
@@ -122,31 +122,28 @@ def test_train_step_compiles_for_an_h100_with_the_kernels():
   assert expected > flops.train_flops_per_token(config.model, config.train.seq_len, "chunkwise") * tokens
 
 
-@pytest.mark.skipif(aot_extra_missing("tpu") is not None, reason=str(aot_extra_missing("tpu")))
-def test_train_and_decode_steps_compile_for_a_tpu():
-  """On v5e-4 (data parallel): training and decoding fit, with flops' counts for the gated model per device."""
-  config = gated_aot_config()
-  report = aot.plan(config, accelerators.parse_target("v5e-4"), ("train", "decode"))
-  train_step, decode = report["steps"]["train"], report["steps"]["decode"]
-  assert report["fits"] and train_step["fits"] and decode["fits"]
-  tokens = config.train.batch_size * config.train.seq_len
-  assert train_step["model_flops_per_device"] == flops.train_flops_per_token(
-      config.model, config.train.seq_len, config.train.mode) * tokens / 4
-  context = architectures.decode_context(config.model)
-  assert decode["model_flops_per_device"] == (flops.forward_flops_per_token(config.model, context, "recurrent")
-                                              * config.train.batch_size * aot.DECODE_TOKENS / 4)
-
-
-@pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
-def test_aot_script_compiles_a_gated_model_for_an_h100(tmp_path):
-  """scripts/aot_compile.py with --config.model.mixer=gated_retention: the step fits, with the gated model's FLOPs."""
-  result = run_script("aot_compile.py", "--config=configs/retnet.py:tiny", "--target=h100:1", "--steps=train",
+@pytest.mark.parametrize("target, devices, steps", [("h100:1", 1, "train"), ("v5e-4", 4, "train,decode")])
+def test_aot_script_compiles_a_gated_model(tmp_path, target, devices, steps):
+  """scripts/aot_compile.py with --config.model.mixer=gated_retention, for an H100 and for a TPU v5e-4 (data
+  parallel): each step fits, with flops' counts for the gated model per device."""
+  if missing := aot_extra_missing("gpu" if target.startswith("h100") else "tpu"):
+    pytest.skip(missing)
+  result = run_script("aot_compile.py", "--config=configs/retnet.py:tiny", f"--target={target}", f"--steps={steps}",
                       f"--out={tmp_path}", "--config.model.num_layers=1", "--config.model.mixer=gated_retention")
   assert result.returncode == 0, result.stderr[-3000:]
-  step = json.loads(result.stdout.strip().splitlines()[-1])["steps"]["train"]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert report["fits"] and sorted(report["steps"]) == sorted(steps.split(","))
   config = gated_aot_config()
-  expected = flops.train_flops_per_token(config.model, config.train.seq_len, config.train.mode)
-  assert step["fits"] and step["model_flops_per_device"] == expected * config.train.batch_size * config.train.seq_len
+  tokens = config.train.batch_size * config.train.seq_len
+  train_step = report["steps"]["train"]
+  assert train_step["fits"] and train_step["model_flops_per_device"] == flops.train_flops_per_token(
+      config.model, config.train.seq_len, config.train.mode) * tokens / devices
+  if "decode" in steps:
+    context = architectures.decode_context(config.model)
+    decode = report["steps"]["decode"]
+    assert decode["fits"] and decode["model_flops_per_device"] == (
+        flops.forward_flops_per_token(config.model, context, "recurrent") * config.train.batch_size
+        * aot.DECODE_TOKENS / devices)
 
 
 def test_the_fla_exporter_refuses_gated_retention_by_its_mixer(tmp_path):
