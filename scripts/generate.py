@@ -62,7 +62,8 @@ def main():
   with sharding.placement(config.mesh).active() if split else contextlib.nullcontext():
     completions = text_generation.generate_text(
         sampling.Sampler(), model, tokenizer, prompts, print_row=0 if _STREAM.value else None,
-        max_new_tokens=_MAX_NEW.value, key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+        max_new_tokens=_MAX_NEW.value, key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value, top_p=_TOP_P.value,
         stop_tokens=stop, prefill_mode=_PREFILL.value, stream_every=_STREAM_EVERY.value)
   for prompt, completion in zip(prompts[1:] if _STREAM.value else prompts,
                                 completions[1:] if _STREAM.value else completions):

@@ -176,14 +176,16 @@ class _ShardWriter:
 
   def __init__(self, directory: Path, split: str, dtype: np.dtype, eos_id: int | None, shard_tokens: int,
                done: list[dict[str, int]]):
-    self.directory, self.split, self.dtype, self.eos_id, self.shard_tokens = directory, split, dtype, eos_id, shard_tokens
+    self.directory, self.split, self.dtype = directory, split, dtype
+    self.eos_id, self.shard_tokens = eos_id, shard_tokens
     self.done = done  # finished shards' entries
     self._file, self._starts, self._tokens = None, [], 0
 
   def add(self, ids: np.ndarray) -> int:
     """Appends one document; returns the tokens it took, its separator included."""
     if self._file is None:
-      self._file = open(_shard_paths(self.directory, self.split, len(self.done))[0], "wb")  # pylint: disable=consider-using-with
+      path = _shard_paths(self.directory, self.split, len(self.done))[0]
+      self._file = open(path, "wb")  # pylint: disable=consider-using-with
     if self._starts and self.eos_id is not None:
       ids = np.concatenate([[self.eos_id], ids])  # the separator opens this document
     self._starts.append(self._tokens)
@@ -271,8 +273,9 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     _check_empty(out)
   tokenizer = tokenizer_lib.load(tokenizer_spec)
   dtype = token_dtype(tokenizer.vocab_size)
-  settings = {"tokenizer": _recorded(tokenizer, tokenizer_spec), "sources": sources, "validation_fraction": validation_fraction,
-              "held_out": validation_documents is None, "shard_tokens": shard_tokens, "max_tokens": max_tokens}
+  settings = {"tokenizer": _recorded(tokenizer, tokenizer_spec), "sources": sources,
+              "validation_fraction": validation_fraction, "held_out": validation_documents is None,
+              "shard_tokens": shard_tokens, "max_tokens": max_tokens}
   fingerprints = _source_fingerprints(sources)
   if resuming:
     state = _read_progress(out, settings, fingerprints, dtype)
