@@ -104,8 +104,8 @@ def test_retnet_vs_transformer_runs_end_to_end(tmp_path):
     assert preset_width["accuracy"] == results["mqar"][arch]["accuracy"]
     assert narrow["parameters"] < preset_width["parameters"] and narrow["state_bytes"] < preset_width["state_bytes"]
     passkey = results["passkey"][arch]
-    assert (passkey["step"], passkey["train_seq_len"], passkey["lengths"], passkey["depths"]) == (2, 176, [176, 200],
-                                                                                                  [0.0, 1.0])
+    assert (passkey["step"], passkey["train_example_len"], passkey["lengths"], passkey["depths"]) == (
+        2, 177, [176, 200], [0.0, 1.0])
     assert passkey["samples"] == 2 and all(a in (0.0, 0.5, 1.0) for row in passkey["accuracy"] for a in row)
   # The sizes are matched as the paper does: parameter counts within 2%.
   assert results["parameters"]["transformer"] == pytest.approx(results["parameters"]["retnet"], rel=0.02)
