@@ -25,6 +25,16 @@ if BACKEND != "cpu":
   # its ops are made deterministic. XLA reads its flags once, as the backend starts: they hold for the whole run.
   os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
 os.environ["RETNET_JAX_CACHE"] = tempfile.mkdtemp(prefix="retnet_jax_test_cache_")
+if BACKEND == "cpu":
+  # Most of the suite's time is XLA compiling small programs; unoptimised CPU code computes the same values (the
+  # tolerances hold) and compiles faster. Tests of compiled memory or FLOPs are marked `optimized` and compile as
+  # shipped. The environment variable reaches the scripts the tests start too.
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# Compiled programs are kept on disk (`compilation_cache_dir`, set in pytest_configure) and shared by the test
+# workers and the scripts they start: every entry, however quick its compile; a lock file serialises the writers.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import copy  # noqa: E402
 import shutil  # noqa: E402
@@ -42,6 +52,14 @@ from tests import helpers  # noqa: E402
 def pytest_configure(config):
   config.addinivalue_line("markers", "cpu_only(reason): checks what holds on XLA's CPU backend only (its messages, a "
                                      "measured CPU ceiling); skipped on other backends with the reason")
+  config.addinivalue_line("markers", "optimized: checks compiled memory, FLOPs or speed, so XLA optimises as it does "
+                                     "outside the tests (the suite otherwise compiles with most optimisations off)")
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    # pytest's own cache folder (.pytest_cache), kept between runs; a fresh folder per run without the cacheprovider.
+    cache = (config.cache.mkdir("jax_compilation_cache") if getattr(config, "cache", None) is not None
+             else tempfile.mkdtemp(prefix="retnet_jax_test_xla_"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def pytest_runtest_setup(item):
@@ -51,6 +69,20 @@ def pytest_runtest_setup(item):
   marker = item.get_closest_marker("cpu_only")
   if marker is not None and jax.default_backend() != "cpu":
     pytest.skip(f"on the CPU only ({jax.default_backend()} here): {marker.args[0]}")
+
+
+@pytest.fixture(autouse=True)
+def _optimized(request, monkeypatch):
+  """Compiles a test marked `optimized` with XLA's optimisations on, in process and in the scripts it starts."""
+  if request.node.get_closest_marker("optimized") is None or not jax.config.read("jax_disable_most_optimizations"):
+    yield
+    return
+  monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 class Crash(Exception):

@@ -17,6 +17,7 @@ from retnet_jax.nn import layer_stack
 from retnet_jax.planning import aot
 from tests.helpers import aot_extra_missing, run_script
 
+pytestmark = pytest.mark.optimized
 
 needs_gpu = pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
 needs_tpu = pytest.mark.skipif(aot_extra_missing("tpu") is not None, reason=str(aot_extra_missing("tpu")))

@@ -213,6 +213,7 @@ def test_a_step_set_aside_twice_keeps_both_copies(tmp_path, state):
   assert sorted(os.listdir(tmp_path)) == ["2.corrupt", "2.corrupt.1"]
 
 
+@pytest.mark.optimized
 def test_checksums_keep_their_formula_and_sum_in_blocks():
   """The checksum of checkpoints saved before blockwise summing (a uint32 sum of bit patterns times odd position
   weights) is unchanged, and its temporaries are one block's, not the array's."""

@@ -105,6 +105,7 @@ def gated_aot_config(**model_fields):
 
 
 @pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
+@pytest.mark.optimized
 def test_train_step_compiles_for_an_h100_with_the_kernels():
   """Chunkwise with the split Pallas kernels (per-token decays): the step fits, calls the kernels, and its model
   FLOPs are flops' count for the gated model (its gate projection's more than RetNet's)."""
@@ -123,6 +124,7 @@ def test_train_step_compiles_for_an_h100_with_the_kernels():
 
 
 @pytest.mark.parametrize("target, devices, steps", [("h100:1", 1, "train"), ("v5e-4", 4, "train,decode")])
+@pytest.mark.optimized
 def test_aot_script_compiles_a_gated_model(tmp_path, target, devices, steps):
   """scripts/aot_compile.py with --config.model.mixer=gated_retention, for an H100 and for a TPU v5e-4 (data
   parallel): each step fits, with flops' counts for the gated model per device."""

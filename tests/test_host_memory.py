@@ -6,6 +6,8 @@ import pytest
 from retnet_jax.core import host_memory
 from tests.helpers import run_python
 
+pytestmark = pytest.mark.optimized
+
 # Each call of f allocates two 64 MB temporaries and a 64 MB output: above glibc's 32 MB mmap threshold.
 SCRIPT = """
 import resource, statistics, sys

@@ -167,6 +167,7 @@ def test_gradient_accumulation_with_tiles_equals_without():
   assert _max_relative(state["params"], tiled_state["params"]) < 1e-5
 
 
+@pytest.mark.optimized
 def test_the_tiled_step_never_holds_the_whole_logits():
   """Compiled for the CPU: with a 4096-token vocabulary and 1024 tokens a step, the untiled step's temporaries hold
   the float32 logits (16 MiB) and their cotangent; tiles of 128 tokens take at least 16 MiB less."""

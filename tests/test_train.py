@@ -330,6 +330,7 @@ def test_segmented_backprop_gives_the_same_loss_and_gradients(mode, style, segme
   assert max_tree_diff(grads, segmented_grads) < 1e-4 * scale
 
 
+@pytest.mark.optimized
 def test_segmented_backprop_bounds_the_compiled_buffers():
   """At 2048 tokens, segments of 256 cut the train step's XLA buffers several-fold (the whole sequence keeps
   every layer's activations for the backward pass; measured 11.05 -> 1.26 GB at 16k for the benchmark model)."""
