@@ -1,6 +1,6 @@
 """The GPU suite's decode part: greedy `Sampler.decode` at batch 1 (ms/token against parameter bytes, in
-`GpuSuite.decode_param_dtype`, / a read bandwidth measured alongside), and at a large batch after long contexts, against the Transformer's KV cache at the
-largest batch it fits."""
+`GpuSuite.decode_param_dtype`, / a read bandwidth measured alongside), and at a large batch after long contexts,
+against the Transformer's KV cache at the largest batch it fits."""
 
 from __future__ import annotations
 
