@@ -1,6 +1,6 @@
-"""The GPU suite's decode part: greedy `Sampler.decode` at batch 1 (ms/token against parameter bytes / a read
-bandwidth measured alongside), and at a large batch after long contexts, against the Transformer's KV cache at the
-largest batch it fits."""
+"""The GPU suite's decode part: greedy `Sampler.decode` at batch 1 (ms/token against parameter bytes, in
+`GpuSuite.decode_param_dtype`, / a read bandwidth measured alongside), and at a large batch after long contexts,
+against the Transformer's KV cache at the largest batch it fits."""
 
 from __future__ import annotations
 
@@ -48,13 +48,14 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None, budget: Budg
   largest power-of-two batch up to it whose KV cache fits a third of the device's memory (decoding holds it twice:
   the state passed in and the loop's updated copy). A context not started before `budget` is spent is skipped."""
   config = model_config(suite, suite.decode_model)
+  config.model.param_dtype = suite.decode_param_dtype
   retnet = Model(config.model, rngs=nnx.Rngs(config.seed))
   # Its KV caches are made per context (`_context_decode_case`): max_len is unused.
   attention = Model(presets.transformer_config(config.model, 1), rngs=nnx.Rngs(config.seed))
   params = cases.param_count(config.model)
-  param_bytes = 4 * params  # float32 parameters, as stored and read
+  param_bytes = jnp.dtype(suite.decode_param_dtype).itemsize * params  # as stored and read
   new = suite.decode_new_tokens
-  batch_1 = {"memory_read": cases.read_case(params),
+  batch_1 = {"memory_read": cases.read_case(param_bytes // 4),
              "retnet": cases.decode_case(retnet, 1, suite.decode_prompt_len, new, "chunkwise")}
   print(f"decode {suite.decode_model} batch 1 after {suite.decode_prompt_len} tokens", flush=True)
   interleave(batch_1, suite.rounds, source, budget)
@@ -62,7 +63,8 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None, budget: Budg
   ours = batch_1["retnet"].info
   floor_s = param_bytes / read["median"]
   results: dict[str, Any] = {
-      "model": suite.decode_model, "params": params, "param_bytes": param_bytes, "new_tokens": new,
+      "model": suite.decode_model, "params": params, "param_dtype": suite.decode_param_dtype,
+      "param_bytes": param_bytes, "new_tokens": new,
       "prompt_len": suite.decode_prompt_len, "read_bytes_per_s": read, "weight_read_floor_s": floor_s,
       "batch_1": {"s_per_token": ours["seconds"], "state_bytes": ours["state_bytes"], "memory": ours["memory"]},
       "batch_1_over_floor": floor_s / ours["seconds"]["median"], "contexts": [], "skipped": {}}
@@ -101,7 +103,7 @@ def decode_markdown(results: dict[str, Any]) -> list[str]:
   lines = [f"## Decoding, {results['model']} ({results['params']:,} parameters, bfloat16 compute)", "",
            f"Batch 1 after a {results['prompt_len']}-token prompt: "
            f"{fmt_range(results['batch_1']['s_per_token'], scale=1e3)} ms/token. Weight-read "
-           f"floor {fmt(results['param_bytes'], 'B')} (float32 parameters) / "
+           f"floor {fmt(results['param_bytes'], 'B')} ({results.get('param_dtype', 'float32')} parameters) / "
            f"{fmt(results['read_bytes_per_s']['median'], 'B/s')} = {results['weight_read_floor_s'] * 1e3:.3g} "
            "ms/token: "
            f"RetNet reaches {results['batch_1_over_floor']:.0%} of it.", ""]

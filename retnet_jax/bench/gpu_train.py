@@ -22,20 +22,27 @@ from retnet_jax.bench.harness import (Budget, compile_timed, interleave, isolate
 from retnet_jax.bench.report import fmt, fmt_range
 from retnet_jax.bench.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
-from retnet_jax.hardware import flops, matmul_dtypes
+from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.models import architectures, presets
+from retnet_jax.planning import aot
 from retnet_jax.training import train_step
 
 GRACE_S = 10.0  # a case's process is ended this long after the time budget is spent (its rounds stop before it)
+# The RetNet implementations a train case names (`GpuSuite.train_impls`): (model.retention_impl, model.kernel_layout).
+IMPLS = {"xla": ("xla", "split"), "pallas": ("pallas", "split"), "pallas_fused": ("pallas", "fused")}
 
 
 def model_config(suite: GpuSuite, name: str, impl: str = "xla"):
-  """The locked config of named size `name`: bfloat16 compute, `retention_impl=impl` at its chunk, and the suite's
-  chunkwise training shape for that size."""
+  """The locked config of named size `name`: bfloat16 compute, implementation `impl` (of IMPLS) at its retention
+  implementation's chunk, and the suite's chunkwise training shape for that size."""
+  if impl not in IMPLS:
+    raise ValueError(f"train implementation {impl!r}: choose one of {list(IMPLS)}.")
+  retention_impl, layout = IMPLS[impl]
   preset, fields = suite.models[name]
   config = presets.get_config(preset)
   config.model.update(dict(fields))
-  config.model.update(dict(dtype="bfloat16", retention_impl=impl, chunk_size=suite.chunk_sizes[impl]))
+  config.model.update(dict(dtype="bfloat16", retention_impl=retention_impl, kernel_layout=layout,
+                           chunk_size=suite.chunk_sizes[retention_impl]))
   config.train.update(dict(mode="chunkwise", seq_len=suite.train_seq_len, batch_size=suite.train_batch[name],
                            grad_accum_steps=1, remat=suite.train_remat[name]))
   return config
@@ -100,11 +107,15 @@ def measure_case(suite: GpuSuite, name: str, case: str, limit: int | None, budge
   gemm = rate(2 * suite.matmul_size**3, timed_cases["matmul/bfloat16"].info["seconds"])
   per_token = flops.train_flops_per_token(model_cfg, seq_len, "chunkwise")
   throughput = rate(batch_size * seq_len, info["seconds"])
+  chip = accelerators.chip_of(jax.devices()[0].device_kind)
+  peak = chip.peak_bf16_flops if chip else None
   return {"tokens_per_s": throughput, "step_s": info["seconds"], "compile_s": compile_s,
           "first_run_s": info["first_run_s"], "memory": info["memory"],
           "peak_bytes_before_step": stats.get("peak_bytes_in_use") if stats else None, "compiled_bytes": buffers,
+          "plan_required_bytes": aot.required_bytes(aot.memory_sizes(step)),
           "chunk_size": model_cfg.get("chunk_size"), "flops_per_token": per_token, "bfloat16_gemm_flops_per_s": gemm,
-          "mfu": throughput["median"] * per_token / gemm["median"], **shares}
+          "mfu": throughput["median"] * per_token / gemm["median"], "chip_peak_bf16_flops": peak,
+          "mfu_of_peak": None if peak is None else throughput["median"] * per_token / peak, **shares}
 
 
 def _device_bytes_held() -> int | None:
@@ -128,7 +139,7 @@ def _measure_alone(suite: GpuSuite, name: str, case: str, limit: int | None, bud
     return isolated(measure_case, suite, name, case, limit, budget,
                     timeout=None if budget.seconds is None else budget.left() + GRACE_S)
   except TimeoutError:
-    return {"skipped": f"time budget: ended while compiling or measuring (--time_budget_s={budget.seconds:g})"}
+    return {"skipped": f"time budget: ended while compiling or measuring ({budget.label}={budget.seconds:g})"}
 
 
 def measure_train(suite: GpuSuite, name: str, limit: int | None, budget: Budget,
@@ -159,12 +170,16 @@ def train_markdown(results: dict[str, Any]) -> list[str]:
            f"train.remat={results['remat']}. Each case alone in a fresh process (its peak memory is its own), its MFU "
            f"against a bfloat16 GEMM ({results['matmul_size']}^2) timed alternately with its steps there"
            + (f"; the suite's own process held {fmt(held, 'B')} of device memory meanwhile." if held else ".")
-           + " f32-operand matmul share: the step's matmul FLOPs with a float32 operand (traced).", ""]
+           + " f32-operand matmul share: the step's matmul FLOPs with a float32 operand (traced). AOT plan: the "
+           "memory `planning.aot` counts for the step as compiled here (XLA's buffers and generated code); MFU of "
+           "peak: against the chip's vendor bf16 peak (`hardware.accelerators`).", ""]
+  percent = lambda x: "-" if x is None else f"{x:.1%}"
   lines += markdown.table(
-      ["model", "tokens/s", "step s", "compile s", "peak memory", "XLA buffers", "bf16 GEMM", "MFU",
-       "f32-operand matmul share"],
+      ["model", "tokens/s", "step s", "compile s", "peak memory", "XLA buffers", "AOT plan", "bf16 GEMM",
+       "MFU of peak", "MFU", "f32-operand matmul share"],
       [[name, fmt_range(r["tokens_per_s"]), fmt_range(r["step_s"]), fmt(r["compile_s"]),
-        fmt(r["memory"]["peak_bytes"], "B"), fmt(r["compiled_bytes"], "B"),
-        fmt_range(r["bfloat16_gemm_flops_per_s"], "FLOP/s"), f"{r['mfu']:.1%}", f"{r['float32_matmul_share']:.1%}"]
+        fmt(r["memory"]["peak_bytes"], "B"), fmt(r["compiled_bytes"], "B"), fmt(r.get("plan_required_bytes"), "B"),
+        fmt_range(r["bfloat16_gemm_flops_per_s"], "FLOP/s"), percent(r.get("mfu_of_peak")), f"{r['mfu']:.1%}",
+        f"{r['float32_matmul_share']:.1%}"]
        for name, r in results["cases"].items()])
   return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

@@ -103,9 +103,10 @@ def peak_memory(fn: Callable[[], Any], source: str, devices: int = 1) -> dict[st
 @dataclasses.dataclass
 class Budget:
   """A run's time budget from `start` (wall-clock seconds, comparable across processes); `seconds` None: unlimited.
-  What has not started once it is spent is skipped with `reason`."""
+  What has not started once it is spent is skipped with `reason`, which names the budget as `label` does."""
   seconds: float | None = None
   start: float = dataclasses.field(default_factory=time.time)
+  label: str = "--time_budget_s"
 
   def left(self) -> float:
     return math.inf if self.seconds is None else self.seconds - (time.time() - self.start)
@@ -115,7 +116,7 @@ class Budget:
 
   @property
   def reason(self) -> str:
-    return f"time budget: not started within --time_budget_s={self.seconds:g}"
+    return f"time budget: not started within {self.label}={self.seconds:g}"
 
 
 def interleave(cases: dict[str, Case], rounds: int, source: str, budget: Budget | None = None) -> dict[str, Case]:

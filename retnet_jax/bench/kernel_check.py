@@ -50,15 +50,16 @@ def _vjp(form):
 
 
 def check(log_decay, chunk: int, inputs: dict[str, jax.Array], interpret: bool,
-          layouts: tuple[str, ...] = kernels.LAYOUTS) -> dict[str, Any]:
+          layouts: tuple[str, ...] = kernels.LAYOUTS, segment_ids: jax.Array | None = None) -> dict[str, Any]:
   """Relative errors of the kernels and of the XLA form in bfloat16 against the XLA form in float32.
 
   Args:
-    log_decay: per-head log decays [H].
+    log_decay: per-head log decays [H], or per token [B, T, H] (not differentiated).
     chunk: the chunk of both forms.
     inputs: bfloat16 q, k, v, d_out (`op.op_inputs`) and float32 `state` [B, H, d_k, d_v], `key_sum` [B, H, d_k].
     interpret: run the kernels in Pallas interpret mode.
     layouts: the kernel layouts to check.
+    segment_ids: packed documents [B, T] (retention restarts at each), or None for one document per row.
 
   Returns:
     {layout: {output: error} for each of `layouts`, "xla_bfloat16": {output: error}, "ok": every kernel error within
@@ -66,20 +67,22 @@ def check(log_decay, chunk: int, inputs: dict[str, jax.Array], interpret: bool,
   """
   q, k, v, d_out, state, key_sum = (inputs[n] for n in ("q", "k", "v", "d_out", "state", "key_sum"))
   names = ("out", "state", "dq", "dk", "dv", "d_state")
-  xla = _vjp(lambda q, k, v, s: retention.chunkwise_retention(q, k, v, log_decay, chunk, s))
+  xla = _vjp(lambda q, k, v, s: retention.chunkwise_retention(q, k, v, log_decay, chunk, s, segment_ids))
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   with jax.default_matmul_precision("highest"):
     expected = jax.block_until_ready(xla(*f32, state, d_out))
     ones = jnp.ones(q.shape[:3] + (1,), jnp.float32)
-    expected_qz, expected_key_sum = retention.chunkwise_retention(*f32[:2], ones, log_decay, chunk, key_sum[..., None])
+    expected_qz, expected_key_sum = retention.chunkwise_retention(*f32[:2], ones, log_decay, chunk, key_sum[..., None],
+                                                                  segment_ids)
   errors = {"xla_bfloat16": dict(zip(names, map(relative_error, xla(q, k, v, state, d_out), expected)))}
   for layout in layouts:
     config = kernels.default_config(q.shape[-1], v.shape[-1], layout)
-    kernel = _vjp(lambda q, k, v, s, config=config: kernels.chunkwise_retention(q, k, v, log_decay, chunk, s,
-                                                                                config=config, interpret=interpret))
+    kernel = _vjp(lambda q, k, v, s, config=config: kernels.chunkwise_retention(
+        q, k, v, log_decay, chunk, s, segment_ids=segment_ids, config=config, interpret=interpret))
     errors[layout] = dict(zip(names, map(relative_error, kernel(q, k, v, state, d_out), expected)))
     _, _, qz, key_sum_out = jax.jit(lambda *a, config=config: kernels.chunkwise_retention_with_key_sum(
-        *a[:3], log_decay, chunk, a[3], a[4], config=config, interpret=interpret))(q, k, v, state, key_sum)
+        *a[:3], log_decay, chunk, a[3], a[4], segment_ids=segment_ids, config=config, interpret=interpret))(
+            q, k, v, state, key_sum)
     errors[layout].update(qz=relative_error(qz, expected_qz[..., 0]),
                           key_sum=relative_error(key_sum_out, expected_key_sum[..., 0]))
   errors["ok"] = max(max(errors[layout].values()) for layout in layouts) <= TOLERANCE

@@ -49,15 +49,17 @@ def kind_flops(forward: int, kind: str) -> int:
   return forward * (3 if kind == "forward_backward" else 1)
 
 
-def op_case(form: Callable, q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array, kind: str, repeats: int
-            ) -> Case:
-  """`form(q, k, v) -> out` compiled ahead of time as `kind` (forward, or forward_backward: the gradients for
-  cotangent `d_out`), a Case of `repeats` calls with its compile seconds and XLA buffer bytes."""
+def op_case(form: Callable, q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array, kind: str, repeats: int,
+            constants: tuple[jax.Array, ...] = ()) -> Case:
+  """`form(q, k, v, *constants) -> out` compiled ahead of time as `kind` (forward, or forward_backward: the gradients
+  in q, k and v for cotangent `d_out`), a Case of `repeats` calls with its compile seconds and XLA buffer bytes.
+  `constants` (per-token log decays) are arguments of the compiled program, not differentiated."""
   if kind not in KINDS:
     raise ValueError(f"kind={kind!r}: choose one of {KINDS}.")
   backward = kind == "forward_backward"
-  args = (q, k, v) + ((d_out,) if backward else ())
-  fn = jax.jit((lambda q, k, v, d_out: jax.vjp(form, q, k, v)[1](d_out)) if backward else form)
+  args = (q, k, v) + ((d_out,) if backward else ()) + tuple(constants)
+  fn = jax.jit((lambda q, k, v, d_out, *c: jax.vjp(lambda q, k, v: form(q, k, v, *c), q, k, v)[1](d_out))
+               if backward else form)
   compiled, compile_s, buffers = compile_timed(fn, *args)
   return Case(timed(lambda: jax.block_until_ready(compiled(*args)), repeats),
               {"compile_s": compile_s, "compiled_bytes": buffers})

@@ -87,7 +87,7 @@ class GpuSuite:
   op_check_len: int  # the implementations are compared with the XLA form at this length before timing
   op_repeats: int  # runs per timed round of one op case
   train_models: tuple[str, ...]
-  train_impls: tuple[str, ...]  # model.retention_impl of the RetNet train steps
+  train_impls: tuple[str, ...]  # the RetNet train steps' implementations (`gpu_train.IMPLS`: xla, pallas, ...)
   train_seq_len: int
   train_batch: dict[str, int]  # per model: sequences per step
   train_remat: dict[str, str]  # per model: train.remat
@@ -99,6 +99,9 @@ class GpuSuite:
   compile_models: tuple[str, ...]  # train steps compiled (not run) for their compile time
   matmul_size: int  # of the bfloat16 GEMM that measures the MFU denominator
   rounds: int
+  op_decays: tuple[str, ...] = ("constant",)  # gpu_op.DECAYS: per-head decays; per_token: also per-token ones
+  op_layouts: tuple[str, ...] = ("split",)  # the Pallas kernels' layouts (`kernels.LAYOUTS`) the op times
+  decode_param_dtype: str = "float32"  # the decoded model's parameters (model.param_dtype): the bytes read per token
 
 
 # The paper has no 350M size: d_model 1024 and 24 layers with its ratios (key head dim 256, value width 2 d_model,
@@ -118,6 +121,28 @@ GPU_SUITES = {
         train_remat={name: "dots_with_no_batch_dims_saveable" for name in ("350m", "1.3b", "2.7b")},
         decode_model="1.3b", decode_prompt_len=128, decode_batch=64, decode_contexts=(2048, 8192, 32768),
         decode_new_tokens=32, compile_models=("1.3b", "2.7b"), matmul_size=8192, rounds=5),
+    # scripts/gpu_check.py's train, op and decode parts: every GPU target within 9 minutes on one H100
+    # (retnet_jax/bench/gpu_check.py says how). The 1.3b train step with scanned layers (compiled in seconds, not
+    # half a minute) at the largest batch and the lightest remat policy there that `planning.aot.search` fits on
+    # h100:1 at seq 2048, XLA form, tried with full, save_mixer_out and dots_with_no_batch_dims_saveable: 128, 32
+    # and 16 (13 minutes of compiling on 2 cores); one head dim, two lengths, both decays and layouts for the op;
+    # one context for decoding, from bfloat16 weights.
+    "check": GpuSuite(
+        models={"1.3b": ("1.3b", dict(scan_layers=True))}, chunk_sizes={"xla": 256, "pallas": 64}, op_batch=4,
+        op_heads=8, op_head_dims=((256, 256),), op_lengths=(4096, 16384), op_check_len=1024, op_repeats=3,
+        train_models=("1.3b",), train_impls=("xla", "pallas", "pallas_fused"), train_seq_len=2048,
+        train_batch={"1.3b": 128}, train_remat={"1.3b": "full"}, decode_model="1.3b",
+        decode_prompt_len=128, decode_batch=64, decode_contexts=(8192,), decode_new_tokens=32, compile_models=(),
+        matmul_size=8192, rounds=3, op_decays=("constant", "per_token"), op_layouts=("split", "fused"),
+        decode_param_dtype="bfloat16"),
+    # The check's parts at the tiny sizes: its smoke run on a CPU.
+    "check_tiny": GpuSuite(
+        models={"tiny": ("tiny", dict(num_layers=1))}, chunk_sizes={"xla": 16, "pallas": 16},
+        op_batch=1, op_heads=2, op_head_dims=((16, 32),), op_lengths=(32,), op_check_len=32, op_repeats=1,
+        train_models=("tiny",), train_impls=("xla", "pallas", "pallas_fused"), train_seq_len=32,
+        train_batch={"tiny": 2}, train_remat={"tiny": "none"}, decode_model="tiny", decode_prompt_len=8,
+        decode_batch=2, decode_contexts=(32,), decode_new_tokens=4, compile_models=(), matmul_size=64, rounds=1,
+        op_decays=("constant", "per_token"), op_layouts=("split", "fused"), decode_param_dtype="bfloat16"),
     # Seconds on a CPU: the tests, and a smoke run of every part on a GPU before the real one.
     "tiny": GpuSuite(
         models={"tiny": ("tiny", dict(num_layers=1))}, chunk_sizes={"xla": 16, "pallas": 16},

@@ -1,0 +1,116 @@
+"""scripts/gpu_check.py: the parts' deadlines, skipping what is done, the missing-package message, warnings captured,
+test outcomes counted, and (slow) its smoke run of every part on the CPU, then a rerun that skips them all."""
+
+import json
+import os
+import warnings
+
+import pytest
+
+from retnet_jax.bench import gpu_check, requirements
+from tests.helpers import run_script
+
+
+def test_deadlines_carry_over_and_bad_budgets_are_refused():
+  """Each part's deadline adds its budget to the start-up and the earlier parts' (time one leaves goes to the next);
+  the last part runs to the total; unknown parts and budgets that do not fit are refused naming them."""
+  budgets = {"train": 100.0, "op": 50.0, "tests": 30.0}
+  found = gpu_check.deadlines(("train", "op", "tests"), budgets, start=1000.0, total=400.0)
+  startup = gpu_check.STARTUP_S
+  assert [found[p].seconds for p in ("train", "op", "tests")] == [startup + 100, startup + 150, 400.0]
+  assert all(b.start == 1000.0 for b in found.values()) and "the op part's deadline" in found["op"].reason
+  assert gpu_check.STARTUP_S + sum(gpu_check.BUDGETS_S.values()) <= gpu_check.TOTAL_S == 540
+  with pytest.raises(ValueError, match=r"\['decoding'\]: choose one or more of train,op,kernels,decode,tests"):
+    gpu_check.check_request(("train", "decoding"), gpu_check.BUDGETS_S, 540, ())
+  with pytest.raises(ValueError, match=r"\['trian'\]"):
+    gpu_check.check_request(("train",), gpu_check.BUDGETS_S, 540, ("trian",))
+  with pytest.raises(ValueError, match=r"'op': -5.0.*positive"):
+    gpu_check.check_request(("op",), {**gpu_check.BUDGETS_S, "op": -5.0}, 540, ())
+  with pytest.raises(ValueError, match="take 570 s; lower the budgets"):
+    gpu_check.check_request(gpu_check.PARTS, {**gpu_check.BUDGETS_S, "tests": 130.0}, 540, ())
+  gpu_check.check_request(("op", "tests"), gpu_check.BUDGETS_S, 540, ("op",))
+  assert gpu_check.parse_budgets(["train=240", "tests=60"]) == {"train": 240.0, "tests": 60.0}
+  with pytest.raises(ValueError, match="'train:240': give part=seconds"):
+    gpu_check.parse_budgets(["train:240"])
+
+
+def test_deadlines_done_only_when_complete_with_every_file(tmp_path):
+  """A part counts as done (and a rerun skips it) only where its check file says complete and lists no file that
+  is missing; an unreadable or incomplete one is run again."""
+  assert not gpu_check.done(tmp_path, "op")
+  (tmp_path / "gpu_op_16x32.json").write_text("{}")
+  record = {"part": "op", "complete": True, "files": ["gpu_op_16x32.json"]}
+  (tmp_path / "check_op.json").write_text(json.dumps(record))
+  assert gpu_check.done(tmp_path, "op") and not gpu_check.done(tmp_path, "train")
+  (tmp_path / "check_op.json").write_text(json.dumps({**record, "files": ["gpu_op_16x32.json", "gpu_op.md"]}))
+  assert not gpu_check.done(tmp_path, "op")
+  (tmp_path / "check_op.json").write_text(json.dumps({**record, "complete": False}))
+  assert not gpu_check.done(tmp_path, "op")
+  (tmp_path / "check_op.json").write_text('{"part": "op", "compl')  # cut off while written
+  assert not gpu_check.done(tmp_path, "op")
+
+
+def test_missing_packages_are_named_with_how_to_install(monkeypatch, capsys):
+  """A required distribution that is not installed is named with the wheel install, before any work; an optional
+  one (fla) only as a note."""
+  assert requirements.missing(("numpy", "no-such-distribution-x")) == ["no-such-distribution-x"]
+  assert requirements.check() is None  # this environment has them all
+  monkeypatch.setattr(requirements, "REQUIRED", ("numpy", "no-such-distribution-x", "no-such-distribution-y"))
+  monkeypatch.setattr(requirements, "OPTIONAL", ("no-such-fla",))
+  message = requirements.check()
+  assert message.startswith("Missing packages (scripts/gpu_check.py needs them; nothing was run): "
+                            "no-such-distribution-x, no-such-distribution-y.")
+  assert "--dest wheels no-such-distribution-x no-such-distribution-y`" in message
+  assert "pip install --no-deps --target DIR wheels/*.whl" in message and "PYTHONPATH=DIR" in message
+  assert "numpy" not in message and "no-such-fla" not in message
+  assert "Optional packages missing (the op part skips fla's kernels without them): no-such-fla." in (
+      capsys.readouterr().out)
+
+
+def test_captured_warnings_keep_python_warnings_and_stderr_warning_lines():
+  """Python warnings and stderr lines that read as warnings (a child's or XLA's, written to file descriptor 2) are
+  recorded once each with their count; other stderr lines are not."""
+  with gpu_check.captured_warnings() as found:
+    for _ in range(2):
+      warnings.warn("the Triton lowering is deprecated", DeprecationWarning)
+    os.write(2, b"W0101 00:00:00.0 1 pallas.cc:1] lowering\nplain progress line\nUserWarning: from a child\n")
+  assert found[0].startswith("DeprecationWarning: the Triton lowering is deprecated (test_gpu_check.py:")
+  assert found[0].endswith(" (x2)") and len(found) == 3
+  assert found[1:] == ["W0101 00:00:00.0 1 pallas.cc:1] lowering", "UserWarning: from a child"]
+
+
+def test_deadlines_count_test_outcomes_from_progress_lines():
+  """pytest's verbose progress lines, with workers (`[gw0] [ 50%] PASSED ...`) and without, counted by outcome."""
+  lines = ["[gw0] [ 25%] PASSED tests/test_kernels.py::test_a", "tests/test_model.py::test_b FAILED   [ 50%]",
+           "[gw1] [ 75%] SKIPPED tests/test_model.py::test_c", "tests/test_train.py::test_d XFAIL   [100%]",
+           "ERROR tests/test_train.py::test_e", "collected 5 items"]
+  assert gpu_check.count_outcomes(lines) == {"passed": 1, "failed": 1, "error": 1, "skipped": 1, "xfailed": 1,
+                                             "xpassed": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("the smoke sizes skip what needs a GPU, which a GPU would run")
+def test_smoke_run_writes_every_part_and_a_rerun_skips_them(tmp_path):
+  """`--smoke`: every part's check file (complete, its Markdown beside it) and the GPU suite's files of the parts
+  that write them; a rerun runs no part; --redo runs one again."""
+  out = tmp_path / "check"
+  result = run_script("gpu_check.py", "--smoke", f"--out={out}", timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  for part in gpu_check.PARTS:
+    record = json.loads((out / f"check_{part}.json").read_text())
+    assert record["complete"] and all((out / name).is_file() for name in record["files"]), part
+    assert (out / f"check_{part}.md").read_text().startswith(f"# GPU check: {part}")
+  files = {part: json.loads((out / f"check_{part}.json").read_text())["files"] for part in gpu_check.PARTS}
+  assert "gpu_train_tiny.json" in files["train"] and "gpu_op_16x32.md" in files["op"]
+  assert "gpu_decode.json" in files["decode"] and not files["kernels"]
+  kernels = json.loads((out / "check_kernels.json").read_text())["results"]
+  assert kernels["ok"] and set(kernels["cases"]) == {"constant", "constant/documents", "per_token/documents"}
+  tests = json.loads((out / "check_tests.json").read_text())["results"]
+  assert tests["finished"] and tests["returncode"] == 0 and tests["counts"]["passed"] >= 1
+  summary = json.loads((out / "gpu_check.json").read_text())
+  assert [entry["status"] for entry in summary["parts"].values()] == ["done"] * len(gpu_check.PARTS)
+  rerun = run_script("gpu_check.py", "--smoke", f"--out={out}", "--redo=tests")
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  parts = json.loads((out / "gpu_check.json").read_text())["parts"]
+  statuses = {part: entry["status"] for part, entry in parts.items()}
+  assert statuses.pop("tests") == "done" and all(s.startswith("skipped: done earlier") for s in statuses.values())
