@@ -6,7 +6,8 @@ training load, and workdirs back into fla checkpoints:
 
 Import: `--checkpoint` is an fla RetNet folder (config.json with model_type retnet, model.safetensors or the shards
 of model.safetensors.index.json, optionally tokenizer.json); writes WORKDIR/checkpoints/0 and WORKDIR/config.json
-(data.tokenizer: the checkpoint's tokenizer.json) and prints the flags that load the result. Export (`--to_fla`):
+(data.tokenizer: the checkpoint's tokenizer.json) into a new or empty WORKDIR (--take_folder: one holding other
+files, left untouched) and prints the flags that load the result. Export (`--to_fla`):
 the workdir's latest checkpoint (or `--step`) with its config.json, written as a folder that fla's
 `RetNetForCausalLM.from_pretrained` loads. Neither direction needs torch.
 """
@@ -24,6 +25,7 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fla RetNet checkpoint fol
                                   required=True)
 _WORKDIR = cli.workdir_flag("Workdir: written (checkpoints/0, config.json), or read with --to_fla.")
 _TO_FLA = flags.DEFINE_boolean("to_fla", False, "Export the workdir's model as an fla checkpoint instead.")
+_TAKE_FOLDER = cli.take_folder_flag()
 _STEP = cli.step_flag("With --to_fla: the checkpoint step to export (default: the latest).")
 
 
@@ -37,9 +39,9 @@ def main():
     print(f"wrote step {step} of {workdir} to {checkpoint}; load it with "
           f"fla.models.RetNetForCausalLM.from_pretrained({str(checkpoint)!r})", flush=True)
     return
-  convert.check_empty_workdir(workdir)
+  convert.check_empty_workdir(workdir, _TAKE_FOLDER.value)
   model, config = convert_fla.load_fla(checkpoint, sharding.placement(presets.get_config("fla").mesh))
-  checkpoints = convert.write_checkpoint(model, config, workdir)
+  checkpoints = convert.write_checkpoint(model, config, workdir, _TAKE_FOLDER.value)
   load_flags = convert.load_flags(config, workdir)
   print(f"wrote {checkpoints / '0'} and {workdir_lib.config_file(workdir)}; load it with:\n"
         f"  python scripts/evaluate.py {load_flags}\n  python scripts/generate.py {load_flags}", flush=True)

@@ -5,7 +5,8 @@
 `--state_dict` is a `torch.save`d state_dict of torchscale's RetNetDecoder (late-2023 layout, its own names:
 `layers.0.retention.q_proj.weight`, ..., `embed_tokens.weight`) or a fairseq checkpoint of one (its `model` dict,
 names under `decoder.`); `--torchscale_config` a JSON object of its RetNetConfig keyword values. Writes
-WORKDIR/checkpoints/0 and WORKDIR/config.json, then prints the flags that load the result. Reading the .pt file
+WORKDIR/checkpoints/0 and WORKDIR/config.json into a new or empty WORKDIR (--take_folder: one holding other files,
+left untouched), then prints the flags that load the result. Reading the .pt file
 needs torch: `pip install -e '.[torch]'`.
 """
 
@@ -24,10 +25,11 @@ _STATE_DICT = flags.DEFINE_string("state_dict", None, "torch.save'd RetNetDecode
 _TORCHSCALE_CONFIG = flags.DEFINE_string("torchscale_config", None, "JSON file of RetNetConfig keyword values.",
                                          required=True)
 _WORKDIR = cli.workdir_flag("Directory to write checkpoints/0 and config.json into.")
+_TAKE_FOLDER = cli.take_folder_flag()
 
 
 def main():
-  convert.check_empty_workdir(_WORKDIR.value)
+  convert.check_empty_workdir(_WORKDIR.value, _TAKE_FOLDER.value)
   try:
     import torch  # only to read the .pt file
   except ImportError:
@@ -47,7 +49,7 @@ def main():
     sys.exit(f"{_TORCHSCALE_CONFIG.value} holds a JSON {type(torchscale_config).__name__}; it must be a JSON object "
              "of RetNetConfig keyword values.")
   model, config = convert.load_torchscale(state_dict, torchscale_config)
-  checkpoints = convert.write_checkpoint(model, config, _WORKDIR.value)
+  checkpoints = convert.write_checkpoint(model, config, _WORKDIR.value, _TAKE_FOLDER.value)
   load_flags = convert.load_flags(config, _WORKDIR.value)
   print(f"wrote {checkpoints / '0'} and {workdir.config_file(_WORKDIR.value)}; load it with (plus "
         f"--config.data.tokenizer=PATH for the checkpoint's tokenizer):\n"

@@ -34,8 +34,8 @@ _NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples per 
 _LIMIT = flags.DEFINE_float("limit", None, "Examples per task: a count, or below 1 a fraction (for testing).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Contexts prefilled, continuations scored and prompts decoded "
                                    "per batch.", lower_bound=1)
-_OUTPUT_PATH = flags.DEFINE_string("output_path", None, "A .json file, or a folder for lm_eval_step_STEP.json "
-                                   "(default: the workdir).")
+_OUTPUT_PATH = flags.DEFINE_string("output_path", None, "A .json file (new, or results to replace), or a folder for "
+                                   "lm_eval_step_STEP.json (default: the workdir).")
 _INCLUDE_PATH = flags.DEFINE_string("include_path", None, "A folder of more task YAML files.")
 _MODEL_ARGS = flags.DEFINE_string("model_args", "", "The adapter's options, e.g. mode=chunkwise,max_length=1024 "
                                   "(the checkpoint comes from --config, --workdir and --step).")
@@ -47,6 +47,8 @@ def main():
   if misplaced:
     raise ValueError(f"--model_args={_MODEL_ARGS.value!r} sets {misplaced}; give them as --workdir, --config, "
                      "--config.x.y, --step and --batch_size.")
+  if _OUTPUT_PATH.value and Path(_OUTPUT_PATH.value).suffix == ".json":
+    workdir.check_results_path(_OUTPUT_PATH.value, "--output_path")
   task_manager, tasks = harness.load_tasks(_TASKS.value, _INCLUDE_PATH.value)
   lm = harness.RetNetLM(_WORKDIR.value, _CONFIG.value, _STEP.value, batch_size=_BATCH_SIZE.value, **options)
   limit = _LIMIT.value

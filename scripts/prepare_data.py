@@ -6,10 +6,11 @@
 Reads `config.data.files` or `config.data.hub_dataset` (streamed) as documents and writes OUT as
 `retnet_jax.input_pipeline.prepared` describes. Validation is `config.data.validation_files`, else every document that
 falls in the held-out `config.data.validation_fraction` (documents spread evenly through the corpus, never a window of
-training text). OUT must be new or empty (never inside a source or a run's checkpoints/ or params/): preparing
-deletes no file it did not write. An interrupted prepare resumes at the shard it stopped at when run again with
-the same command; a directory is trainable only once its metadata.json is written, at the end. Prints progress,
-and as the last line of stdout one JSON object: documents, tokens, seconds, out.
+training text). OUT must be new or empty (never inside a source or a run's checkpoints/ or params/; --take_folder:
+one holding other files, left untouched): preparing replaces or deletes no file it did not write. An interrupted
+prepare resumes at the shard it stopped at when run again with the same command; a directory is trainable only once
+its metadata.json is written, at the end. Prints progress, and as the last line of stdout one JSON object:
+documents, tokens, seconds, out.
 """
 
 from retnet_jax.training import cli
@@ -33,6 +34,7 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Stop after the document 
                                    "this many tokens.", lower_bound=1)
 _WORKERS = flags.DEFINE_integer("workers", os.cpu_count() or 1, "Processes tokenizing in parallel (a tokenizer.json; "
                                 "the byte tokenizer is cheaper than sending texts to a worker).", lower_bound=1)
+_TAKE_FOLDER = cli.take_folder_flag()
 _SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", 1 << 27, "Tokens per shard (a resumed prepare restarts the "
                                      "shard it was writing).", lower_bound=1)
 
@@ -61,7 +63,7 @@ def main():
   metadata = prepared.write(
       _OUT.value, train, validation, config.data.tokenizer, train.names() + (validation.names() if validation else []),
       config.data.validation_fraction, shard_tokens=_SHARD_TOKENS.value, max_tokens=_MAX_TOKENS.value,
-      workers=_WORKERS.value, progress=progress)
+      workers=_WORKERS.value, progress=progress, take=_TAKE_FOLDER.value)
   seconds = time.perf_counter() - started
   metrics.log(f"prepared {metadata['documents']['train']:,} training and {metadata['documents']['validation']:,} "
               f"validation documents ({metadata['tokens']['train']:,} + {metadata['tokens']['validation']:,} tokens) "

@@ -1,6 +1,7 @@
 """Trains a RetNet: `python scripts/train.py --config=configs/retnet.py:small --workdir=runs/shakespeare`.
 
-Starting again with the same --workdir resumes from its latest checkpoint; SIGTERM / Ctrl-C / SIGHUP checkpoint and exit
+WORKDIR must be new, empty or a run's (--take_folder: one holding other files, left untouched). Starting again with
+the same --workdir resumes from its latest checkpoint; SIGTERM / Ctrl-C / SIGHUP checkpoint and exit
 cleanly. Override any config field with `--config.train.steps=500` etc.; the config used is written to
 WORKDIR/config.json. Several processes (hosts): pass --coordinator_address, --num_processes and --process_id
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) on each. On NVIDIA GPUs it adds the XLA flags
@@ -20,6 +21,7 @@ from retnet_jax.training import metrics, train
 
 _CONFIG = cli.config_flag("Training config file and preset.")
 _WORKDIR = cli.workdir_flag("Directory for checkpoints, metrics and the config.")
+_TAKE_FOLDER = cli.take_folder_flag()
 _START_PROCESSES = cli.distributed_flags()
 _XLA_GPU_FLAGS = flags.DEFINE_string(
     "xla_gpu_flags", None, "XLA flags for training on NVIDIA GPUs, added to XLA_FLAGS where a GPU is present (a flag "
@@ -34,7 +36,7 @@ def main():
   _START_PROCESSES()
   if added:
     metrics.log(f"XLA flags for the GPU (--xla_gpu_flags=none: without): {' '.join(added)}")
-  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _TAKE_FOLDER.value)
 
 
 if __name__ == "__main__":

@@ -86,8 +86,9 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes_and_never_trains_half_
   with pytest.raises(prepared.CorpusError, match=r"is half-written \(a prepare was interrupted\); rerun "
                                                   r"scripts/prepare_data.py --out=.*part to finish"):
     prepared.open_corpus(tmp_path / "part", tokenizer_lib.load("byte"))
-  (tmp_path / "part" / f"train-{len(list((tmp_path / 'part').glob('train-*.tokens'))):05d}.tokens").write_bytes(b"x")
-  prepare(tmp_path / "part")  # resumes after its last finished shard; a stray partial shard is dropped
+  (tmp_path / "part" / f"train-{len(list((tmp_path / 'part').glob('train-*.tokens'))) - 1:05d}.tokens").write_bytes(
+      b"x")  # the shard being written when it stopped
+  prepare(tmp_path / "part")  # resumes after its last finished shard; its partial shard is dropped
   for whole in sorted((tmp_path / "whole").iterdir()):
     assert (tmp_path / "part" / whole.name).read_bytes() == whole.read_bytes(), whole.name
   assert sorted(p.name for p in (tmp_path / "part").iterdir()) == sorted(p.name for p in (tmp_path / "whole").iterdir())
@@ -107,12 +108,12 @@ def test_preparing_writes_only_into_an_empty_folder_or_its_own_and_deletes_nothi
   with pytest.raises(prepared.CorpusError, match=r"--out='.*d' holds the source '.*train-00000-of-00002.jsonl'; "
                                                   r"give an --out outside the sources"):
     prepared.write(folder, DOCUMENTS, None, "byte", [source], 0.1)
-  with pytest.raises(prepared.CorpusError, match=r"--out='.*d' holds 'train-00000-of-00002.jsonl' \(and 2 more\), "
-                                                  r"which prepare_data.py did not write; give an empty or new "
-                                                  r"directory as --out"):
+  with pytest.raises(ValueError, match=r"--out='.*d' holds 'train-00000-of-00002.jsonl', 'train-notes.txt', "
+                                       r"'validation-00000.tokens', which this project did not write \(no "
+                                       r"\.retnet_jax\.json\); choose a new or empty --out, or pass --take_folder"):
     prepare(folder)
   (folder / "train-00000-of-00002.jsonl").unlink()
-  with pytest.raises(prepared.CorpusError, match=r"holds 'train-notes.txt' \(and 1 more\)"):
+  with pytest.raises(ValueError, match=r"holds 'train-notes.txt', 'validation-00000.tokens', which"):
     prepare(folder)
   assert {p.name: p.read_text() for p in folder.iterdir()} == {k: v for k, v in users.items() if "jsonl" not in k}
   with pytest.raises(prepared.CorpusError, match=r"--out='.*inside' lies inside the source '.*d'; give an --out "
@@ -490,10 +491,11 @@ def _edit_json(path, edit):
 # or "train" (loader.open_corpora of a data config).
 BAD_INPUTS = {
     "an empty file in --out": (lambda out: (out.mkdir(), (out / "notes").write_text("")), "prepare",
-                               r"--out='{out}' holds 'notes', which prepare_data.py did not write; give an empty"),
+                               r"--out='{out}' holds 'notes', which this project did not write \(no "
+                               r"\.retnet_jax\.json\); choose a new or empty --out"),
     "a file named like a shard in --out": (
         lambda out: (out.mkdir(), (out / "train-notes.txt").write_text("mine")), "prepare",
-        r"--out='{out}' holds 'train-notes.txt', which prepare_data.py did not write"),
+        r"--out='{out}' holds 'train-notes.txt', which this project did not write"),
     "--out a file": (lambda out: out.write_text("mine"), "prepare", r"--out='{out}' is a file; give a directory"),
     "--out under a file": (lambda out: out.write_text("mine"), "prepare inside",
                            r"--out='{out}/inside' lies under '{out}', which is a file; give a directory"),

@@ -1,6 +1,7 @@
 """Prepared corpora: token shards on disk, written once by `scripts/prepare_data.py`, memory-mapped by training.
 
-A prepared directory holds, per split (`train`, `validation`), shards `SPLIT-NNNNN.tokens` (the token stream,
+A prepared directory carries the project's mark (`owned_folders`: written first, recording each name written before
+it is created) and holds, per split (`train`, `validation`), shards `SPLIT-NNNNN.tokens` (the token stream,
 uint16 when the vocabulary fits, else uint32) and `SPLIT-NNNNN.starts` (int64 offsets of its documents' first
 tokens), and `metadata.json` (the tokenizer's name, fingerprint, size and separator; the sources; each shard's
 token and document counts), written last: a directory without it is not a complete corpus. A shard is a `Split`
@@ -23,14 +24,17 @@ from typing import Any
 
 import numpy as np
 
+from retnet_jax.core import owned_folders
 from retnet_jax.input_pipeline import encoding, packed_rows, tokenizer as tokenizer_lib
 
 FORMAT = "retnet_jax.prepared"
+FOLDER_FORMAT = "prepared corpus"  # its format in the folder's mark
 VERSION = 1
 METADATA = "metadata.json"
 PROGRESS = "progress.json"  # a prepare in progress: its finished shards and the documents they consumed
 _PARTIAL = ".partial"  # the suffix of a JSON file being written (`_write_json`)
-_PARTIAL_PROGRESS = Path(PROGRESS).with_suffix(_PARTIAL).name
+_JSON_NAMES = tuple(name for json_name in (PROGRESS, METADATA)  # what `write` writes beside the shards
+                    for name in (json_name, Path(json_name).with_suffix(_PARTIAL).name))
 SPLITS = ("train", "validation")
 _SHARD_NAME = re.compile(r"(train|validation)-(\d{5,})\.(tokens|starts)")  # `_shard_paths`' names
 
@@ -174,9 +178,9 @@ def open_corpus(path: str | os.PathLike, tokenizer: tokenizer_lib.Tokenizer, fie
 class _ShardWriter:
   """Appends documents of one split to numbered shards of about `shard_tokens` tokens, streaming to disk."""
 
-  def __init__(self, directory: Path, split: str, dtype: np.dtype, eos_id: int | None, shard_tokens: int,
-               done: list[dict[str, int]]):
-    self.directory, self.split, self.dtype = directory, split, dtype
+  def __init__(self, folder: owned_folders.OwnedFolder, split: str, dtype: np.dtype, eos_id: int | None,
+               shard_tokens: int, done: list[dict[str, int]]):
+    self.folder, self.directory, self.split, self.dtype = folder, folder.path, split, dtype
     self.eos_id, self.shard_tokens = eos_id, shard_tokens
     self.done = done  # finished shards' entries
     self._file, self._starts, self._tokens = None, [], 0
@@ -185,6 +189,7 @@ class _ShardWriter:
     """Appends one document; returns the tokens it took, its separator included."""
     if self._file is None:
       path = _shard_paths(self.directory, self.split, len(self.done))[0]
+      self.folder.record(*(p.name for p in _shard_paths(self.directory, self.split, len(self.done))))
       self._file = open(path, "wb")  # pylint: disable=consider-using-with
     if self._starts and self.eos_id is not None:
       ids = np.concatenate([[self.eos_id], ids])  # the separator opens this document
@@ -235,13 +240,13 @@ def _is_held_out(index: int, fraction: float) -> bool:
 def write(out: str | os.PathLike, documents: Iterable[str], validation_documents: Iterable[str] | None,
           tokenizer_spec: str, sources: list[str], validation_fraction: float, shard_tokens: int = 1 << 27,
           max_tokens: int | None = None, workers: int = 1, batch_documents: int = 1024,
-          progress: Any = None) -> dict[str, Any]:
+          progress: Any = None, take: bool = False) -> dict[str, Any]:
   """Tokenizes `documents` (texts in order) into a prepared corpus in `out`, resuming where an interrupted call
   with the same arguments stopped (after its last finished shard).
 
-  `out` must be empty, new, or this call's interrupted prepare (its progress.json marks it, written before any
-  shard); anything else, or an `out` holding or inside a source, is refused (CorpusError) before any work. Only the
-  shards it wrote are ever removed.
+  `out` must be empty, new, or this call's interrupted prepare (its mark and progress.json, written before any
+  shard); anything else (`owned_folders.NotOwnedError`, unless `take`), or an `out` holding or inside a source
+  (CorpusError), is refused before any work. Only the shards it recorded as written are ever removed or replaced.
 
   Validation: `validation_documents` when given, else every document `_is_held_out` at `validation_fraction`.
   Host memory stays that of one batch of documents and the shards' document offsets.
@@ -258,6 +263,7 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     workers: tokenizing processes (the byte tokenizer always runs in this one).
     batch_documents: documents per tokenizing task.
     progress: called as progress(documents, tokens) after each batch.
+    take: write into an `out` holding files this project did not write, beside them (--take_folder).
   Returns:
     The metadata written to `out/metadata.json`.
   """
@@ -268,9 +274,8 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   _check_out(out, sources)
   if (out / METADATA).exists():
     raise CorpusError(f"--out={str(out)!r} already holds a prepared corpus; choose another --out or delete it.")
+  owned_folders.check(out, FOLDER_FORMAT, flag="--out", writes=_JSON_NAMES, take=take, earlier=_earlier_prepare)
   resuming = (out / PROGRESS).exists()
-  if not resuming:
-    _check_empty(out)
   tokenizer = tokenizer_lib.load(tokenizer_spec)
   dtype = token_dtype(tokenizer.vocab_size)
   settings = {"tokenizer": _recorded(tokenizer, tokenizer_spec), "sources": sources,
@@ -279,16 +284,19 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
   fingerprints = _source_fingerprints(sources)
   if resuming:
     state = _read_progress(out, settings, fingerprints, dtype)
-    for leftover in out.iterdir():  # shards being written when the prepare stopped
-      name = _SHARD_NAME.fullmatch(leftover.name)
-      if name and int(name[2]) >= len(state["shards"][name[1]]):
-        leftover.unlink()
+  folder = owned_folders.claim(out, FOLDER_FORMAT, flag="--out", writes=_JSON_NAMES, take=take,
+                               earlier=_earlier_prepare)
+  if resuming:
+    leftovers = [name for name in folder.written()  # shards being written when the prepare stopped
+                 if (shard := _SHARD_NAME.fullmatch(name)) and int(shard[2]) >= len(state["shards"][shard[1]])]
+    for name in leftovers:
+      (out / name).unlink(missing_ok=True)
+    folder.forget(*leftovers)
   else:
     state = {"settings": settings, "fingerprints": fingerprints, "consumed": 0,
              "shards": {split: [] for split in SPLITS}}
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / PROGRESS, state)  # marks `out` as this prepare's before any shard is written
-  writers = {split: _ShardWriter(out, split, dtype, tokenizer.eos_id, shard_tokens, state["shards"][split])
+    _write_json(out / PROGRESS, state)  # a prepare in progress, before any shard is written
+  writers = {split: _ShardWriter(folder, split, dtype, tokenizer.eos_id, shard_tokens, state["shards"][split])
              for split in SPLITS}
   consumed, train_tokens = state["consumed"], sum(e["tokens"] for e in state["shards"]["train"])
 
@@ -357,13 +365,16 @@ def _check_out(out: Path, sources: list[str]) -> None:
       raise CorpusError(f"--out={str(out)!r} {relation} the source {source!r}; give an --out outside the sources.")
 
 
-def _check_empty(out: Path) -> None:
-  """Refuses an `out` holding anything, but a progress.json's partial write (of a prepare stopped at its start)."""
-  entries = sorted(p.name for p in out.iterdir() if p.name != _PARTIAL_PROGRESS) if out.is_dir() else []
-  if entries:
-    more = f" (and {len(entries) - 1} more)" if len(entries) > 1 else ""
-    raise CorpusError(f"--out={str(out)!r} holds {entries[0]!r}{more}, which prepare_data.py did not write; give an "
-                      "empty or new directory as --out (preparing deletes no file it did not write).")
+def _earlier_prepare(out: Path) -> list[str] | None:
+  """What an interrupted prepare of an earlier version (before the mark) wrote in `out`: its progress.json, the
+  JSON files' partial writes and the shards, where progress.json is a prepare's (its fields); else None."""
+  try:
+    state = _json_object(out / PROGRESS)
+  except (OSError, ValueError):
+    return None
+  if not all(field in state for field in ("settings", "fingerprints", "consumed", "shards")):
+    return None
+  return sorted(p.name for p in out.iterdir() if p.name in _JSON_NAMES or _SHARD_NAME.fullmatch(p.name))
 
 
 def _read_progress(out: Path, settings: dict[str, Any], fingerprints: dict[str, list[int]], dtype: np.dtype

@@ -269,9 +269,15 @@ def load_flags(config: ml_collections.ConfigDict, workdir: str | Path) -> str:
   return " ".join(map(shlex.quote, flags + [f"--workdir={workdir}"]))  # a tuple's parentheses quoted for the shell
 
 
-def check_empty_workdir(workdir: str | Path) -> None:
-  """Raises FileExistsError if `workdir` already holds checkpoints (a conversion writes step 0 of a new one), and
-  NotADirectoryError naming it when it is a file or lies under one."""
+def conversion_names() -> tuple[str, ...]:
+  """The names a conversion writes in its workdir: checkpoints/ (step 0) and config.json."""
+  return workdir_lib.checkpoint_dir("").name, workdir_lib.config_file("").name
+
+
+def check_empty_workdir(workdir: str | Path, take: bool = False) -> None:
+  """Raises FileExistsError if `workdir` already holds checkpoints (a conversion writes step 0 of a new one),
+  NotADirectoryError naming it when it is a file or lies under one, and ValueError where it is a folder this
+  project may not write into (`workdir.check_training_dir`; `take`: --take_folder)."""
   workdir = Path(workdir)
   blocking = next((p for p in (workdir, *workdir.parents) if p.exists() and not p.is_dir()), None)
   if blocking is not None:
@@ -280,21 +286,24 @@ def check_empty_workdir(workdir: str | Path) -> None:
   ckpt_dir = workdir_lib.checkpoint_dir(workdir)
   if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
     raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into an empty --workdir.")
+  workdir_lib.check_training_dir(workdir, conversion_names(), take)
 
 
-def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
+def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: str | Path, take: bool = False
+                     ) -> Path:
   """Writes `model` into `workdir` as training does: a step-0 checkpoint and config.json, which
-  `train_state.restore_model`, the scripts and training's resume load.
+  `train_state.restore_model`, the scripts and training's resume load. `workdir` is refused as by
+  `check_empty_workdir` (`take`: --take_folder), and marked as a workdir of this project first.
 
   Returns:
     The checkpoint directory. Everything but the parameters is a fresh train state.
   """
   workdir = Path(workdir)
-  check_empty_workdir(workdir)
+  check_empty_workdir(workdir, take)
   ckpt_dir = workdir_lib.checkpoint_dir(workdir)
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
   state = train_state.from_params(config, layout, nnx.state(model, nnx.Param))
-  workdir.mkdir(parents=True, exist_ok=True)
+  workdir_lib.claim(workdir, conversion_names(), take)
   with checkpointing.Checkpointer(ckpt_dir, keep=1, async_save=False) as checkpointer:
     checkpointer.save(0, state, {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)
   if jax.process_index() == 0:

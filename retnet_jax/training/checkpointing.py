@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from retnet_jax.core import host_memory
 from retnet_jax.nn import layer_stack
@@ -34,6 +35,7 @@ from retnet_jax.training import integrity
 
 _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
 _METRIC = "eval_loss"
+_ITEMS = ("state", "meta")  # the items of a step folder (the handler registry's): the arrays, the JSON meta
 
 
 # Orbax warnings that say what is intended: a reader's directory is read-only; a save between evaluations has
@@ -315,10 +317,15 @@ class Checkpointer:
 
   def set_aside(self, step: int) -> str:
     """Renames an unreadable step folder to `<step>.corrupt` (`<step>.corrupt.1`, ... if that step was set aside
-    before): kept for inspection, no longer a checkpoint. Returns the new path."""
+    before): kept for inspection, no longer a checkpoint. Returns the new path. A step folder holding neither of
+    this class's items (`state`, `meta`) is not its to rename: ValueError naming it and the fix."""
     self._check_writable("set a step aside")
     self.wait()
     source = os.path.join(self.directory, str(step))
+    found = os.listdir(source)
+    if not set(found) & set(_ITEMS):
+      raise ValueError(f"{source} is not a checkpoint this project wrote (it holds {sorted(found)[:3]}, not "
+                       f"{' and '.join(_ITEMS)}); move it out of {self.directory}, or choose another --workdir.")
     target, copies = f"{source}.corrupt", 0
     while os.path.lexists(target):
       copies += 1
@@ -380,22 +387,48 @@ class Checkpointer:
 _EXPORT_CHECKSUMS = "checksums.json"  # beside orbax's files in an export folder
 
 
-def export_params(directory: str | os.PathLike, params: Any) -> None:
-  """Writes a params-only pytree to `directory` (which must not exist) for evaluation and generation, with the
-  checksums `load_params` verifies."""
+def export_params(directory: str | os.PathLike, params: Any, replace: bool = False) -> bool:
+  """Writes a params-only pytree to `directory` for evaluation and generation, with the checksums `load_params`
+  verifies (written last: an export without them is an interrupted one).
+
+  An export already at `directory` whose checksums are those of `params` is kept; any other is replaced with
+  `replace` (the caller owns it: a stale or interrupted export), else refused (FileExistsError).
+  Returns whether it wrote.
+  """
   _quiet_orbax()
   directory = os.path.abspath(directory)
   sums = integrity.checksums(params)
+  if os.path.lexists(directory):
+    if exported_checksums(directory) == sums:
+      return False
+    if not replace:
+      raise FileExistsError(f"{directory} exists and holds other params; export into a new folder.")
+    if jax.process_index() == 0:
+      shutil.rmtree(directory)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"removed {directory}")  # before any process writes there
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(directory, params)  # closing waits for the write to commit
   if jax.process_index() == 0:
     with open(os.path.join(directory, _EXPORT_CHECKSUMS), "w", encoding="utf-8") as file:
       json.dump(sums, file)
+  return True
+
+
+def exported_checksums(directory: str | os.PathLike) -> dict[str, int] | None:
+  """The checksums an export at `directory` was written with, or None where it has none (an interrupted export, or
+  not one) or they cannot be read."""
+  try:
+    with open(os.path.join(directory, _EXPORT_CHECKSUMS), encoding="utf-8") as file:
+      sums = json.load(file)
+  except (OSError, ValueError):
+    return None
+  return sums if isinstance(sums, dict) else None
 
 
 def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
   """Reads params written by `export_params`, placed with the shardings and cast to the dtypes in `abstract_params`;
-  verifies them against the export's checksums when it has them (`integrity.DamagedCheckpointError`)."""
+  verifies them against the export's checksums (`integrity.DamagedCheckpointError`, also where it has none)."""
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"No exported params at {directory}.")
@@ -404,9 +437,11 @@ def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
     stored = checkpointer.metadata(directory).item_metadata
   read_as, scanned = _as_stored(abstract_params, stored)
   _check_compatible(read_as, stored, directory)
+  sums = exported_checksums(directory)
+  if sums is None:
+    raise integrity.DamagedCheckpointError(
+        f"the params export at {directory} has no readable {_EXPORT_CHECKSUMS} (its export was interrupted): it "
+        "cannot be verified; run the training command again to export it anew from checkpoints/.")
   params = _read_arrays(directory, read_as, stored)
-  sums_file = os.path.join(directory, _EXPORT_CHECKSUMS)
-  if os.path.isfile(sums_file):
-    with open(sums_file, encoding="utf-8") as file:
-      integrity.verify(json.load(file), params, f"the params export at {directory}")
+  integrity.verify(sums, params, f"the params export at {directory}")
   return _as_wanted(params, scanned, abstract_params)

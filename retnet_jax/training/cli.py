@@ -29,7 +29,7 @@ from absl import app, flags
 import ml_collections
 from ml_collections import config_flags
 
-from retnet_jax.core import host_memory, quiet_start
+from retnet_jax.core import host_memory, owned_folders, quiet_start
 from retnet_jax.models import presets
 from retnet_jax.training import workdir_lock
 
@@ -132,6 +132,13 @@ def workdir_flag(help_text: str) -> flags.FlagHolder:
                            "--workdir is empty (an unset shell variable?); name the run's directory, e.g. "
                            "--workdir=runs/NAME")
   return holder
+
+
+def take_folder_flag() -> flags.FlagHolder:
+  """`--take_folder`: write into an output folder that holds files this project did not write (no mark), beside
+  them; none of them is touched, and a name the script writes that the folder holds is still refused."""
+  return flags.DEFINE_boolean(owned_folders.TAKE_FLAG.removeprefix("--"), False, "Write into an output folder "
+                              "holding files this project did not write, beside them (it touches none of them).")
 
 
 def step_flag(help_text: str) -> flags.FlagHolder:

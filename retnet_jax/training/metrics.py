@@ -61,16 +61,19 @@ def _drop_partial_line(path: str) -> None:
       file.truncate(content.rfind(b"\n") + 1)
 
 
+METRICS_FILE, TENSORBOARD_DIR = "metrics.jsonl", "tensorboard"  # `MetricsWriter`'s, in the workdir
+
+
 class MetricsWriter:
   """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard; only process 0 writes."""
 
   def __init__(self, workdir: str | os.PathLike):
     self.enabled = jax.process_index() == 0
     if self.enabled:
-      self._path = os.path.join(workdir, "metrics.jsonl")
+      self._path = os.path.join(workdir, METRICS_FILE)
       _drop_partial_line(self._path)
       self._jsonl = open(self._path, "a", encoding="utf-8")
-      self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tensorboard = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:

@@ -59,17 +59,21 @@ def evaluate(run: train_step_lib.Setup, params, batches: Iterable[losses.Batch])
   return float(np.mean(batch_losses))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+                       take_folder: bool = False) -> dict[str, float]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
   Args:
     config: the full config (`configs/retnet.py:NAME` or `configs/transformer.py:NAME`), checked before anything
       is read or written.
-    workdir: the run's directory: checkpoints, metrics, TensorBoard events, config.json, the final params.
+    workdir: the run's directory: checkpoints, metrics, TensorBoard events, config.json, the final params. New,
+      empty or a run's (`workdir.check_training_dir`).
+    take_folder: train in a `workdir` holding files this project did not write, beside them (--take_folder).
   Returns:
     The last logged train and eval metrics (`loss`, `eval_loss`, ...).
   """
-  workdir = workdir_lib.check_training_dir(workdir)
+  writes = workdir_lib.training_names(config, jax.process_index())
+  workdir = workdir_lib.check_training_dir(workdir, writes, take_folder)
   check_config(config, jax.device_count())
   if config.train.warmup_steps > config.train.steps:
     metrics.log(f"NOTE: train.warmup_steps={config.train.warmup_steps} exceeds train.steps={config.train.steps}: "
@@ -81,7 +85,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   run = train_step_lib.setup(config, mesh)
   batches, valid_batches = _data_sources(config, tokenizer, run.placement.batch_sharding)
 
-  workdir.mkdir(parents=True, exist_ok=True)
+  workdir_lib.claim(workdir, writes, take_folder)
   with workdir_lib.writer_lock(workdir, jax.process_index()) as lock:  # one training process writes the workdir
     checkpointer = checkpointing.Checkpointer(workdir_lib.checkpoint_dir(workdir), keep=config.checkpoint.keep,
                                               keep_best=config.checkpoint.keep_best,
@@ -265,7 +269,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
     while step < train_cfg.steps:
       watch.progress()
       if profile and step == profile[0]:
-        jax.profiler.start_trace(str(workdir / "profile"))
+        jax.profiler.start_trace(str(workdir / workdir_lib.PROFILE_DIR))
       with run.placement.active():
         state, step_metrics = run.train_step(state, next(batches))
       step += 1
@@ -318,9 +322,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
         return last
 
   checkpointer.wait()
-  export_dir = workdir_lib.export_dir(workdir, step)
-  if not export_dir.exists():
-    checkpointing.export_params(export_dir, state["params"])
+  export_dir = workdir_lib.export_params(workdir, step, state["params"])
   metrics.log(f"done at step {step}; checkpoints in {checkpointer.directory}, params in {export_dir}")
   return last
 

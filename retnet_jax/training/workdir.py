@@ -9,6 +9,8 @@
       passkey_step_STEP.json     scripts/passkey.py's results (passkey_step_STEP.png: its heatmap)
       lm_eval_step_STEP.json     scripts/harness_eval.py's results (each with _N before .json for other settings)
       train_PROCESS.lock         the lock of the training process (retnet_jax.training.workdir_lock)
+      .retnet_jax.json           the project's mark: written first, it records the names above that were written
+                                 (retnet_jax.core.owned_folders); training and conversions write into nothing else
 
     step, (state, meta) = restore_newest(checkpointer, config, lambda step: checkpointer.restore(abstract, step))
     params, step = read_params(workdir, config, abstract_params)  # evaluation: the parameters alone
@@ -22,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +34,7 @@ from typing import Any, TypeVar
 import ml_collections
 import numpy as np
 
+from retnet_jax.core import owned_folders
 from retnet_jax.models import presets
 from retnet_jax.training import checkpointing, metrics, workdir_lock
 
@@ -49,9 +53,26 @@ ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "ro
 RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)
 
 
-def check_training_dir(workdir: str | os.PathLike) -> Path:
+FORMAT = "workdir"  # a workdir's format in its mark (`owned_folders`)
+PROFILE_DIR = "profile"  # `train.profile_steps`' trace
+# The fields of every config.json that training and the conversions write: a folder of an earlier version of this
+# project (written before the mark) is recognised by them.
+CONFIG_FIELDS = ("preset", "model", "data", "train", "checkpoint", "mesh", "seed")
+# What an earlier version wrote in a workdir (the layout above), recorded as the project's when one is adopted.
+_EARLIER_NAMES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|params|tensorboard|profile|train_\d+\.lock|"
+                            rf"({'|'.join(RESULTS)})_step_\d+(_\d+)?(_by_position)?\.(json|png)")
+
+
+def check_training_dir(workdir: str | os.PathLike, writes: Sequence[str] = (), take: bool = False) -> Path:
   """`workdir` as a Path, refused when empty (an unset shell variable would train into the current directory),
-  a file, or inside another run's `checkpoints/` or `params/`."""
+  a file, inside another run's `checkpoints/` or `params/`, or a folder this project may not write into
+  (`owned_folders.check`: new, empty, a run's, or with `take` (--take_folder) one holding other files).
+
+  Args:
+    workdir: the --workdir flag's value.
+    writes: the names the caller writes there (`training_names`); one the folder holds unrecorded is refused.
+    take: write into a folder holding files this project did not write, beside them.
+  """
   if not os.fspath(workdir).strip():
     raise ValueError("--workdir is empty (an unset shell variable?); name the run's directory, e.g. "
                      "--workdir=runs/NAME.")
@@ -59,7 +80,36 @@ def check_training_dir(workdir: str | os.PathLike) -> Path:
   if workdir.exists() and not workdir.is_dir():
     raise ValueError(f"--workdir={workdir} is a file; choose a directory (new or a run's).")
   check_outside_runs(workdir, "--workdir", "a new run's, or that run itself to resume it")
+  owned_folders.check(workdir, FORMAT, flag="--workdir", writes=writes, take=take, earlier=earlier_workdir)
   return workdir
+
+
+def training_names(config: ml_collections.ConfigDict, process_index: int) -> tuple[str, ...]:
+  """The names training writes in its workdir on process `process_index` (the layout above, results aside)."""
+  names = (config_file("").name, metrics.METRICS_FILE, metrics.TENSORBOARD_DIR, checkpoint_dir("").name,
+           export_dir("", 0).parent.name, writer_lock("", process_index).path.name)
+  return names + ((PROFILE_DIR,) if config.train.profile_steps else ())
+
+
+def claim(workdir: str | os.PathLike, writes: Sequence[str], take: bool = False) -> owned_folders.OwnedFolder:
+  """Creates `workdir` where new and marks it as a workdir of this project, recording `writes` (written next);
+  refuses what `check_training_dir` refuses. Arguments as `check_training_dir`'s."""
+  return owned_folders.claim(workdir, FORMAT, flag="--workdir", writes=writes, take=take, earlier=earlier_workdir)
+
+
+def earlier_workdir(folder: Path) -> list[str] | None:
+  """The names an earlier version of this project (before the mark) wrote in `folder`, where its config.json is
+  one that training or a conversion wrote (`CONFIG_FIELDS`) beside checkpoints/, params/ or metrics.jsonl; else
+  None."""
+  try:
+    saved = json.loads(config_file(folder).read_text())
+  except (OSError, ValueError):
+    return None
+  found = [p.name for p in folder.iterdir()]
+  if not (isinstance(saved, dict) and all(field in saved for field in CONFIG_FIELDS)
+          and {checkpoint_dir("").name, export_dir("", 0).parent.name, metrics.METRICS_FILE} & set(found)):
+    return None
+  return sorted(name for name in found if _EARLIER_NAMES.fullmatch(name))
 
 
 def check_outside_runs(path: Path, flag: str, choices: str) -> None:
@@ -121,6 +171,19 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step folder being wr
 def export_dir(workdir: str | os.PathLike, step: int) -> Path:
   """`WORKDIR/params/STEP`: the parameters alone (`checkpointing.export_params`) of `step`."""
   return Path(workdir) / "params" / str(step)
+
+
+def export_params(workdir: str | os.PathLike, step: int, params: Any) -> Path:
+  """Exports `params` of `step` to `export_dir` for readers, unless it holds these params already (their checksums
+  agree). One there of other params (the run retrained after its checkpoints/ was deleted) or without checksums
+  (an interrupted export) is replaced, with a note: params/ is the run's (`training_names`, recorded in its mark).
+  Returns the export's folder."""
+  folder = export_dir(workdir, step)
+  existed = folder.exists()
+  if checkpointing.export_params(folder, params, replace=True) and existed:
+    metrics.log(f"NOTE: {folder} held other params than step {step}'s checkpoint (or an interrupted export): "
+                "exported again")
+  return folder
 
 
 def exported_steps(workdir: str | os.PathLike) -> list[int]:
@@ -188,6 +251,17 @@ def results_file(folder: str | os.PathLike, kind: str, step: int, settings: Sequ
     path = Path(folder) / f"{kind}_step_{step}{'' if index == 1 else f'_{index}'}.json"
     if not path.exists() or _recorded_settings(path) == list(settings):
       return path
+
+
+def check_results_path(path: str | os.PathLike, flag: str) -> None:
+  """Refuses (ValueError naming `flag` and the fix) a results file `path` named on the command line that would land
+  on a file not of results (recording no "settings": a run's config.json, a user's file) or inside a run's
+  `checkpoints/` or `params/`: results never replace what a run reads."""
+  path = Path(path)
+  check_outside_runs(path, flag, "a new .json file, or a folder for the results")
+  if os.path.lexists(path) and (not path.is_file() or _recorded_settings(path) is None):
+    raise ValueError(f"{flag}={path} exists and is not a results file (it records no \"settings\"): the results "
+                     "would replace it; name a new .json file, or a folder to write the results into.")
 
 
 def _recorded_settings(path: Path) -> list[str] | None:
