@@ -139,6 +139,20 @@ def step_flag(help_text: str) -> flags.FlagHolder:
   return flags.DEFINE_integer("step", None, help_text)
 
 
+def positive_float_flag(name: str, default: float, help_text: str,
+                        flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+  """A float flag refused, naming it, unless positive and finite: absl's bounds let `nan` through (every
+  comparison with it is false), which would turn off a guard such as a time limit.
+
+  Args:
+    name, default, help_text: as `flags.DEFINE_float`. flag_values: where to define it (the scripts': flags.FLAGS).
+  """
+  holder = flags.DEFINE_float(name, default, help_text, flag_values=flag_values)
+  flags.register_validator(name, lambda value: value is None or 0 < value < float("inf"),
+                           f"--{name} must be a positive, finite number", flag_values=flag_values)
+  return holder
+
+
 def distributed_flags() -> Callable[[], None]:
   """`--coordinator_address`, `--num_processes`, `--process_id` (defaults: $JAX_COORDINATOR_ADDRESS,
   $JAX_NUM_PROCESSES, $JAX_PROCESS_ID); returns the function that checks them and, when a coordinator is named,
