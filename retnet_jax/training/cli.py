@@ -105,8 +105,13 @@ def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collec
   module_spec = importlib.util.spec_from_file_location("retnet_jax_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  config = module.get_config(preset or None)
-  for name, value in (overrides or {}).items():
+  return apply_overrides(module.get_config(preset or None), overrides or {})
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+  """`config` with `overrides` ({"model.dtype": "float32"}, as `--config.model.dtype=float32`; a tuple field takes
+  its Python literal) set in place; each that names no field or does not fit its field is refused by name."""
+  for name, value in overrides.items():
     *parents, field = name.split(".")
     node = config
     try:
