@@ -13,6 +13,7 @@ to the abstract state's.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import logging
 import math
@@ -94,13 +95,28 @@ class CheckpointWriteError(OSError):
   """
 
   def __init__(self, step: int | None, directory: str, cause: BaseException):
-    code = getattr(cause, "errno", None)
-    if code is None and (match := re.search(r"os_error_code='(\d+)'", str(cause))):
-      code = int(match.group(1))
-    reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else
-              os.strerror(code) if code else (str(cause).splitlines() or [type(cause).__name__])[0])
+    code, reason = write_failure(cause)
     super().__init__(f"could not write checkpoint {step} in {directory}: {reason}")
     self.errno, self.step = code, step
+
+
+class ExportWriteError(OSError):
+  """The parameters could not be exported (`export_params`); `errno` as CheckpointWriteError's."""
+
+  def __init__(self, message: str, code: int | None):
+    super().__init__(message)
+    self.errno = code
+
+
+def write_failure(cause: BaseException) -> tuple[int | None, str]:
+  """(errno, reason) of a failed write: an OSError's, or TensorStore's, whose errno sits inside its message
+  (`RESOURCE_EXHAUSTED: ... [os_error_code='28']`) beside pages of its spec."""
+  code = getattr(cause, "errno", None)
+  if code is None and (match := re.search(r"os_error_code='(\d+)'", str(cause))):
+    code = int(match.group(1))
+  reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else
+            os.strerror(code) if code else (str(cause).splitlines() or [type(cause).__name__])[0])
+  return code, reason
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -382,15 +398,22 @@ _EXPORT_CHECKSUMS = "checksums.json"  # beside orbax's files in an export folder
 
 def export_params(directory: str | os.PathLike, params: Any) -> None:
   """Writes a params-only pytree to `directory` (which must not exist) for evaluation and generation, with the
-  checksums `load_params` verifies."""
+  checksums `load_params` verifies. A write that fails (a full disk) leaves nothing there and raises
+  ExportWriteError naming `directory` and the cause."""
   _quiet_orbax()
   directory = os.path.abspath(directory)
   sums = integrity.checksums(params)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(directory, params)  # closing waits for the write to commit
-  if jax.process_index() == 0:
-    with open(os.path.join(directory, _EXPORT_CHECKSUMS), "w", encoding="utf-8") as file:
-      json.dump(sums, file)
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(directory, params)  # closing waits for the write to commit
+    if jax.process_index() == 0:
+      with open(os.path.join(directory, _EXPORT_CHECKSUMS), "w", encoding="utf-8") as file:
+        json.dump(sums, file)
+  except Exception as e:  # orbax and TensorStore raise many kinds (a full disk: RESOURCE_EXHAUSTED)
+    for partial in [directory, *glob.glob(f"{glob.escape(directory)}.orbax-checkpoint-tmp*")]:
+      shutil.rmtree(partial, ignore_errors=True)  # so that a rerun exports again
+    code, reason = write_failure(e)
+    raise ExportWriteError(f"could not export the parameters to {directory}: {reason}", code) from e
 
 
 def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
