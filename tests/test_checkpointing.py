@@ -304,8 +304,8 @@ def test_an_export_to_a_full_disk_names_the_folder_and_leaves_nothing(tmp_path, 
                      "[os_error_code='28'] tensorstore_spec='{\"_sharding\": ...}'")
 
   monkeypatch.setattr(checkpointing.ocp.StandardCheckpointer, "save", full)
-  with pytest.raises(checkpointing.ExportWriteError, match=rf"could not export the parameters to "
-                                                           rf"{tmp_path / 'params'}: No space left on device$") as error:
+  message = rf"could not export the parameters to {tmp_path / 'params'}: No space left on device$"
+  with pytest.raises(checkpointing.ExportWriteError, match=message) as error:
     export_params(tmp_path / "params", {"w": jnp.ones(3)})
   assert error.value.errno == errno.ENOSPC and not (tmp_path / "params").exists()
 
