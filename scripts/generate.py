@@ -47,6 +47,7 @@ _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the 
 
 
 def main():
+  text_generation.check_prompts(_PROMPT.value, "--prompt")
   config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
   tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)

@@ -24,7 +24,7 @@ from lm_eval import utils as harness_utils
 from retnet_jax.evaluation import lm_eval as harness
 from retnet_jax.training import workdir
 
-_CONFIG = cli.config_flag("Config file and preset.")
+_CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
 _STEP = cli.step_flag("Checkpoint step to evaluate (default: the latest).")
 _TASKS = flags.DEFINE_list("tasks", None, "Comma-separated task, group or tag names, or task YAML files.",
@@ -50,7 +50,8 @@ def main():
   if _OUTPUT_PATH.value and Path(_OUTPUT_PATH.value).suffix == ".json":
     workdir.check_results_path(_OUTPUT_PATH.value, "--output_path")
   task_manager, tasks = harness.load_tasks(_TASKS.value, _INCLUDE_PATH.value)
-  lm = harness.RetNetLM(_WORKDIR.value, _CONFIG.value, _STEP.value, batch_size=_BATCH_SIZE.value, **options)
+  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
+  lm = harness.RetNetLM(_WORKDIR.value, config, _STEP.value, batch_size=_BATCH_SIZE.value, **options)
   limit = _LIMIT.value
   results = lm_eval.simple_evaluate(
       model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=_NUM_FEWSHOT.value,

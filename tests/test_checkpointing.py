@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.retnet import get_config
 from retnet_jax.models.model import Model
-from retnet_jax.training import integrity
+from retnet_jax.training import checkpointing, integrity
 from retnet_jax.training.checkpointing import Checkpointer, CheckpointWriteError, export_params, load_params
 from retnet_jax.training.integrity import DamagedCheckpointError
 
@@ -296,6 +296,19 @@ def test_a_save_on_a_full_disk_is_one_error_naming_the_step(tmp_path, state, mon
   tensorstore_error = ValueError("RESOURCE_EXHAUSTED: Error writing local file \"x\": Failed to write 25135 bytes to "
                                  "file 16: No space left on device [os_error_code='28']")
   assert CheckpointWriteError(4, "d", tensorstore_error).errno == errno.ENOSPC
+
+
+def test_an_export_to_a_full_disk_names_the_folder_and_leaves_nothing(tmp_path, monkeypatch):
+  def full(self, directory, *args, **kwargs):
+    os.makedirs(directory)  # what it wrote before the disk filled
+    raise ValueError("RESOURCE_EXHAUSTED: Error writing local file \"x\": No space left on device "
+                     "[os_error_code='28'] tensorstore_spec='{\"_sharding\": ...}'")
+
+  monkeypatch.setattr(checkpointing.ocp.StandardCheckpointer, "save", full)
+  message = rf"could not export the parameters to {tmp_path / 'params'}: No space left on device$"
+  with pytest.raises(checkpointing.ExportWriteError, match=message) as error:
+    export_params(tmp_path / "params", {"w": jnp.ones(3)})
+  assert error.value.errno == errno.ENOSPC and not (tmp_path / "params").exists()
 
 
 def test_late_tensorstore_callbacks_into_a_closed_event_loop_print_nothing(tmp_path, capfd, caplog):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from absl import flags
 import pytest
 
 from retnet_jax.core import quiet_start
@@ -185,3 +186,15 @@ def test_without_an_accelerator_the_plugins_start_quietly_on_the_cpu():
   assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr
   for noise in ("Traceback", "plugin configuration error", "libtpu", "TPU"):
     assert noise not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
+def test_a_positive_float_flag_refuses_what_would_turn_its_guard_off(value):
+  """passkey.py --max_hours=nan was accepted (absl's lower_bound passes nan), turning its time guard off."""
+  flag_values = flags.FlagValues()
+  cli.positive_float_flag("max_hours", 2.0, "Hours.", flag_values=flag_values)
+  with pytest.raises(flags.IllegalFlagValueError, match=r"flag --max_hours=\S+: --max_hours must be a "
+                                                        "positive, finite number"):
+    flag_values(["script", f"--max_hours={value}"])
+  flag_values(["script", "--max_hours=0.5"])
+  assert flag_values.max_hours == 0.5

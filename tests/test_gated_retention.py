@@ -308,6 +308,14 @@ def test_sequence_split_matches_one_device():
      r"retention_impl='pallas' cannot run: per-token decays run on the split kernels only, not "
      r"model.kernel_layout='fused': set model.kernel_layout='split'"),
     (dict(mixer="gated_retention", num_heads=3), r"model.d_model=32 is not divisible by model.num_heads=3"),
+    # Another mixer's field set away from its default was ignored without a word.
+    (dict(mixer="gated_retention", decay_gammas=(2.0, -1.0)),
+     r"model.decay_gammas=\(2.0, -1.0\) is read by model.mixer='retention' only, but this model's layers run "
+     r"'gated_retention', which ignore it: leave model.decay_gammas at its default \(None\), or set "
+     r"model.mixer='retention'"),
+    (dict(mixer="gated_retention", decay_schedule="logspace"), r"model.decay_schedule='logspace' is read by "),
+    (dict(gate_logit_normalizer=0.0), r"model.gate_logit_normalizer=0.0 is read by model.mixer='gated_retention' "
+                                      r"only, but this model's layers run 'retention', which ignore it"),
 ])
 def test_bad_configs_are_refused(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -316,8 +324,8 @@ def test_bad_configs_are_refused(overrides, message):
 
 def test_backend_checks_and_fields_it_does_not_read():
   """`auto` with the fused layout runs XLA's form (the fused kernels take no per-token decay); `pallas` is refused
-  where the kernels do not compile; the fixed decay's and the normaliser's fields are not read (a torchscale style
-  does not keep it from the kernels; any decay schedule gives the same model)."""
+  where the kernels do not compile; the normaliser's fields are not read (a torchscale style does not keep it from
+  the kernels, and gives the same model: presets set it; the fixed decay's fields are refused)."""
   cfg = layer_config(retention_impl="auto", chunk_size=16, d_model=64, kernel_layout="fused")
   assert not multiscale_retention.uses_kernel(cfg, "gpu", per_token_decay=True)
   cfg.update(kernel_layout="split", stability_norm_style="torchscale")
@@ -326,5 +334,5 @@ def test_backend_checks_and_fields_it_does_not_read():
   with pytest.raises(ValueError, match=r"retention_impl='pallas' cannot run here"):
     GATED.check_backend(cfg, "cpu")
   tokens = random_tokens(1, 6)
-  other = tiny_gated(decay_schedule="logspace", stability_norm=False)
+  other = tiny_gated(stability_norm=False, stability_norm_style="torchscale")
   assert max_abs_diff(tiny_gated()(tokens)[0], other(tokens)[0]) == 0

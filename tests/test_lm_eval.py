@@ -185,7 +185,7 @@ def test_a_transformer_hybrid_or_gated_model_continues_from_its_state(tmp_path, 
 def test_script_prints_the_table_and_writes_json(trained, tasks_dir, tmp_path):
   config, workdir, _ = trained
   output = tmp_path / "results.json"
-  result = run_script("harness_eval.py", f"--config={CONFIG}", f"--workdir={workdir}",
+  result = run_script("harness_eval.py", f"--workdir={workdir}",  # the model of its config.json
                       f"--config.train.seq_len={SEQ_LEN}", "--tasks=tiny_mc,tiny_gen", f"--include_path={tasks_dir}",
                       "--limit=2", "--batch_size=4", f"--output_path={output}", HF_HUB_OFFLINE="1",
                       HF_DATASETS_OFFLINE="1")
@@ -198,6 +198,13 @@ def test_script_prints_the_table_and_writes_json(trained, tasks_dir, tmp_path):
   written = json.loads(output.read_text())
   assert written["results"] == summary["results"] and written["config"]["workdir"] == str(workdir)
   assert written["n-samples"]["tiny_mc"] == {"original": 3, "effective": 2}
+
+
+def test_without_config_the_workdirs_config_json_is_read(trained):
+  """As evaluate, generate and passkey read a run: a gated or hybrid run needed every field repeated."""
+  lm = harness.RetNetLM(workdir=str(trained.workdir), **{"config.model.param_dtype": "bfloat16"})
+  assert lm.step == trained.config.train.steps and lm.model.config.d_model == trained.config.model.d_model
+  assert lm.model.config.param_dtype == "bfloat16"
 
 
 def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
@@ -214,7 +221,7 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(tmp_path):
                                ("seed", "x", 0), ("seed", -1, 0)):
     with pytest.raises(ValueError, match=rf"model_args {name}={value!r} must be an integer of at least {minimum}"):
       harness.RetNetLM(**args, **{name: value})
-  with pytest.raises(ValueError, match="needs config=FILE:PRESET"):
+  with pytest.raises(ValueError, match="needs config=FILE:PRESET.*holds no config.json"):
     harness.RetNetLM(workdir=str(workdir))
   with pytest.raises(ValueError, match="'configs/missing.py' is not a file"):
     harness.RetNetLM(workdir=str(workdir), config="configs/missing.py:tiny")

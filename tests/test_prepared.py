@@ -119,6 +119,11 @@ def test_preparing_writes_only_into_an_empty_folder_or_its_own_and_deletes_nothi
   with pytest.raises(prepared.CorpusError, match=r"--out='.*inside' lies inside the source '.*d'; give an --out "
                                                   r"outside the sources"):
     prepared.write(folder / "inside", DOCUMENTS, None, "byte", [str(folder)], 0.1)
+  # data.hub_dataset naming a local folder: prepare read its own progress.json as data (CastError) and left it.
+  with pytest.raises(prepared.CorpusError, match=rf"--out='.*inside' lies inside the source 'hub:{folder}'; give an "
+                                                  r"--out outside the sources"):
+    prepared.write(folder / "inside", DOCUMENTS, None, "byte", [f"hub:{folder}"], 0.1)
+  assert not (folder / "inside").exists()
   with pytest.raises(prepared.CorpusError, match=r"--out='.*notes.txt' is a file; give a directory"):
     prepare(folder / "train-notes.txt")
   assert not (folder / "inside").exists() and (folder / "train-notes.txt").read_text() == "notes"

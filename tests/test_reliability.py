@@ -338,6 +338,47 @@ def test_nonfinite_step_stops_the_run_naming_it(tmp_path, corpus, monkeypatch):
     assert checkpointer.all_steps() == [4]
 
 
+def test_a_removed_lock_file_is_told_from_a_vanished_workdir(tmp_path):
+  from retnet_jax.training import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
+  (tmp_path / "run").mkdir()
+  with workdir_lib.writer_lock(tmp_path / "run") as lock:
+    lock.check_held()
+    lock.path.unlink()
+    with pytest.raises(workdir_lock.LockFileRemovedError, match=r"the lock file .*train_0.lock was removed"):
+      lock.check_held()
+    (tmp_path / "run").rename(tmp_path / "moved")
+    (tmp_path / "run").mkdir()  # another directory at its path
+    with pytest.raises(workdir_lock.WorkdirVanishedError, match=r"vanished while training"):
+      lock.check_held()
+
+
+@pytest.mark.slow
+def test_a_lock_file_removed_while_training_stops_it_after_a_checkpoint(tmp_path, corpus, monkeypatch):
+  """It stopped saying the workdir "vanished" (it had not) and lost the steps since the last checkpoint."""
+  config = in_process_config(corpus, steps=8)
+  config.checkpoint.every_steps = 4
+  workdir = tmp_path / "run"
+  setup = train_step.setup
+
+  def removing_setup(config, mesh):
+    run = setup(config, mesh)
+
+    def removing_step(state, tokens_BxL1):
+      if int(state["step"]) + 1 == 6:
+        (workdir / "train_0.lock").unlink()
+      return run.train_step(state, tokens_BxL1)
+
+    return dataclasses.replace(run, train_step=removing_step)
+
+  monkeypatch.setattr(train_step, "setup", removing_setup)
+  with pytest.raises(OSError, match=rf"the lock file {workdir / 'train_0.lock'} was removed while training \(the "
+                                    r"workdir is still there\).*so the training stopped; checkpoint 6 is committed in "
+                                    rf"{workdir / 'checkpoints'}: run the same command again to resume from there"):
+    train.train_and_evaluate(config, workdir)
+  with checkpointing.Checkpointer(workdir / "checkpoints") as checkpointer:
+    assert checkpointer.all_steps() == [4, 6]
+
+
 def test_same_seed_same_losses(tmp_path, corpus):
   config = in_process_config(corpus, steps=6)
   train.train_and_evaluate(config, tmp_path / "a")

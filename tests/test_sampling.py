@@ -261,6 +261,19 @@ def test_generate_input_errors(model):
     SAMPLER.generate(model, np.asarray([[1, 300]]), np.asarray([2]), max_new_tokens=2, key=key)
 
 
+
+def test_a_prompt_that_is_not_utf8_is_named(model):
+  """A --prompt of Latin-1 bytes failed in the tokenizer with "surrogates not allowed", naming neither."""
+  prompt = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # as Python reads such a command line
+  with pytest.raises(ValueError, match=r"--prompt 1 holds the byte e9, which is not UTF-8 \(at character 3: 'caf'"
+                                       r"\.\.\.\); give the prompt as UTF-8 text"):
+    text_generation.check_prompts(["ROMEO:", prompt], "--prompt")
+  with pytest.raises(ValueError, match="prompt 0 holds the byte e9"):
+    text_generation.generate_text(SAMPLER, model, ByteTokenizer(), [prompt], max_new_tokens=2,
+                                  key=jax.random.key(0))
+  text_generation.check_prompts(["caf\u00e9"])
+
+
 def test_pad_prompts():
   tokens, lengths = sampling.pad_prompts([[1, 2, 3], [4], np.asarray([5, 6])])
   np.testing.assert_array_equal(tokens, [[1, 2, 3], [0, 0, 4], [0, 5, 6]])

@@ -1,7 +1,9 @@
 """Training: learning, sharded steps, gradient accumulation, exact resume, restoring on another mesh, bad input."""
 
+import errno
 import json
 import logging
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -231,6 +233,30 @@ def test_fewer_steps_than_the_workdir_holds_and_a_long_warmup_are_noted(trained_
                    "train.learning_rate",
                    "NOTE: the checkpoint's step 8 is past train.steps=4: nothing to train (raise "
                    "--config.train.steps above 8 to go on)"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_exporting_says_so_and_a_rerun_exports(trained_copy, monkeypatch):
+  """TensorStore's raw RESOURCE_EXHAUSTED (its spec's `_sharding` after it) named no fix."""
+  config, workdir, _ = trained_copy
+  shutil.rmtree(workdir / "params")
+  save = checkpointing.ocp.StandardCheckpointer.save
+
+  def full(self, directory, *args, **kwargs):
+    (workdir / "params" / "8").mkdir(parents=True)  # what it wrote before the disk filled
+    raise ValueError("RESOURCE_EXHAUSTED: Error writing local file \"x\": No space left on device "
+                     "[os_error_code='28'] [source locations='...'] tensorstore_spec='{\"_sharding\": ...}'")
+
+  monkeypatch.setattr(checkpointing.ocp.StandardCheckpointer, "save", full)
+  with pytest.raises(OSError, match=rf"could not export the parameters to {workdir / 'params' / '8'}: No space left "
+                                    rf"on device \(its disk is full\). Checkpoint 8 in {workdir / 'checkpoints'} is "
+                                    r"committed and intact; free space there .*, then run the same command again: "
+                                    r"the training is done, so it only exports the parameters\.$") as error:
+    train.train_and_evaluate(config, workdir)
+  assert error.value.errno == errno.ENOSPC and not (workdir / "params" / "8").exists()
+  monkeypatch.setattr(checkpointing.ocp.StandardCheckpointer, "save", save)
+  train.train_and_evaluate(config, workdir)
+  assert workdir_lib.exported_steps(workdir) == [8]
 
 
 def test_bfloat16_first_adam_moment_tracks_float32():

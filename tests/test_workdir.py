@@ -138,6 +138,33 @@ def test_saved_config_is_the_runs_and_refuses_what_no_run_writes(trained, tmp_pa
     workdir_lib.saved_config(tmp_path / "none")
 
 
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(model=None), r"config.json: model=None must be a JSON object; fix it in config.json"),
+    (dict(model={"vocab_size": "256"}), r"config.json: model.vocab_size='256' does not fit the field \(.*\); fix it "
+                                        "in config.json, or give the config with --config"),
+    (dict(model={"vocab_sise": 256}), r"config.json: model.vocab_sise is not a field of a retnet config; remove it "
+                                      "from config.json"),
+    (dict(data={"tokenizer": 3}), r"config.json: data.tokenizer=3 does not fit the field"),
+])
+def test_an_edited_config_json_is_named_with_the_field_and_the_fix(tmp_path, edit, message):
+  """Readers without --config failed on such a config.json with an AttributeError, a TypeError or a KeyError."""
+  (tmp_path / "config.json").write_text(json.dumps({"preset": "tiny", "model": {}, "data": {}, **edit}))
+  with pytest.raises(ValueError, match=message):
+    workdir_lib.saved_config(tmp_path)
+
+
+def test_a_config_json_that_is_binary_or_a_folder_is_named(tmp_path):
+  """A binary config.json failed naming no file; one that is a folder fell back to the `small` preset."""
+  (tmp_path / "config.json").write_bytes(b"\xc8\x00\x01")
+  with pytest.raises(ValueError, match=r"config.json is not valid JSON text \('utf-8' codec can't decode byte 0xc8"):
+    workdir_lib.saved_config(tmp_path)
+  (tmp_path / "config.json").unlink()
+  (tmp_path / "config.json").mkdir()
+  with pytest.raises(ValueError, match="config.json is a folder, not the config file of a run"):
+    workdir_lib.script_config(retnet_config.get_config("small"), tmp_path, named=False, overrides=())
+
+
 def test_only_what_a_save_in_flight_recreated_is_removed(tmp_path):
   """After the workdir was moved mid-save: checkpoints/ of temporary folders alone goes; anything else stays."""
   recreated = tmp_path / "run"

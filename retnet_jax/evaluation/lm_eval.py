@@ -5,12 +5,13 @@
     results = lm_eval.simple_evaluate(
         model="retnet_jax", model_args="workdir=runs/shakespeare,config=configs/retnet.py:small", tasks=["lambada"])
 
-`model_args`: `workdir` and `config` (a config file and preset, as `--config` takes them), `step` (default: the
-latest checkpoint), `config.x.y=VALUE` overrides (as `--config.x.y=VALUE`; a tuple needs the dict form of
-model_args, whose values may be any Python value), and the adapter's options: `mode` (`parallel` | `chunkwise`:
-the form that prefills contexts), `max_length` (tokens of context plus continuation a request keeps, from the
-right; default `train.seq_len`), `max_gen_toks`, `prefix_token` (the token scored text starts after: the
-tokenizer's end-of-document token; the newline byte for the byte tokenizer) and `seed` (sampled generation).
+`model_args`: `workdir` and `config` (a config file and preset, as `--config` takes them; default: the preset and
+model of the workdir's config.json), `step` (default: the latest checkpoint), `config.x.y=VALUE` overrides (as
+`--config.x.y=VALUE`; a tuple needs the dict form of model_args, whose values may be any Python value), and the
+adapter's options: `mode` (`parallel` | `chunkwise`: the form that prefills contexts), `max_length` (tokens of
+context plus continuation a request keeps, from the right; default `train.seq_len`), `max_gen_toks`, `prefix_token`
+(the token scored text starts after: the tokenizer's end-of-document token; the newline byte for the byte
+tokenizer) and `seed` (sampled generation).
 
 `loglikelihood` prefills each distinct context once (all its tokens but the last, left-padded into batches) and
 scores every continuation of it from that state; `loglikelihood_rolling` scores a text in disjoint windows of
@@ -42,7 +43,7 @@ from retnet_jax.core import config_checks, sharding
 from retnet_jax.evaluation import sampling
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
-from retnet_jax.training import cli, losses, metrics, train_state
+from retnet_jax.training import cli, losses, metrics, train_state, workdir as workdir_lib
 
 try:
   import lm_eval.models  # noqa: F401  (the harness's own models first: a non-empty registry skips them)
@@ -248,11 +249,14 @@ class RetNetLM(TemplateLM):
       raise ValueError("give either workdir (with config, and optionally step) or a model object (with tokenizer "
                        "and max_length) to the retnet_jax model, not both or neither.")
     if model is None:
-      if config is None:
-        raise ValueError("model_args needs config=FILE:PRESET beside workdir, as --config takes it, e.g. "
-                         f"workdir={workdir},config=configs/retnet.py:small.")
-      if not isinstance(config, ml_collections.ConfigDict):
-        config = cli.load_config(config, {name.removeprefix("config."): v for name, v in overrides.items()})
+      fields = {name.removeprefix("config."): v for name, v in overrides.items()}
+      if config is None and workdir_lib.config_file(workdir).exists():  # as the scripts that read a run
+        config = cli.apply_overrides(workdir_lib.saved_config(workdir), fields)
+      elif config is None:
+        raise ValueError(f"model_args needs config=FILE:PRESET beside workdir, as --config takes it, e.g. "
+                         f"workdir={workdir},config=configs/retnet.py:small ({workdir} holds no config.json).")
+      elif not isinstance(config, ml_collections.ConfigDict):
+        config = cli.load_config(config, fields)
       elif overrides:
         raise ValueError(f"config.x.y overrides {sorted(overrides)} apply to a config file; set them on the "
                          "config object given instead.")

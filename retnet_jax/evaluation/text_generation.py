@@ -50,6 +50,24 @@ class TextPrinter:
     self.printed = text
 
 
+def check_prompts(prompts: Sequence[str], name: str = "prompt") -> None:
+  """Refuses a prompt that is not text: a string holding bytes that are not UTF-8 (Python keeps them as lone
+  surrogates, e.g. from a command line in another encoding), which no tokenizer encodes.
+
+  Args:
+    prompts: the prompts. name: what the error calls each of them (a script's flag, e.g. "--prompt").
+  """
+  for i, prompt in enumerate(prompts):
+    try:
+      prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+      byte = prompt[e.start].encode("utf-8", "surrogateescape")
+      raise ValueError(f"{name} {i} holds the byte {byte.hex() if len(byte) == 1 else repr(prompt[e.start])}, "
+                       f"which is not UTF-8 (at character {e.start}: {prompt[max(e.start - 10, 0):e.start]!r}...); "
+                       "give the prompt as UTF-8 text (check the shell's locale or the encoding of what it "
+                       "comes from).") from None
+
+
 def generate_text(sampler: sampling.Sampler, model: model_lib.Model, tokenizer: Any, prompts: Sequence[str], *,
                   print_row: int | None = None, **kwargs) -> list[str]:
   """Encodes `prompts`, generates with `sampler` (keyword arguments as `Sampler.generate`; stop tokens default to the
@@ -61,6 +79,7 @@ def generate_text(sampler: sampling.Sampler, model: model_lib.Model, tokenizer: 
     raise ValueError("give either print_row or stream, not both.")
   if print_row is not None and not 0 <= print_row < len(prompts):
     raise ValueError(f"print_row={print_row} is not a row of the {len(prompts)} prompts.")
+  check_prompts(prompts)
   if "stop_tokens" not in kwargs:
     kwargs["stop_tokens"] = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
   stop = set(int(t) for t in kwargs["stop_tokens"])

@@ -350,7 +350,8 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
 
 
 def _check_out(out: Path, sources: list[str]) -> None:
-  """Refuses an `out` that is a file, or holds or lies inside a source on disk (it would read what it writes)."""
+  """Refuses an `out` that is a file, or holds or lies inside a source on disk (it would read what it writes): a
+  file, or a hub dataset (`hub:NAME`) that names a local folder, which the datasets library reads."""
   if out.exists() and not out.is_dir():
     raise CorpusError(f"--out={str(out)!r} is a file; give a directory (new or empty) for the prepared corpus.")
   blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
@@ -359,7 +360,7 @@ def _check_out(out: Path, sources: list[str]) -> None:
                       "empty) for the prepared corpus.")
   where = out.resolve()
   for source in sources:
-    path = Path(source).resolve()
+    path = Path(source.removeprefix("hub:")).resolve()
     if path.exists() and (path == where or where in path.parents or path in where.parents):
       relation = "lies inside" if path in where.parents else "holds"
       raise CorpusError(f"--out={str(out)!r} {relation} the source {source!r}; give an --out outside the sources.")

@@ -77,6 +77,7 @@ class GatedRetention(multiscale_retention.Retention):
   counted in `matmul_params`."""
 
   name = "gated_retention"
+  own_fields = ("gate_logit_normalizer",)
 
   def check_config(self, cfg: ml_collections.ConfigDict) -> None:
     multiscale_retention.check_retention_fields(cfg)

@@ -281,6 +281,9 @@ class Retention(base.Mixer):
   modes = ("parallel", "chunkwise", "recurrent")
   splits_sequences = True
   fixed_state = True
+  # (the stability_norm fields, which gated retention does not read either, are presets' choices: torchscale's
+  # and fla's set them, so a gated model built on those presets carries them unset by its user)
+  own_fields = ("decay_schedule", "decay_gammas")
 
   def check_config(self, cfg: ml_collections.ConfigDict) -> None:
     check_retention_fields(cfg)

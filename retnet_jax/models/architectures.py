@@ -72,6 +72,22 @@ def _check_attention_layers(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.attention_layers={tuple(chosen)} repeats layers {repeated}; name each layer once.")
 
 
+_DEFAULTS = presets.model_config("tiny")  # the model fields' defaults (the mixers' own fields are no preset's size)
+
+
+def _check_other_mixers_fields(cfg: ml_collections.ConfigDict) -> None:
+  """No field that only a mixer this RetNet's layers do not run reads (`Mixer.own_fields`) set away from its
+  default: the model would ignore it, as attention options without attention layers (`_check_attention_layers`)."""
+  used = mixers(cfg)
+  read = {field for mixer in used for field in mixer.own_fields}
+  for mixer in MIXERS.values():
+    for field in mixer.own_fields:
+      if mixer not in used and field not in read and cfg[field] != _DEFAULTS[field]:
+        raise ValueError(f"model.{field}={cfg[field]!r} is read by model.mixer={mixer.name!r} only, but this "
+                         f"model's layers run {', '.join(repr(m.name) for m in used)}, which ignore it: leave "
+                         f"model.{field} at its default ({_DEFAULTS[field]!r}), or set model.mixer={mixer.name!r}.")
+
+
 def check_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the bad value and the fix for a model section that cannot be built: an unknown
   architecture or mixer, another architecture's fields, or a bad value of its own (TypeError for something other
@@ -91,6 +107,7 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
   if name == "retnet":
     config_checks.choice(cfg.mixer, "model.mixer", MIXERS)
     _check_attention_layers(cfg)
+    _check_other_mixers_fields(cfg)
   for mixer in mixers(cfg):
     mixer.check_config(cfg)
 

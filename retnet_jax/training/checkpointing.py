@@ -13,6 +13,7 @@ to the abstract state's.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import logging
 import math
@@ -96,13 +97,28 @@ class CheckpointWriteError(OSError):
   """
 
   def __init__(self, step: int | None, directory: str, cause: BaseException):
-    code = getattr(cause, "errno", None)
-    if code is None and (match := re.search(r"os_error_code='(\d+)'", str(cause))):
-      code = int(match.group(1))
-    reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else
-              os.strerror(code) if code else (str(cause).splitlines() or [type(cause).__name__])[0])
+    code, reason = write_failure(cause)
     super().__init__(f"could not write checkpoint {step} in {directory}: {reason}")
     self.errno, self.step = code, step
+
+
+class ExportWriteError(OSError):
+  """The parameters could not be exported (`export_params`); `errno` as CheckpointWriteError's."""
+
+  def __init__(self, message: str, code: int | None):
+    super().__init__(message)
+    self.errno = code
+
+
+def write_failure(cause: BaseException) -> tuple[int | None, str]:
+  """(errno, reason) of a failed write: an OSError's, or TensorStore's, whose errno sits inside its message
+  (`RESOURCE_EXHAUSTED: ... [os_error_code='28']`) beside pages of its spec."""
+  code = getattr(cause, "errno", None)
+  if code is None and (match := re.search(r"os_error_code='(\d+)'", str(cause))):
+    code = int(match.group(1))
+  reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else
+            os.strerror(code) if code else (str(cause).splitlines() or [type(cause).__name__])[0])
+  return code, reason
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -392,7 +408,8 @@ def export_params(directory: str | os.PathLike, params: Any, replace: bool = Fal
   verifies (written last: an export without them is an interrupted one).
 
   An export already at `directory` whose checksums are those of `params` is kept; any other is replaced with
-  `replace` (the caller owns it: a stale or interrupted export), else refused (FileExistsError).
+  `replace` (the caller owns it: a stale or interrupted export), else refused (FileExistsError). A write that fails
+  (a full disk) leaves nothing there and raises ExportWriteError naming `directory` and the cause.
   Returns whether it wrote.
   """
   _quiet_orbax()
@@ -407,11 +424,17 @@ def export_params(directory: str | os.PathLike, params: Any, replace: bool = Fal
       shutil.rmtree(directory)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"removed {directory}")  # before any process writes there
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(directory, params)  # closing waits for the write to commit
-  if jax.process_index() == 0:
-    with open(os.path.join(directory, _EXPORT_CHECKSUMS), "w", encoding="utf-8") as file:
-      json.dump(sums, file)
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(directory, params)  # closing waits for the write to commit
+    if jax.process_index() == 0:
+      with open(os.path.join(directory, _EXPORT_CHECKSUMS), "w", encoding="utf-8") as file:
+        json.dump(sums, file)
+  except Exception as e:  # orbax and TensorStore raise many kinds (a full disk: RESOURCE_EXHAUSTED)
+    for partial in [directory, *glob.glob(f"{glob.escape(directory)}.orbax-checkpoint-tmp*")]:
+      shutil.rmtree(partial, ignore_errors=True)  # so that a rerun exports again
+    code, reason = write_failure(e)
+    raise ExportWriteError(f"could not export the parameters to {directory}: {reason}", code) from e
   return True
 
 

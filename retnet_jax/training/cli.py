@@ -105,8 +105,13 @@ def load_config(spec: str, overrides: dict[str, Any] | None = None) -> ml_collec
   module_spec = importlib.util.spec_from_file_location("retnet_jax_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  config = module.get_config(preset or None)
-  for name, value in (overrides or {}).items():
+  return apply_overrides(module.get_config(preset or None), overrides or {})
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+  """`config` with `overrides` ({"model.dtype": "float32"}, as `--config.model.dtype=float32`; a tuple field takes
+  its Python literal) set in place; each that names no field or does not fit its field is refused by name."""
+  for name, value in overrides.items():
     *parents, field = name.split(".")
     node = config
     try:
@@ -144,6 +149,20 @@ def take_folder_flag() -> flags.FlagHolder:
 def step_flag(help_text: str) -> flags.FlagHolder:
   """`--step`: a checkpoint step; None for the latest."""
   return flags.DEFINE_integer("step", None, help_text)
+
+
+def positive_float_flag(name: str, default: float, help_text: str,
+                        flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+  """A float flag refused, naming it, unless positive and finite: absl's bounds let `nan` through (every
+  comparison with it is false), which would turn off a guard such as a time limit.
+
+  Args:
+    name, default, help_text: as `flags.DEFINE_float`. flag_values: where to define it (the scripts': flags.FLAGS).
+  """
+  holder = flags.DEFINE_float(name, default, help_text, flag_values=flag_values)
+  flags.register_validator(name, lambda value: value is None or 0 < value < float("inf"),
+                           f"--{name} must be a positive, finite number", flag_values=flag_values)
+  return holder
 
 
 def distributed_flags() -> Callable[[], None]:

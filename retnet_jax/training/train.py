@@ -97,6 +97,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           if jax.process_index() == 0:
             workdir_lib.config_file(workdir).write_text(config.to_json_best_effort(indent=2))
           return _train_loop(config, run, state, batches, valid_batches, checkpointer, writer, lock)
+    except (workdir_lock.LockFileRemovedError, checkpointing.ExportWriteError):  # they say what the workdir keeps
+      raise
     except Exception as e:  # pylint: disable=broad-exception-caught
       fault = _workdir_fault(e, lock, checkpointer)
       if fault is None:
@@ -177,6 +179,8 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
     lock.check_held()
   except workdir_lock.WorkdirVanishedError as e:
     return e.gone
+  except workdir_lock.LockFileRemovedError:  # the workdir itself is in place
+    pass
   return f"{checkpointer.directory} is gone" if checkpointer.vanished() else None
 
 
@@ -247,16 +251,36 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
   profile = tuple(train_cfg.profile_steps or ())
   saved_step = int(state["step"])
 
+  def write(eval_loss=None):
+    nonlocal saved_step
+    checkpointer.save(step, state, {"data": batches.get_state(), "config": config.to_dict()}, eval_loss=eval_loss)
+    saved_step = step
+
+  def check_lock(eval_loss=None):
+    """`lock.check_held`; a lock file removed from the workdir still in place stops the run after a checkpoint of
+    this step (one process: the other processes of a run would not join its save)."""
+    try:
+      lock.check_held()
+    except workdir_lock.LockFileRemovedError:
+      if jax.process_count() == 1:
+        if saved_step != step:
+          _check_finite(state, train_cfg.nonfinite, checkpointer)
+          write(eval_loss)
+        checkpointer.wait()
+      committed = newest()
+      kept = (f"; checkpoint {committed} is committed in {checkpointer.directory}: run the same command again to "
+              "resume from there (it locks the workdir afresh)" if committed is not None else
+              "; no checkpoint was committed yet: run the same command again to start over")
+      raise workdir_lock.LockFileRemovedError(lock.path, kept) from None
+
   def check_workdir():
     """Stops at a vanished workdir or a failed background save rather than at the next save or at exit."""
-    lock.check_held()
+    check_lock()
     checkpointer.check_for_errors()
 
   def save(eval_loss=None):
-    nonlocal saved_step
-    lock.check_held()  # a failed background save is reported by the save itself
-    checkpointer.save(step, state, {"data": batches.get_state(), "config": config.to_dict()}, eval_loss=eval_loss)
-    saved_step = step
+    check_lock(eval_loss)  # a failed background save is reported by the save itself
+    write(eval_loss)
 
   step = int(state["step"])
   last: dict[str, float] = {}
@@ -322,7 +346,13 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
         return last
 
   checkpointer.wait()
-  export_dir = workdir_lib.export_params(workdir, step, state["params"])
+  try:
+    export_dir = workdir_lib.export_params(workdir, step, state["params"])
+  except checkpointing.ExportWriteError as e:
+    what, fix = _DISK_FAULTS.get(e.errno, ("a write failed", "remove the cause"))
+    raise checkpointing.ExportWriteError(
+        f"{e} ({what}). Checkpoint {step} in {checkpointer.directory} is committed and intact; {fix}, then run the "
+        "same command again: the training is done, so it only exports the parameters.", e.errno) from e
   metrics.log(f"done at step {step}; checkpoints in {checkpointer.directory}, params in {export_dir}")
   return last
 

@@ -201,19 +201,36 @@ def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
   """The full config a workdir was written with (by training or a conversion): its preset, with the model and
   tokenizer of its config.json."""
   path = config_file(workdir)
+  if path.is_dir():
+    raise ValueError(f"{path} is a folder, not the config file of a run; put the run's config.json back, or give "
+                     "the config with --config.")
   if not path.is_file():
     raise FileNotFoundError(f"{path} is missing; give a workdir written by scripts/train.py or a conversion.")
   try:
-    saved = json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON ({e}); fix it, or give another workdir.") from None
+    saved = json.loads(path.read_bytes().decode("utf-8"))
+  except ValueError as e:  # not UTF-8 (UnicodeDecodeError) or not JSON (JSONDecodeError)
+    raise ValueError(f"{path} is not valid JSON text ({e}); fix it, or give the config with --config.") from None
   missing = [key for key in ("preset", "model", "data") if not isinstance(saved, dict) or key not in saved]
   if missing:
     raise ValueError(f"{path} lacks {missing}: not the config.json of a retnet_jax run (training and the "
                      "converters write preset, model and data); give the workdir of one.")
+  for key, kind in (("preset", str), ("model", dict), ("data", dict)):
+    if not isinstance(saved[key], kind):
+      raise ValueError(f"{path}: {key}={saved[key]!r} must be a {'string' if kind is str else 'JSON object'}; fix "
+                       "it in config.json, or give the config with --config.")
   config = presets.get_config(saved["preset"], saved["model"].get("architecture", "retnet"))
-  config.model.update(saved["model"])
-  config.data.tokenizer = saved["data"].get("tokenizer", config.data.tokenizer)
+  fields = [("model", name, value) for name, value in saved["model"].items()]
+  if "tokenizer" in saved["data"]:  # the data section's only field a reader takes
+    fields.append(("data", "tokenizer", saved["data"]["tokenizer"]))
+  for section, name, value in fields:
+    if name not in config[section]:
+      raise ValueError(f"{path}: {section}.{name} is not a field of a {config.model.architecture} config; remove it "
+                       "from config.json, or give the config with --config.")
+    try:
+      config[section][name] = value
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{path}: {section}.{name}={value!r} does not fit the field ({e}); fix it in config.json, or "
+                       "give the config with --config.") from None
   return config
 
 
@@ -228,7 +245,7 @@ def script_config(given: ml_collections.ConfigDict, workdir: str | os.PathLike, 
     given: --config's value. workdir: the run's directory. named: whether --config was on the command line.
     overrides: the fields that --config.x.y flags set, e.g. ("model.param_dtype", "train.seq_len").
   """
-  if named or not config_file(workdir).is_file():
+  if named or not config_file(workdir).exists():
     return given
   config = saved_config(workdir)
   for name in overrides:

@@ -30,6 +30,15 @@ class WorkdirVanishedError(OSError):
     self.gone = gone
 
 
+class LockFileRemovedError(OSError):
+  """The workdir's lock file was removed while training, the workdir itself still in place: this process no longer
+  excludes a second training there, so it stops (after a checkpoint)."""
+
+  def __init__(self, path: str | os.PathLike, kept: str = ""):
+    super().__init__(f"the lock file {path} was removed while training (the workdir is still there): without it a "
+                     f"second training could start in this workdir, so the training stopped{kept}")
+
+
 class WriterLock:
   """The exclusive lock of `workdir` on the file `path`; the file records its holder for the message."""
 
@@ -37,6 +46,7 @@ class WriterLock:
     self.workdir = Path(workdir)
     self.path = Path(path)
     self._fd: int | None = None
+    self._workdir_stat: os.stat_result | None = None  # the workdir's, as the lock was taken
 
   def acquire(self) -> None:
     """Takes the lock at once, or raises WorkdirBusyError naming the process that holds it."""
@@ -60,16 +70,25 @@ class WriterLock:
     os.ftruncate(fd, 0)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode(), 0)
-    self._fd = fd
+    self._fd, self._workdir_stat = fd, os.stat(self.workdir)
 
   def check_held(self) -> None:
-    """Raises WorkdirVanishedError unless `path` is still the file this process locked (cheap: two stat calls)."""
+    """Raises unless `path` is still the file this process locked (cheap: a few stat calls): LockFileRemovedError
+    where the workdir is still the directory it locked, WorkdirVanishedError where that is gone too (deleted,
+    moved, or replaced by a new one at its path)."""
     try:
       held = self._fd is not None and os.path.samestat(os.fstat(self._fd), os.stat(self.path))
     except FileNotFoundError:
       held = False
-    if not held:
-      raise WorkdirVanishedError(self.workdir, f"its lock file {self.path} is gone")
+    if held:
+      return
+    try:
+      in_place = self._workdir_stat is not None and os.path.samestat(self._workdir_stat, os.stat(self.workdir))
+    except OSError:
+      in_place = False
+    if in_place and not self.path.exists():
+      raise LockFileRemovedError(self.path)
+    raise WorkdirVanishedError(self.workdir, f"its lock file {self.path} is gone")
 
   def release(self) -> None:
     """Releases the lock (the file stays: it is free once no process holds it)."""
