@@ -5,13 +5,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 from absl import logging
-from tensorboardX import SummaryWriter
+
+# tensorboardX imports torch where it is installed, only to accept torch tensors, which training never logs; that
+# import takes seconds at every start of a script. Hidden while tensorboardX imports, unless already imported.
+_HIDE_TORCH = "torch" not in sys.modules
+if _HIDE_TORCH:
+  sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX takes as "not installed"
+try:
+  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+finally:
+  if _HIDE_TORCH:
+    del sys.modules["torch"]
 
 
 def to_json(values: dict[str, Any]) -> str:
