@@ -190,6 +190,22 @@ def devices(target: Target) -> tuple[jax.Device, ...]:
   return found
 
 
+def memory_sizes(compiled) -> dict[str, int]:
+  """XLA's buffer assignment of a compiled program (a training step, a prefill), per device: argument, output,
+  temporary, aliased (outputs in donated arguments) and generated code bytes."""
+  memory = compiled.memory_analysis()
+  return {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+          "temporary_bytes": memory.temp_size_in_bytes, "aliased_bytes": memory.alias_size_in_bytes,
+          "generated_code_bytes": memory.generated_code_size_in_bytes}
+
+
+def required_bytes(sizes: dict[str, int]) -> int:
+  """The device memory a compiled program needs (a plan's `required_bytes_per_device`), from its `memory_sizes`:
+  arguments, outputs not aliased to them, temporaries and generated code."""
+  return (sizes["argument_bytes"] + sizes["output_bytes"] - sizes["aliased_bytes"] + sizes["temporary_bytes"]
+          + sizes["generated_code_bytes"])
+
+
 def local_gpu() -> bool:
   """Whether JAX on this machine would run on NVIDIA GPUs, decided without starting its backend: a CUDA plugin is
   installed (`jax_plugins.xla_cuda*`), the NVIDIA driver is loaded, and `jax_platforms` (JAX_PLATFORMS or
