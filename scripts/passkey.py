@@ -58,6 +58,7 @@ def main():
   if mode not in own:
     raise ValueError(f"--mode={mode}: a {config.model.architecture} prefills in {', '.join(own)}.")
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
+  passkey_eval.check_memory(model, mode, grid, _BATCH_SIZE.value)  # every prefill sized before one runs
   generate = passkey_eval.greedy_generate(model, mode)
   tokens, rate = passkey_eval.prompt_tokens(grid), passkey_eval.seconds_per_token(generate, grid)
   estimate = f"{tokens} prompt tokens take about {metrics.format_duration(tokens * rate)} here"

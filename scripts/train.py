@@ -6,7 +6,8 @@ cleanly. Override any config field with `--config.train.steps=500` etc.; the con
 WORKDIR/config.json. Several processes (hosts): pass --coordinator_address, --num_processes and --process_id
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) on each. On NVIDIA GPUs it adds the XLA flags
 of `accelerators.GPU_TRAINING_XLA_FLAGS` to XLA_FLAGS (a flag already there keeps its value) and logs them;
---xla_gpu_flags replaces them, --xla_gpu_flags=none adds none.
+--xla_gpu_flags replaces them (checked against this jax's XLA first, on any machine), --xla_gpu_flags=none adds
+none.
 """
 
 from retnet_jax.training import cli

@@ -35,6 +35,32 @@ def test_a_flag_string_replaces_the_recommended_ones():
     accelerators.gpu_xla_flags("latency", "", gpu=False)
 
 
+def test_flags_xla_does_not_know_are_refused_on_any_machine(monkeypatch):
+  """A misspelt --xla_gpu_flags was accepted on a CPU, then aborted XLA as a GPU run started; XLA's own parser now
+  reads them first (the tests' machine has no GPU), and a real GPU flag passes."""
+  monkeypatch.setattr(accelerators, "local_gpu", lambda: False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  with pytest.raises(ValueError, match=r"^--xla_gpu_flags: --xla_nonexistent_flag=1: not a flag of this XLA \(jax "
+                                       r"[\d.]+\), which would abort as the GPU backend starts; check the spelling"):
+    accelerators.set_gpu_xla_flags("--xla_gpu_enable_latency_hiding_scheduler=true --xla_nonexistent_flag=1")
+  assert accelerators.set_gpu_xla_flags("--xla_gpu_enable_latency_hiding_scheduler=true") == ()
+
+
+def test_a_value_xla_cannot_read_is_refused():
+  with pytest.raises(ValueError, match=r"XLA cannot read --xla_gpu_enable_latency_hiding_scheduler=maybe"):
+    accelerators.check_xla_flags(["--xla_gpu_enable_latency_hiding_scheduler=maybe"])
+
+
+def test_a_check_that_cannot_read_the_flags_warns_and_goes_on(monkeypatch):
+  """A later jax whose process fails in other words leaves the flags unchecked: a warning, not an error."""
+  monkeypatch.setattr(accelerators, "XLA_FLAGS_READER", "import sys; sys.exit('no such API')")
+  warned = []
+  monkeypatch.setattr(accelerators.logging, "warning", warned.append)
+  accelerators.check_xla_flags(["--xla_nonexistent_flag=1"])
+  assert warned == ["the XLA flags --xla_nonexistent_flag=1 were not checked (no such API); XLA reads them as JAX "
+                    "starts."]
+
+
 def test_a_gpu_needs_the_cuda_plugin_the_driver_and_platforms_that_allow_it(monkeypatch):
   """Decided without starting JAX's backend (the tests run on the CPU platform: no GPU)."""
   assert not accelerators.local_gpu()

@@ -12,10 +12,11 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
-from retnet_jax.evaluation import passkey_eval
+from retnet_jax.evaluation import passkey_eval, sampling, sampling_checks
 from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer, HFTokenizer
 from retnet_jax.models.model import Model
+from retnet_jax.hardware import accelerators
 
 BYTES = ByteTokenizer()
 # Byte tokens of an example besides the filler: the introduction (64), the needle with two 6-token keys
@@ -33,6 +34,12 @@ def text_of(example, tokenizer=BYTES):
 
 def needle(key):
   return f" The pass key is {key}. Remember it. {key} is the pass key."
+
+
+def tiny_model():
+  config = retnet_config.get_config("tiny")
+  config.model.update(d_model=16, num_layers=1, num_heads=2, value_dim=32, ffn_dim=32)
+  return Model(config.model, rngs=nnx.Rngs(0))
 
 
 def test_byte_example_by_hand():
@@ -155,9 +162,7 @@ def test_exact_match_and_padded_prompts_of_a_bpe(bpe):
 def test_greedy_generate_continues_the_prompt_as_teacher_forced_argmax_does():
   """Greedy decoding (chunkwise prefill, recurrent steps) makes the tokens that a parallel forward pass over the prompt
   and those tokens predicts by argmax: the scoring is both."""
-  config = retnet_config.get_config("tiny")
-  config.model.update(d_model=16, num_layers=1, num_heads=2, value_dim=32, ffn_dim=32)
-  model = Model(config.model, rngs=nnx.Rngs(0))
+  model = tiny_model()
   grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
   prompts_NxP = np.stack([ex.tokens[:ex.answer_positions[0]] for ex in grid.examples[0][0]])  # 174 tokens
   generated_NxT = passkey_eval.greedy_generate(model, "chunkwise")(prompts_NxP, np.full(2, 174), 3)
@@ -165,3 +170,26 @@ def test_greedy_generate_continues_the_prompt_as_teacher_forced_argmax_does():
   logits_NxLxV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, mode="parallel")[0])(
       params, jnp.asarray(np.concatenate([prompts_NxP, generated_NxT], axis=1)))
   np.testing.assert_array_equal(np.argmax(logits_NxLxV[:, 173:176], axis=-1), generated_NxT)
+
+
+def test_a_prefill_beyond_the_memory_is_refused_before_any_prompt_runs(monkeypatch):
+  """passkey.py --lengths=10000000 estimated its time, then grew past the host's memory until the kernel killed it:
+  each prefill is now sized by XLA's memory analysis of its compiled program, nothing allocated or run."""
+  def ran(*args, **kwargs):
+    raise AssertionError("a prompt ran")
+  monkeypatch.setattr(sampling.Sampler, "prefill", ran)
+  monkeypatch.setattr(sampling.Sampler, "generate", ran)
+  monkeypatch.setattr(sampling_checks, "device_memory", lambda devices: 2**17)
+  grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
+  with pytest.raises(ValueError, match=r"^length 180: the prefill of 2 prompts of 174 tokens takes about 0\.\d MiB "
+                                       r"\(XLA's memory analysis of its compiled program\), more than the 0\.1 MiB of "
+                                       r"memory of the cpu device here; choose shorter lengths \(--lengths\), or "
+                                       r"fewer examples per call \(--batch_size\)\.$"):
+    passkey_eval.check_memory(tiny_model(), "chunkwise", grid)
+
+
+def test_a_prefill_that_fits_is_accepted():
+  model = tiny_model()
+  passkey_eval.check_memory(model, None, passkey.make_grid(BYTES, [180], [0.5], samples=2))
+  compiled = sampling.Sampler().compile_prefill(model, 2, 174)
+  assert 0 < accelerators.required_bytes(accelerators.memory_sizes(compiled)) < 2**30

@@ -24,7 +24,6 @@ from retnet_jax.bench.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.models import architectures, presets
-from retnet_jax.planning import aot
 from retnet_jax.training import train_step
 
 GRACE_S = 10.0  # a case's process is ended this long after the time budget is spent (its rounds stop before it)
@@ -112,7 +111,7 @@ def measure_case(suite: GpuSuite, name: str, case: str, limit: int | None, budge
   return {"tokens_per_s": throughput, "step_s": info["seconds"], "compile_s": compile_s,
           "first_run_s": info["first_run_s"], "memory": info["memory"],
           "peak_bytes_before_step": stats.get("peak_bytes_in_use") if stats else None, "compiled_bytes": buffers,
-          "plan_required_bytes": aot.required_bytes(aot.memory_sizes(step)),
+          "plan_required_bytes": accelerators.required_bytes(accelerators.memory_sizes(step)),
           "chunk_size": model_cfg.get("chunk_size"), "flops_per_token": per_token, "bfloat16_gemm_flops_per_s": gemm,
           "mfu": throughput["median"] * per_token / gemm["median"], "chip_peak_bf16_flops": peak,
           "mfu_of_peak": None if peak is None else throughput["median"] * per_token / peak, **shares}

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from retnet_jax.evaluation import sampling
+from retnet_jax.evaluation import sampling, sampling_checks
 from retnet_jax.input_pipeline.passkey import Example, Grid
+from retnet_jax.hardware import accelerators
 from retnet_jax.training import metrics
 
 SCORING = "greedy decoding after the question, exact match of every answer token"
@@ -56,6 +57,49 @@ def seconds_per_token(generate_fn: GenerateFn, grid: Grid, probe_len: int = 512)
   return (time.perf_counter() - start) / prompts_1xP.shape[1]
 
 
+def batches(grid: Grid, batch_size: int | None = None) -> Iterator[tuple[int, int, list[Example]]]:
+  """The calls of `evaluate`, in its order: (length index, depth index, the examples of one call: at most
+  `batch_size`, or a cell's samples where None)."""
+  if batch_size is not None and batch_size < 1:
+    raise ValueError(f"batch_size={batch_size} must be a positive number of examples (or None: a whole cell).")
+  for i, row in enumerate(grid.examples):
+    for j, cell in enumerate(row):
+      step = batch_size or len(cell)
+      for start in range(0, len(cell), step):
+        yield i, j, cell[start:start + step]
+
+
+def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: int | None = None) -> None:
+  """Refuses, before any prompt runs, a grid whose prefill would not fit the memory of the device it runs on (an
+  accelerator's, or the host's on the CPU): each distinct shape of `evaluate`'s calls is compiled ahead of time
+  (`sampling.Sampler.compile_prefill`) and sized by XLA's memory analysis (`accelerators.required_bytes`: arguments,
+  the parameters included, outputs, temporaries), and the evaluation then reuses those compilations.
+
+  Args:
+    model, prefill_mode: as `greedy_generate`.
+    grid, batch_size: as `evaluate`.
+  """
+  device = jax.local_devices()[0]  # where an uncommitted prefill runs
+  memory = sampling_checks.device_memory([device])
+  sampler, shapes = sampling.Sampler(), {}
+  for i, _, batch in batches(grid, batch_size):
+    shapes.setdefault((len(batch), max(ex.answer_positions[0] for ex in batch)), i)
+  for (rows, width), i in shapes.items():
+    compiled = sampler.compile_prefill(model, rows, width, prefill_mode)
+    needed = accelerators.required_bytes(accelerators.memory_sizes(compiled))
+    if needed > memory:
+      fewer_rows = ", or fewer examples per call (--batch_size)" if rows > 1 else ""
+      raise ValueError(f"length {grid.lengths[i]}: the prefill of {rows} prompt{'s' * (rows > 1)} of {width} tokens "
+                       f"takes about {_size(needed)} (XLA's memory analysis of its compiled program), more than the "
+                       f"{_size(memory)} of memory of the {device.platform} device here; choose "
+                       f"shorter lengths (--lengths){fewer_rows}.")
+
+
+def _size(num_bytes: int) -> str:
+  """`num_bytes` in GiB, or in MiB below 1 GiB."""
+  return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None,
              progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
   """Passkey accuracy per (length, depth).
@@ -69,26 +113,19 @@ def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None,
   Returns:
     `{"scoring", "samples", "lengths", "depths", "accuracy": [[per depth] per length], "mean_accuracy"}`.
   """
-  if batch_size is not None and batch_size < 1:
-    raise ValueError(f"batch_size={batch_size} must be a positive number of examples (or None: a whole cell).")
-  accuracy, total, done, began = [], prompt_tokens(grid), 0, time.perf_counter()
-  for row in grid.examples:
-    accuracy.append([])
-    for cell in row:
-      correct = []
-      step = batch_size or len(cell)
-      for start in range(0, len(cell), step):
-        batch = cell[start:start + step]
-        prompts_NxP, lengths_N = sampling.pad_prompts([ex.tokens[:ex.answer_positions[0]] for ex in batch])
-        generated_NxT = generate_fn(prompts_NxP, lengths_N, max(len(ex.answer_positions) for ex in batch))
-        correct.append(exact_match(generated_NxT, batch))
-        done += sum(ex.answer_positions[0] for ex in batch)
-        if progress is not None:
-          elapsed = time.perf_counter() - began
-          left = metrics.format_duration(elapsed * (total - done) / done)
-          progress(f"passkey: {done}/{total} prompt tokens ({100 * done / total:.0f}%) in "
-                   f"{metrics.format_duration(elapsed)}, ETA {left}")
-      accuracy[-1].append(float(np.concatenate(correct).mean()))
+  correct = [[[] for _ in row] for row in grid.examples]
+  total, done, began = prompt_tokens(grid), 0, time.perf_counter()
+  for i, j, batch in batches(grid, batch_size):
+    prompts_NxP, lengths_N = sampling.pad_prompts([ex.tokens[:ex.answer_positions[0]] for ex in batch])
+    generated_NxT = generate_fn(prompts_NxP, lengths_N, max(len(ex.answer_positions) for ex in batch))
+    correct[i][j].append(exact_match(generated_NxT, batch))
+    done += sum(ex.answer_positions[0] for ex in batch)
+    if progress is not None:
+      elapsed = time.perf_counter() - began
+      left = metrics.format_duration(elapsed * (total - done) / done)
+      progress(f"passkey: {done}/{total} prompt tokens ({100 * done / total:.0f}%) in "
+               f"{metrics.format_duration(elapsed)}, ETA {left}")
+  accuracy = [[float(np.concatenate(cell).mean()) for cell in row] for row in correct]
   return {"scoring": SCORING, "samples": len(grid.examples[0][0]), "lengths": list(grid.lengths),
           "depths": list(grid.depths), "accuracy": accuracy, "mean_accuracy": float(np.mean(accuracy))}
 

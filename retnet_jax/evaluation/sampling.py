@@ -139,6 +139,21 @@ class Sampler:
     checks.check_cache(model, *prompts_BxP.shape)
     return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding)
 
+  def compile_prefill(self, model: model_lib.Model, batch: int, prompt_len: int, prefill_mode: str | None = None
+                      ) -> Any:
+    """The prefill compiled for `batch` prompts padded to `prompt_len` tokens (`jax.stages.Compiled`), as `prefill`
+    would run it: its `memory_analysis()` sizes the prefill with nothing allocated or run, and a prefill of those
+    shapes then reuses the compilation.
+
+    Args:
+      batch, prompt_len: the shape of the prompts `[B, P]` (`pad_prompts`).
+      prefill_mode: as `prefill`.
+    """
+    prefill_mode = checks.check_prefill_mode(model, prefill_mode)
+    width = prompt_len + checks.split_padding(prompt_len, getattr(model.config, "chunk_size", None))
+    tokens = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    return self.trace_prefill(*nnx.split(model), tokens(batch, width), tokens(batch), prefill_mode).lower().compile()
+
   def decode(self, model: model_lib.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_tokens: Sequence[int] = (), stream: Stream | None = None, stream_every: int = 8) -> Generation:

@@ -47,12 +47,7 @@ def check_prefill(model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, pref
   """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs)
   after checking the prompts, their lengths and the prefill mode (None: the model's default,
   `architectures.prefill_modes`)."""
-  own = architectures.prefill_modes(model.config)
-  if prefill_mode is None:
-    prefill_mode = own[0]
-  if prefill_mode not in own:
-    raise ValueError(f"unknown prefill_mode {prefill_mode!r} for a {model.config.architecture}; choose one of "
-                     f"{tuple(own)} (or None: {own[0]}).")
+  prefill_mode = check_prefill_mode(model, prefill_mode)
   batch = check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   cfg = model.config
   padding = split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
@@ -65,6 +60,24 @@ def check_prefill(model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, pref
                      "so a padded row would not decode as if alone; use prefill_mode='parallel' "
                      "(--prefill_mode=parallel) or prompts of one length.")
   return batch, prefill_mode, padding
+
+
+def check_prefill_mode(model: model_lib.Model, prefill_mode: str | None) -> str:
+  """`prefill_mode` after checking it is one of the model's (`architectures.prefill_modes`); None: the first."""
+  own = architectures.prefill_modes(model.config)
+  if prefill_mode is None:
+    return own[0]
+  if prefill_mode not in own:
+    raise ValueError(f"unknown prefill_mode {prefill_mode!r} for a {model.config.architecture}; choose one of "
+                     f"{tuple(own)} (or None: {own[0]}).")
+  return prefill_mode
+
+
+def device_memory(devices: Sequence[jax.Device]) -> int:
+  """Bytes of memory of `devices` together: XLA's limit of each (accelerators), or this host's physical memory where
+  one reports none (CPU devices, which share it)."""
+  limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
+  return sum(limits) if all(limits) else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def state_bytes(model: model_lib.Model, batch: int) -> int:
@@ -80,8 +93,7 @@ def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tok
   cfg = model.config
   needed_bytes = state_bytes(model, batch)
   devices = jax.local_devices()
-  limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
-  memory = sum(limits) if all(limits) else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  memory = device_memory(devices)
   if needed_bytes > memory:
     field = "attention_window" if cfg.get("attention_window") else architectures.cache_field(cfg)
     fix = f"lower model.{field}={cfg[field]}, or the batch" if field else "decode fewer rows at a time"

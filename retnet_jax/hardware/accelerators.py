@@ -20,8 +20,12 @@ import importlib.util
 import os
 import pkgutil
 import re
+import subprocess
+import sys
+from collections.abc import Sequence
 from typing import Any
 
+from absl import logging
 import jax
 
 _INSTALL = "pip install -e '.[aot]'"
@@ -36,6 +40,8 @@ GPU_TRAINING_XLA_FLAGS = (
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
 )
+# A process that has XLA read its XLA_FLAGS (`check_xla_flags`): the CPU platform's start, public API only.
+XLA_FLAGS_READER = "import jax; jax.devices()"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +190,22 @@ def devices(target: Target) -> tuple[jax.Device, ...]:
   return found
 
 
+def memory_sizes(compiled) -> dict[str, int]:
+  """XLA's buffer assignment of a compiled program (a training step, a prefill), per device: argument, output,
+  temporary, aliased (outputs in donated arguments) and generated code bytes."""
+  memory = compiled.memory_analysis()
+  return {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+          "temporary_bytes": memory.temp_size_in_bytes, "aliased_bytes": memory.alias_size_in_bytes,
+          "generated_code_bytes": memory.generated_code_size_in_bytes}
+
+
+def required_bytes(sizes: dict[str, int]) -> int:
+  """The device memory a compiled program needs (a plan's `required_bytes_per_device`), from its `memory_sizes`:
+  arguments, outputs not aliased to them, temporaries and generated code."""
+  return (sizes["argument_bytes"] + sizes["output_bytes"] - sizes["aliased_bytes"] + sizes["temporary_bytes"]
+          + sizes["generated_code_bytes"])
+
+
 def local_gpu() -> bool:
   """Whether JAX on this machine would run on NVIDIA GPUs, decided without starting its backend: a CUDA plugin is
   installed (`jax_plugins.xla_cuda*`), the NVIDIA driver is loaded, and `jax_platforms` (JAX_PLATFORMS or
@@ -226,12 +248,49 @@ def _flag_name(flag: str) -> str:
   return flag.lstrip("-").split("=", 1)[0]
 
 
+def check_xla_flags(flags: Sequence[str], timeout: float = 120) -> None:
+  """Raises ValueError naming the flags of `flags` (`--xla_NAME=VALUE`) that this jax's XLA does not know, or the
+  value it cannot read, before they reach XLA_FLAGS, where XLA would abort the process as the GPU backend starts.
+
+  XLA lists its flags nowhere a program can read, and reads XLA_FLAGS once per process, as its first client or
+  compile option is made: a check in this process would fix XLA_FLAGS before the flags are added. So a short
+  process on the CPU platform (`XLA_FLAGS_READER`, about a second) reads them with the parser the GPU's start uses;
+  the CPU's XLA knows the GPU's flags (XLA's DebugOptions are one set for every backend). A process that fails
+  otherwise (a later jax that reports flags in other words, no time left) leaves them unchecked, with a warning.
+  """
+  if not flags:
+    return
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+  try:
+    result = subprocess.run([sys.executable, "-c", XLA_FLAGS_READER], env=env, capture_output=True, text=True,
+                            timeout=timeout, check=False)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    logging.warning(f"the XLA flags {' '.join(flags)} were not checked ({e}); XLA reads them as JAX starts.")
+    return
+  if result.returncode == 0:
+    return
+  unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.+)", result.stderr)
+  if unknown:
+    raise ValueError(f"--xla_gpu_flags: {unknown.group(1).strip()}: not a flag of this XLA (jax {jax.__version__}), "
+                     "which would abort as the GPU backend starts; check the spelling against XLA's flags "
+                     "(openxla.org/xla/flags_guidance), or leave it out.")
+  value = re.search(r"Couldn't interpret value (.*) for flag (\w+)", result.stderr)
+  if value:
+    raise ValueError(f"--xla_gpu_flags: XLA cannot read --{value.group(2)}={value.group(1)} (it would abort as the "
+                     "GPU backend starts); give a value of the flag's type (true/false, a number, a string).")
+  last = result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
+  logging.warning(f"the XLA flags {' '.join(flags)} were not checked ({last[0]}); XLA reads them as JAX starts.")
+
+
 def set_gpu_xla_flags(choice: str | None) -> tuple[str, ...]:
   """Adds the GPU training flags of `choice` (as `gpu_xla_flags`) to the environment's XLA_FLAGS on a machine with
-  NVIDIA GPUs (`local_gpu`). XLA reads XLA_FLAGS as JAX starts its backend: call this before anything asks for
-  devices. Returns the flags added."""
+  NVIDIA GPUs (`local_gpu`), after `check_xla_flags` on them; flags the user chose are checked on any machine, so
+  that a mistake shows before a GPU run. XLA reads XLA_FLAGS as JAX starts its backend: call this before anything
+  asks for devices. Returns the flags added."""
   current = os.environ.get("XLA_FLAGS", "")
-  flags, added = gpu_xla_flags(choice, current, local_gpu())
+  gpu = local_gpu()
+  flags, added = gpu_xla_flags(choice, current, gpu)
+  check_xla_flags(added if gpu or choice in (None, "none") else choice.split())
   if added:
     os.environ["XLA_FLAGS"] = flags
   return added

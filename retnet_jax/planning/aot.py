@@ -162,8 +162,8 @@ def _compile(trace, config: ml_collections.ConfigDict, target: accelerators.Targ
     return result | {"fits": False, "compile_seconds": time.perf_counter() - start,
                      "required_bytes_per_device": _bytes_needed(message), "error": message[:400]}
   result["compile_seconds"] = time.perf_counter() - start
-  sizes = memory_sizes(compiled)
-  required = required_bytes(sizes)
+  sizes = accelerators.memory_sizes(compiled)
+  required = accelerators.required_bytes(sizes)
   cost, source = _cost(compiled, lowered, devices)
   hlo = compiled.as_text()
   # What the step cannot avoid: reading its arguments and writing its outputs once, and the FLOPs of the model or
@@ -180,22 +180,6 @@ def _compile(trace, config: ml_collections.ConfigDict, target: accelerators.Targ
       "step_seconds_lower_bound": max(compute / chip.peak_bf16_flops, moved / chip.hbm_bytes_per_second),
       "bound_terms": {"compute_seconds": compute / chip.peak_bf16_flops,
                       "memory_seconds": moved / chip.hbm_bytes_per_second}}
-
-
-def memory_sizes(compiled) -> dict[str, int]:
-  """XLA's buffer assignment of a compiled step, per device: argument, output, temporary, aliased (outputs in donated
-  arguments) and generated code bytes."""
-  memory = compiled.memory_analysis()
-  return {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
-          "temporary_bytes": memory.temp_size_in_bytes, "aliased_bytes": memory.alias_size_in_bytes,
-          "generated_code_bytes": memory.generated_code_size_in_bytes}
-
-
-def required_bytes(sizes: dict[str, int]) -> int:
-  """The device memory a plan says a step needs (`required_bytes_per_device`) from its `memory_sizes`: arguments,
-  outputs not aliased to them, temporaries and generated code."""
-  return (sizes["argument_bytes"] + sizes["output_bytes"] - sizes["aliased_bytes"] + sizes["temporary_bytes"]
-          + sizes["generated_code_bytes"])
 
 
 def _cost(compiled, lowered, devices: int) -> tuple[dict[str, float], str]:
