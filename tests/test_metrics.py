@@ -27,3 +27,13 @@ def test_a_deleted_or_replaced_metrics_file_is_written_again_with_a_warning(tmp_
 def test_progress_line_names_the_step_loss_and_time_left():
   line = metrics.progress_line(100, 400, {"loss": 2.5, "tokens_per_sec": 1234.0}, 0.5)
   assert line == "step 100/400 (25%) | loss 2.5000 | 1,234 tok/s | 0.500 s/step | ETA 2m30s"
+
+
+def test_mfu_is_left_off_the_line_where_its_ceiling_is_a_measured_matmul():
+  """On a CPU the ceiling is a matmul timed at start: the line read "MFU 99%" idle and 21-41% busy, comparable with
+  no chip's figure; there the line leaves it to metrics.jsonl's `mfu`."""
+  values = {"loss": 2.5, "tokens_per_sec": 1234.0, "mfu": 0.994}
+  assert metrics.progress_line(1, 4, values, 0.5) == ("step 1/4 (25%) | loss 2.5000 | 1,234 tok/s | MFU 99% | "
+                                                      "0.500 s/step | ETA 0m01s")
+  assert metrics.progress_line(1, 4, values, 0.5, show_mfu=False) == ("step 1/4 (25%) | loss 2.5000 | 1,234 tok/s "
+                                                                      "| 0.500 s/step | ETA 0m01s")

@@ -127,8 +127,17 @@ def format_duration(seconds: float) -> str:
   return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
-def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float) -> str:
-  """`step 100/3000 (3%) | loss 2.3456 | ... | ETA 12m05s` for the console."""
+def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float,
+                  show_mfu: bool = True) -> str:
+  """`step 100/3000 (3%) | loss 2.3456 | ... | ETA 12m05s` for the console.
+
+  Args:
+    step, total: the step logged and the run's last. metrics: the step's values (`loss`, optionally `learning_rate`,
+      `grad_norm`, `tokens_per_sec`, `mfu`). seconds_per_step: training time per step (nan: not timed yet).
+    show_mfu: whether the line shows `mfu`; False where its ceiling is measured (`flops.peak_flops`: CPUs, chips
+      outside the device table). There the ceiling is a matmul timed at start, so the line read "MFU 99%" on an idle
+      CPU and 21-41% on a busy one: a figure that compares with no chip's. metrics.jsonl keeps it as `mfu`.
+  """
   parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"loss {metrics['loss']:.4f}"]
   if "learning_rate" in metrics:
     parts.append(f"lr {metrics['learning_rate']:.2e}")
@@ -136,7 +145,7 @@ def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_
     parts.append(f"grad {metrics['grad_norm']:.3f}")
   if "tokens_per_sec" in metrics:
     parts.append(f"{metrics['tokens_per_sec']:,.0f} tok/s")
-  if "mfu" in metrics:
+  if show_mfu and "mfu" in metrics:
     parts.append(f"MFU {100 * metrics['mfu']:.0f}%")
   if math.isfinite(seconds_per_step):
     parts.append(f"{seconds_per_step:.3f} s/step")
