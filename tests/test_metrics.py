@@ -1,8 +1,9 @@
-"""metrics.MetricsWriter: metrics.jsonl survives being deleted or replaced mid-run; the progress line."""
+"""metrics.MetricsWriter: metrics.jsonl survives being deleted or replaced mid-run; the progress line; the plot."""
 
 import json
 import logging
 
+from retnet_jax.core import owned_folders
 from retnet_jax.training import metrics
 
 
@@ -37,3 +38,11 @@ def test_mfu_is_left_off_the_line_where_its_ceiling_is_a_measured_matmul():
                                                       "0.500 s/step | ETA 0m01s")
   assert metrics.progress_line(1, 4, values, 0.5, show_mfu=False) == ("step 1/4 (25%) | loss 2.5000 | 1,234 tok/s "
                                                                       "| 0.500 s/step | ETA 0m01s")
+
+
+def test_training_plots_its_loss_and_learning_rate_into_the_workdir(trained):
+  """Training wrote no curve to look at without a TensorBoard viewer: at each evaluation it redraws
+  WORKDIR/metrics.png from metrics.jsonl, a name recorded in the workdir's mark like the others it writes."""
+  png = trained.workdir / metrics.METRICS_PLOT
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1024
+  assert metrics.METRICS_PLOT in owned_folders.read_mark(trained.workdir)["written"]

@@ -61,11 +61,13 @@ def _drop_partial_line(path: str) -> None:
       file.truncate(content.rfind(b"\n") + 1)
 
 
-METRICS_FILE, TENSORBOARD_DIR = "metrics.jsonl", "tensorboard"  # `MetricsWriter`'s, in the workdir
+# `MetricsWriter`'s, in the workdir: every value by step, TensorBoard's event files, the loss and learning-rate plot.
+METRICS_FILE, TENSORBOARD_DIR, METRICS_PLOT = "metrics.jsonl", "tensorboard", "metrics.png"
 
 
 class MetricsWriter:
-  """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard; only process 0 writes."""
+  """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard, and plots the loss and learning
+  rate into WORKDIR/metrics.png (`plot`); only process 0 writes."""
 
   def __init__(self, workdir: str | os.PathLike):
     self.enabled = jax.process_index() == 0
@@ -85,6 +87,36 @@ class MetricsWriter:
     for name, value in values.items():
       self._tensorboard.add_scalar(name, value, step)
     self._tensorboard.flush()
+
+  def plot(self) -> None:
+    """Writes WORKDIR/metrics.png from every line of metrics.jsonl (a resumed run's earlier steps included):
+    training and validation loss, and the learning rate, against the step. A curve to look at without a
+    TensorBoard viewer; training calls it at each evaluation."""
+    if not self.enabled:
+      return
+    from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel  (Agg canvas, no pyplot state)
+
+    by_step: dict[str, dict[int, float]] = {"loss": {}, "eval_loss": {}, "learning_rate": {}}
+    with open(self._path, encoding="utf-8") as file:
+      for line in file:
+        values = json.loads(line)
+        for name, series in by_step.items():
+          if isinstance(values.get(name), (int, float)):  # null: non-finite (`to_json`)
+            series[values["step"]] = values[name]  # a step logged again after a rewind: its latest value
+    fig = Figure(figsize=(11, 4))
+    loss_ax, rate_ax = fig.subplots(1, 2)
+    for name, label, style in (("loss", "training", "-"), ("eval_loss", "validation", "o-")):
+      steps = sorted(by_step[name])
+      loss_ax.plot(steps, [by_step[name][s] for s in steps], style, label=label, markersize=4)
+    loss_ax.set(xlabel="step", ylabel="loss (nats per token)", title="Loss")
+    loss_ax.legend()
+    steps = sorted(by_step["learning_rate"])
+    rate_ax.plot(steps, [by_step["learning_rate"][s] for s in steps])
+    rate_ax.set(xlabel="step", ylabel="learning rate", title="Learning rate")
+    for ax in (loss_ax, rate_ax):
+      ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(os.path.dirname(self._path), METRICS_PLOT), dpi=100)
 
   def _reopen_if_replaced(self, step: int) -> None:
     """Reopens metrics.jsonl if it was deleted or replaced since it was opened (its lines would go nowhere)."""

@@ -330,6 +330,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
         eval_loss = evaluate(run, state["params"], valid_batches())
         values = metrics.eval_metrics(eval_loss)
         writer.write(step, values)
+        writer.plot()
         metrics.log(f"step {step}: eval loss {eval_loss:.4f} | perplexity {values['eval_perplexity']:.2f}")
         last.update(values)
         interval_start = time.perf_counter()  # evaluation time is not training time
