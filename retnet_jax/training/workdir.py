@@ -235,6 +235,17 @@ def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
   return config
 
 
+def trained_task(workdir: str | os.PathLike) -> str | None:
+  """What the run in `workdir` trained on, by its config.json's data section: "text", or the synthetic task of
+  `data.synthetic` ("passkey", "mqar"); None where config.json is missing or does not say (`saved_config` keeps
+  the preset's data section, so it cannot tell)."""
+  try:
+    data = json.loads(config_file(workdir).read_bytes().decode("utf-8"))["data"]
+    return data.get("synthetic") or "text"
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    return None
+
+
 def script_config(given: ml_collections.ConfigDict, workdir: str | os.PathLike, named: bool,
                   overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """The config of a script that reads a run (evaluate, generate, passkey): `given` (--config) where it was named
