@@ -48,15 +48,15 @@ def test_errors_are_one_message(tmp_path, flags, message):
     ("evaluate.py", ("--config", "--workdir", "--step")),
 ])
 def test_help_lists_the_shared_flags(script, listed):
-  """--help names the flags a script takes from retnet_jax.training.cli beside its own, and help asked for is no
-  error."""
+  """--help names the flags a script takes from retnet_jax.training.cli beside its own, --workdir marked required and
+  --config with how to override its fields, and help asked for is no error."""
   result = run_script(script, "--help")
   assert result.returncode == 0, result.stderr[-3000:]
   shown = set(re.findall(r"^  --(?:\[no\])?(\w+)", result.stdout, flags=re.MULTILINE))
   assert {flag.removeprefix("--") for flag in listed} <= shown, result.stdout
-  text = " ".join(result.stdout.split())  # absl wraps the flags' texts
-  assert "--workdir: " in text and f"{cli.REQUIRED} --" in text.split("--workdir: ", 1)[1], result.stdout
-  assert "--config=configs/retnet.py:NAME --config.model.d_model=" in text, result.stdout
+  workdir = re.search(r"^  --workdir: (.*(?:\n    .*)*)", result.stdout, flags=re.MULTILINE)  # wrapped lines
+  assert workdir and " ".join(workdir[1].split()).endswith(cli.REQUIRED.strip()), result.stdout
+  assert "--config=configs/retnet.py:NAME --config.model.d_model=" in " ".join(result.stdout.split()), result.stdout
 
 
 def test_help_marks_the_required_flags_and_points_to_the_config_reference(monkeypatch):
