@@ -5,7 +5,8 @@
 
 Each cell hides `--samples` random 5-digit keys at one depth of filler text of one length, asks for the key and
 scores greedy decoding (prefilled in `--mode`, decoded recurrently) by exact match of every answer token. Prints a
-table and, as the last line of stdout, one JSON object, also written to WORKDIR/passkey_step_STEP.json with a
+table, the accuracy to expect (near 0 for a model not trained on passkey examples: --config.data.synthetic=passkey
+trains one) and, as the last line of stdout, one JSON object, also written to WORKDIR/passkey_step_STEP.json with a
 heatmap in WORKDIR/passkey_step_STEP.png.
 """
 
@@ -71,6 +72,7 @@ def main():
              "seed": _SEED.value,
              **passkey_eval.evaluate(generate, grid, _BATCH_SIZE.value, metrics.log)}
   print(passkey_eval.format_table(results))
+  print(passkey_eval.expectation(workdir.trained_task(_WORKDIR.value)))
   line = metrics.write_results(results, workdir.results_file(_WORKDIR.value, "passkey", step, results["settings"]),
                                passkey_eval.plot_heatmap)
   print(line, flush=True)

@@ -3,18 +3,21 @@ line of error, no traceback."""
 
 import ast
 import importlib.util
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from absl import flags
+from absl import logging as absl_logging
 import pytest
 
 from retnet_jax.core import quiet_start
-from retnet_jax.training import cli
+from retnet_jax.training import cli, metrics
 from tests.helpers import REPO, free_port, run_script, script_lines
 
 
@@ -45,12 +48,59 @@ def test_errors_are_one_message(tmp_path, flags, message):
     ("evaluate.py", ("--config", "--workdir", "--step")),
 ])
 def test_help_lists_the_shared_flags(script, listed):
-  """--help names the flags a script takes from retnet_jax.training.cli beside its own, and help asked for is no
-  error."""
+  """--help names the flags a script takes from retnet_jax.training.cli beside its own, --workdir marked required and
+  --config with how to override its fields, and help asked for is no error."""
   result = run_script(script, "--help")
   assert result.returncode == 0, result.stderr[-3000:]
   shown = set(re.findall(r"^  --(?:\[no\])?(\w+)", result.stdout, flags=re.MULTILINE))
   assert {flag.removeprefix("--") for flag in listed} <= shown, result.stdout
+  workdir = re.search(r"^  --workdir: (.*(?:\n    .*)*)", result.stdout, flags=re.MULTILINE)  # wrapped lines
+  assert workdir and " ".join(workdir[1].split()).endswith(cli.REQUIRED.strip()), result.stdout
+  assert "--config=configs/retnet.py:NAME --config.model.d_model=" in " ".join(result.stdout.split()), result.stdout
+
+
+def test_help_marks_the_required_flags_and_points_to_the_config_reference(monkeypatch):
+  """--help named neither the --config.* fields nor that --workdir must be given: the flags a script takes from cli
+  and its own are listed under its name, the required ones marked, --config's with where its fields are."""
+  monkeypatch.chdir(REPO)  # --config's default file is read as the flag is defined
+  flag_values = flags.FlagValues()
+  cli.config_flag("Config file and preset.", flag_values)
+  cli.workdir_flag("Run directory.", flag_values)
+  cli.positive_float_flag("max_hours", 2.0, "Hours.", flag_values=flag_values)
+  flags.DEFINE_string("out", None, "Output folder.", required=True, flag_values=flag_values)  # the script's own
+  flags.DEFINE_string("note", None, "Optional.", flag_values=flag_values)
+  cli.show_in_help(__name__, flag_values)
+  cli.show_in_help(__name__, flag_values)  # once marked is enough
+  text = " ".join(flag_values.module_help(__name__).split())
+  for line in ("--workdir: Run directory. (required)", "--out: Output folder. (required)", "--note: Optional. --"):
+    assert line in text, text
+  assert "--max_hours: Hours. (default: '2.0')" in text, text
+  assert ("--config: Config file and preset. NAME is a preset of retnet_jax.models.presets.PRESETS (tiny, small"
+          in text and "retnet_jax/models/presets.py defines every field" in text), text
+  assert "--config=configs/retnet.py:NAME --config.model.d_model=256 --config.train.steps=500" in text, text
+
+
+def _record(level: int, path: str, message: str) -> logging.LogRecord:
+  return logging.LogRecord("absl", level, path, 147, message, None, None)
+
+
+def test_the_package_info_lines_reach_the_terminal_without_the_log_prefix(monkeypatch, tmp_path):
+  """Every progress line began with absl's prefix (`I1127 05:52:59.881634 140589851503488 metrics.py:147] `): on
+  the terminal this package's INFO lines are their text alone; warnings, other libraries' lines and a log file's
+  lines keep the prefix."""
+  handler = absl_logging.get_absl_handler().python_handler
+  monkeypatch.setattr(handler, "stream", sys.stderr)
+  formatter = cli.ConsoleFormatter()
+  progress = _record(logging.INFO, metrics.__file__, "step 50/900 (6%) | loss 2.1000")
+  assert formatter.format(progress) == "step 50/900 (6%) | loss 2.1000"
+  prefix = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ")
+  for record in (_record(logging.WARNING, metrics.__file__, "metrics.jsonl was deleted"),
+                 _record(logging.ERROR, metrics.__file__, "could not write"),
+                 _record(logging.INFO, str(Path(flags.__file__)), "another library's line")):
+    assert prefix.match(formatter.format(record)), formatter.format(record)
+  with open(tmp_path / "log", "w", encoding="utf-8") as log_file:  # absl's file logging (--log_dir)
+    monkeypatch.setattr(handler, "stream", log_file)
+    assert formatter.format(progress).startswith("I") and prefix.match(formatter.format(progress))
 
 
 def test_script_docstrings_keep_their_lines():

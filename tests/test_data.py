@@ -137,6 +137,26 @@ def test_local_txt_files_in_order(tmp_path):
   np.testing.assert_array_equal(held_out, byte_tokens("held out\n"))
 
 
+@pytest.mark.skipif(datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is not None,
+                    reason="HF_DATASETS_DISABLE_PROGRESS_BARS is set: the user's choice decides the bars")
+def test_a_small_file_loads_without_progress_bars_and_a_large_one_keeps_them(tmp_path, capfd, monkeypatch):
+  """The first run printed the datasets library's bars ("Generating train split", "Tokenizing") for a one-file
+  corpus read in a fraction of a second: a file below QUIET_BELOW_BYTES loads without them, a larger one keeps
+  them, and the library's setting is as it was after either."""
+  path = tmp_path / "corpus.txt"
+  path.write_text("a small corpus\n" * 50, encoding="utf-8")
+  cfg = data_config(files=(str(path),), validation_files=(str(path),))
+  capfd.readouterr()
+  data.load_documents(cfg, tokenizer.ByteTokenizer())
+  err = capfd.readouterr().err
+  assert "Tokenizing" not in err and "Generating" not in err, err
+  assert not datasets.are_progress_bars_disabled()
+  monkeypatch.setattr(data, "QUIET_BELOW_BYTES", path.stat().st_size)  # the file counts as large
+  data.load_documents(cfg, tokenizer.ByteTokenizer())
+  assert "Tokenizing" in capfd.readouterr().err
+  assert not datasets.are_progress_bars_disabled()
+
+
 def test_local_jsonl_field_and_validation_fraction(tmp_path):
   path = write_jsonl(tmp_path / "docs.jsonl", [{"id": i, "body": f"doc {i};"} for i in range(10)])
   cfg = data_config(files=(str(path),), text_field="body", validation_fraction=0.25)

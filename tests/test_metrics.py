@@ -1,8 +1,9 @@
-"""metrics.MetricsWriter: metrics.jsonl survives being deleted or replaced mid-run; the progress line."""
+"""metrics.MetricsWriter: metrics.jsonl survives being deleted or replaced mid-run; the progress line; the plot."""
 
 import json
 import logging
 
+from retnet_jax.core import owned_folders
 from retnet_jax.training import metrics
 
 
@@ -27,3 +28,21 @@ def test_a_deleted_or_replaced_metrics_file_is_written_again_with_a_warning(tmp_
 def test_progress_line_names_the_step_loss_and_time_left():
   line = metrics.progress_line(100, 400, {"loss": 2.5, "tokens_per_sec": 1234.0}, 0.5)
   assert line == "step 100/400 (25%) | loss 2.5000 | 1,234 tok/s | 0.500 s/step | ETA 2m30s"
+
+
+def test_mfu_is_left_off_the_line_where_its_ceiling_is_a_measured_matmul():
+  """On a CPU the ceiling is a matmul timed at start: the line read "MFU 99%" idle and 21-41% busy, comparable with
+  no chip's figure; there the line leaves it to metrics.jsonl's `mfu`."""
+  values = {"loss": 2.5, "tokens_per_sec": 1234.0, "mfu": 0.994}
+  assert metrics.progress_line(1, 4, values, 0.5) == ("step 1/4 (25%) | loss 2.5000 | 1,234 tok/s | MFU 99% | "
+                                                      "0.500 s/step | ETA 0m01s")
+  assert metrics.progress_line(1, 4, values, 0.5, show_mfu=False) == ("step 1/4 (25%) | loss 2.5000 | 1,234 tok/s "
+                                                                      "| 0.500 s/step | ETA 0m01s")
+
+
+def test_training_plots_its_loss_and_learning_rate_into_the_workdir(trained):
+  """Training wrote no curve to look at without a TensorBoard viewer: at each evaluation it redraws
+  WORKDIR/metrics.png from metrics.jsonl, a name recorded in the workdir's mark like the others it writes."""
+  png = trained.workdir / metrics.METRICS_PLOT
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1024
+  assert metrics.METRICS_PLOT in owned_folders.read_mark(trained.workdir)["written"]

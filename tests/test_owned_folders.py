@@ -11,7 +11,7 @@ import pytest
 from configs import retnet as retnet_config
 from retnet_jax.core import owned_folders, sharding
 from retnet_jax.interop import convert
-from retnet_jax.training import checkpointing, integrity, train, train_state, workdir as workdir_lib
+from retnet_jax.training import checkpointing, integrity, metrics, train, train_state, workdir as workdir_lib
 from tests.helpers import run_script, script_flags
 from tests.test_prepared import interrupted, prepare
 from tests.test_workdir import newest, save_steps
@@ -143,6 +143,7 @@ def test_an_earlier_versions_workdir_is_adopted_and_resumes(trained_copy):
   """A workdir written before the mark (config.json, checkpoints/, metrics.jsonl) is recognised and marked."""
   workdir = trained_copy.workdir
   (workdir / owned_folders.MARK).unlink()
+  (workdir / metrics.METRICS_PLOT).unlink()  # written since the mark
   (workdir / "notes.md").write_text("mine")
   train.train_and_evaluate(trained_copy.config, workdir)  # at its last step: nothing to train
   written = owned_folders.OwnedFolder(workdir, workdir_lib.FORMAT).written()

@@ -13,10 +13,11 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax.evaluation import passkey_eval, sampling, sampling_checks
+from retnet_jax.hardware import accelerators
 from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer, HFTokenizer
 from retnet_jax.models.model import Model
-from retnet_jax.hardware import accelerators
+from retnet_jax.training import workdir
 
 BYTES = ByteTokenizer()
 # Byte tokens of an example besides the filler: the introduction (64), the needle with two 6-token keys
@@ -193,3 +194,22 @@ def test_a_prefill_that_fits_is_accepted():
   passkey_eval.check_memory(model, None, passkey.make_grid(BYTES, [180], [0.5], samples=2))
   compiled = sampling.Sampler().compile_prefill(model, 2, 174)
   assert 0 < accelerators.required_bytes(accelerators.memory_sizes(compiled)) < 2**30
+
+
+@pytest.mark.parametrize("synthetic,expected", [
+    (None, "expected: near 0 for a model not trained on passkey examples (this run trained on text); train one with "
+           "--config.data.synthetic=passkey, as notebooks/retnet_vs_transformer.ipynb's passkey section does."),
+    ("mqar", "expected: near 0 for a model not trained on passkey examples (this run trained on mqar); train one"),
+    ("passkey", "expected: up to 1 at the lengths this run trained on (data.synthetic=passkey) once its training "
+                "converges"),
+])
+def test_the_results_say_what_accuracy_to_expect(tmp_path, synthetic, expected):
+  """The README's passkey example on the Shakespeare run scored 0 everywhere without saying that this is expected:
+  one line of the results says what the run's training (its config.json) leads to expect."""
+  config = retnet_config.get_config("tiny")
+  config.data.synthetic = synthetic
+  workdir.config_file(tmp_path).write_text(config.to_json_best_effort(indent=2))  # as training writes it
+  line = passkey_eval.expectation(workdir.trained_task(tmp_path))
+  assert line.startswith(expected) and "\n" not in line, line
+  assert passkey_eval.expectation(workdir.trained_task(tmp_path / "none")).startswith(
+      "expected: near 0 for a model not trained on passkey examples; train one")

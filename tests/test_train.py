@@ -377,17 +377,26 @@ def test_segmented_backprop_bounds_the_compiled_buffers():
 
 
 @pytest.mark.cpu_only("its premise is a CPU's measured ceiling (faked low here); a GPU's peak is the device table's")
-def test_mfu_uses_the_device_table_and_never_reads_above_one_on_a_busy_cpu(tmp_path, monkeypatch):
+def test_mfu_uses_the_device_table_and_never_reads_above_one_on_a_busy_cpu(tmp_path, monkeypatch, caplog):
   """GPUs and TPUs: their nominal peak. A CPU ceiling measured while the machine was busy reads low (here: 1
-  FLOP/s): the loop raises it to the rate it achieves, so MFU stays at most 1 (it printed 140% before)."""
+  FLOP/s): the loop raises it to the rate it achieves, so MFU stays at most 1 (it printed 140% before). The
+  progress line leaves a measured ceiling's MFU to metrics.jsonl."""
   h100 = type("Device", (), {"device_kind": "NVIDIA H100 80GB HBM3", "process_index": 0})()
   assert flops.peak_flops(jnp.bfloat16, [h100] * 8) == (8 * 989e12, False)
   peak, measured = flops.peak_flops(jnp.float32, jax.devices())
   assert measured and peak > 1e8
   monkeypatch.setattr(flops, "measure_matmul_flops", lambda *args, **kwargs: 1.0)
-  train.train_and_evaluate(tiny_config(tmp_path, steps=4, eval_every_steps=4), tmp_path / "run")
+  verbosity = absl.logging.get_verbosity()
+  absl.logging.set_verbosity(absl.logging.INFO)
+  try:
+    with caplog.at_level(logging.INFO, logger="absl"):
+      train.train_and_evaluate(tiny_config(tmp_path, steps=4, eval_every_steps=4), tmp_path / "run")
+  finally:
+    absl.logging.set_verbosity(verbosity)
   mfu = read_metrics(tmp_path / "run", "mfu")
   assert mfu and all(0 < value <= 1.0 for value in mfu.values()), mfu
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 4/4 (100%) | loss")]
+  assert lines and "tok/s" in lines[0] and "MFU" not in lines[0], lines
 
 
 def test_the_torchscale_normaliser_is_one_predicate(tmp_path):

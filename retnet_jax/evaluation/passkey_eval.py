@@ -152,6 +152,18 @@ def format_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def expectation(trained_task: str | None) -> str:
+  """One line for the printed results: the accuracy to expect from a model trained on `trained_task`
+  (`workdir.trained_task`: "text", "passkey", another synthetic task, None: unknown). A table of zeros for the
+  Shakespeare run read as a failure: a small model answers with the key only after training on passkey examples."""
+  if trained_task == "passkey":
+    return ("expected: up to 1 at the lengths this run trained on (data.synthetic=passkey) once its training "
+            "converges; longer contexts measure length extrapolation.")
+  trained = "" if trained_task is None else f" (this run trained on {trained_task})"
+  return (f"expected: near 0 for a model not trained on passkey examples{trained}; train one with "
+          "--config.data.synthetic=passkey, as notebooks/retnet_vs_transformer.ipynb's passkey section does.")
+
+
 def plot_heatmap(results: dict[str, Any], path: str | os.PathLike) -> None:
   """Writes a PNG heatmap of `evaluate`'s accuracy: context length across, depth down, each cell annotated."""
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel  (Agg canvas, no pyplot state)

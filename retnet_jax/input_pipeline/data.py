@@ -20,6 +20,7 @@ Files are read and tokenized with HF `datasets`. A synthetic task's batches (`da
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging as logging_lib
@@ -44,6 +45,10 @@ from retnet_jax.input_pipeline.tokenizer import Tokenizer
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
 # File suffix -> `datasets` builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# A file below this size is read and tokenized in seconds at most (the shipped 1 MB corpus: under half a second), so
+# the datasets library's progress bars (two per file) would only flash by: they are shown for larger files and hub
+# datasets (downloads) alone.
+QUIET_BELOW_BYTES = 16 * 2**20
 
 
 
@@ -244,17 +249,33 @@ def _read(source: TextSource, tokenizer: Tokenizer) -> Split:
     for file in source.files:
       builder = BUILDERS[Path(file).suffix.lower()]
       options = dict(sample_by="document") if builder == "text" else {}  # a .txt file is one document
-      try:
-        dataset = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache_dir,
-                                        keep_in_memory=True, **options)
-      except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:
-        raise unreadable(source.label, file, e) from None
       field = "text" if builder == "text" else source.text_field
-      split = _tokenize(dataset, field, tokenizer, f"{source.label}: {file!r}")
+      with _progress_bars_hidden(Path(file).stat().st_size < QUIET_BELOW_BYTES):
+        try:
+          dataset = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache_dir,
+                                          keep_in_memory=True, **options)
+        except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:
+          raise unreadable(source.label, file, e) from None
+        split = _tokenize(dataset, field, tokenizer, f"{source.label}: {file!r}")
       if not len(split.tokens):
         raise ValueError(f"{source.label}: {file!r} holds no text in field {field!r}; remove it or add text.")
       splits.append(split)
   return _join(splits, tokenizer.eos_id)
+
+
+@contextlib.contextmanager
+def _progress_bars_hidden(hide: bool) -> Iterator[None]:
+  """Within: the datasets library's progress bars off where `hide` (they are a process-wide setting, restored after),
+  unless HF_DATASETS_DISABLE_PROGRESS_BARS is set: the user's choice wins."""
+  if not hide or datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is not None or \
+      datasets.are_progress_bars_disabled():
+    yield
+    return
+  datasets.disable_progress_bars()
+  try:
+    yield
+  finally:
+    datasets.enable_progress_bars()
 
 
 def _read_hub(source: TextSource, tokenizer: Tokenizer) -> Split:

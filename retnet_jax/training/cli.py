@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from absl import app, flags
+from absl import logging as absl_logging
 import ml_collections
 from ml_collections import config_flags
 
@@ -34,6 +36,16 @@ from retnet_jax.models import presets
 from retnet_jax.training import workdir_lock
 
 DEFAULT_CONFIG = "configs/retnet.py:small"
+# What --help says under --config: the presets, where their fields are documented, how to override and list them.
+CONFIG_REFERENCE = (
+    f"NAME is a preset of retnet_jax.models.presets.PRESETS ({', '.join(presets.PRESETS)}); "
+    "configs/transformer.py:NAME is the Transformer of its size. retnet_jax/models/presets.py defines every field "
+    "and its default (configs/retnet.py selects a preset). Override any field on the command line: "
+    "--config=configs/retnet.py:NAME --config.model.d_model=256 --config.train.steps=500. List a preset's fields "
+    "and values: python -c \"from configs import retnet; print(retnet.get_config('NAME'))\" (from the repository "
+    "root); a run's config.json holds the config it used.")
+REQUIRED = " (required)"  # ends the --help text of a flag that must be given (`show_in_help`)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # retnet_jax/
 
 
 def prepare() -> None:
@@ -70,14 +82,19 @@ def _kept() -> str:
   return f"{kept}: rerun the same command to go on from there."
 
 
-def config_flag(help_text: str) -> flags.FlagHolder:
-  """`--config=FILE:PRESET` (locked: a misspelt `--config.x.y` is an error) with `--config.x.y=...` overrides.
+def config_flag(help_text: str, flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+  """`--config=FILE:PRESET` (locked: a misspelt `--config.x.y` is an error) with `--config.x.y=...` overrides; its
+  --help is `help_text` followed by CONFIG_REFERENCE.
 
   ml_collections reads the overrides of sys.argv as the flag is defined: one that names no field ends the
   script with one line naming it and the nearest field names.
+
+  Args:
+    help_text: what the script takes the config for. flag_values: where to define it (the scripts': flags.FLAGS).
   """
   try:
-    return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, help_text, lock_config=True)
+    return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, f"{help_text} {CONFIG_REFERENCE}",
+                                           flag_values=flag_values, lock_config=True)
   except (AttributeError, KeyError) as e:
     sys.exit(_unknown_field(sys.argv, e))
 
@@ -130,12 +147,16 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]
   return config
 
 
-def workdir_flag(help_text: str) -> flags.FlagHolder:
-  """The required `--workdir`, refused when empty (`--workdir=$UNSET` would mean the current directory)."""
-  holder = flags.DEFINE_string("workdir", None, help_text, required=True)
+def workdir_flag(help_text: str, flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+  """The required `--workdir`, refused when empty (`--workdir=$UNSET` would mean the current directory).
+
+  Args:
+    help_text: what the directory holds. flag_values: where to define it (the scripts': flags.FLAGS).
+  """
+  holder = flags.DEFINE_string("workdir", None, help_text, required=True, flag_values=flag_values)
   flags.register_validator("workdir", lambda value: value is None or bool(value.strip()),
                            "--workdir is empty (an unset shell variable?); name the run's directory, e.g. "
-                           "--workdir=runs/NAME")
+                           "--workdir=runs/NAME", flag_values=flag_values)
   return holder
 
 
@@ -319,9 +340,53 @@ def run(main: Callable[[], None]) -> None:
            f"another process may have stopped (its own output tells); {_kept()} (--verbose shows the traceback)", 1)
 
   jax.config.config_with_absl()
-  for flag in flags.FLAGS.get_key_flags_for_module(__name__):  # --help shows the main module's flags only
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+  show_in_help(sys.argv[0])  # absl's name for the main module
+  absl_logging.get_absl_handler().setFormatter(ConsoleFormatter())
   app.run(absl_main, flags_parser=_parse_flags)
+
+
+def show_in_help(module: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Makes --help of the script `module` (--help shows the main module's flags only) list the flags this module
+  defines beside the script's own, each one that must be given ending in REQUIRED; --helpfull shows the same texts.
+
+  Args:
+    module: the script's module name as absl keys its flags (sys.argv[0] for the main module).
+    flag_values: where the flags are defined (the scripts': flags.FLAGS).
+  """
+  for flag in flag_values.get_key_flags_for_module(__name__):
+    flag_values.register_key_flag_for_module(module, flag)
+  for flag in flag_values.get_key_flags_for_module(module):
+    if is_required(flag) and not flag.help.endswith(REQUIRED):
+      flag.help += REQUIRED
+
+
+def is_required(flag: flags.Flag) -> bool:
+  """Whether `flag` must be given: it has no default and one of its validators refuses None (absl's `required=True`
+  registers such a validator; a flag merely without a default has none)."""
+  if flag.default is not None:
+    return False
+  for validator in flag.validators:
+    if validator.get_flags_names() != [flag.name]:
+      continue
+    try:
+      if not validator.checker(None):
+        return True
+    except flags.ValidationError:
+      return True
+  return False
+
+
+class ConsoleFormatter(absl_logging.PythonFormatter):
+  """absl's log format, except that this package's INFO lines (progress lines and notes: `metrics.log`) reach the
+  terminal as their text alone, without absl's prefix (level, date, time, thread, file:line): the prefix made every
+  progress line start with `I1127 05:52:59.881634 140589851503488 metrics.py:147] `. Warnings and errors keep it,
+  and so do other libraries' lines and a log file's (--log_dir with absl's file logging), whose readers want it."""
+
+  def format(self, record: logging.LogRecord) -> str:
+    if (record.levelno == logging.INFO and record.pathname.startswith(_PACKAGE_DIR + os.sep)
+        and absl_logging.get_absl_handler().python_handler.stream is sys.stderr):  # not a log file
+      return logging.Formatter.format(self, record)
+    return super().format(record)
 
 
 def _end(line: str, status: int) -> None:

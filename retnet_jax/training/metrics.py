@@ -72,11 +72,13 @@ def _drop_partial_line(path: str) -> None:
       file.truncate(content.rfind(b"\n") + 1)
 
 
-METRICS_FILE, TENSORBOARD_DIR = "metrics.jsonl", "tensorboard"  # `MetricsWriter`'s, in the workdir
+# `MetricsWriter`'s, in the workdir: every value by step, TensorBoard's event files, the loss and learning-rate plot.
+METRICS_FILE, TENSORBOARD_DIR, METRICS_PLOT = "metrics.jsonl", "tensorboard", "metrics.png"
 
 
 class MetricsWriter:
-  """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard; only process 0 writes."""
+  """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard, and plots the loss and learning
+  rate into WORKDIR/metrics.png (`plot`); only process 0 writes."""
 
   def __init__(self, workdir: str | os.PathLike):
     self.enabled = jax.process_index() == 0
@@ -96,6 +98,36 @@ class MetricsWriter:
     for name, value in values.items():
       self._tensorboard.add_scalar(name, value, step)
     self._tensorboard.flush()
+
+  def plot(self) -> None:
+    """Writes WORKDIR/metrics.png from every line of metrics.jsonl (a resumed run's earlier steps included):
+    training and validation loss, and the learning rate, against the step. A curve to look at without a
+    TensorBoard viewer; training calls it at each evaluation."""
+    if not self.enabled:
+      return
+    from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel  (Agg canvas, no pyplot state)
+
+    by_step: dict[str, dict[int, float]] = {"loss": {}, "eval_loss": {}, "learning_rate": {}}
+    with open(self._path, encoding="utf-8") as file:
+      for line in file:
+        values = json.loads(line)
+        for name, series in by_step.items():
+          if isinstance(values.get(name), (int, float)):  # null: non-finite (`to_json`)
+            series[values["step"]] = values[name]  # a step logged again after a rewind: its latest value
+    fig = Figure(figsize=(11, 4))
+    loss_ax, rate_ax = fig.subplots(1, 2)
+    for name, label, style in (("loss", "training", "-"), ("eval_loss", "validation", "o-")):
+      steps = sorted(by_step[name])
+      loss_ax.plot(steps, [by_step[name][s] for s in steps], style, label=label, markersize=4)
+    loss_ax.set(xlabel="step", ylabel="loss (nats per token)", title="Loss")
+    loss_ax.legend()
+    steps = sorted(by_step["learning_rate"])
+    rate_ax.plot(steps, [by_step["learning_rate"][s] for s in steps])
+    rate_ax.set(xlabel="step", ylabel="learning rate", title="Learning rate")
+    for ax in (loss_ax, rate_ax):
+      ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(os.path.dirname(self._path), METRICS_PLOT), dpi=100)
 
   def _reopen_if_replaced(self, step: int) -> None:
     """Reopens metrics.jsonl if it was deleted or replaced since it was opened (its lines would go nowhere)."""
@@ -138,8 +170,17 @@ def format_duration(seconds: float) -> str:
   return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
-def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float) -> str:
-  """`step 100/3000 (3%) | loss 2.3456 | ... | ETA 12m05s` for the console."""
+def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float,
+                  show_mfu: bool = True) -> str:
+  """`step 100/3000 (3%) | loss 2.3456 | ... | ETA 12m05s` for the console.
+
+  Args:
+    step, total: the step logged and the run's last. metrics: the step's values (`loss`, optionally `learning_rate`,
+      `grad_norm`, `tokens_per_sec`, `mfu`). seconds_per_step: training time per step (nan: not timed yet).
+    show_mfu: whether the line shows `mfu`; False where its ceiling is measured (`flops.peak_flops`: CPUs, chips
+      outside the device table). There the ceiling is a matmul timed at start, so the line read "MFU 99%" on an idle
+      CPU and 21-41% on a busy one: a figure that compares with no chip's. metrics.jsonl keeps it as `mfu`.
+  """
   parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"loss {metrics['loss']:.4f}"]
   if "learning_rate" in metrics:
     parts.append(f"lr {metrics['learning_rate']:.2e}")
@@ -147,7 +188,7 @@ def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_
     parts.append(f"grad {metrics['grad_norm']:.3f}")
   if "tokens_per_sec" in metrics:
     parts.append(f"{metrics['tokens_per_sec']:,.0f} tok/s")
-  if "mfu" in metrics:
+  if show_mfu and "mfu" in metrics:
     parts.append(f"MFU {100 * metrics['mfu']:.0f}%")
   if math.isfinite(seconds_per_step):
     parts.append(f"{seconds_per_step:.3f} s/step")

@@ -321,7 +321,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
           peak = max(peak, achieved) if measured_peak else peak  # a ceiling measured while busy read low
           values.update(step_time=seconds, tokens_per_sec=tokens_per_step / seconds, mfu=achieved / peak)
         writer.write(step, values)
-        metrics.log(metrics.progress_line(step, train_cfg.steps, values, seconds))
+        metrics.log(metrics.progress_line(step, train_cfg.steps, values, seconds, show_mfu=not measured_peak))
         last.update(values)
         pending, interval_start, interval_steps = [], time.perf_counter(), 0
 
@@ -330,6 +330,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
         eval_loss = evaluate(run, state["params"], valid_batches())
         values = metrics.eval_metrics(eval_loss)
         writer.write(step, values)
+        writer.plot()
         metrics.log(f"step {step}: eval loss {eval_loss:.4f} | perplexity {values['eval_perplexity']:.2f}")
         last.update(values)
         interval_start = time.perf_counter()  # evaluation time is not training time

@@ -5,6 +5,7 @@
       params/STEP                the parameters alone, exported when training ends
       config.json                the config of the run (or of a conversion)
       metrics.jsonl, tensorboard/, profile/   what training logs (retnet_jax.training.metrics, train.profile_steps)
+      metrics.png                training's loss and learning rate against the step, redrawn at each evaluation
       eval_step_STEP.json        scripts/evaluate.py's results (eval_step_STEP_by_position.png: its plot)
       passkey_step_STEP.json     scripts/passkey.py's results (passkey_step_STEP.png: its heatmap)
       lm_eval_step_STEP.json     scripts/harness_eval.py's results (each with _N before .json for other settings)
@@ -86,8 +87,8 @@ def check_training_dir(workdir: str | os.PathLike, writes: Sequence[str] = (), t
 
 def training_names(config: ml_collections.ConfigDict, process_index: int) -> tuple[str, ...]:
   """The names training writes in its workdir on process `process_index` (the layout above, results aside)."""
-  names = (config_file("").name, metrics.METRICS_FILE, metrics.TENSORBOARD_DIR, checkpoint_dir("").name,
-           export_dir("", 0).parent.name, writer_lock("", process_index).path.name)
+  names = (config_file("").name, metrics.METRICS_FILE, metrics.TENSORBOARD_DIR, metrics.METRICS_PLOT,
+           checkpoint_dir("").name, export_dir("", 0).parent.name, writer_lock("", process_index).path.name)
   return names + ((PROFILE_DIR,) if config.train.profile_steps else ())
 
 
@@ -232,6 +233,17 @@ def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
       raise ValueError(f"{path}: {section}.{name}={value!r} does not fit the field ({e}); fix it in config.json, or "
                        "give the config with --config.") from None
   return config
+
+
+def trained_task(workdir: str | os.PathLike) -> str | None:
+  """What the run in `workdir` trained on, by its config.json's data section: "text", or the synthetic task of
+  `data.synthetic` ("passkey", "mqar"); None where config.json is missing or does not say (`saved_config` keeps
+  the preset's data section, so it cannot tell)."""
+  try:
+    data = json.loads(config_file(workdir).read_bytes().decode("utf-8"))["data"]
+    return data.get("synthetic") or "text"
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    return None
 
 
 def script_config(given: ml_collections.ConfigDict, workdir: str | os.PathLike, named: bool,
