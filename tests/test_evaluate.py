@@ -114,7 +114,7 @@ def test_generate_script_streams_and_reports(trained):
   assert [s["prompt"] for s in samples] == ["ROMEO:", "A"]
   assert stdout.startswith("ROMEO:" + samples[0]["completion"])  # streamed before the JSON line
   assert all(0 < len(s["completion"]) <= 12 for s in samples)  # 12 byte tokens: at most 12 characters
-  # Restored onto a tensor-parallel mesh of two CPU devices (README), it streams and samples the same text.
+  # Restored onto a tensor-parallel mesh of two CPU devices (docs/evaluation.md), it streams and samples the same text.
   split = script_stdout("generate.py", *flags, "--prompt=ROMEO:", "--prompt=A", "--max_new_tokens=12",
                         "--temperature=0", "--stream_every=5", "--config.mesh.shape=(1,1,2)", JAX_NUM_CPU_DEVICES="2")
   assert split == stdout

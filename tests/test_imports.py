@@ -101,7 +101,7 @@ def test_no_import_cycle():
 
 
 def test_no_import_cycle_between_packages():
-  """The subpackages build on each other in one order (README's Layout): none imports from one that imports it."""
+  """The subpackages build on each other in one order (docs/models.md): none imports from one that imports it."""
   modules = module_names()
   package = lambda name: ".".join(name.split(".")[:2])
   graph: dict[str, set[str]] = {}

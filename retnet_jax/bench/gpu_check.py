@@ -10,7 +10,7 @@ Parts, in priority order, each over the GPU suite's modules (`CHECKS["h100"]`: t
    constant and per-token decays, with packed documents (`kernel_check.check`).
 4. `decode`: batch 1 with bfloat16 weights against the weight-read floor, batch 64 at 8k tokens of context against
    the Transformer (`gpu_decode`).
-5. `tests`: the GPU test command (README's Tests section), `-m "not slow"`, ended at its budget; its counts so far.
+5. `tests`: the GPU test command (docs/tests.md), `-m "not slow"`, ended at its budget; its counts so far.
 
 Budgets (`BUDGETS_S`, seconds, with `STARTUP_S` summing to `TOTAL_S` = 540) are deadlines taken in order: a part may
 run until the start-up and its own and the earlier parts' budgets have passed, so what one part leaves over goes to
@@ -64,7 +64,7 @@ PARTS = ("train", "op", "kernels", "decode", "tests")  # in priority order
 TOTAL_S = 540.0
 STARTUP_S = 20.0  # interpreter, imports, the package check and the backend's start
 BUDGETS_S = {"train": 200.0, "op": 120.0, "kernels": 50.0, "decode": 50.0, "tests": 100.0}
-# README's Tests section: the numerical tests that run on a GPU.
+# docs/tests.md: the numerical tests that run on a GPU.
 GPU_TEST_FILES = ("tests/test_retention.py", "tests/test_long_context.py", "tests/test_kernels.py",
                   "tests/test_kernel_segments.py", "tests/test_model.py", "tests/test_sampling.py",
                   "tests/test_train.py")
