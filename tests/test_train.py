@@ -385,7 +385,7 @@ def test_mfu_uses_the_device_table_and_never_reads_above_one_on_a_busy_cpu(tmp_p
   assert flops.peak_flops(jnp.bfloat16, [h100] * 8) == (8 * 989e12, False)
   peak, measured = flops.peak_flops(jnp.float32, jax.devices())
   assert measured and peak > 1e8
-  monkeypatch.setattr(flops, "measure_matmul_flops", lambda *args, **kwargs: 1.0)
+  monkeypatch.setattr(flops, "measured_peak_flops", lambda dtype: 1.0)
   verbosity = absl.logging.get_verbosity()
   absl.logging.set_verbosity(absl.logging.INFO)
   try:

@@ -57,13 +57,20 @@ def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5, 
   return 2 * size**3 / float(np.min(times) if best else np.median(times))
 
 
+@functools.cache
+def measured_peak_flops(dtype) -> float:
+  """The fastest of 10 `dtype` matmuls (`measure_matmul_flops`), measured once per process and dtype: every
+  training in a process (a notebook's, a test suite's) shares the ceiling, each raising it to what it achieves."""
+  return measure_matmul_flops(dtype, repeats=10, best=True)
+
+
 def peak_flops(dtype, devices: list[jax.Device]) -> tuple[float, bool]:
   """(FLOP/s of `devices` together, measured): GPUs and TPUs in `accelerators.CHIPS` give their nominal bf16 peak
-  (MFU's usual reference, whatever `dtype`); CPUs the fastest of 10 measured `dtype` matmuls per process (each
-  process's devices share its cores). A measured ceiling is a lower bound of the machine's: one taken while the
-  machine was busy reads low, so the training loop raises it to any faster rate it achieves."""
+  (MFU's usual reference, whatever `dtype`); CPUs `measured_peak_flops` per process (each process's devices share
+  its cores). A measured ceiling is a lower bound of the machine's: one taken while the machine was busy reads low,
+  so the training loop raises it to any faster rate it achieves."""
   chip = accelerators.chip_of(devices[0].device_kind)
   if chip is not None:
     return chip.peak_bf16_flops * len(devices), False
   processes = len({device.process_index for device in devices})
-  return measure_matmul_flops(dtype, repeats=10, best=True) * processes, True
+  return measured_peak_flops(jnp.dtype(dtype)) * processes, True
