@@ -46,7 +46,7 @@ if BACKEND != "cpu":
   jax.config.update("jax_default_matmul_precision", "highest")
 
 from retnet_jax.training import train  # noqa: E402
-from tests import helpers  # noqa: E402
+from tests import helpers, tiers  # noqa: E402
 
 
 def pytest_configure(config):
@@ -60,6 +60,15 @@ def pytest_configure(config):
              else tempfile.mkdtemp(prefix="retnet_jax_test_xla_"))
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
   jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks
+def pytest_collection_modifyitems(items):
+  """Tests that took at least `slow_s` seconds in the recorded run join the slow tier (tests/tiers.py)."""
+  slow_s, durations = tiers.load()
+  for item in items:
+    if durations.get(item.nodeid, 0.0) >= slow_s and not tiers.kept_fast(item.nodeid):
+      item.add_marker(pytest.mark.slow)
 
 
 def pytest_runtest_setup(item):

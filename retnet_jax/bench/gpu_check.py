@@ -96,7 +96,7 @@ CHECKS = {
                   test_backend="gpu", budgets_s=BUDGETS_S, total_s=TOTAL_S),
     # Every part on a CPU in about a minute: the kernels interpreted, the tests a selection of the check's own; budgets
     # no part reaches on 2 cores.
-    "smoke": Check(suite="check_tiny", kernel_batch=1, kernel_heads=2, kernel_head_dims=(16, 32), kernel_length=48,
+    "smoke": Check(suite="check_tiny", kernel_batch=1, kernel_heads=2, kernel_head_dims=(16, 32), kernel_length=32,
                    kernel_chunk=16, document_len=20, interpret=True, test_files=("tests/test_gpu_check.py",),
                    test_select=("-k", "deadlines"), test_backend=None,
                    budgets_s=dict.fromkeys(PARTS, 180.0), total_s=STARTUP_S + 5 * 180.0),

@@ -1,0 +1,26 @@
+"""Every script starts as a user starts it: `python scripts/NAME.py --help` in a fresh process imports the script and
+everything it reads, defines its flags and prints them (the fast tier's smoke check of each script; their real runs are
+in the tests of what they do)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, run_script
+
+SCRIPTS = sorted(path.name for path in (REPO / "scripts").glob("*.py"))
+
+
+def test_the_scripts_are_the_ones_checked():
+  assert len(SCRIPTS) >= 12 and "train.py" in SCRIPTS and "gpu_check.py" in SCRIPTS, SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_starts_as_a_user_starts_it(script):
+  result = run_script(script, "--help")
+  assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  defined = set(re.findall(r"flags\.DEFINE_\w+\(\s*\"(\w+)\"", (REPO / "scripts" / script).read_text()))
+  shown = set(re.findall(r"^  --(?:\[no\])?(\w+)", result.stdout, flags=re.MULTILINE))
+  assert defined <= shown, (sorted(defined - shown), result.stdout[-2000:])
+  assert Path(REPO / "scripts" / script).stem in result.stdout  # absl names the script's own flags by its module
