@@ -20,8 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.retnet import get_config
 from retnet_jax.models.model import Model
-from retnet_jax.training import checkpointing, integrity
-from retnet_jax.training.checkpointing import Checkpointer, CheckpointWriteError, export_params, load_params
+from retnet_jax.training import checkpointing, integrity, write_errors
+from retnet_jax.training.checkpointing import Checkpointer, export_params, load_params
+from retnet_jax.training.write_errors import CheckpointWriteError
 from retnet_jax.training.integrity import DamagedCheckpointError
 
 META = {"data_position": [3, 1024], "config": {"preset": "tiny", "lr": 3e-3, "files": []}, "note": None}
@@ -306,7 +307,7 @@ def test_an_export_to_a_full_disk_names_the_folder_and_leaves_nothing(tmp_path, 
 
   monkeypatch.setattr(checkpointing.ocp.StandardCheckpointer, "save", full)
   message = rf"could not export the parameters to {tmp_path / 'params'}: No space left on device$"
-  with pytest.raises(checkpointing.ExportWriteError, match=message) as error:
+  with pytest.raises(write_errors.ExportWriteError, match=message) as error:
     export_params(tmp_path / "params", {"w": jnp.ones(3)})
   assert error.value.errno == errno.ENOSPC and not (tmp_path / "params").exists()
 

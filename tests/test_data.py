@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from retnet_jax.bench import corpus as bench_corpus
-from retnet_jax.input_pipeline import data, sources, tokenizer
+from retnet_jax.input_pipeline import data, global_batches, sources, tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -333,7 +333,7 @@ def sequences(num=10, width=5):
 
 @pytest.mark.parametrize("process_count", [1, 2, 4])
 def test_process_rows_split_global_batch(process_count):
-  blocks = [data.process_rows(8, index, process_count) for index in range(process_count)]
+  blocks = [global_batches.process_rows(8, index, process_count) for index in range(process_count)]
   rows = np.concatenate([np.arange(8)[block] for block in blocks])
   np.testing.assert_array_equal(rows, np.arange(8))  # disjoint, contiguous, in order, covering all rows
   assert all(block.stop - block.start == 8 // process_count for block in blocks)
@@ -341,7 +341,7 @@ def test_process_rows_split_global_batch(process_count):
 
 def test_process_rows_indivisible_errors():
   with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 processes"):
-    data.process_rows(6, 0, 4)
+    global_batches.process_rows(6, 0, 4)
 
 
 @pytest.fixture(scope="module")
@@ -353,26 +353,28 @@ def data_sharding():
 
 def test_eval_batches(data_sharding):
   seqs = sequences(40, 9)
-  batches = list(data.eval_batches(data.SequenceRows(seqs), 16, max_batches=8, sharding=data_sharding))
+  batches = list(global_batches.eval_batches(global_batches.SequenceRows(seqs), 16, max_batches=8,
+                                             sharding=data_sharding))
   assert len(batches) == 2  # 40 sequences hold two full batches
   assert all(b.sharding == data_sharding and {s.data.shape for s in b.addressable_shards} == {(2, 9)}
              for b in batches)
   np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in batches]), seqs[:32])
   # One batch of two: its rows are spread evenly over the whole split, not its first 16 sequences.
-  sample = list(data.eval_batches(data.SequenceRows(seqs), 16, max_batches=1, sharding=None))
+  sample = list(global_batches.eval_batches(global_batches.SequenceRows(seqs), 16, max_batches=1, sharding=None))
   assert len(sample) == 1
   rows = np.arange(16) * 40 // 16
   assert rows[0] == 0 and rows[-1] == 37 and len(set(rows)) == 16
   assert sample[0].dtype == np.int32 and np.asarray(sample[0]).tobytes() == seqs[rows].tobytes()
-  np.testing.assert_array_equal(data.eval_rows(40, 16, 1), rows[None])
+  np.testing.assert_array_equal(global_batches.eval_rows(40, 16, 1), rows[None])
   with pytest.raises(ValueError, match=r"^the validation data holds 8 sequences, fewer than one batch of "
                                        r"train\.batch_size=16; use a smaller train\.batch_size or train\.seq_len, "
                                        r"or more data\.$"):
-    data.eval_batches(data.SequenceRows(seqs[:8]), 16, max_batches=8, sharding=data_sharding)
+    global_batches.eval_batches(global_batches.SequenceRows(seqs[:8]), 16, max_batches=8, sharding=data_sharding)
   with pytest.raises(ValueError, match=r"^holds so much, fewer than one batch of B; fix it\.$"):
-    data.eval_batches(data.SequenceRows(seqs[:8]), 16, None, holds="holds so much", batch="B", fix="fix it")
+    global_batches.eval_batches(global_batches.SequenceRows(seqs[:8]), 16, None, holds="holds so much", batch="B",
+                                fix="fix it")
   with pytest.raises(ValueError, match=r"validation sequences must be packed as \[num_sequences, seq_len \+ 1\]"):
-    data.SequenceRows(seqs.reshape(-1))
+    global_batches.SequenceRows(seqs.reshape(-1))
 
 
 class Taken:
@@ -391,13 +393,13 @@ class Taken:
 
 def test_eval_batches_take_each_batch_of_eval_rows_and_keep_its_structure(monkeypatch):
   rows = Taken(50)
-  batches = list(data.eval_batches(rows, 8, 3))
-  for asked, expected in zip(rows.asked, data.eval_rows(50, 8, 3), strict=True):
+  batches = list(global_batches.eval_batches(rows, 8, 3))
+  for asked, expected in zip(rows.asked, global_batches.eval_rows(50, 8, 3), strict=True):
     np.testing.assert_array_equal(asked, expected)
   assert all(isinstance(b, tuple) and b[1] is None for b in batches)
-  np.testing.assert_array_equal(np.asarray(batches[1][0])[:, 0], data.eval_rows(50, 8, 3)[1])
+  np.testing.assert_array_equal(np.asarray(batches[1][0])[:, 0], global_batches.eval_rows(50, 8, 3)[1])
   monkeypatch.setattr(jax, "process_index", lambda: 1)  # process 1 of 2 takes the second half of each batch's rows
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   rows = Taken(50)
-  list(data.eval_batches(rows, 8, None))
-  np.testing.assert_array_equal(np.stack(rows.asked), data.eval_rows(50, 8, None)[:, 4:])
+  list(global_batches.eval_batches(rows, 8, None))
+  np.testing.assert_array_equal(np.stack(rows.asked), global_batches.eval_rows(50, 8, None)[:, 4:])

@@ -14,7 +14,7 @@ from configs import retnet as retnet_config
 from configs import transformer as transformer_config
 from retnet_jax.core import segments, sharding
 from retnet_jax.evaluation import evaluate
-from retnet_jax.input_pipeline import data, synthetic, tokenizer
+from retnet_jax.input_pipeline import data, global_batches, synthetic, tokenizer
 from retnet_jax.training import losses, train, train_step
 from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config, tiny_model, tiny_transformer
 from tests.test_data import bpe_path, byte_tokens, data_config, write_jsonl  # noqa: F401  (bpe_path: a fixture)
@@ -94,8 +94,8 @@ def packed(num=10, width=5):
 
 def test_evaluation_batches_carry_the_ids_of_their_rows():
   sequences, ids = packed()
-  evaluated = list(data.eval_batches(data.SequenceRows(sequences, ids), 3, 2))
-  rows = data.eval_rows(10, 3, 2)
+  evaluated = list(global_batches.eval_batches(global_batches.SequenceRows(sequences, ids), 3, 2))
+  rows = global_batches.eval_rows(10, 3, 2)
   for (tokens, weights, batch_ids), row in zip(evaluated, rows):
     assert weights is None and batch_ids.dtype == np.int32
     np.testing.assert_array_equal(np.asarray(tokens), sequences[row])
@@ -106,7 +106,7 @@ def test_ids_of_another_shape_are_refused():
   sequences, ids = packed()
   with pytest.raises(ValueError, match=r"validation document_ids of shape \(9, 5\) do not match the sequences' "
                                        r"\(10, 5\); pack both with pack_split"):
-    data.SequenceRows(sequences, ids[:9])
+    global_batches.SequenceRows(sequences, ids[:9])
 
 
 # Training and evaluation: a packed row computes what each of its documents computes alone.
@@ -263,7 +263,7 @@ def test_evaluation_in_every_form_and_by_position_within_documents(tmp_path):
                                     position_buckets=4)
   _, valid = data.load_documents(config.data, tokenizer.ByteTokenizer())
   sequences, ids = data.pack_split(valid, 32, "validation split", reset_at_documents=True)
-  rows = data.eval_rows(len(sequences), 8, 1).reshape(-1)
+  rows = global_batches.eval_rows(len(sequences), 8, 1).reshape(-1)
   tokens, ids = sequences[rows], ids[rows]
   assert len(documents(ids)) > 2 * len(rows)  # rows of several documents
   nll_NxL = np.asarray(alone_nll(model, tokens, ids), np.float64)

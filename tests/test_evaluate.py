@@ -15,7 +15,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax.core import dispatch, sharding
 from retnet_jax.evaluation import evaluate, sampling
-from retnet_jax.input_pipeline import data, tokenizer
+from retnet_jax.input_pipeline import data, global_batches, tokenizer
 from retnet_jax.training import checkpointing, losses, metrics, train_state, workdir as workdir_lib
 from tests.helpers import flip_bytes, run_script, script_stdout
 
@@ -237,7 +237,7 @@ def test_loss_by_position_is_each_buckets_mean_per_token_nll(trained):
                                     position_buckets=4)
   _, valid = data.load_documents(config.data, tokenizer.ByteTokenizer())
   sequences = data.pack(valid.tokens, 64)
-  rows_NxL1 = sequences[data.eval_rows(len(sequences), 8, 1).reshape(-1)]
+  rows_NxL1 = sequences[global_batches.eval_rows(len(sequences), 8, 1).reshape(-1)]
   with sharding.placement(config.mesh).active():
     logits_NxLxV = np.asarray(model(jnp.asarray(rows_NxL1[:, :-1]), mode="parallel")[0], np.float64)
   shifted = logits_NxLxV - logits_NxLxV.max(axis=-1, keepdims=True)

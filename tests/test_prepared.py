@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from retnet_jax.bench import corpus as bench_corpus
-from retnet_jax.input_pipeline import data, loader, prepared, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline import data, global_batches, loader, prepared, tokenizer as tokenizer_lib
 from retnet_jax.training import train
 from tests.helpers import REPO, free_port, read_metrics, run_script, script_stdout, tiny_config
 
@@ -274,8 +274,9 @@ def test_rows_pack_each_shard_and_carry_document_ids(tmp_path):
 
 
 def test_validation_batches_are_the_rows_eval_rows_picks(tmp_path):
-  """data.eval_batches of a prepared corpus's validation rows: the packed shards' rows that data.eval_rows picks,
-  byte for byte, whole or sharded over the devices, with document ids `(tokens, None, ids)`."""
+  """global_batches.eval_batches of a prepared corpus's validation rows: the packed shards' rows that
+  global_batches.eval_rows picks, byte for byte, whole or sharded over the devices, with document ids
+  `(tokens, None, ids)`."""
   prepare(tmp_path / "c", DOCUMENTS * 4, shard_tokens=1000)
   corpora = loader.open_corpora(data_config([tmp_path / "c"]), tokenizer_lib.load("byte"))
   shards = corpora[0].shards["validation"]
@@ -285,9 +286,9 @@ def test_validation_batches_are_the_rows_eval_rows_picks(tmp_path):
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   for max_batches, placed in ((None, None), (3, batch_sharding)):
-    rows_NxB = data.eval_rows(len(tokens), 8, max_batches)
-    plain = list(data.eval_batches(loader.validation_rows(corpora, 15, False), 8, max_batches, placed))
-    documents = list(data.eval_batches(loader.validation_rows(corpora, 15, True), 8, max_batches, placed))
+    rows_NxB = global_batches.eval_rows(len(tokens), 8, max_batches)
+    plain = list(global_batches.eval_batches(loader.validation_rows(corpora, 15, False), 8, max_batches, placed))
+    documents = list(global_batches.eval_batches(loader.validation_rows(corpora, 15, True), 8, max_batches, placed))
     assert len(plain) == len(documents) == len(rows_NxB) == (3 if max_batches else len(tokens) // 8)
     for batch, (batch_tokens, weights, batch_ids), rows in zip(plain, documents, rows_NxB):
       assert weights is None and batch.dtype == batch_tokens.dtype == batch_ids.dtype == np.int32

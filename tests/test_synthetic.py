@@ -12,7 +12,7 @@ from configs import retnet as retnet_config
 from configs import transformer as transformer_config
 from retnet_jax.core import sharding
 from retnet_jax.evaluation import evaluate
-from retnet_jax.input_pipeline import data, passkey, synthetic
+from retnet_jax.input_pipeline import data, global_batches, passkey, synthetic
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.models.model import Model
 from retnet_jax.training import checkpointing, losses, optimizer, train, train_state, train_step
@@ -101,22 +101,22 @@ def test_batches_are_deterministic_and_resume_exactly():
     np.testing.assert_array_equal(weights, expected_weights)
   other_seed = mqar_config(seq_len=31, num_pairs=4, seed=1)
   assert not np.array_equal(take(synthetic.SyntheticBatches(other_seed, 8), 1)[0][0], uninterrupted[0][0])
-  valid = list(data.eval_batches(synthetic.ValidationRows(config, 8, 2), 8, None))
+  valid = list(global_batches.eval_batches(synthetic.ValidationRows(config, 8, 2), 8, None))
   assert not np.array_equal(np.asarray(valid[0][0]), uninterrupted[0][0])  # a stream apart from training
-  again = list(data.eval_batches(synthetic.ValidationRows(config, 8, 2), 8, None))
+  again = list(global_batches.eval_batches(synthetic.ValidationRows(config, 8, 2), 8, None))
   np.testing.assert_array_equal(np.asarray(again[1][0]), np.asarray(valid[1][0]))
 
 
 @pytest.mark.devices(8)
 @pytest.mark.parametrize("reset", [False, True])
 def test_validation_batches_are_the_valid_streams_batches(reset):
-  """data.eval_batches of ValidationRows gives batch i of the "valid" stream byte for byte, whole or sharded, with
-  the (zero) document ids under data.reset_at_documents."""
+  """global_batches.eval_batches of ValidationRows gives batch i of the "valid" stream byte for byte, whole or
+  sharded, with the (zero) document ids under data.reset_at_documents."""
   config = mqar_config(seq_len=31, num_pairs=4)
   config.data.reset_at_documents = reset
   batch_sharding = sharding.placement(config.mesh).batch_sharding
   for placed in (None, batch_sharding):
-    batches = list(data.eval_batches(synthetic.ValidationRows(config, 16, 3), 16, None, placed))
+    batches = list(global_batches.eval_batches(synthetic.ValidationRows(config, 16, 3), 16, None, placed))
     assert len(batches) == 3
     for index, got in enumerate(batches):
       expected = synthetic.batch(config, "valid", index, 16)
@@ -216,7 +216,7 @@ def test_mqar_accuracy_on_a_stub():
   config = mqar_config(vocab_size=32, num_pairs=6, seq_len=31)
   config.train.batch_size = 16
   results = evaluate.evaluate_model(Recall(32), config, modes=("parallel", "recurrent"), max_batches=3)
-  valid = list(data.eval_batches(synthetic.ValidationRows(config, 16, 3), 16, None))
+  valid = list(global_batches.eval_batches(synthetic.ValidationRows(config, 16, 3), 16, None))
   tokens, weights = (np.concatenate([np.asarray(b[i]) for b in valid]) for i in (0, 1))
   keys = tokens[:, :-1][weights > 0]  # the query keys; the stub recalls the even ones
   hits, answers = int(np.sum(keys % 2 == 0)), len(keys)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax.core import dispatch, segments, sharding
-from retnet_jax.input_pipeline import data, loader, synthetic, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.models import architectures, model as model_lib, presets
 from retnet_jax.training import losses, train_state, train_step
 
@@ -117,7 +117,7 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
     config: its config; `data` gives the validation split, `train.seq_len` and the micro-batch the batches.
     modes: forms to evaluate, of `architectures.modes(config.model)`. The parallel form holds `[L, L]` scores
       per head: at long `seq_len` evaluate the chunkwise or recurrent form, whose memory grows linearly.
-    max_batches: evaluate this many batches spread over the split (`data.eval_rows`); None: all. With
+    max_batches: evaluate this many batches spread over the split (`global_batches.eval_rows`); None: all. With
       `data.synthetic`: the first batches of the task's validation stream; None: `train.eval_batches`.
     seq_len: tokens per validation sequence (None: `train.seq_len`); it may exceed the training length. Text only.
     position_buckets: 0, or a count K dividing `seq_len`: each mode also reports the mean loss of the positions
@@ -142,7 +142,7 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
   placement = sharding.placement(config.mesh)
   if task:
     valid_rows = synthetic.ValidationRows(config, batch_size, max_batches or config.train.eval_batches)
-    batches = list(data.eval_batches(valid_rows, batch_size, None, placement.batch_sharding))
+    batches = list(global_batches.eval_batches(valid_rows, batch_size, None, placement.batch_sharding))
     num_sequences, num_tokens = batch_size * len(batches), int(sum(float(batch[1].sum()) for batch in batches))
     results: dict[str, Any] = {"task": task, "answers": num_tokens, "sequences": num_sequences, "modes": {}}
   else:
@@ -150,7 +150,7 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
     reset = config.data.reset_at_documents
     corpora = loader.open_corpora(config.data, tokenizer)  # only the rows evaluated are read
     valid = loader.validation_rows(corpora, seq_len, reset)
-    batches = list(data.eval_batches(
+    batches = list(global_batches.eval_batches(
         valid, batch_size, max_batches, placement.batch_sharding,
         holds=f"the validation split holds {sum(c.num_tokens('validation') for c in corpora)} tokens: {len(valid)} "
         f"sequences of --eval_seq_len + 1 = {seq_len + 1} tokens",

@@ -6,7 +6,7 @@ one loader of text, whether from `data.prepared` or from plain files through the
     batches = PreparedBatches(corpora, seq_len, batch_size, seed, sharding, config.data.prepared_weights)
     tokens_BxL1 = next(batches)  # global jax.Array [batch, seq_len + 1]: inputs [:, :-1], targets [:, 1:]
     meta = batches.get_state()   # into the checkpoint: resume continues with the next batch, mid-epoch too
-    valid = data.eval_batches(validation_rows(corpora, seq_len, False), batch_size, max_batches, sharding)
+    valid = global_batches.eval_batches(validation_rows(corpora, seq_len, False), batch_size, max_batches, sharding)
 
 The rows of every corpus are a Grain `MapDataset` over the memory-mapped shards, shuffled from the seed (another
 order each epoch) and repeated; several corpora are mixed by `data.prepared_weights` (empty: in proportion to their
@@ -28,7 +28,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax.input_pipeline import corpus_cache, data, packed_rows, prepared
+from retnet_jax.input_pipeline import corpus_cache, data, global_batches, packed_rows, prepared
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
 
 
@@ -84,16 +84,17 @@ class PreparedBatches:
   def __init__(self, corpora: Sequence[prepared.Corpus], seq_len: int, global_batch_size: int, seed: int,
                sharding: jax.sharding.NamedSharding | None = None, weights: Sequence[float] = (),
                documents: bool = False):
-    local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())
+    local = global_batches.process_rows(global_batch_size, jax.process_index(), jax.process_count())
     sources = [c.rows("train", seq_len, documents) for c in corpora]
     for corpus, rows in zip(corpora, sources):
       if not len(rows):
         raise ValueError(f"{corpus.label}: its training split holds {corpus.num_tokens('train')} tokens, too few for "
                          f"one sequence of train.seq_len + 1 = {seq_len + 1} tokens in any of its shards; use a "
                          "smaller train.seq_len or more data.")
-      data.check_one_batch(len(rows), global_batch_size, f"{corpus.label}: its training split holds {len(rows)} "
-                           f"sequences of train.seq_len + 1 = {seq_len + 1} tokens",
-                           f"train.batch_size={global_batch_size}", "use a smaller batch or seq_len, or more data")
+      global_batches.check_one_batch(
+          len(rows), global_batch_size, f"{corpus.label}: its training split holds {len(rows)} sequences of "
+          f"train.seq_len + 1 = {seq_len + 1} tokens", f"train.batch_size={global_batch_size}",
+          "use a smaller batch or seq_len, or more data")
     datasets = [grain.MapDataset.source(rows).shuffle(seed=seed + i).repeat() for i, rows in enumerate(sources)]
     mixed = (datasets[0] if len(datasets) == 1 else
              grain.MapDataset.mix(datasets, mixture_weights(corpora, weights)))
@@ -107,7 +108,7 @@ class PreparedBatches:
 
   def __next__(self):
     local = next(self._iterator)  # Grain's batch of this process's rows: tokens, or (tokens, document ids)
-    return data.global_batch((local[0], None, local[1]) if isinstance(local, tuple) else local,
+    return global_batches.global_batch((local[0], None, local[1]) if isinstance(local, tuple) else local,
                              self.global_batch_size, self.sharding)
 
   def get_state(self) -> dict[str, Any]:

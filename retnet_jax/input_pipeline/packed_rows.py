@@ -42,7 +42,7 @@ class PackedRows:
     return tokens, (np.searchsorted(shard.starts, positions, side="right") - 1).astype(np.int32)
 
   def take(self, indices: Iterable[int]) -> np.ndarray | tuple[np.ndarray, None, np.ndarray]:
-    """The rows at `indices` as a batch (`data.EvalRows`): tokens `[n, seq_len + 1]`, with `documents`
+    """The rows at `indices` as a batch (`global_batches.EvalRows`): tokens `[n, seq_len + 1]`, with `documents`
     `(tokens, None, document ids)` (`losses.Batch`'s form: no loss weights)."""
     rows = [self[i] for i in indices]
     if not self.documents:

@@ -3,7 +3,8 @@
     synthetic.check_config(config)                          # the task's knobs against seq_len and the vocabulary
     tokens_BxL1, weights_BxL = synthetic.batch(config, "train", index, batch_size)
     batches = synthetic.SyntheticBatches(config, batch_size, sharding)  # endless global batches, resumable
-    valid = data.eval_batches(synthetic.ValidationRows(config, batch_size, num_batches), batch_size, None, sharding)
+    valid = global_batches.eval_batches(synthetic.ValidationRows(config, batch_size, num_batches), batch_size, None,
+                                        sharding)
 
 `config.data.synthetic` names a task of SOURCES (None: text data). Each source makes a global batch of token rows
 `[B, seq_len + 1]` (inputs `[:, :-1]`, targets `[:, 1:]`) and float32 weights `[B, seq_len]` over the targets: 1 at
@@ -37,7 +38,7 @@ import ml_collections
 import numpy as np
 
 from retnet_jax.core import config_checks
-from retnet_jax.input_pipeline import data, passkey, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline import data, global_batches, passkey, tokenizer as tokenizer_lib
 
 SPLITS = ("train", "valid")  # each split its own stream of examples
 QUERY_PLACEMENTS = ("power", "uniform", "packed")
@@ -197,7 +198,7 @@ class SyntheticBatches:
   def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int,
                sharding: jax.sharding.NamedSharding | None = None):
     check_config(config)
-    self.local = data.process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fails early
+    self.local = global_batches.process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fails early
     self.config, self.global_batch_size, self.sharding = config, global_batch_size, sharding
     self.index = 0
 
@@ -207,7 +208,8 @@ class SyntheticBatches:
   def __next__(self) -> tuple[jax.Array, ...]:
     arrays = batch(self.config, "train", self.index, self.global_batch_size)
     self.index += 1
-    return data.global_batch(tuple(array[self.local] for array in arrays), self.global_batch_size, self.sharding)
+    return global_batches.global_batch(tuple(array[self.local] for array in arrays), self.global_batch_size,
+                                       self.sharding)
 
   def get_state(self) -> dict[str, int]:
     """Index of the next batch, for checkpoints."""
@@ -222,9 +224,10 @@ class SyntheticBatches:
 
 
 class ValidationRows:
-  """The first `num_batches` validation batches of the task `config.data.synthetic` as rows (`data.EvalRows`): row
-  r is row `r % B` of `batch(config, "valid", r // B, B)`, so `data.eval_batches` of all of them gives those
-  batches, the same every time and drawn apart from the training batches. Checks the config on construction."""
+  """The first `num_batches` validation batches of the task `config.data.synthetic` as rows
+  (`global_batches.EvalRows`): row r is row `r % B` of `batch(config, "valid", r // B, B)`, so
+  `global_batches.eval_batches` of all of them gives those batches, the same every time and drawn apart from the
+  training batches. Checks the config on construction."""
 
   def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int):
     check_config(config)

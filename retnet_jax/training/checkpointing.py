@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import traceback
@@ -32,7 +31,7 @@ from jax.experimental import multihost_utils
 
 from retnet_jax.core import host_memory
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import integrity
+from retnet_jax.training import integrity, write_errors
 
 _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
 _METRIC = "eval_loss"
@@ -47,7 +46,7 @@ _EXPECTED_WARNINGS = ("Given directory is read only", "Requested `tracked_metric
 class _OrbaxWarningsOnly(logging.Filter):
   """Drops orbax's info and debug records, which otherwise flood training logs at every save, its warnings about
   what is intended, and its error records that carry a traceback: the error itself reaches the caller, who
-  reports it once (`CheckpointWriteError`)."""
+  reports it once (`write_errors.CheckpointWriteError`)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.exc_info and any(frame.filename.startswith(_ORBAX_DIR)
@@ -88,37 +87,6 @@ class _OrbaxLeftoversDropped:
     orbax_coroutine = code is not None and code.co_filename.startswith(_ORBAX_DIR)
     if not (late_callback or orbax_coroutine):
       self.hook(unraisable)
-
-
-class CheckpointWriteError(OSError):
-  """A checkpoint could not be written (disk full, read-only, vanished directory...); earlier steps are intact.
-
-  `errno` is the cause's, also where TensorStore reports it inside its message (`os_error_code='28'`).
-  """
-
-  def __init__(self, step: int | None, directory: str, cause: BaseException):
-    code, reason = write_failure(cause)
-    super().__init__(f"could not write checkpoint {step} in {directory}: {reason}")
-    self.errno, self.step = code, step
-
-
-class ExportWriteError(OSError):
-  """The parameters could not be exported (`export_params`); `errno` as CheckpointWriteError's."""
-
-  def __init__(self, message: str, code: int | None):
-    super().__init__(message)
-    self.errno = code
-
-
-def write_failure(cause: BaseException) -> tuple[int | None, str]:
-  """(errno, reason) of a failed write: an OSError's, or TensorStore's, whose errno sits inside its message
-  (`RESOURCE_EXHAUSTED: ... [os_error_code='28']`) beside pages of its spec."""
-  code = getattr(cause, "errno", None)
-  if code is None and (match := re.search(r"os_error_code='(\d+)'", str(cause))):
-    code = int(match.group(1))
-  reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else
-            os.strerror(code) if code else (str(cause).splitlines() or [type(cause).__name__])[0])
-  return code, reason
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -234,7 +202,7 @@ class Checkpointer:
     registry = ocp.handlers.create_default_handler_registry(
         state=ocp.handlers.StandardCheckpointHandler(), meta=ocp.handlers.JsonCheckpointHandler())
     self._pending_step = None
-    self._error: CheckpointWriteError | None = None
+    self._error: write_errors.CheckpointWriteError | None = None
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                              enable_async_checkpointing=False, save_interval_steps=0)
@@ -287,7 +255,7 @@ class Checkpointer:
     return started
 
   def check_for_errors(self) -> None:
-    """Raises CheckpointWriteError if a background save has failed; does not wait for one in progress."""
+    """Raises write_errors.CheckpointWriteError if a background save has failed; does not wait for one in progress."""
     if not self._manager.is_saving_in_progress():
       self.wait()
 
@@ -361,7 +329,8 @@ class Checkpointer:
     self._manager.reload()
 
   def wait(self) -> None:
-    """Blocks until background saves are committed (and old steps deleted); CheckpointWriteError if one failed."""
+    """Blocks until background saves are committed (and old steps deleted); write_errors.CheckpointWriteError if one
+    failed."""
     if self._error is not None:
       raise self._error
     try:
@@ -369,9 +338,9 @@ class Checkpointer:
     except Exception as e:  # orbax's background save re-raises whatever failed in it
       raise self._failed(self._pending_step, e) from e
 
-  def _failed(self, step: int | None, cause: BaseException) -> CheckpointWriteError:
+  def _failed(self, step: int | None, cause: BaseException) -> write_errors.CheckpointWriteError:
     """Records the first failed write; every later call that would write reports it again."""
-    self._error = CheckpointWriteError(step, self.directory, cause)
+    self._error = write_errors.CheckpointWriteError(step, self.directory, cause)
     return self._error
 
   def _check_writable(self, action: str) -> None:
@@ -383,7 +352,7 @@ class Checkpointer:
     reported = self._error is not None
     try:
       self.wait()
-    except CheckpointWriteError:
+    except write_errors.CheckpointWriteError:
       try:
         self._manager.close()  # re-raises the failed save before releasing what it can
       except Exception:  # pylint: disable=broad-exception-caught
@@ -409,7 +378,7 @@ def export_params(directory: str | os.PathLike, params: Any, replace: bool = Fal
 
   An export already at `directory` whose checksums are those of `params` is kept; any other is replaced with
   `replace` (the caller owns it: a stale or interrupted export), else refused (FileExistsError). A write that fails
-  (a full disk) leaves nothing there and raises ExportWriteError naming `directory` and the cause.
+  (a full disk) leaves nothing there and raises write_errors.ExportWriteError naming `directory` and the cause.
   Returns whether it wrote.
   """
   _quiet_orbax()
@@ -433,8 +402,8 @@ def export_params(directory: str | os.PathLike, params: Any, replace: bool = Fal
   except Exception as e:  # orbax and TensorStore raise many kinds (a full disk: RESOURCE_EXHAUSTED)
     for partial in [directory, *glob.glob(f"{glob.escape(directory)}.orbax-checkpoint-tmp*")]:
       shutil.rmtree(partial, ignore_errors=True)  # so that a rerun exports again
-    code, reason = write_failure(e)
-    raise ExportWriteError(f"could not export the parameters to {directory}: {reason}", code) from e
+    code, reason = write_errors.write_failure(e)
+    raise write_errors.ExportWriteError(f"could not export the parameters to {directory}: {reason}", code) from e
   return True
 
 

@@ -22,11 +22,11 @@ import numpy as np
 
 from retnet_jax.core import config_checks, dispatch, sharding
 from retnet_jax.hardware import flops
-from retnet_jax.input_pipeline import data, loader, synthetic, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
 from retnet_jax.nn import layers
 from retnet_jax.training import (checkpointing, losses, metrics, peer_watch, preemption, train_state,
-                                 train_step as train_step_lib, workdir as workdir_lib, workdir_lock)
+                                 train_step as train_step_lib, workdir as workdir_lib, workdir_lock, write_errors)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -97,7 +97,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           if jax.process_index() == 0:
             workdir_lib.config_file(workdir).write_text(config.to_json_best_effort(indent=2))
           return _train_loop(config, run, state, batches, valid_batches, checkpointer, writer, lock)
-    except (workdir_lock.LockFileRemovedError, checkpointing.ExportWriteError):  # they say what the workdir keeps
+    except (workdir_lock.LockFileRemovedError, write_errors.ExportWriteError):  # they say what the workdir keeps
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught
       fault = _workdir_fault(e, lock, checkpointer)
@@ -118,15 +118,15 @@ def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.To
   if config.data.synthetic:
     valid_rows = synthetic.ValidationRows(config, eval_batch, num_eval)
     return (synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
-            lambda: data.eval_batches(valid_rows, eval_batch, None, batch_sharding))
+            lambda: global_batches.eval_batches(valid_rows, eval_batch, None, batch_sharding))
   corpora = loader.open_corpora(config.data, tokenizer)
   valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
   batches = loader.PreparedBatches(corpora, train_cfg.seq_len, train_cfg.batch_size, config.seed, batch_sharding,
                                    config.data.prepared_weights, reset)
   too_few = dict(holds=f"the prepared validation split holds {len(valid_rows)} sequences", batch=str(eval_batch),
                  fix="use a smaller batch size or seq_len, or prepare more validation data")
-  data.eval_batches(valid_rows, eval_batch, 1, **too_few)  # enough to evaluate?
-  return batches, lambda: data.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding, **too_few)
+  global_batches.eval_batches(valid_rows, eval_batch, 1, **too_few)  # enough to evaluate?
+  return batches, lambda: global_batches.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding, **too_few)
 
 
 # Data fields added since checkpoints were first written -> the value a checkpoint without the field was trained with.
@@ -164,7 +164,7 @@ def _workdir_fault(error: Exception, lock: workdir_lock.WriterLock, checkpointer
     committed = checkpointer.latest_step()
   except Exception:  # pylint: disable=broad-exception-caught  (the listing may fail for the same cause)
     committed = None
-  detail = error if isinstance(error, checkpointing.CheckpointWriteError) else error.strerror or error
+  detail = error if isinstance(error, write_errors.CheckpointWriteError) else error.strerror or error
   kept = (f"checkpoint {committed} is committed and intact; {fix}, then run the same command again to resume "
           f"from step {committed}" if committed is not None else
           f"no checkpoint was committed yet; {fix}, then run the same command again to start over")
@@ -349,9 +349,9 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
   checkpointer.wait()
   try:
     export_dir = workdir_lib.export_params(workdir, step, state["params"])
-  except checkpointing.ExportWriteError as e:
+  except write_errors.ExportWriteError as e:
     what, fix = _DISK_FAULTS.get(e.errno, ("a write failed", "remove the cause"))
-    raise checkpointing.ExportWriteError(
+    raise write_errors.ExportWriteError(
         f"{e} ({what}). Checkpoint {step} in {checkpointer.directory} is committed and intact; {fix}, then run the "
         "same command again: the training is done, so it only exports the parameters.", e.errno) from e
   metrics.log(f"done at step {step}; checkpoints in {checkpointer.directory}, params in {export_dir}")

@@ -1,0 +1,38 @@
+"""What a failed write of checkpoints or exported parameters says: the errors training reports, and the cause's errno
+and reason read from an OSError or from TensorStore's message, where the errno sits inside pages of its spec."""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written (disk full, read-only, vanished directory...); earlier steps are intact.
+
+  `errno` is the cause's, also where TensorStore reports it inside its message (`os_error_code='28'`).
+  """
+
+  def __init__(self, step: int | None, directory: str, cause: BaseException):
+    code, reason = write_failure(cause)
+    super().__init__(f"could not write checkpoint {step} in {directory}: {reason}")
+    self.errno, self.step = code, step
+
+
+class ExportWriteError(OSError):
+  """The parameters could not be exported (`export_params`); `errno` as CheckpointWriteError's."""
+
+  def __init__(self, message: str, code: int | None):
+    super().__init__(message)
+    self.errno = code
+
+
+def write_failure(cause: BaseException) -> tuple[int | None, str]:
+  """(errno, reason) of a failed write: an OSError's, or TensorStore's, whose errno sits inside its message
+  (`RESOURCE_EXHAUSTED: ... [os_error_code='28']`) beside pages of its spec."""
+  code = getattr(cause, "errno", None)
+  if code is None and (match := re.search(r"os_error_code='(\d+)'", str(cause))):
+    code = int(match.group(1))
+  reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else
+            os.strerror(code) if code else (str(cause).splitlines() or [type(cause).__name__])[0])
+  return code, reason
