@@ -15,7 +15,8 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax.core import segments, sharding
 from retnet_jax.hardware import flops
-from retnet_jax.mixers import base, gated_retention, multiscale_retention
+from retnet_jax.mixers import base, decay, gated_retention, multiscale_retention
+from retnet_jax.models import presets
 from retnet_jax.models.model import Model
 from retnet_jax.training import losses
 from tests.helpers import forms_agree, forward, max_abs_diff, random_tokens, tiny_model
@@ -159,12 +160,16 @@ def test_gradients_agree_across_forms():
           assert rel_err(a, b) < tol, (dtype, mode, rel_err(a, b))
 
 
-def test_a_constant_gate_is_retnets_retention():
-  """With gt_proj zero, log gamma = logsigmoid(0) / 16 = -log(2) / 16 at every token: the layer is RetNet's
-  multi-scale retention with gamma = 2^(-1/16) in every head, no normaliser, and the same q, k, v, g, out weights
-  (both layers draw them first from one seed), in every form, to float32 rounding."""
-  cfg = layer_config(chunk_size=4, stability_norm=False, decay_schedule="explicit", decay_gammas=(2 ** (-1 / 16),) * 2)
+@pytest.mark.parametrize("gate_init, decays", [
+    ("yoco", dict(decay_schedule="explicit", decay_gammas=(2 ** (-1 / 16),) * 2)), ("retnet", dict())])
+def test_a_constant_gate_is_retnets_retention(gate_init, decays):
+  """With gt_proj zero, log gamma = logsigmoid(b) / 16 at every token: the layer is RetNet's multi-scale retention
+  with, under `yoco` (b = 0), gamma = 2^(-1/16) in every head, under `retnet` (b = gt_bias) RetNet's default decays
+  1 - 2^(-5-h); no normaliser, and the same q, k, v, g, out weights (both layers draw them first from one seed), in
+  every form, to float32 rounding."""
+  cfg = layer_config(chunk_size=4, stability_norm=False, gate_init=gate_init)
   gated = GATED.layer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  cfg = layer_config(chunk_size=4, stability_norm=False, **decays)  # RetNet's layer: gated's fields at defaults
   gated.gt_proj.kernel[...] = jnp.zeros_like(gated.gt_proj.kernel[...])
   retnet = multiscale_retention.RETENTION.layer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
   x, carried = layer_inputs(cfg, seed=5)
@@ -176,6 +181,50 @@ def test_a_constant_gate_is_retnets_retention():
     expected = retnet(x, context, state)
     got = gated(x, GATED.context(cfg, base.Call(positions, mode, None)), state)
     assert max_abs_diff(got, expected) < 1e-5 * float(jnp.abs(expected[0]).max()), mode
+
+
+def zero_input_log_decay(heads: int, dtype) -> np.ndarray:
+  """log gamma `[heads]` of a `gate_init="retnet"` layer with `heads` heads (d_k 2) at a zero input, in `dtype`."""
+  cfg = layer_config(gate_init="retnet", num_heads=heads, d_model=2 * heads, value_dim=2 * heads)
+  layer = GATED.layer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+  log_decay = layer.gate_log_decay(jnp.zeros((1, 1, cfg.d_model), dtype), jnp.zeros((1, 1), jnp.int32))
+  assert log_decay.dtype == dtype
+  return np.asarray(log_decay[0, 0], np.float64)
+
+
+def test_retnet_gate_init_starts_each_head_at_retnets_decay():
+  """`gate_init="retnet"`: a zero input gives head h RetNet's log gamma_h, the retention mixer's default schedule's
+  for the same head count: the float64 bias exactly (float64 rounding) for every preset's head count (the 6.7B
+  preset's 16, torchscale 65B's 32, the most), the layer's float32 parameter to its rounding, computed in float64
+  and in float32 (no head's decay rounds to 1), for the most heads."""
+  schedule = retnet_config.get_config("tiny").model.decay_schedule
+  head_counts = sorted({preset.model.num_heads for preset in presets.PRESETS.values()})
+  assert presets.preset("6.7b").model.num_heads in head_counts and head_counts[-1] == 32
+  for heads in head_counts:
+    bias = gated_retention.retnet_gate_bias(heads, 16.0)
+    assert rel_err(-np.logaddexp(0, -bias) / 16, np.log(decay.gammas(schedule, heads))) < 1e-14, heads
+  expected = np.log(decay.gammas(schedule, head_counts[-1]))
+  with jax.enable_x64(True):
+    assert rel_err(zero_input_log_decay(head_counts[-1], jnp.float64), expected) < 2e-6
+  got32 = zero_input_log_decay(head_counts[-1], jnp.float32)
+  assert np.all(got32 < 0) and rel_err(got32, expected) < 2e-6
+
+
+def test_gate_init_adds_only_a_bias_drawn_from_no_random_stream():
+  """`yoco` (the default) has no gate bias; `retnet` adds `gt_bias` [heads] per layer (stacked under scan_layers)
+  and draws every other parameter as `yoco` does, bit for bit; `yoco` is the default."""
+  default = dict(nnx.to_flat_state(nnx.state(tiny_gated(), nnx.Param)))
+  for scan in (False, True):
+    params = {init: nnx.to_flat_state(nnx.state(tiny_gated(gate_init=init, scan_layers=scan), nnx.Param))
+              for init in ("yoco", "retnet")}
+    yoco = dict(params["yoco"])
+    retnet = {path: x for path, x in params["retnet"] if path[-1] != "gt_bias"}
+    biases = [x[...] for path, x in params["retnet"] if path[-1] == "gt_bias"]
+    assert not any(path[-1] == "gt_bias" for path in yoco), scan
+    assert jax.tree.map(np.shape, biases) == ([(2, 2)] if scan else [(2,), (2,)]), scan
+    assert retnet.keys() == yoco.keys() and all(np.array_equal(retnet[p][...], yoco[p][...]) for p in yoco), scan
+    if not scan:
+      assert default.keys() == yoco.keys() and all(np.array_equal(default[p][...], yoco[p][...]) for p in yoco)
 
 
 def test_left_padding_adds_nothing_and_keeps_the_state():
@@ -308,6 +357,11 @@ def test_sequence_split_matches_one_device():
      r"retention_impl='pallas' cannot run: per-token decays run on the split kernels only, not "
      r"model.kernel_layout='fused': set model.kernel_layout='split'"),
     (dict(mixer="gated_retention", num_heads=3), r"model.d_model=32 is not divisible by model.num_heads=3"),
+    (dict(mixer="gated_retention", gate_init="mamba"),
+     r"unknown model.gate_init 'mamba' \(how the gate starts.*\); choose one of \('yoco', 'retnet'\)"),
+    (dict(mixer="gated_retention", gate_init="retnet", num_heads=64, d_model=128),
+     r"model.gate_init='retnet' cannot start heads \[49, .*63\] of model.num_heads=64 at RetNet's decay"),
+    (dict(gate_init="retnet"), r"model.gate_init='retnet' is read by model.mixer='gated_retention' only"),
     # Another mixer's field set away from its default was ignored without a word.
     (dict(mixer="gated_retention", decay_gammas=(2.0, -1.0)),
      r"model.decay_gammas=\(2.0, -1.0\) is read by model.mixer='retention' only, but this model's layers run "

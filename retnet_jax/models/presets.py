@@ -164,6 +164,9 @@ def model_config(name: str) -> config_dict.ConfigDict:
       # code's per-form scalars (its outputs reproduced form by form; forms agree up to head_norm_eps)
       stability_norm_style="shared",
       gate_logit_normalizer=16.0,  # gated_retention: log gamma_t = logsigmoid(x_t W_gt) / this (YOCO: 16)
+      # gated_retention's gate at initialisation: yoco (no bias: every head near 2^(-1/16)) | retnet (a learned
+      # per-head bias starting head h at RetNet's decay 1 - 2^(-5-h))
+      gate_init="yoco",
       head_norm_eps=1e-6,  # per-head RMSNorm epsilon
       head_norm_scale=False,  # a learned scale in the per-head RMSNorm, shared by all heads (fla)
       norm_eps=1e-6,  # block, final and embedding RMSNorm epsilon

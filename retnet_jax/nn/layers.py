@@ -37,8 +37,14 @@ def xavier_uniform(gain: float) -> nnx.Initializer:
 
 
 def param(rngs: nnx.Rngs, init: nnx.Initializer, shape: tuple[int, ...], axes: tuple[str | None, ...]):
-  """A float32 parameter annotated with logical `axes`; under a mesh, placed as the module docstring says."""
-  value = sharding.place(init(rngs.params(), shape, jnp.float32), axes)
+  """A float32 parameter drawn by `init` from `rngs`, annotated with logical `axes` (`fixed_param`)."""
+  return fixed_param(init(rngs.params(), shape, jnp.float32), axes)
+
+
+def fixed_param(value: Any, axes: tuple[str | None, ...]):
+  """A float32 parameter of the given `value` (no random draw: the other parameters' draws are unchanged),
+  annotated with logical `axes`; under a mesh, placed as the module docstring says."""
+  value = sharding.place(jnp.asarray(value, jnp.float32), axes)
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)  # placed above, not by flax's rules
 
 

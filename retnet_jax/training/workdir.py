@@ -50,7 +50,7 @@ ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "ro
                       "head_norm_scale": False, "architecture": "retnet", "mixer": "retention", "attention_layers": (),
                       "attention_num_heads": None, "attention_num_kv_heads": None, "attention_window": None,
                       "attention_rotation_base": 10000.0, "kernel_layout": "fused",
-                      "gate_logit_normalizer": 16.0}
+                      "gate_logit_normalizer": 16.0, "gate_init": "yoco"}
 RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)
 
 
