@@ -2,7 +2,8 @@
 crashed and resumed logs the straight run's metrics; evaluation agrees across forms (loss by position too), passkey
 and MQAR evaluate; greedy decoding after either prefill is the same; the decoding state is the kv states alone; the
 steps compile ahead of time (scripts/aot_compile.py) for an H100 (the Pallas kernels too) and a TPU with the gated
-model's FLOPs; the fla exporter refuses it by name."""
+model's FLOPs; the fla exporter refuses it by name. Under both gate initialisations (`model.gate_init`) where the
+gate's bias could change the outcome."""
 
 import json
 import re
@@ -18,6 +19,7 @@ from retnet_jax.hardware import accelerators, flops
 from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.interop import convert_fla
+from retnet_jax.mixers import gated_retention
 from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
 from retnet_jax.planning import aot
@@ -26,16 +28,19 @@ from tests.helpers import (aot_extra_missing, forward, random_tokens, read_metri
                            tiny_model)
 
 MODES = architectures.MODES
+# The gate's starts, the bias's (new beside cases the recorded run placed in the slow tier) marked slow
+GATE_INITS_SLOW_BIAS = ["yoco", pytest.param("retnet", marks=pytest.mark.slow)]
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
 
 @pytest.mark.slow  # 40 to 60 s: three tiny runs
-def test_trains_resumes_bit_for_bit_and_evaluates_alike_in_every_form(tmp_path, run_crashing_at_batch):
+@pytest.mark.parametrize("gate_init", gated_retention.GATE_INITS)
+def test_trains_resumes_bit_for_bit_and_evaluates_alike_in_every_form(tmp_path, run_crashing_at_batch, gate_init):
   """Trained chunkwise in segments of 16 tokens (states carried): crashed in step 6 and resumed from checkpoint 4, it
   logs the straight run's losses and evaluation; its checkpoint evaluates alike in the three forms, loss by position
-  included (4 buckets of 8 tokens)."""
+  included (4 buckets of 8 tokens). Under `retnet` the gate bias is restored, learned away from its start."""
   config = tiny_config(tmp_path, mode="chunkwise", segment_len=16)
-  config.model.mixer = "gated_retention"
+  config.model.update(mixer="gated_retention", gate_init=gate_init)
   straight = train.train_and_evaluate(config, tmp_path / "straight")
   run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")
   resumed = train.train_and_evaluate(config, tmp_path / "resumed")
@@ -44,6 +49,12 @@ def test_trains_resumes_bit_for_bit_and_evaluates_alike_in_every_form(tmp_path, 
   assert resumed["eval_loss"] == straight["eval_loss"]
   model, step = train_state.restore_model(config, tmp_path / "resumed")
   assert step == 8 and model.blocks[0].mixer_name == "gated_retention"
+  bias = model.blocks[0].gated_retention.gt_bias
+  if gate_init == "retnet":
+    start = gated_retention.retnet_gate_bias(config.model.num_heads, config.model.gate_logit_normalizer)
+    assert np.all(np.isfinite(bias[...])) and not np.allclose(bias[...], start, rtol=0, atol=1e-7)
+  else:
+    assert bias is None
   results = evaluate.evaluate_model(model, config, modes=MODES, max_batches=1, position_buckets=4)
   assert results["modes_agree"] and results["max_loss_difference"] < 1e-5
   for mode in MODES:
@@ -72,11 +83,12 @@ def test_mqar_evaluates_an_untrained_model_alike_in_every_form():
   assert all(0 <= results["modes"][mode]["mqar_accuracy"] <= 1 for mode in MODES)
 
 
-def test_greedy_generation_is_the_same_after_either_prefill():
+@pytest.mark.parametrize("gate_init", GATE_INITS_SLOW_BIAS)
+def test_greedy_generation_is_the_same_after_either_prefill(gate_init):
   """Two prompts of 11 and 4 tokens (left-padded; chunks of 4 do not divide them): greedy tokens after a chunkwise
   prefill equal those after a parallel prefill, and are the argmax of the parallel logits over each prompt and its
   generated tokens."""
-  model = tiny_model(mixer="gated_retention", chunk_size=4)
+  model = tiny_model(mixer="gated_retention", chunk_size=4, gate_init=gate_init)
   prompts = [random_tokens(1, 11, seed=6)[0], random_tokens(1, 4, seed=7)[0]]
   tokens, lengths = sampling.pad_prompts(prompts)
   out = {mode: SAMPLER.generate(model, tokens, lengths, max_new_tokens=6, key=jax.random.key(0), temperature=0,
@@ -87,10 +99,11 @@ def test_greedy_generation_is_the_same_after_either_prefill():
     np.testing.assert_array_equal(np.argmax(np.asarray(logits[0, len(prompt) - 1:-1]), -1), new)
 
 
-def test_decoding_state_is_the_kv_states_alone():
-  """batch x layers x heads x d_k x d_v float32 (no key_sum: no normaliser) plus each row's int32 position; RetNet's
-  state of the same size holds a key_sum more."""
-  batch, model = 3, tiny_model(mixer="gated_retention")
+@pytest.mark.parametrize("gate_init", gated_retention.GATE_INITS)
+def test_decoding_state_is_the_kv_states_alone(gate_init):
+  """batch x layers x heads x d_k x d_v float32 (no key_sum: no normaliser) plus each row's int32 position, whatever
+  the gate's start; RetNet's state of the same size holds a key_sum more."""
+  batch, model = 3, tiny_model(mixer="gated_retention", gate_init=gate_init)
   cfg = model.config
   kv_bytes = batch * cfg.num_layers * cfg.num_heads * (cfg.d_model // cfg.num_heads) * (cfg.value_dim // cfg.num_heads)
   assert sampling_checks.state_bytes(model, batch) == 4 * kv_bytes + 4 * batch
@@ -106,10 +119,12 @@ def gated_aot_config(**model_fields):
 
 @pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
 @pytest.mark.optimized
-def test_train_step_compiles_for_an_h100_with_the_kernels():
+@pytest.mark.parametrize("gate_init", GATE_INITS_SLOW_BIAS)
+def test_train_step_compiles_for_an_h100_with_the_kernels(gate_init):
   """Chunkwise with the split Pallas kernels (per-token decays): the step fits, calls the kernels, and its model
-  FLOPs are flops' count for the gated model (its gate projection's more than RetNet's)."""
-  config = gated_aot_config(retention_impl="pallas", chunk_size=16)
+  FLOPs are flops' count for the gated model (its gate projection's more than RetNet's; the gate bias of `retnet`
+  adds no matmul)."""
+  config = gated_aot_config(retention_impl="pallas", chunk_size=16, gate_init=gate_init)
   config.train.mode = "chunkwise"
   report = aot.plan(config, accelerators.parse_target("h100:1"), ("train",))
   step = report["steps"]["train"]
@@ -123,19 +138,22 @@ def test_train_step_compiles_for_an_h100_with_the_kernels():
   assert expected > flops.train_flops_per_token(config.model, config.train.seq_len, "chunkwise") * tokens
 
 
-@pytest.mark.parametrize("target, devices, steps", [("h100:1", 1, "train"), ("v5e-4", 4, "train,decode")])
+@pytest.mark.parametrize("target, devices, steps, gate_init", [("h100:1", 1, "train", "yoco"),
+                                                               ("v5e-4", 4, "train,decode", "retnet")])
 @pytest.mark.optimized
-def test_aot_script_compiles_a_gated_model(tmp_path, target, devices, steps):
+def test_aot_script_compiles_a_gated_model(tmp_path, target, devices, steps, gate_init):
   """scripts/aot_compile.py with --config.model.mixer=gated_retention, for an H100 and for a TPU v5e-4 (data
-  parallel): each step fits, with flops' counts for the gated model per device."""
+  parallel; with the gate bias of `model.gate_init=retnet`): each step fits, with flops' counts for the gated model
+  per device."""
   if missing := aot_extra_missing("gpu" if target.startswith("h100") else "tpu"):
     pytest.skip(missing)
   result = run_script("aot_compile.py", "--config=configs/retnet.py:tiny", f"--target={target}", f"--steps={steps}",
-                      f"--out={tmp_path}", "--config.model.num_layers=1", "--config.model.mixer=gated_retention")
+                      f"--out={tmp_path}", "--config.model.num_layers=1", "--config.model.mixer=gated_retention",
+                      f"--config.model.gate_init={gate_init}")
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report["fits"] and sorted(report["steps"]) == sorted(steps.split(","))
-  config = gated_aot_config()
+  config = gated_aot_config(gate_init=gate_init)
   tokens = config.train.batch_size * config.train.seq_len
   train_step = report["steps"]["train"]
   assert train_step["fits"] and train_step["model_flops_per_device"] == flops.train_flops_per_token(
@@ -148,10 +166,12 @@ def test_aot_script_compiles_a_gated_model(tmp_path, target, devices, steps):
         * aot.DECODE_TOKENS / devices)
 
 
-def test_the_fla_exporter_refuses_gated_retention_by_its_mixer(tmp_path):
-  """fla's RetNet has a fixed decay per head: the refusal names model.mixer, not the architecture, before writing."""
+@pytest.mark.parametrize("gate_init", gated_retention.GATE_INITS)
+def test_the_fla_exporter_refuses_gated_retention_by_its_mixer(tmp_path, gate_init):
+  """fla's RetNet has a fixed decay per head: the refusal names model.mixer, not the architecture, before writing,
+  whatever the gate's start."""
   config = presets.get_config("fla")
-  config.model.mixer = "gated_retention"
+  config.model.update(mixer="gated_retention", gate_init=gate_init)
   assert any("model.mixer='gated_retention'" in problem for problem in convert_fla.export_problems(config.model))
   with pytest.raises(ValueError, match=re.escape("model.mixer='gated_retention' (fla's RetNet")):
     convert_fla.check_export(config, tmp_path / "out")
