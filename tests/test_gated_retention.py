@@ -160,8 +160,9 @@ def test_gradients_agree_across_forms():
           assert rel_err(a, b) < tol, (dtype, mode, rel_err(a, b))
 
 
-@pytest.mark.parametrize("gate_init, decays", [
-    ("yoco", dict(decay_schedule="explicit", decay_gammas=(2 ** (-1 / 16),) * 2)), ("retnet", dict())])
+@pytest.mark.parametrize("gate_init, decays", [  # compiling the three forms, as slow as the yoco case recorded
+    ("yoco", dict(decay_schedule="explicit", decay_gammas=(2 ** (-1 / 16),) * 2)),
+    pytest.param("retnet", dict(), marks=pytest.mark.slow)])
 def test_a_constant_gate_is_retnets_retention(gate_init, decays):
   """With gt_proj zero, log gamma = logsigmoid(b) / 16 at every token: the layer is RetNet's multi-scale retention
   with, under `yoco` (b = 0), gamma = 2^(-1/16) in every head, under `retnet` (b = gt_bias) RetNet's default decays
@@ -225,6 +226,21 @@ def test_gate_init_adds_only_a_bias_drawn_from_no_random_stream():
     assert retnet.keys() == yoco.keys() and all(np.array_equal(retnet[p][...], yoco[p][...]) for p in yoco), scan
     if not scan:
       assert default.keys() == yoco.keys() and all(np.array_equal(default[p][...], yoco[p][...]) for p in yoco)
+
+
+@pytest.mark.devices(8)
+def test_retnet_gate_bias_is_placed_by_the_rules():
+  """Built under a (data 2, fsdp 2, tensor 2) mesh with the project's rules, the gate bias (logical axis `heads`)
+  splits its 2 heads over `tensor`, with the values of a model built without a mesh."""
+  config = retnet_config.get_config("tiny")
+  config.model.update(mixer="gated_retention", gate_init="retnet")
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.logical_rules(config.mesh)):
+    model = Model(config.model, rngs=nnx.Rngs(0))
+  bias = model.blocks[0].gated_retention.gt_bias[...]
+  assert bias.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tensor")), 1)
+  assert bias.addressable_shards[0].data.size == 1
+  assert max_abs_diff(nnx.state(model, nnx.Param), nnx.state(tiny_gated(gate_init="retnet"), nnx.Param)) == 0
 
 
 def test_left_padding_adds_nothing_and_keeps_the_state():
@@ -293,9 +309,10 @@ def test_packed_documents_equal_each_document_alone_and_left_padding_the_prompt_
 
 def test_matmul_params_count_the_models_kernels():
   """flops.matmul_params equals the model's projection and head kernels: retention's per layer plus the gate
-  32 x 2 (64), plain and in a hybrid (the attention layer's count as in tests/test_benchmark.py)."""
-  for overrides, expected in ((dict(), 2 * (14336 + 64) + 8192), (dict(attention_layers=(1,)), 14336 + 64 + 10240
-                                                                  + 8192)):
+  32 x 2 (64), plain, with `gate_init="retnet"` (its bias is no matmul) and in a hybrid (the attention layer's count
+  as in tests/test_benchmark.py)."""
+  for overrides, expected in ((dict(), 2 * (14336 + 64) + 8192), (dict(gate_init="retnet"), 2 * (14336 + 64) + 8192),
+                              (dict(attention_layers=(1,)), 14336 + 64 + 10240 + 8192)):
     model = tiny_gated(**overrides)
     kernels = [x for path, x in nnx.to_flat_state(nnx.state(model, nnx.Param)) if path[-1] == "kernel"]
     assert flops.matmul_params(model.config) == expected == sum(x[...].size for x in kernels), overrides

@@ -139,6 +139,22 @@ def test_saved_config_is_the_runs_and_refuses_what_no_run_writes(trained, tmp_pa
 
 
 
+def test_a_gated_run_from_before_gate_init_reads_back_as_yoco(tmp_path):
+  """A gated run's config.json and checkpoint config written before `model.gate_init` existed (no such field) read
+  back as `yoco`, the gate they were trained with: the config loads so, the checkpoint resumes under it and is
+  refused under `retnet`, naming the field."""
+  config = retnet_config.get_config("tiny")
+  config.model.mixer = "gated_retention"
+  old_model = {k: v for k, v in json.loads(json.dumps(config.model.to_dict())).items() if k != "gate_init"}
+  (tmp_path / "config.json").write_text(json.dumps({"preset": "tiny", "model": old_model, "data": {}}))
+  saved = workdir_lib.saved_config(tmp_path)
+  assert saved.model.mixer == "gated_retention" and saved.model.gate_init == "yoco"
+  workdir_lib.check_compatible(old_model, config, tmp_path)
+  config.model.gate_init = "retnet"
+  with pytest.raises(ValueError, match="model.gate_init: checkpoint 'yoco' vs config 'retnet'"):
+    workdir_lib.check_compatible(old_model, config, tmp_path)
+
+
 @pytest.mark.parametrize("edit,message", [
     (dict(model=None), r"config.json: model=None must be a JSON object; fix it in config.json"),
     (dict(model={"vocab_size": "256"}), r"config.json: model.vocab_size='256' does not fit the field \(.*\); fix it "

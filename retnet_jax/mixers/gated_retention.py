@@ -142,7 +142,8 @@ class GatedRetention(multiscale_retention.Retention):
     return {"kv": super().init_state(cfg, batch_size, max_len)["kv"]}
 
   def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
-    """Multi-scale retention's projections (q, k, v, g, out) and the gate's, d x heads."""
+    """Multi-scale retention's projections (q, k, v, g, out) and the gate's, d x heads (`gate_init="retnet"`'s
+    bias is no matmul)."""
     return super().matmul_params(cfg) + cfg.d_model * cfg.num_heads
 
   def check_backend(self, cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
