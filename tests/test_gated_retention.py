@@ -213,7 +213,7 @@ def test_retnet_gate_init_starts_each_head_at_retnets_decay():
 
 def test_gate_init_adds_only_a_bias_drawn_from_no_random_stream():
   """`yoco` (the default) has no gate bias; `retnet` adds `gt_bias` [heads] per layer (stacked under scan_layers)
-  and draws every other parameter as `yoco` does, bit for bit; `yoco` is the default."""
+  and draws every other parameter as `yoco` does, bit for bit."""
   default = dict(nnx.to_flat_state(nnx.state(tiny_gated(), nnx.Param)))
   for scan in (False, True):
     params = {init: nnx.to_flat_state(nnx.state(tiny_gated(gate_init=init, scan_layers=scan), nnx.Param))
