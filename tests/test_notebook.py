@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "compare_modes.ipynb"
 # One length each, the same for both: the decode prefill then reuses the compiled chunkwise forward.
-TINY = dict(TRAIN_STEPS="4", BATCH="1", SEQ_LENS="24", DECODE_CONTEXTS="24", REPEATS="1")
+TINY = dict(TRAIN_STEPS="4", BATCH="1", SEQ_LENS="24", DECODE_CONTEXTS="24", DECODE_TOKENS="2", REPEATS="1")
 VERSUS = REPO / "notebooks" / "retnet_vs_transformer.ipynb"
 VERSUS_TINY = dict(TRAIN_STEPS="4", EVAL_EVERY="2", EVAL_SEQ_LEN="128", POSITION_BUCKETS="4", EVAL_BATCHES="1",
                    MQAR_STEPS="4", MQAR_BATCH="8", MQAR_WIDTHS="16,32", PASSKEY_SEQ_LEN="176", PASSKEY_STEPS="2",
