@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from configs import retnet as retnet_config
+from retnet_jax.nn import layer_stack
 from retnet_jax.training import optimizer
 from tests.helpers import tiny_model
 
@@ -58,3 +59,26 @@ def test_an_unknown_state_dtype_is_refused_with_the_choices():
   with pytest.raises(ValueError, match=r"unknown train.optimizer_state_dtype 'float16'; choose one of "
                                        r"\('float32', 'bfloat16'\)"):
     optimizer.check_config(train_cfg)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attention_layers": (1,)}], ids=["retnet", "hybrid"])
+def test_weight_decay_takes_the_same_parameters_in_either_layout_of_the_layers(overrides):
+  """Scanned layers stack each norm scale into [layers, d]: still a vector per layer, so still not decayed. An
+  update with zero gradients is weight decay alone: it leaves the norm scales and moves every matrix, in both
+  layouts, by the same amounts."""
+  train_cfg = retnet_config.get_config("tiny").train
+  tx = optimizer.make_optimizer(train_cfg)
+  update = jax.jit(tx.update)
+  moved = {}
+  for scanned in (False, True):
+    params = nnx.state(tiny_model(scan_layers=scanned, **overrides), nnx.Param)
+    after, opt_state = params, tx.init(params)
+    for _ in range(2):  # the warm-up's first step has a learning rate of 0
+      updates, opt_state = update(jax.tree.map(jnp.zeros_like, after), opt_state, after)
+      after = optax.apply_updates(after, updates)
+    change = layer_stack.relayout(jax.tree.map(jnp.subtract, after, params), scanned=False)  # layer by layer
+    moved[scanned] = {jax.tree_util.keystr(path): bool(jnp.any(leaf != 0))
+                      for path, leaf in jax.tree_util.tree_leaves_with_path(change)}
+  assert moved[True] == moved[False]
+  assert not any(flag for path, flag in moved[True].items() if "scale" in path)
+  assert all(flag for path, flag in moved[True].items() if "kernel" in path or "embedding" in path)

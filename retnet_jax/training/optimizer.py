@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import nnx
 
-from retnet_jax.core import config_checks
+from retnet_jax.core import config_checks, sharding
 
 SCHEDULES = ("cosine", "linear")
 # `train.optimizer_state_dtype` -> the dtype of AdamW's first moment (optax's `mu_dtype`). The second moment stays
@@ -56,8 +57,15 @@ def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedu
 
 
 def decay_mask(params):
-  """Weight decay on matrices only: norm scales (and any bias or vector) are left alone."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Weight decay on matrices only: norm scales (and any bias or vector) are left alone, in either layout of the
+  layers: a scanned stack's parameters carry a leading layer axis (`sharding.LAYER_AXIS` among their logical axes),
+  which makes a stack of norm scales 2-D without making it a matrix."""
+  def is_matrix(leaf):
+    if not isinstance(leaf, nnx.Variable):
+      return leaf.ndim >= 2
+    stacked = sharding.LAYER_AXIS in (leaf.get_metadata().get("out_sharding") or ())
+    return leaf.replace(leaf.get_value().ndim - stacked >= 2)
+  return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
