@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from retnet_jax.mixers import retention
+from retnet_jax.mixers import retention, retention_decay
 from retnet_jax.mixers.kernels.support import Tiling
 
 # lax.dot_general contractions of two matrices: a @ b, a @ b^T, a^T @ b.
@@ -128,7 +128,7 @@ def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, we
     weighted_SxK = weighted_SxK - part_SxK.astype(jnp.float32)
     part_SxK = weighted_SxK.astype(keys_SxK.dtype)
     update_KxV = update_KxV + dot(part_SxK, values_SxV, TN, precision)
-  return retention.decay_and_add(state_KxV, log_decay, update_KxV)
+  return retention.decay_and_add(state_KxV, retention_decay.state_decay(log_decay), update_KxV)
 
 
 def chunk_rows(c: jax.Array, size: int) -> pl.Slice:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from retnet_jax.mixers import retention
+from retnet_jax.mixers import retention, retention_decay
 from retnet_jax.mixers.kernels import common
 from retnet_jax.mixers.kernels.support import Tiling
 
@@ -67,7 +67,7 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, 
 
     z_K = common.only(docs.keep, z_K)
     key_sum_K = jnp.sum(k_SxK.astype(jnp.float32) * zeta_S[:, None], axis=0)
-    return state_KxV, retention.decay_and_add(z_K, chunk_log_decay, key_sum_K)
+    return state_KxV, retention.decay_and_add(z_K, retention_decay.state_decay(chunk_log_decay), key_sum_K)
 
   z_K = key_sum_ref[...] if with_key_sum else None
   state_KxV, z_K = lax.fori_loop(0, q_ref.shape[0] // size, step, (state_ref[...], z_K))

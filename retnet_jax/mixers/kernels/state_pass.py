@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from retnet_jax.mixers import retention
+from retnet_jax.mixers import retention, retention_decay
 from retnet_jax.mixers.kernels import common
 from retnet_jax.mixers.kernels.support import Tiling
 
@@ -60,7 +60,7 @@ def _kernel(b_ref, b_lo_ref, keys_ref, values_ref, init_ref, *refs, size, revers
 
     z_K = common.only(decays.keep, z_K)
     key_sum_K = jnp.sum(keys_SxK.astype(jnp.float32) * weights_S[:, None], axis=0)
-    return state_KxV, retention.decay_and_add(z_K, decays.last, key_sum_K)
+    return state_KxV, retention.decay_and_add(z_K, retention_decay.state_decay(decays.last), key_sum_K)
 
   z_K = key_sum_ref[...] if with_key_sum else None
   state_KxV, z_K = lax.fori_loop(0, num_chunks, step, (init_ref[...], z_K))
