@@ -6,9 +6,10 @@ and the gradients of the states leaving it (dH_(c+1), `state_pass` in reverse). 
     dk_c = dS^T q + zeta * (v dH_(c+1)^T)                   looping over the value columns
 
 dq and dk contract over the value columns, so their programs tile the keys instead and walk all of d_v: each writes
-whole rows of dq and dk, with no partial sums over value tiles. The same program writes its key tile's share of
-q_n . dq_n - k_n . dk_n, the gradient of the cumulative log decay at row n (less the final state's term):
-`[key tiles, batch, Lp, heads]` float32, no wider than the decays.
+whole rows of dq and dk, with no partial sums over value tiles. The same program writes its key tile's share of the
+decays' gradient, `[key tiles, batch, Lp, heads]` float32, no wider than the decays: per token, d log(gamma_n)
+summed from the terms gamma_n scales (`_decay_gradient`, two more `[S, S]` products); per head, q_n . dq_n - k_n .
+dk_n, the gradient of the cumulative log decay at row n (less the final state's term).
 """
 
 from __future__ import annotations
