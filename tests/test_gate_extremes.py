@@ -17,7 +17,7 @@ import pytest
 
 from retnet_jax.core import segments
 from retnet_jax.mixers import kernels, retention
-from tests.test_kernel_decays import recurrence
+from tests.test_kernel_decays import recurrence, vjp_all
 from tests.test_kernels import D_K as KERNEL_D_K, two_tiles
 
 GATES = {"-1e-6": -1e-6, "-1e-3": -1e-3, "-1": -1.0, "-20": -20.0, "-100": -100.0, "-1e4": -1e4, "mixed": None}
@@ -42,12 +42,6 @@ def inputs(per_token, gate, d_k, d_v, seed=0):
   return q, k, v, log_decay.astype(np.float32).astype(np.float64), state, d_out, d_final
 
 
-def vjp_all(form, q, k, v, log_decay, state, d_out, d_final):
-  """`(out, final, dq, dk, dv, d_log_decay, d_state)` of `form(q, k, v, log_decay, state)`."""
-  (out, final), pullback = jax.vjp(form, q, k, v, log_decay, state)
-  return (out, final, *pullback((d_out.astype(out.dtype), d_final)))
-
-
 @functools.cache
 def _reference(packed):
   starts = segments.starts(jnp.asarray(IDS)) if packed else None
@@ -56,7 +50,8 @@ def _reference(packed):
 
 def reference(args, packed):
   with jax.enable_x64(True):
-    return [np.asarray(x) for x in _reference(packed)(*(jnp.asarray(x, jnp.float64) for x in args))]
+    out, final, grads = _reference(packed)(*(jnp.asarray(x, jnp.float64) for x in args))
+    return [np.asarray(x) for x in (out, final, *grads)]
 
 
 XLA_FORMS = {"parallel": retention.parallel_retention, "recurrent": retention.recurrent_retention,
@@ -83,9 +78,11 @@ NAMES = ("out", "final", "dq", "dk", "dv", "d_log_decay", "d_state")
 
 
 def worst_errors(results, expected):
-  """The largest error per result, in units of the allowed error `RTOL |exact| + ATOL` (at most 1 to pass)."""
+  """The largest error per result (`vjp_all`'s), in units of the allowed error `RTOL |exact| + ATOL` (at most 1 to
+  pass)."""
   found = {}
-  for name, got, exact in zip(NAMES, results, expected):
+  out, final, grads = results
+  for name, got, exact in zip(NAMES, (out, final, *grads), expected):
     got = np.asarray(got, np.float64)
     assert got.shape == exact.shape and np.isfinite(got).all(), name
     found[name] = float(np.max(np.abs(got - exact) / (RTOL * np.abs(exact) + ATOL)))
