@@ -70,16 +70,21 @@ def powers(log_decay_H: jax.Array, exponent: jax.Array) -> jax.Array:
   return jnp.exp(log_decay_H.reshape((-1,) + (1,) * exponent.ndim) * exponent)
 
 
-def decay_and_add(state, expm1_decay, kv):
-  """`gamma S + kv` written `S + ((gamma - 1) S + kv)`, with `expm1_decay = gamma - 1` broadcast against S.
+def decay_and_add(state, decay, kv):
+  """`gamma S + kv`, exact in value and gradient for any gamma: `decay` is `retention_decay.state_decay(log gamma)`,
+  the pair (keep, scale) broadcast against S, computed once outside the scans that call this per step.
 
-  gamma itself would round to the float nearest 1 (exactly 1 from gamma = 1 - 2^-25 on in float32), a bias that
-  compounds at every step, while gamma - 1 keeps its precision: each step then rounds once, as any float state must.
-  Where kv lies on a coarse grid (products of bfloat16 keys and values), a decay step below half a unit in the
-  state's last place (gamma within a few 2^-24 of 1) can round away at every token; such a head drifts by at most
-  n (1 - gamma) of its state after n tokens, as if gamma were 1.
+  Near 1 it is written `S + ((gamma - 1) S + kv)`: gamma itself would round to the float nearest 1 (exactly 1 from
+  gamma = 1 - 2^-25 on in float32), a bias that compounds at every step, while gamma - 1 keeps its precision: each
+  step then rounds once, as any float state must. Below 1/2 it is `gamma S + kv`, where S + (gamma - 1) S would cancel
+  gamma S away (gamma - 1 = -1 in float32 for gamma < 3e-8), and the gradients with it: d S = gamma dS and d log_decay
+  = gamma <S, dS> come out exact, not 1 + (gamma - 1) rounded. Where kv lies on a coarse grid (products of bfloat16
+  keys and values), a decay step below half a unit in the state's last place (gamma within a few 2^-24 of 1) can
+  round away at every token; such a head drifts by at most n (1 - gamma) of its state after n tokens, as if gamma
+  were 1.
   """
-  return state + (expm1_decay * state + kv)
+  keep, scale = decay
+  return keep * state + (scale * state + kv)
 
 
 def decayed_state(spec: str, k, zeta, v, acc) -> jax.Array:
@@ -179,7 +184,7 @@ def recurrent_retention(q, k, v, log_decay, state=None, segment_ids=None):
   starts_BxL = _starts(segment_ids, q)
   acc = accumulation_dtype(q)
   per_token = retention_decay.is_per_token(log_decay)
-  expm1_decay = jnp.expm1(log_decay.astype(acc))  # gamma - 1: [heads], or [batch, seq, heads] read one step at a time
+  decay = retention_decay.state_decay(log_decay.astype(acc))  # [heads], or [batch, seq, heads] read step by step
   state = zeros_state(q, v, acc) if state is None else state.astype(acc)
 
   def step(s_BxHxKxV, inputs):
@@ -187,13 +192,14 @@ def recurrent_retention(q, k, v, log_decay, state=None, segment_ids=None):
       *inputs, start_B = inputs
       s_BxHxKxV = jnp.where(start_B[:, None, None, None], 0, s_BxHxKxV)
     if per_token:
-      *inputs, expm1_decay_BxH = inputs
+      *inputs, keep_BxH, scale_BxH = inputs
     q_BxHxK, k_BxHxK, v_BxHxV = (x.astype(acc) for x in inputs)
-    expm1_decay_xHx1x1 = (expm1_decay_BxH if per_token else expm1_decay[None, :])[:, :, None, None]
-    s_BxHxKxV = decay_and_add(s_BxHxKxV, expm1_decay_xHx1x1, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
+    decay_xHx1x1 = tuple(x[:, :, None, None] for x in ((keep_BxH, scale_BxH) if per_token else
+                                                       (decay[0][None, :], decay[1][None, :])))
+    s_BxHxKxV = decay_and_add(s_BxHxKxV, decay_xHx1x1, k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
     return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q_BxHxK, s_BxHxKxV)
 
-  per_step = ((expm1_decay,) if per_token else ()) + (() if starts_BxL is None else (starts_BxL,))
+  per_step = (decay if per_token else ()) + (() if starts_BxL is None else (starts_BxL,))
   time_major = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v) + per_step)
   state_out, out_LxBxHxV = jax.lax.scan(step, state, time_major)
   return jnp.swapaxes(out_LxBxHxV, 0, 1).astype(v.dtype), state_out
@@ -247,7 +253,7 @@ def chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=None
 
   # Each chunk's contribution to the state at its own last real position, and its decay over its true length.
   if retention_decay.is_per_token(log_decay):
-    zeta_CxBxHxSx1, expm1_decay_CxBxH = retention_decay.chunk_state_factors(log_decay, size, acc)
+    zeta_CxBxHxSx1, chunk_decay_CxBxH = retention_decay.chunk_state_factors(log_decay, size, acc)
   else:  # integer positions, so that the exponents stay exact at any length
     pos_CxS = jnp.arange(num_chunks * size).reshape(num_chunks, size)
     chunk_len_C = jnp.minimum(length - size * jnp.arange(num_chunks), size)
@@ -255,8 +261,8 @@ def chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=None
     to_end_CxS = jnp.where(valid, (size * jnp.arange(num_chunks) + chunk_len_C)[:, None] - 1 - pos_CxS, 0)
     zeta_HxCxS = jnp.where(valid, powers(log_decay, to_end_CxS.astype(acc)), 0)
     zeta_CxBxHxSx1 = jnp.moveaxis(zeta_HxCxS, 0, 1)[:, None, ..., None]
-    expm1_decay_CxBxH = jnp.expm1(log_decay[None, :] * chunk_len_C[:, None].astype(acc))[:, None, :]
-  xs = (expm1_decay_CxBxH,)
+    chunk_decay_CxBxH = (log_decay[None, :] * chunk_len_C[:, None].astype(acc))[:, None, :]
+  xs = retention_decay.state_decay(chunk_decay_CxBxH)  # (keep, scale)
   if starts_BxL is not None:
     doc_BxCxS, reached_BxCxS = _chunk_documents(starts_BxL, size)
     last_doc_CxBxS = jnp.swapaxes(doc_BxCxS == doc_BxCxS[..., -1:], 0, 1)
@@ -266,10 +272,11 @@ def chunk_states(k, v, log_decay, size, state, starts_BxL=None, entry_dtype=None
   # A chunk's contribution is computed in its step: no [chunks, ...] stack of float32 contributions (nor of their
   # cotangents in the backward pass) exists beside the entry states.
   def step(state_BxHxKxV, inputs):
-    k_BxHxSxK, v_BxHxSxV, zeta_BxHxSx1, expm1_decay_BxH, *kept = inputs
+    k_BxHxSxK, v_BxHxSxV, zeta_BxHxSx1, keep_BxH, scale_BxH, *kept = inputs
     kv = decayed_state("bhmk,bhmv->bhkv", k_BxHxSxK, zeta_BxHxSx1, v_BxHxSxV, acc)
     entering = state_BxHxKxV if not kept else jnp.where(kept[0][:, None, None, None], state_BxHxKxV, 0)
-    return decay_and_add(entering, expm1_decay_BxH[..., None, None], kv), state_BxHxKxV.astype(entry_dtype or acc)
+    decay_BxHx1x1 = (keep_BxH[..., None, None], scale_BxH[..., None, None])
+    return decay_and_add(entering, decay_BxHx1x1, kv), state_BxHxKxV.astype(entry_dtype or acc)
 
   state = zeros_state(k, v, acc) if state is None else state.astype(acc)
   state_out, before_CxBxHxKxV = jax.lax.scan(step, state, (k_c, v_c, zeta_CxBxHxSx1) + xs)

@@ -26,8 +26,8 @@ their value by 0 after (`masked_exp`, the double where), so neither value nor gr
 near 0 underflows exp to an exact 0 with a zero gradient. log_decay must be finite (`retention` refuses -inf, gamma =
 0, where the values are known: the `[heads]` path's powers would form -inf * 0); -1e4 already decays to an exact 0 in
 one step. A decay near 1 (log gamma ~ -1e-6) keeps its
-precision as a log, and the recurrent and state updates use expm1 as the constant path does
-(`retention.decay_and_add`).
+precision as a log, and the recurrent and state updates scale the state as the constant path does, by expm1 near 1
+and by exp near 0 (`state_decay`, `retention.decay_and_add`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,17 @@ def check_shape(log_decay, batch: int, length: int, heads: int) -> None:
   if tuple(log_decay.shape) not in ((heads,), (batch, length, heads)):
     raise ValueError(f"log_decay must have shape [heads] = ({heads},) (a decay per head) or [batch, seq, heads] = "
                      f"({batch}, {length}, {heads}) (a decay per token); got {tuple(log_decay.shape)}.")
+
+
+def state_decay(log_decay: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(keep, scale), keep + scale = gamma = exp(log_decay), to scale a state as `keep * S + scale * S` with every term
+  exact: (1, gamma - 1) for gamma >= 1/2, where gamma would round towards 1 and gamma - 1 (expm1) keeps its precision;
+  (0, gamma) below, where 1 + (gamma - 1) would cancel gamma away. Either way the gradient of log_decay is gamma times
+  that of scale, to float rounding; neither branch forms an inf or a NaN for any finite log_decay <= 0. Elementwise,
+  any shape; pure jnp, so that the kernels share it."""
+  expm1 = jnp.expm1(log_decay)
+  near_one = expm1 >= -0.5
+  return near_one.astype(expm1.dtype), jnp.where(near_one, expm1, jnp.exp(log_decay))
 
 
 def masked_exp(exponent: jax.Array, keep: jax.Array) -> jax.Array:
@@ -99,11 +110,11 @@ def _in_chunks(log_decay_BxLxH: jax.Array, size: int, acc) -> jax.Array:
 
 def chunk_state_factors(log_decay_BxLxH: jax.Array, size: int, acc):
   """The chunk-state scan's decays, chunk-major: (zeta_j `[C, B, H, S, 1]`, from token j to its chunk's last real
-  token, zero on padding; the chunk's decay of its entering state minus 1, expm1(sum of its log decays) `[C, B, H]`)."""
+  token, zero on padding; the chunk's log decay of its entering state, the sum of its log decays `[C, B, H]`)."""
   a_BxCxHxS = _in_chunks(log_decay_BxLxH, size, acc)
   valid_CxS = jnp.arange(a_BxCxHxS.shape[1] * size).reshape(-1, size) < log_decay_BxLxH.shape[1]
   zeta = jnp.where(valid_CxS[:, None, :], jnp.exp(suffix_sums(a_BxCxHxS)), 0)
-  return jnp.moveaxis(zeta, 1, 0)[..., None], jnp.moveaxis(jnp.expm1(jnp.sum(a_BxCxHxS, axis=-1)), 1, 0)
+  return jnp.moveaxis(zeta, 1, 0)[..., None], jnp.moveaxis(jnp.sum(a_BxCxHxS, axis=-1), 1, 0)
 
 
 def chunk_output_factors(log_decay_BxLxH: jax.Array, size: int, acc):

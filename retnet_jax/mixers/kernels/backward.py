@@ -48,15 +48,15 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, 
               + common.only(docs.entering_S, xi_S)[:, None]
               * common.dot(do_SxV, state_KxV.astype(do_SxV.dtype), common.NT, precision))
     dq_ref[rows, :] = dq_SxK.astype(dq_ref.dtype)
-    zeta_S, expm1_decay = common.state_decays(log_decay, c * size, size, length)
+    zeta_S, chunk_log_decay = common.state_decays(log_decay, c * size, size, length)
     return common.advance(common.only(docs.keep, state_KxV), k_SxK, v_SxV, common.only(docs.last_S, zeta_S),
-                          expm1_decay, precision, exact_weights=True)
+                          chunk_log_decay, precision, exact_weights=True)
 
   def reverse_step(i, d_state_KxV):
     c = num_chunks - 1 - i
     rows, q_SxK, k_SxK, v_SxV, do_SxV = load(c)
     docs = common.chunk_documents(documents_ref, c, size)
-    zeta_S, expm1_decay = common.state_decays(log_decay, c * size, size, length)
+    zeta_S, chunk_log_decay = common.state_decays(log_decay, c * size, size, length)
     zeta_S, chunk_mask_SxS = common.only(docs.last_S, zeta_S), common.only(docs.same_SxS, mask_SxS)
     d_scores_SxS = common.dot(do_SxV, v_SxV, common.NT, precision) * chunk_mask_SxS
     scores_SxS = common.dot(q_SxK, k_SxK, common.NT, precision) * chunk_mask_SxS
@@ -67,7 +67,7 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, do_ref, state_ref, d_final_ref, 
     dk_ref[rows, :] = dk_SxK.astype(dk_ref.dtype)
     dv_ref[rows, :] = dv_SxV.astype(dv_ref.dtype)
     return common.advance(common.only(docs.keep, d_state_KxV), q_SxK, do_SxV, common.only(docs.entering_S, xi_S),
-                          expm1_decay, precision, exact_weights=False)
+                          chunk_log_decay, precision, exact_weights=False)
 
   lax.fori_loop(0, num_chunks, forward_step, state_ref[...])
   d_state_ref[...] = lax.fori_loop(0, num_chunks, reverse_step, d_final_ref[...])

@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from retnet_jax.mixers import retention, retention_decay
 from retnet_jax.mixers.kernels.support import Tiling
 
 # lax.dot_general contractions of two matrices: a @ b, a @ b^T, a^T @ b.
@@ -74,13 +75,13 @@ def in_chunk_decays(log_decay: jax.Array, size: int) -> tuple[jax.Array, jax.Arr
 
 def state_decays(log_decay: jax.Array, start: jax.Array, size: int, length: int) -> tuple[jax.Array, jax.Array]:
   """For the chunk at `start`, with n = min(length - start, size) its true length: zeta `[S]` = gamma^(n-1-j) for
-  j < n (else 0), the decay of key j to the chunk's last real position, and gamma^n - 1, the state's decay over it
-  less one (`advance` adds it to the state: gamma^n itself would round towards 1)."""
+  j < n (else 0), the decay of key j to the chunk's last real position, and n log(gamma), the state's log decay over
+  it (`advance`)."""
   n = jnp.minimum(length - start, size)
   pos_S = lax.broadcasted_iota(jnp.int32, (size,), 0)
   real = pos_S < n
   zeta_S = jnp.where(real, jnp.exp(log_decay * jnp.where(real, n - 1 - pos_S, 0).astype(jnp.float32)), 0.0)
-  return zeta_S, jnp.expm1(log_decay * n.astype(jnp.float32))
+  return zeta_S, log_decay * n.astype(jnp.float32)
 
 
 class Documents(NamedTuple):
@@ -111,9 +112,10 @@ def only(flags: jax.Array | None, x: jax.Array) -> jax.Array:
 
 
 def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, weights_S: jax.Array,
-            expm1_decay: jax.Array, precision, *, exact_weights: bool) -> jax.Array:
-  """`state + ((gamma^n - 1) state + (weights * keys)^T values)`: the state after a chunk (keys k, weights zeta), or
-  in reverse the state's gradient before it (keys q, weights xi, values do).
+            log_decay: jax.Array, precision, *, exact_weights: bool) -> jax.Array:
+  """`gamma^n state + (weights * keys)^T values`, gamma^n = exp(log_decay) the chunk's decay, exact for any decay
+  (`retention.decay_and_add`): the state after a chunk (keys k, weights zeta), or in reverse the state's gradient
+  before it (keys q, weights xi, values do).
 
   The weighted keys are rounded to their dtype for the product; with `exact_weights`, narrower than float32, they
   are split into three parts in that dtype (bfloat16: 8 bits each) whose products add up to the float32 one, as
@@ -126,7 +128,7 @@ def advance(state_KxV: jax.Array, keys_SxK: jax.Array, values_SxV: jax.Array, we
     weighted_SxK = weighted_SxK - part_SxK.astype(jnp.float32)
     part_SxK = weighted_SxK.astype(keys_SxK.dtype)
     update_KxV = update_KxV + dot(part_SxK, values_SxV, TN, precision)
-  return state_KxV + (expm1_decay * state_KxV + update_KxV)
+  return retention.decay_and_add(state_KxV, retention_decay.state_decay(log_decay), update_KxV)
 
 
 def chunk_rows(c: jax.Array, size: int) -> pl.Slice:
@@ -176,32 +178,37 @@ class SplitDecays(NamedTuple):
   """One chunk's decays from its within-chunk cumulative log decays b (b_i = sum of log gamma over rows 0..i):
   `mask_SxS` exp(b_i - b_j) for i >= j in one document (else 0); `xi_S` exp(b_i), the entering state's decay to row
   i (0 outside the entering document); `zeta_S` exp(b_last - b_j), key j's decay to the chunk's end (0 outside the
-  last document); `expm1` exp(b_last) - 1; `keep` whether the entering state outlives the chunk (None: always)."""
+  last document); `last` b_last, the chunk's log decay; `keep` whether the entering state outlives the chunk (None:
+  always)."""
   mask_SxS: jax.Array | None
   xi_S: jax.Array
   zeta_S: jax.Array
-  expm1: jax.Array
+  last: jax.Array
   keep: jax.Array | None
 
 
-def split_decays(b_S: jax.Array, rel_S: jax.Array | None, with_mask: bool = True) -> SplitDecays:
-  """`SplitDecays` of a chunk; `rel_S` is each row's document index less the entering document's (0: the document
-  the entering state belongs to), or None for unpacked rows; `with_mask=False` leaves `mask_SxS` None (the state
-  passes need none). Exponents are masked before `exp`: never positive."""
+def split_decays(b_S: jax.Array, b_lo_S: jax.Array, rel_S: jax.Array | None, with_mask: bool = True) -> SplitDecays:
+  """`SplitDecays` of a chunk from b = `b_S + b_lo_S` (`split.chunk_decays`: each difference b_i - b_j formed as
+  (hi_i - hi_j) + (lo_i - lo_j), exact to its own rounding however large |b|); `rel_S` is each row's document index
+  less the entering document's (0: the document the entering state belongs to), or None for unpacked rows;
+  `with_mask=False` leaves `mask_SxS` None (the state passes need none). Exponents are masked before `exp`: never
+  positive."""
+  size = b_S.shape[0]
+  at_last_S = lax.broadcasted_iota(jnp.int32, (size,), 0) == size - 1  # padding rows add 0: the chunk's last row
+  last, last_lo = (jnp.sum(jnp.where(at_last_S, x, 0.0)) for x in (b_S, b_lo_S))
   mask_SxS = None
   if with_mask:
-    size = b_S.shape[0]
     row = lax.broadcasted_iota(jnp.int32, (size, size), 0)
     col = lax.broadcasted_iota(jnp.int32, (size, size), 1)
     inside = row >= col
     if rel_S is not None:
       inside = inside & (rel_S[:, None] == rel_S[None, :])
-    mask_SxS = jnp.where(inside, jnp.exp(jnp.where(inside, b_S[:, None] - b_S[None, :], 0.0)), 0.0)
-  last = jnp.min(b_S)  # b falls along the chunk (log decays <= 0); padding rows add 0
-  xi_S, zeta_S = jnp.exp(b_S), jnp.exp(jnp.minimum(last - b_S, 0.0))
+    exponent_SxS = (b_S[:, None] - b_S[None, :]) + (b_lo_S[:, None] - b_lo_S[None, :])
+    mask_SxS = jnp.where(inside, jnp.exp(jnp.where(inside, exponent_SxS, 0.0)), 0.0)
+  xi_S, zeta_S = jnp.exp(b_S + b_lo_S), jnp.exp(jnp.minimum((last - b_S) + (last_lo - b_lo_S), 0.0))
   keep = None
   if rel_S is not None:
     last_document = jnp.max(rel_S)
     xi_S, zeta_S = jnp.where(rel_S == 0, xi_S, 0.0), jnp.where(rel_S == last_document, zeta_S, 0.0)
     keep = last_document == 0
-  return SplitDecays(mask_SxS, xi_S, zeta_S, jnp.expm1(last), keep)
+  return SplitDecays(mask_SxS, xi_S, zeta_S, last + last_lo, keep)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from retnet_jax.mixers import retention, retention_decay
 from retnet_jax.mixers.kernels import common
 from retnet_jax.mixers.kernels.support import Tiling
 
@@ -52,9 +53,9 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, 
     inner_SxV = common.dot(scores_SxS.astype(v_SxV.dtype), v_SxV, common.NN, precision)
     cross_SxV = common.dot(q_SxK, state_KxV.astype(q_SxK.dtype), common.NN, precision)
     out_ref[rows, :] = (inner_SxV + chunk_xi_S[:, None] * cross_SxV).astype(out_ref.dtype)
-    zeta_S, expm1_decay = common.state_decays(log_decay, c * size, size, length)
+    zeta_S, chunk_log_decay = common.state_decays(log_decay, c * size, size, length)
     zeta_S = common.only(docs.last_S, zeta_S)
-    state_KxV = common.advance(common.only(docs.keep, state_KxV), k_SxK, v_SxV, zeta_S, expm1_decay, precision,
+    state_KxV = common.advance(common.only(docs.keep, state_KxV), k_SxK, v_SxV, zeta_S, chunk_log_decay, precision,
                                exact_weights=True)
     if not with_key_sum:
       return state_KxV, z_K
@@ -65,7 +66,8 @@ def _kernel(log_decay_ref, q_ref, k_ref, v_ref, state_ref, *refs, size, length, 
       qz_ref[rows] = qz_S
 
     z_K = common.only(docs.keep, z_K)
-    return state_KxV, z_K + (expm1_decay * z_K + jnp.sum(k_SxK.astype(jnp.float32) * zeta_S[:, None], axis=0))
+    key_sum_K = jnp.sum(k_SxK.astype(jnp.float32) * zeta_S[:, None], axis=0)
+    return state_KxV, retention.decay_and_add(z_K, retention_decay.state_decay(chunk_log_decay), key_sum_K)
 
   z_K = key_sum_ref[...] if with_key_sum else None
   state_KxV, z_K = lax.fori_loop(0, q_ref.shape[0] // size, step, (state_ref[...], z_K))

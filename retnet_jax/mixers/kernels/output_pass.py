@@ -19,11 +19,11 @@ from retnet_jax.mixers.kernels import common
 from retnet_jax.mixers.kernels.support import Tiling
 
 
-def _kernel(b_ref, q_ref, k_ref, v_ref, state_ref, *refs, precision, with_key_sum, packed):
+def _kernel(b_ref, b_lo_ref, q_ref, k_ref, v_ref, state_ref, *refs, precision, with_key_sum, packed):
   """One program: the chunk's `[S]` decays, `[S, d_k]` q and k, `[S, block_v]` values, `[d_k, block_v]` state."""
   rel_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
   key_sum_ref, out_ref, qz_ref = refs if with_key_sum else (None, refs[0], None)
-  decays = common.split_decays(b_ref[...], None if rel_ref is None else rel_ref[...])
+  decays = common.split_decays(b_ref[...], b_lo_ref[...], None if rel_ref is None else rel_ref[...])
   q_SxK, k_SxK, v_SxV = q_ref[...], k_ref[...], v_ref[...]
   scores_SxS = common.dot(q_SxK, k_SxK, common.NT, precision) * decays.mask_SxS
   inner_SxV = common.dot(scores_SxS.astype(v_SxV.dtype), v_SxV, common.NN, precision)
@@ -49,10 +49,10 @@ def output_pass(b, q, k, v, states, key_sums=None, *, rel=None, size: int, preci
   """
   batch, padded, heads, key_dim = q.shape
   block_v = tiling.block_v
-  rows = common.chunk_rows_spec(size, key_dim, heads)
-  in_specs = [common.chunk_vector_spec(size, heads), rows, rows, common.chunk_rows_spec(size, block_v, heads, True),
+  rows, decays = common.chunk_rows_spec(size, key_dim, heads), common.chunk_vector_spec(size, heads)
+  in_specs = [decays, decays, rows, rows, common.chunk_rows_spec(size, block_v, heads, True),
               common.chunk_state_spec(key_dim, block_v, heads)]
-  inputs = [b, q, k, v, states]
+  inputs = [*b, q, k, v, states]
   out_specs = [common.chunk_rows_spec(size, block_v, heads, True)]
   out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype)]
   if rel is not None:

@@ -5,11 +5,14 @@ output pass computes every chunk in parallel (`state_pass`, `output_pass`). Back
 state gradient's reverse pass, then dv and dq/dk in parallel over chunks (`split_backward`).
 
 Decays: log(gamma) per head `[heads]` or per token `[batch, seq, heads]` (S_n = gamma_n S_(n-1) + k_n^T v_n, o_n =
-q_n S_n). The kernels take b, the log decays summed within each chunk up to each row (padding rows add 0, so the
-final state decays by the real rows only). The decays' gradient is exact: with B_n the log decays summed over the
-whole row, dL/dB_n = q_n . dq_n - k_n . dk_n, plus <dS_T, S_T> at the last row (the final state scales with
-exp(B_T) as a whole), and d log_gamma_n = the sum of dL/dB_m over m >= n in n's document (0 where a document starts
-after the row's first token: the state is dropped there, gamma_n never applies).
+q_n S_n). The kernels take b, the log decays summed within each chunk up to each row, in two float32 parts (padding
+rows add 0, so the final state decays by the real rows only). The decays' gradient is exact. Per token, the dq/dk
+kernel sums, for each row n, the terms gamma_n scales within its chunk, the state leaving the chunk counted through
+its gradient (`split_backward._decay_gradient`): exact to float rounding relative to itself for any gate, and 0 where
+a document starts after the row's first token (the state is dropped there, gamma_n never applies). Per head, with B_n
+the log decays summed over the whole row, dL/dB_n = q_n . dq_n - k_n . dk_n, plus <dS_T, S_T> at the last row (the
+final state scales with exp(B_T) as a whole), and d log_gamma = the sum over n of dL/dB_m over m >= n in n's
+document: cheaper (no `[S, S]` products), exact for decays away from 0, as a fixed head's are.
 """
 
 from __future__ import annotations
@@ -35,16 +38,29 @@ class Static(NamedTuple):
   interpret: bool
 
 
-def chunk_decays(log_decay: jax.Array, batch: int, padded: int, static: Static) -> jax.Array:
-  """b `[batch, Lp, heads]` float32: log(gamma) summed within each chunk up to each row. Per head `[heads]`: the
-  count of real rows times log(gamma) (one rounding); per token `[batch, Lp, heads]` (zero-padded): a cumsum."""
+def _two_sum(a, b):
+  """The sum of two (hi, lo) float32 pairs, the rounding error of hi_a + hi_b kept in lo (Knuth's TwoSum)."""
+  (hi_a, lo_a), (hi_b, lo_b) = a, b
+  hi = hi_a + hi_b
+  b_part = hi - hi_a
+  return hi, lo_a + lo_b + ((hi_a - (hi - b_part)) + (hi_b - b_part))
+
+
+def chunk_decays(log_decay: jax.Array, batch: int, padded: int, static: Static) -> tuple[jax.Array, jax.Array]:
+  """b, the log decays summed within each chunk up to each row, as float32 `(hi, lo)` `[batch, Lp, heads]` with b = hi
+  + lo to about twice float32's precision; the rows past the true length (padding) add 0.
+
+  The kernels form exponents as differences b_i - b_j: from a single float32 b these would keep only eps |b| of
+  absolute precision, 6e-4 after a gate of log gamma = -1e4 earlier in the chunk, where (hi_i - hi_j) + (lo_i - lo_j)
+  is exact to a few roundings of the difference itself (`common.split_decays`). `[heads]` decays are broadcast."""
   size = static.size
   if log_decay.ndim == 1:
-    position = jnp.arange(padded)
-    count = jnp.minimum(position, static.length - 1) - position // size * size + 1
-    return jnp.broadcast_to(count[:, None].astype(jnp.float32) * log_decay, (batch, padded, log_decay.shape[0]))
+    real = jnp.arange(padded) < static.length
+    log_decay = jnp.where(real[None, :, None], log_decay, 0.0) * jnp.ones((batch, 1, 1), jnp.float32)
   heads = log_decay.shape[-1]
-  return jnp.cumsum(log_decay.reshape(batch, padded // size, size, heads), axis=2).reshape(batch, padded, heads)
+  chunks = log_decay.reshape(batch, padded // size, size, heads)
+  hi, lo = lax.associative_scan(_two_sum, (chunks, jnp.zeros_like(chunks)), axis=2)
+  return hi.reshape(batch, padded, heads), lo.reshape(batch, padded, heads)
 
 
 def relative_documents(documents: jax.Array | None, size: int) -> jax.Array | None:
@@ -110,12 +126,13 @@ def _split_bwd(static: Static, residuals, cotangents):
                                    **options)
   d_states, d_state, _, _ = state_pass(b, q, d_out.astype(v.dtype), d_final, rel=rel, reverse=True,
                                        states_dtype=states_dtype, tiling=static.config.backward, **options)
-  dq, dk, dv, db = gradients(b, q, k, v, d_out, states, d_states, rel=rel,
-                             block_k=static.config.key_block(q.shape[-1]), tiling=static.config.backward, **options)
-  db = db.at[:, -1].add(jnp.sum(d_final * final, axis=(2, 3)))
-  d_log_decay = _document_sums(db, documents)
-  if log_decay.ndim == 1:  # the rows past the true length are padding: no decay of the head's applies there
-    d_log_decay = jnp.sum(d_log_decay[:, :static.length], axis=(0, 1))
+  per_token = log_decay.ndim == 3
+  dq, dk, dv, d_log_decay = gradients(b, q, k, v, d_out, states, d_states, rel=rel, per_token=per_token,
+                                      block_k=static.config.key_block(q.shape[-1]), tiling=static.config.backward,
+                                      **options)
+  if not per_token:  # the rows past the true length are padding: no decay of the head's applies there
+    db = d_log_decay.at[:, -1].add(jnp.sum(d_final * final, axis=(2, 3)))
+    d_log_decay = jnp.sum(_document_sums(db, documents)[:, :static.length], axis=(0, 1))
   return dq, dk, dv, d_log_decay, d_state, None if key_sum is None else jnp.zeros_like(key_sum), None
 
 

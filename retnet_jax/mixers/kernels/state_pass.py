@@ -24,13 +24,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from retnet_jax.mixers import retention, retention_decay
 from retnet_jax.mixers.kernels import common
 from retnet_jax.mixers.kernels.support import Tiling
 
 
-def _kernel(b_ref, keys_ref, values_ref, init_ref, *refs, size, reverse, precision, with_key_sum, packed):
-  """One program: the row's `[Lp]` cumulative decays, `[Lp, d_k]` keys, a `[Lp, block_v]` value tile, the initial
-  `[d_k, block_v]` carry; writes `[chunks * d_k, block_v]` per-chunk states and the last carry."""
+def _kernel(b_ref, b_lo_ref, keys_ref, values_ref, init_ref, *refs, size, reverse, precision, with_key_sum, packed):
+  """One program: the row's `[Lp]` cumulative decays (hi and lo parts), `[Lp, d_k]` keys, a `[Lp, block_v]` value
+  tile, the initial `[d_k, block_v]` carry; writes `[chunks * d_k, block_v]` per-chunk states and the last carry."""
   rel_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
   if with_key_sum:
     key_sum_ref, states_ref, final_ref, key_sums_ref, final_key_sum_ref = refs
@@ -43,12 +44,13 @@ def _kernel(b_ref, keys_ref, values_ref, init_ref, *refs, size, reverse, precisi
     state_KxV, z_K = carry
     c = num_chunks - 1 - i if reverse else i
     rows, state_rows = common.chunk_rows(c, size), common.chunk_rows(c, key_dim)
-    decays = common.split_decays(b_ref[rows], None if rel_ref is None else rel_ref[rows], with_mask=False)
+    decays = common.split_decays(b_ref[rows], b_lo_ref[rows], None if rel_ref is None else rel_ref[rows],
+                                 with_mask=False)
     states_ref[state_rows, :] = state_KxV.astype(states_ref.dtype)
     keys_SxK = keys_ref[rows, :]
     weights_S = decays.xi_S if reverse else decays.zeta_S
     state_KxV = common.advance(common.only(decays.keep, state_KxV), keys_SxK, values_ref[rows, :], weights_S,
-                               decays.expm1, precision, exact_weights=not reverse)
+                               decays.last, precision, exact_weights=not reverse)
     if not with_key_sum:
       return state_KxV, z_K
 
@@ -57,7 +59,8 @@ def _kernel(b_ref, keys_ref, values_ref, init_ref, *refs, size, reverse, precisi
       key_sums_ref[state_rows] = z_K
 
     z_K = common.only(decays.keep, z_K)
-    return state_KxV, z_K + (decays.expm1 * z_K + jnp.sum(keys_SxK.astype(jnp.float32) * weights_S[:, None], axis=0))
+    key_sum_K = jnp.sum(keys_SxK.astype(jnp.float32) * weights_S[:, None], axis=0)
+    return state_KxV, retention.decay_and_add(z_K, retention_decay.state_decay(decays.last), key_sum_K)
 
   z_K = key_sum_ref[...] if with_key_sum else None
   state_KxV, z_K = lax.fori_loop(0, num_chunks, step, (init_ref[...], z_K))
@@ -73,7 +76,8 @@ def state_pass(b, keys, values, init, key_sum=None, *, rel=None, reverse: bool =
   """Each chunk's entering states (forward) or leaving states' gradients (`reverse`), over padded inputs.
 
   Args:
-    b: float32 `[batch, Lp, heads]`, the log decays summed within each chunk up to each row (`split.chunk_decays`).
+    b: the log decays summed within each chunk up to each row, a float32 `[batch, Lp, heads]` pair (hi, lo)
+      (`split.chunk_decays`).
     keys: `[batch, Lp, heads, d_k]` (k; q in reverse). values: `[batch, Lp, heads, d_v]` (v; do in reverse).
     init: float32 `[batch, heads, d_k, d_v]`, the carried-in state (the final state's cotangent in reverse).
     key_sum: float32 `[batch, heads, d_k]` to also carry the key sum (forward only), or None.
@@ -87,9 +91,10 @@ def state_pass(b, keys, values, init, key_sum=None, *, rel=None, reverse: bool =
   block_v, num_chunks = tiling.block_v, padded // size
   with_key_sum = key_sum is not None
   states_spec = pl.BlockSpec((None, None, num_chunks * key_dim, block_v), lambda t, b, h: (b, h, 0, t))
-  in_specs = [common.vector_spec(padded), common.rows_spec(padded, key_dim), common.rows_tile_spec(padded, block_v),
+  decays = common.vector_spec(padded)
+  in_specs = [decays, decays, common.rows_spec(padded, key_dim), common.rows_tile_spec(padded, block_v),
               common.state_tile_spec(key_dim, block_v)]
-  inputs = [b, keys, values, init]
+  inputs = [*b, keys, values, init]
   out_specs = [states_spec, common.state_tile_spec(key_dim, block_v)]
   out_shape = [jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, values.shape[-1]), states_dtype),
                jax.ShapeDtypeStruct(init.shape, jnp.float32)]
