@@ -318,16 +318,17 @@ def test_matmul_params_count_the_models_kernels():
     assert flops.matmul_params(model.config) == expected == sum(x[...].size for x in kernels), overrides
 
 
-@pytest.mark.slow  # ~50 s: the kernels run interpreted off a GPU
 def test_pallas_chunkwise_matches_xla():
   """retention_impl='pallas' (the split kernels, interpreted here) runs the chunkwise form with the per-token decays:
   logits, states, a continuation and the parameters' gradients (gt_proj's through the kernels' decay gradient) equal
-  the XLA form's."""
+  the XLA form's. Each model's forward, continuation and gradient compile as one program: run eagerly, the
+  interpreted kernels dispatch op by op, several times slower."""
   models = {impl: tiny_gated(retention_impl=impl, chunk_size=16) for impl in ("xla", "pallas")}
   assert models["pallas"].blocks[0].gated_retention.kernel and not models["xla"].blocks[0].gated_retention.kernel
   tokens, more = random_tokens(2, 21, seed=3), random_tokens(2, 5, seed=4)
   loss = lambda model: model(tokens, mode="chunkwise")[0].mean()
 
+  @nnx.jit
   def run(model):
     logits, state = model(tokens, mode="chunkwise")
     return logits, state, model(more, mode="chunkwise", state=state)[0], nnx.grad(loss)(model)
