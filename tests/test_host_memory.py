@@ -8,14 +8,15 @@ from tests.helpers import run_python
 
 pytestmark = pytest.mark.optimized
 
-# Each call of f allocates two 64 MB temporaries and a 64 MB output: above glibc's 32 MB mmap threshold.
+# Each call of f allocates two 64 MB temporaries (above glibc's 32 MB mmap threshold) for a 256 KB output: the
+# product contracts over 65536 so as to take 8.6 GFLOP, where a square one of the same temporaries takes 137.
 SCRIPT = """
 import resource, statistics, sys
 from retnet_jax.core import host_memory
 applied = host_memory.keep_freed_memory() if sys.argv[1] == "keep" else False
 import jax, jax.numpy as jnp
-f = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x))
-x = jnp.ones((4096, 4096))
+f = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x).T)
+x = jnp.ones((256, 65536))
 faults = []
 for _ in range(16):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -35,7 +36,7 @@ def page_faults_per_call(mode):
 @pytest.mark.slow
 @pytest.mark.skipif(host_memory._glibc() is None, reason="glibc malloc only")
 def test_kept_memory_is_reused_by_later_executions():
-  """Median page faults of calls 9-16: ~49k (192 MB of fresh pages) per call by default, 0 measured with the
+  """Median page faults of calls 9-16: ~33k (128 MB of fresh pages) per call by default, 0 measured with the
   heap kept. The first calls still grow the heap while earlier calls' buffers are being freed (a median of
   32k over calls 3-8 was seen beside another test process), so the median starts at call 9."""
   applied, kept = page_faults_per_call("keep")
