@@ -20,7 +20,7 @@ from retnet_jax.evaluation import sampling
 from retnet_jax.models.architectures import MODES
 from retnet_jax.nn import layer_stack
 from retnet_jax.training import checkpointing, train, train_state, train_step
-from tests.helpers import random_tokens, read_metrics, tiny_model, tiny_transformer
+from tests.helpers import forward, random_tokens, read_metrics, tiny_model, tiny_transformer
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
@@ -55,12 +55,11 @@ def test_scanned_model_computes_the_unrolled_function(mode):
   unrolled, scanned = pair()
   tokens = random_tokens(2, 13, seed=3)
   ids = np.array([[0] * 5 + [1] * 8, [0] * 9 + [1] * 4])  # packed documents, the second resetting the state
-  first = [model(tokens, mode=mode) for model in (unrolled, scanned)]
+  first = [forward(model, tokens, None, mode) for model in (unrolled, scanned)]
   assert max_rel_diff(first[0][0], first[1][0]) < 1e-5
   assert isinstance(first[1][1]["layers"], list) and len(first[1][1]["layers"]) == 3  # the state's edge layout
   assert max_rel_diff(first[0][1], first[1][1]) < 1e-5
-  carried = [model(tokens, mode=mode, state=out[1], segment_ids=ids)
-             for model, out in zip((unrolled, scanned), first)]
+  carried = [forward(model, tokens, out[1], mode, ids) for model, out in zip((unrolled, scanned), first)]
   assert max_rel_diff(carried[0][0], carried[1][0]) < 1e-5
   assert max_rel_diff(carried[0][1], carried[1][1]) < 1e-5
 
@@ -87,9 +86,9 @@ def test_scanned_gradients_equal_the_unrolled_ones(remat):
 def test_scanned_transformer_computes_the_unrolled_function():
   models = [tiny_transformer(num_layers=3, scan_layers=scan) for scan in (False, True)]
   tokens = random_tokens(2, 11, seed=5)
-  outs = [model(tokens[:, :8]) for model in models]
+  outs = [forward(model, tokens[:, :8], None, "parallel") for model in models]
   assert max_rel_diff(outs[0][0], outs[1][0]) < 1e-5
-  steps = [model(tokens[:, 8:], mode="recurrent", state=out[1]) for model, out in zip(models, outs)]
+  steps = [forward(model, tokens[:, 8:], out[1], "recurrent") for model, out in zip(models, outs)]
   assert max_rel_diff(steps[0][0], steps[1][0]) < 1e-5
   assert max_rel_diff(steps[0][1]["layers"], steps[1][1]["layers"]) < 1e-5
   grads = [jitted_grads(m, lambda m: jnp.mean(m(tokens, remat="full")[0] ** 2)) for m in models]
