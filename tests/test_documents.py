@@ -144,6 +144,12 @@ def alone_nll(model, tokens_BxL1, ids_BxL1):
   return nll_BxL
 
 
+def compiled_alone_nll(model, tokens_BxL1, ids_BxL1):
+  """`alone_nll` compiled as one program (the documents' bounds fixed as it is traced): eagerly, each document's
+  slice and update compiles on its own."""
+  return nnx.jit(lambda model: alone_nll(model, tokens_BxL1, ids_BxL1))(model)
+
+
 @functools.cache
 def alone_loss_and_grads(architecture):
   """(graphdef, params) of the tiny model of `architecture`, random tokens like `IDS`, and their mean loss with
@@ -182,7 +188,7 @@ def test_a_train_step_with_gradient_accumulation_takes_the_documents_loss():
     batch = jax.device_put((tokens, None, ids), run.placement.batch_sharding)
     _, metrics = run.train_step(state, batch)
     evaluated = float(run.eval_step(params, batch))
-  expected = float(alone_nll(nnx.merge(run.graphdef, params), tokens, ids).mean())
+  expected = float(compiled_alone_nll(nnx.merge(run.graphdef, params), tokens, ids).mean())
   assert abs(float(metrics["loss"]) - expected) < 1e-5 and abs(evaluated - expected) < 1e-5
 
 
@@ -202,7 +208,7 @@ def test_a_train_step_split_over_sequence_takes_the_documents_loss():
     state = run.init()
     params = jax.device_get(state["params"])
     _, metrics = run.train_step(state, jax.device_put((tokens, None, ids), run.placement.batch_sharding))
-  expected = float(alone_nll(nnx.merge(run.graphdef, params), tokens, ids).mean())
+  expected = float(compiled_alone_nll(nnx.merge(run.graphdef, params), tokens, ids).mean())
   assert abs(float(metrics["loss"]) - expected) < 1e-5
 
 
@@ -266,7 +272,7 @@ def test_evaluation_in_every_form_and_by_position_within_documents(tmp_path):
   rows = global_batches.eval_rows(len(sequences), 8, 1).reshape(-1)
   tokens, ids = sequences[rows], ids[rows]
   assert len(documents(ids)) > 2 * len(rows)  # rows of several documents
-  nll_NxL = np.asarray(alone_nll(model, tokens, ids), np.float64)
+  nll_NxL = np.asarray(compiled_alone_nll(model, tokens, ids), np.float64)
   bucket_NxL = np.asarray(segments.positions_in_document(ids[:, :-1])) // 8
   for mode, metrics in results["modes"].items():
     assert metrics["loss"] == pytest.approx(nll_NxL.mean(), abs=1e-5), mode

@@ -239,7 +239,8 @@ def test_loss_by_position_is_each_buckets_mean_per_token_nll(trained):
   sequences = data.pack(valid.tokens, 64)
   rows_NxL1 = sequences[global_batches.eval_rows(len(sequences), 8, 1).reshape(-1)]
   with sharding.placement(config.mesh).active():
-    logits_NxLxV = np.asarray(model(jnp.asarray(rows_NxL1[:, :-1]), mode="parallel")[0], np.float64)
+    parallel = nnx.jit(lambda model: model(jnp.asarray(rows_NxL1[:, :-1]), mode="parallel")[0])
+    logits_NxLxV = np.asarray(parallel(model), np.float64)
   shifted = logits_NxLxV - logits_NxLxV.max(axis=-1, keepdims=True)
   log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
   nll_NxL = -np.take_along_axis(log_probs, rows_NxL1[:, 1:, None], axis=-1)[..., 0]

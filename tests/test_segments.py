@@ -253,9 +253,9 @@ def test_none_is_bitwise_the_default():
   model, transformer = helpers.tiny_model(chunk_size=4, num_layers=1), helpers.tiny_transformer(num_layers=1)
   tokens = jnp.asarray(helpers.random_tokens(2, 11))
   for net, modes in ((model, ("parallel", "chunkwise")), (transformer, ("parallel",))):
-    for mode in modes:
-      plain, plain_state = net(tokens, mode=mode)
-      given, given_state = net(tokens, mode=mode, segment_ids=None)
+    for mode in modes:  # two programs, each traced from its own call
+      plain, plain_state = nnx.jit(lambda net: net(tokens, mode=mode))(net)
+      given, given_state = nnx.jit(lambda net: net(tokens, mode=mode, segment_ids=None))(net)
       assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves((plain, plain_state)),
                                                       jax.tree.leaves((given, given_state))))
 
