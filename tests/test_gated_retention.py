@@ -348,7 +348,7 @@ def test_sequence_split_matches_one_device():
   config.mesh.shape = (2, 1, 1, 2)
   model = Model(config.model, rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 12 + 32 + 1), 0, config.model.vocab_size)
-  _, carried = model(tokens[:, :12], mode="chunkwise")
+  _, carried = forward(model, tokens[:, :12], None, "chunkwise")
   graphdef, params = nnx.split(model)
 
   @jax.jit

@@ -291,7 +291,7 @@ def test_rolling_loglikelihood_is_per_document():
       ids += [len(scored)] * (len(context) + len(continuation))
       tokens += context + continuation
   assert len(scored) > 2 * len(texts)  # several windows per request
-  logits, _ = model(jnp.asarray([tokens]), mode="parallel", segment_ids=jnp.asarray([ids]))
+  logits, _ = forward(model, jnp.asarray([tokens]), None, "parallel", jnp.asarray([ids]))
   logprobs = np.asarray(jax.nn.log_softmax(logits[0]), np.float64)
   expected = [0.0] * len(texts)
   for i, first, last in scored:
