@@ -17,7 +17,7 @@ from retnet_jax.core import dispatch, sharding
 from retnet_jax.evaluation import evaluate, sampling
 from retnet_jax.input_pipeline import data, global_batches, tokenizer
 from retnet_jax.training import checkpointing, losses, metrics, train_state, workdir as workdir_lib
-from tests.helpers import flip_bytes, run_script, script_stdout
+from tests.helpers import flip_bytes, forward, run_script, script_stdout
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
@@ -61,7 +61,7 @@ def test_bfloat16_weights_evaluate_and_generate_close_to_float32(trained):
   logits = {}  # the next token's after a prefilled prompt, as decoding computes them
   for name, model in models.items():
     prefilled = SAMPLER.prefill(model, prompts, lengths)
-    logits[name] = np.asarray(model(prefilled.last_tokens[:, None], mode="recurrent", state=prefilled.state)[0])
+    logits[name] = np.asarray(forward(model, prefilled.last_tokens[:, None], prefilled.state, "recurrent")[0])
   assert logits["bfloat16"].dtype == np.float32
   np.testing.assert_allclose(logits["bfloat16"], logits["float32"], atol=2e-2 * np.max(np.abs(logits["float32"])))
   out = SAMPLER.generate(models["bfloat16"], prompts, lengths, max_new_tokens=8, key=jax.random.key(0),
