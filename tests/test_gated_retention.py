@@ -151,7 +151,7 @@ def test_gradients_agree_across_forms():
         def loss(layer):
           y, state, _ = run_layer(layer, x, positions, {"kv": kv}, None, ml_collections.FrozenConfigDict(cfg), mode)
           return jnp.sum(y * weights) + jnp.sum(state["kv"] ** 2)
-        return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.grad(loss)(layer)))
+        return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.jit(nnx.grad(loss))(layer)))
 
       got = {mode: grads(mode) for mode in MODES}
       assert np.abs(got["parallel"]["gt_proj"]["kernel"]).max() > 1e-3
