@@ -19,13 +19,17 @@ def adam_state(opt_state) -> optax.ScaleByAdamState:
 
 
 def updated(tx, params, steps=3):
-  """The state of optimizer `tx` and the parameters after `steps` updates by fixed gradients."""
-  opt_state = tx.init(params)
-  for step in range(steps):
-    grads = jax.tree.map(lambda p: jnp.sin(p * (step + 1)) * 0.1, params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-  return opt_state, params
+  """The state of optimizer `tx` and the parameters after `steps` updates by fixed gradients, compiled as one program
+  (eagerly, each operation on each parameter dispatches on its own)."""
+  @jax.jit
+  def run(params):
+    opt_state = tx.init(params)
+    for step in range(steps):
+      grads = jax.tree.map(lambda p: jnp.sin(p * (step + 1)) * 0.1, params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+    return opt_state, params
+  return run(params)
 
 
 def test_bfloat16_state_holds_the_first_moment_in_bfloat16_and_the_second_in_float32():
