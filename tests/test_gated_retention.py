@@ -177,10 +177,10 @@ def test_a_constant_gate_is_retnets_retention(gate_init, decays):
   x = jnp.asarray(x, jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(LENGTH), (BATCH, LENGTH))
   state = {"kv": jnp.asarray(carried["kv"], jnp.float32)}
-  for mode in MODES:
-    context = multiscale_retention.RETENTION.context(cfg, base.Call(positions, mode, None))
-    expected = retnet(x, context, state)
-    got = gated(x, GATED.context(cfg, base.Call(positions, mode, None)), state)
+  for mode in MODES:  # each layer's call compiled: eagerly, each operation dispatches on its own
+    call = base.Call(positions, mode, None)
+    expected = nnx.jit(lambda layer: layer(x, multiscale_retention.RETENTION.context(cfg, call), state))(retnet)
+    got = nnx.jit(lambda layer: layer(x, GATED.context(cfg, call), state))(gated)
     assert max_abs_diff(got, expected) < 1e-5 * float(jnp.abs(expected[0]).max()), mode
 
 
