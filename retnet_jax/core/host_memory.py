@@ -7,6 +7,7 @@ trimmed, so later steps reuse the same pages: the process keeps its peak footpri
 importing numpy or jax: a thread keeps the malloc arena it first used, and numpy's and XLA's threads would
 otherwise already hold others. The scripts do so through `retnet_jax.training.cli.prepare`. Buffers used once (a
 checkpoint's reads) are allocated within `one_off_buffers()`, so that the heap does not keep them.
+`available_bytes()` is what a new allocation can still take, for checks that size work against the CPU backend.
 """
 
 from __future__ import annotations
@@ -80,3 +81,17 @@ def release_freed_memory() -> None:
   libc = _glibc()
   if libc is not None:
     libc.malloc_trim(0)
+
+
+def available_bytes() -> int:
+  """Bytes of host memory a new allocation can take without swapping or the kernel's OOM killer: Linux's
+  `MemAvailable` (free memory plus the caches it can reclaim), else the physical memory where the kernel does not
+  say. Physical memory overstates it by what other processes hold (on a 23.5 GiB machine, 19-21 GiB available)."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+      for line in meminfo:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024  # in kB
+  except (OSError, ValueError, IndexError):
+    pass
+  return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
