@@ -71,9 +71,10 @@ def batches(grid: Grid, batch_size: int | None = None) -> Iterator[tuple[int, in
 
 def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: int | None = None) -> None:
   """Refuses, before any prompt runs, a grid whose prefill would not fit the memory of the device it runs on (an
-  accelerator's, or on the CPU the host memory still available): each distinct shape of `evaluate`'s calls is compiled ahead of time
-  (`sampling.Sampler.compile_prefill`) and sized by XLA's memory analysis (`accelerators.required_bytes`: arguments,
-  the parameters included, outputs, temporaries), and the evaluation then reuses those compilations.
+  accelerator's, or on the CPU the host memory still available): each distinct shape of `evaluate`'s calls is
+  compiled ahead of time (`sampling.Sampler.compile_prefill`) and sized by XLA's memory analysis
+  (`accelerators.required_bytes`: arguments, the parameters included, outputs, temporaries), and the evaluation then
+  reuses those compilations.
 
   Args:
     model, prefill_mode: as `greedy_generate`.
