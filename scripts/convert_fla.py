@@ -9,7 +9,8 @@ of model.safetensors.index.json, optionally tokenizer.json); writes WORKDIR/chec
 (data.tokenizer: the checkpoint's tokenizer.json) into a new or empty WORKDIR (--take_folder: one holding other
 files, left untouched) and prints the flags that load the result. Export (`--to_fla`):
 the workdir's latest checkpoint (or `--step`) with its config.json, written as a folder that fla's
-`RetNetForCausalLM.from_pretrained` loads. Neither direction needs torch.
+`RetNetForCausalLM.from_pretrained` loads, into a new or empty CHECKPOINT or an earlier export (--take_folder: one
+holding other files, left untouched). Neither direction needs torch.
 """
 
 from pathlib import Path
@@ -33,9 +34,9 @@ def main():
   workdir, checkpoint = Path(_WORKDIR.value), Path(_CHECKPOINT.value)
   if _TO_FLA.value:
     config = workdir_lib.saved_config(workdir)
-    convert_fla.check_export(config, checkpoint)
+    convert_fla.check_export(config, checkpoint, _TAKE_FOLDER.value)
     model, step = train_state.restore_model(config, workdir, _STEP.value)
-    convert_fla.write_fla(model, config, checkpoint)
+    convert_fla.write_fla(model, config, checkpoint, take=_TAKE_FOLDER.value)
     print(f"wrote step {step} of {workdir} to {checkpoint}; load it with "
           f"fla.models.RetNetForCausalLM.from_pretrained({str(checkpoint)!r})", flush=True)
     return

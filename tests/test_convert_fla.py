@@ -18,7 +18,7 @@ import tokenizers
 from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
-from retnet_jax.core import sharding
+from retnet_jax.core import owned_folders, sharding
 from retnet_jax.interop import convert, convert_fla, safetensors_folder
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
@@ -354,8 +354,33 @@ def test_export_refuses_before_writing(tmp_path):
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "config.json").write_text("{}")
   config.data.tokenizer = "byte"
-  with pytest.raises(FileExistsError, match="is not an empty folder"):
+  with pytest.raises(owned_folders.NotOwnedError, match=r"--checkpoint='.*out' holds 'config.json', which this "
+                                                        r"project did not write \(no \.retnet_jax\.json\)"):
     convert_fla.write_fla(model, config, tmp_path / "out")
+  assert (tmp_path / "out" / "config.json").read_text() == "{}"
+
+
+def test_export_writes_only_into_its_own_folders_and_keeps_a_users_files(tmp_path):
+  """--to_fla wrote into a folder holding a user's files without the project's mark. Such a folder is refused before
+  any work, naming it and its files; --take_folder writes beside them, keeping their bytes; a second export into
+  the folder replaces only what the first wrote (its shards, which the fewer ones of this export do not reuse)."""
+  model, config = our_fla_model()
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "notes.txt").write_bytes(b"mine\x00")
+  with pytest.raises(owned_folders.NotOwnedError, match=r"^--checkpoint='.*out' holds 'notes.txt', which this "
+                                                        r"project did not write .* pass --take_folder"):
+    convert_fla.check_export(config, out)
+  convert_fla.write_fla(model, config, out, max_shard_bytes=30_000, take=True)
+  shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+  assert len(shards) > 1 and (out / safetensors_folder.INDEX_FILE).is_file()
+  convert_fla.write_fla(model, config, out)  # its own folder now: no --take_folder needed
+  assert sorted(p.name for p in out.iterdir()) == sorted([owned_folders.MARK, "notes.txt", "config.json",
+                                                          safetensors_folder.SINGLE_FILE])
+  assert (out / "notes.txt").read_bytes() == b"mine\x00"
+  assert owned_folders.read_mark(out)["written"] == ["config.json", safetensors_folder.SINGLE_FILE]
+  back, _ = convert_fla.load_fla(out)
+  assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(back), flat_params(model)))
 
 
 def edited_checkpoint(tmp_path, edit):

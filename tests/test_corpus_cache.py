@@ -1,6 +1,6 @@
 """The cache of plain files' tokenized corpora (retnet_jax/input_pipeline/corpus_cache.py) where it cannot be written:
 one warning naming both folders and a fallback that later runs reuse; a disk that takes less than a file named with the
-fix."""
+fix; a folder of the user's refused, its files untouched."""
 
 import json
 import logging
@@ -10,6 +10,7 @@ import tempfile
 import ml_collections
 import pytest
 
+from retnet_jax.core import owned_folders
 from retnet_jax.input_pipeline import corpus_cache, prepared, tokenizer as tokenizer_lib
 
 DOCUMENTS = [f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(30)]
@@ -120,3 +121,35 @@ def test_a_full_disk_during_prepare_names_the_shard_and_resumes_once_there_is_ro
   for path in sorted((tmp_path / "whole").iterdir()):
     assert (tmp_path / "c" / path.name).read_bytes() == path.read_bytes(), path.name
   assert whole["tokens"]["train"] > 0
+
+
+def test_a_cache_folder_holding_a_users_files_is_refused_and_keeps_their_bytes(tmp_path, monkeypatch, data_cfg):
+  """RETNET_JAX_CACHE pointing at a folder of the user's was written into (an entry and a lock file beside their
+  files). Such a folder is refused by name, with a few of its files and the fix, before any tokenizing."""
+  cache = tmp_path / "mine"
+  cache.mkdir()
+  (cache / "notes.txt").write_bytes(b"keep\x00me")
+  monkeypatch.setenv("RETNET_JAX_CACHE", str(cache))
+  monkeypatch.setattr(corpus_cache.data, "load_documents", lambda *args: pytest.fail("tokenized"))
+  with pytest.raises(owned_folders.NotOwnedError, match=r"^RETNET_JAX_CACHE='.*mine' holds 'notes.txt', which this "
+                                                        r"project did not write \(no \.retnet_jax\.json\); choose a "
+                                                        r"new or empty RETNET_JAX_CACHE, or move those files "
+                                                        r"elsewhere\.$"):
+    corpus_cache.open_cached(data_cfg, tokenizer_lib.load("byte"))
+  assert [p.name for p in cache.iterdir()] == ["notes.txt"] and (cache / "notes.txt").read_bytes() == b"keep\x00me"
+
+
+def test_the_cache_folder_records_its_entries_and_adopts_an_earlier_versions(tmp_path, monkeypatch, data_cfg):
+  """A new cache folder carries the mark, recording each entry and its lock; a folder an earlier version filled
+  (entries and locks only, no mark) is the project's: its entries are kept and recorded."""
+  byte = tokenizer_lib.load("byte")
+  monkeypatch.setenv("RETNET_JAX_CACHE", str(tmp_path / "new"))
+  corpus = corpus_cache.open_cached(data_cfg, byte)
+  key = corpus.path.name
+  assert owned_folders.read_mark(tmp_path / "new")["written"] == [key, f"{key}.lock"]
+  (tmp_path / "new" / owned_folders.MARK).unlink()  # as an earlier version left it
+  (tmp_path / "new").rename(tmp_path / "earlier")
+  monkeypatch.setenv("RETNET_JAX_CACHE", str(tmp_path / "earlier"))
+  monkeypatch.setattr(corpus_cache.data, "load_documents", lambda *args: pytest.fail("tokenized again"))
+  assert corpus_cache.open_cached(data_cfg, byte).path == tmp_path / "earlier" / key
+  assert owned_folders.read_mark(tmp_path / "earlier")["written"] == [key, f"{key}.lock"]

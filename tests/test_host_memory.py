@@ -73,3 +73,12 @@ def test_one_off_buffers_go_back_to_the_system_when_freed():
   assert proc.returncode == 0, proc.stderr[-2000:]
   kept, returned = map(float, proc.stdout.split())
   assert kept < 16 and returned > 240, (kept, returned)
+
+
+@pytest.mark.skipif(host_memory._glibc() is None, reason="glibc malloc only")
+def test_the_heap_setting_can_be_turned_off():
+  """The kept heap's higher peak (docs/scale.md) had no way out but editing the code: OPT_OUT=0 leaves malloc as is."""
+  script = "from retnet_jax.core import host_memory; print(host_memory.keep_freed_memory())"
+  for value, applied in (("0", "False"), ("1", "True")):
+    proc = run_python("-c", script, JAX_PLATFORMS="cpu", **{host_memory.OPT_OUT: value})
+    assert proc.returncode == 0 and proc.stdout.split() == [applied], (value, proc.stdout, proc.stderr[-2000:])

@@ -264,6 +264,16 @@ def test_a_negative_num_fewshot_is_refused_by_the_script(tmp_path):
   assert "error: flag --num_fewshot=-1: -1 is not a non-negative integer" in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_a_nan_limit_is_refused_by_the_script(tmp_path):
+  """--limit=nan was accepted (every comparison with nan is false: neither a count nor a fraction); the flag is
+  `cli.positive_float_flag`, whose refusals of nan, inf, 0 and negatives test_cli checks."""
+  result = run_script("harness_eval.py", f"--config={CONFIG}", f"--workdir={tmp_path}", "--tasks=tiny_mc",
+                      "--limit=nan")
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert "error: flag --limit=nan: --limit must be a positive, finite number" in result.stderr, result.stderr[-3000:]
+
+
 def test_results_that_cannot_be_written_are_not_reported_as_written(tmp_path):
   (tmp_path / "file").write_text("")
   assert harness.write_results({"results": {}}, tmp_path / "file" / "results.json") is None

@@ -12,6 +12,7 @@ import tokenizers
 from flax import nnx
 
 from configs import retnet as retnet_config
+from retnet_jax.core import host_memory
 from retnet_jax.evaluation import passkey_eval, sampling, sampling_checks
 from retnet_jax.hardware import accelerators
 from retnet_jax.input_pipeline import passkey
@@ -184,9 +185,25 @@ def test_a_prefill_beyond_the_memory_is_refused_before_any_prompt_runs(monkeypat
   grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
   with pytest.raises(ValueError, match=r"^length 180: the prefill of 2 prompts of 174 tokens takes about 0\.\d MiB "
                                        r"\(XLA's memory analysis of its compiled program\), more than the 0\.1 MiB of "
-                                       r"memory of the cpu device here; choose shorter lengths \(--lengths\), or "
+                                       r"host memory available here; choose shorter lengths \(--lengths\), or "
                                        r"fewer examples per call \(--batch_size\)\.$"):
     passkey_eval.check_memory(tiny_model(), "chunkwise", grid)
+
+
+def test_a_prefill_beyond_the_available_host_memory_is_refused(monkeypatch):
+  """passkey.py --lengths=10000000 (tiny preset) was sized at 22.1 GiB and accepted on a 23.5 GiB machine with 19-21
+  GiB available: the CPU backend compared against the physical memory. It compares against what is available."""
+  needed = accelerators.required_bytes(accelerators.memory_sizes(
+      sampling.Sampler().compile_prefill(tiny_model(), 2, 174, "chunkwise")))
+  monkeypatch.setattr(host_memory, "available_bytes", lambda: needed // 2)
+  grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
+  with pytest.raises(ValueError, match=r"^length 180: .* more than the .* of host memory available here; choose "
+                                       r"shorter lengths \(--lengths\)"):
+    passkey_eval.check_memory(tiny_model(), "chunkwise", grid)
+
+
+def test_available_host_memory_is_at_most_the_physical_memory():
+  assert 0 < host_memory.available_bytes() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_prefill_that_fits_is_accepted():

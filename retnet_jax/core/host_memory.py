@@ -6,7 +6,10 @@ cost is in docs/benchmarks.md). `keep_freed_memory()` makes malloc serve them fr
 trimmed, so later steps reuse the same pages: the process keeps its peak footprint. Call it first, before
 importing numpy or jax: a thread keeps the malloc arena it first used, and numpy's and XLA's threads would
 otherwise already hold others. The scripts do so through `retnet_jax.training.cli.prepare`. Buffers used once (a
-checkpoint's reads) are allocated within `one_off_buffers()`, so that the heap does not keep them.
+checkpoint's reads) are allocated within `one_off_buffers()`, so that the heap does not keep them. The heap keeps
+more than the live memory (freed blocks that later temporaries do not fit), so the peak is higher and varies run to
+run (measured in docs/scale.md); `RETNET_JAX_KEEP_FREED_MEMORY=0` leaves malloc as it is, for the lower peak.
+`available_bytes()` is what a new allocation can still take, for checks that size work against the CPU backend.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _DEFAULT_MMAP_MAX = 65536  # glibc's
+OPT_OUT = "RETNET_JAX_KEEP_FREED_MEMORY"  # "0": `keep_freed_memory` leaves malloc's defaults
 _kept = False  # whether keep_freed_memory applied its settings
 
 
@@ -47,9 +51,10 @@ def _cpu_backend() -> bool:
 
 
 def keep_freed_memory() -> bool:
-  """One malloc arena, no `mmap` for large blocks, no trimming (glibc, CPU backend only); True if applied."""
+  """One malloc arena, no `mmap` for large blocks, no trimming (glibc, CPU backend only, unless OPT_OUT is "0");
+  True if applied."""
   libc = _glibc()
-  if libc is None or not _cpu_backend():
+  if libc is None or not _cpu_backend() or os.environ.get(OPT_OUT) == "0":
     return False
   # Trimming off (-1: never), then large blocks from the heap, then every thread on the main arena, whose
   # heap can grow without bound (another arena falls back to mmap for blocks above its 64 MB heaps).
@@ -80,3 +85,17 @@ def release_freed_memory() -> None:
   libc = _glibc()
   if libc is not None:
     libc.malloc_trim(0)
+
+
+def available_bytes() -> int:
+  """Bytes of host memory a new allocation can take without swapping or the kernel's OOM killer: Linux's
+  `MemAvailable` (free memory plus the caches it can reclaim), else the physical memory where the kernel does not
+  say. Physical memory overstates it by what other processes hold (on a 23.5 GiB machine, 19-21 GiB available)."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+      for line in meminfo:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024  # in kB
+  except (OSError, ValueError, IndexError):
+    pass
+  return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

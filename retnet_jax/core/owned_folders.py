@@ -100,7 +100,8 @@ def read_mark(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str] = (), take: bool = False,
-          earlier: Callable[[Path], list[str] | None] | None = None) -> list[str] | None:
+          earlier: Callable[[Path], list[str] | None] | None = None, take_flag: str | None = TAKE_FLAG
+          ) -> list[str] | None:
   """Refuses (NotOwnedError naming `flag`, the folder, a few of its files and the fix) a `path` that the project may
   not write into as a `kind` folder; writes nothing.
 
@@ -112,6 +113,8 @@ def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
     take: write into a folder holding files the project did not write, beside them.
     earlier: recognises a folder of this kind written by an earlier version (no mark): the names it wrote, else
       None.
+    take_flag: the flag that sets `take`, named in the fix; None where there is none (an environment variable
+      names the folder), and the fix is a new or empty folder.
   Returns:
     The names to record as the project's where `earlier` recognised the folder, else None.
   """
@@ -135,9 +138,10 @@ def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
   elif take:
     recorded = set()
   else:
-    raise NotOwnedError(
-        f"{named} holds {listing(found)}, which this project did not write (no {MARK}); choose a new or empty "
-        f"{flag}, or pass {TAKE_FLAG} to write into it beside those files (none of which it touches).")
+    beside = (f", or pass {take_flag} to write into it beside those files (none of which it touches)" if take_flag
+              else ", or move those files elsewhere")
+    raise NotOwnedError(f"{named} holds {listing(found)}, which this project did not write (no {MARK}); choose a new "
+                        f"or empty {flag}{beside}.")
   foreign = [name for name in writes if name not in recorded and name in found]
   if foreign:
     raise NotOwnedError(f"{named} holds {listing(foreign)}, which this project did not write and would write over; "
@@ -146,14 +150,16 @@ def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
 
 
 def claim(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str] = (), take: bool = False,
-          earlier: Callable[[Path], list[str] | None] | None = None) -> OwnedFolder:
+          earlier: Callable[[Path], list[str] | None] | None = None, take_flag: str | None = TAKE_FLAG
+          ) -> OwnedFolder:
   """`check`, then creates the folder where new and writes its mark (first), recording `writes` and what an earlier
   version wrote; safe against processes claiming the same folder at once. Arguments as `check`'s."""
   path = Path(path)
-  check(path, kind, flag=flag, writes=writes, take=take, earlier=earlier)  # a file is refused by name
+  checked = dict(flag=flag, writes=writes, take=take, earlier=earlier, take_flag=take_flag)
+  check(path, kind, **checked)  # a file is refused by name
   path.mkdir(parents=True, exist_ok=True)
   with _locked(path):  # again, with the mark's lock held
-    adopted = check(path, kind, flag=flag, writes=writes, take=take, earlier=earlier)
+    adopted = check(path, kind, **checked)
     mark = read_mark(path) or {"tool": TOOL, "format": kind, "version": VERSION, "written": []}
     written = set(mark["written"]) | set(adopted or ()) | set(writes)
     if mark.get("written") != sorted(written) or not (path / MARK).exists():

@@ -71,9 +71,10 @@ def batches(grid: Grid, batch_size: int | None = None) -> Iterator[tuple[int, in
 
 def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: int | None = None) -> None:
   """Refuses, before any prompt runs, a grid whose prefill would not fit the memory of the device it runs on (an
-  accelerator's, or the host's on the CPU): each distinct shape of `evaluate`'s calls is compiled ahead of time
-  (`sampling.Sampler.compile_prefill`) and sized by XLA's memory analysis (`accelerators.required_bytes`: arguments,
-  the parameters included, outputs, temporaries), and the evaluation then reuses those compilations.
+  accelerator's, or on the CPU the host memory still available): each distinct shape of `evaluate`'s calls is
+  compiled ahead of time (`sampling.Sampler.compile_prefill`) and sized by XLA's memory analysis
+  (`accelerators.required_bytes`: arguments, the parameters included, outputs, temporaries), and the evaluation then
+  reuses those compilations.
 
   Args:
     model, prefill_mode: as `greedy_generate`.
@@ -91,8 +92,8 @@ def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: i
       fewer_rows = ", or fewer examples per call (--batch_size)" if rows > 1 else ""
       raise ValueError(f"length {grid.lengths[i]}: the prefill of {rows} prompt{'s' * (rows > 1)} of {width} tokens "
                        f"takes about {_size(needed)} (XLA's memory analysis of its compiled program), more than the "
-                       f"{_size(memory)} of memory of the {device.platform} device here; choose "
-                       f"shorter lengths (--lengths){fewer_rows}.")
+                       f"{_size(memory)} of {sampling_checks.memory_name([device])}; choose shorter lengths "
+                       f"(--lengths){fewer_rows}.")
 
 
 def _size(num_bytes: int) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax.core import config_checks, sharding
+from retnet_jax.core import config_checks, host_memory, sharding
 from retnet_jax.mixers import stability
 from retnet_jax.models import architectures, model as model_lib
 from retnet_jax.nn import layers
@@ -74,10 +73,19 @@ def check_prefill_mode(model: model_lib.Model, prefill_mode: str | None) -> str:
 
 
 def device_memory(devices: Sequence[jax.Device]) -> int:
-  """Bytes of memory of `devices` together: XLA's limit of each (accelerators), or this host's physical memory where
-  one reports none (CPU devices, which share it)."""
+  """Bytes of memory of `devices` together: XLA's limit of each (accelerators), or where one reports none (CPU
+  devices, which share the host's) the host memory still available (`host_memory.available_bytes`), not the
+  physical memory, part of which other processes hold."""
   limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
-  return sum(limits) if all(limits) else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  return sum(limits) if all(limits) else host_memory.available_bytes()
+
+
+def memory_name(devices: Sequence[jax.Device]) -> str:
+  """What `device_memory(devices)` measures, for a message: "memory of the gpu devices here", or for CPU devices
+  "host memory available here"."""
+  if not all((device.memory_stats() or {}).get("bytes_limit") for device in devices):
+    return "host memory available here"
+  return f"memory of the {devices[0].platform} device{'s' * (len(devices) > 1)} here"
 
 
 def state_bytes(model: model_lib.Model, batch: int) -> int:
@@ -98,7 +106,7 @@ def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tok
     field = "attention_window" if cfg.get("attention_window") else architectures.cache_field(cfg)
     fix = f"lower model.{field}={cfg[field]}, or the batch" if field else "decode fewer rows at a time"
     raise ValueError(f"the decoding state of {batch} rows takes {needed_bytes / 2**30:.1f} GiB, more than the "
-                     f"{memory / 2**30:.1f} GiB of memory of {devices[0].platform} devices here; {fix}.")
+                     f"{memory / 2**30:.1f} GiB of {memory_name(devices)}; {fix}.")
   field = architectures.cache_field(cfg)
   if field is None:
     return

@@ -9,7 +9,9 @@ fraction, the hub dataset, the text field and the tokenizer's fingerprint. The f
 host take turns on a lock, so one builds and the others reuse it. The cache lives in `$RETNET_JAX_CACHE`, else
 `$XDG_CACHE_HOME/retnet_jax/prepared` (`~/.cache/...`); where it cannot be written (or is a file), one warning
 names it and the fallback, `$TMPDIR/retnet_jax_cache_UID`, which later runs reuse (no copy per run). A write that
-fails (a full disk) names the file, its bytes and the fix, and removes the half-written entry.
+fails (a full disk) names the file, its bytes and the fix, and removes the half-written entry. The cache folder
+carries the project's mark (`owned_folders`), recording each entry and its lock before they are created: one holding
+other files is refused by name before any work, and only recorded entries are ever replaced or removed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,6 +29,7 @@ from typing import Any
 from absl import logging
 import ml_collections
 
+from retnet_jax.core import owned_folders
 from retnet_jax.input_pipeline import data, prepared
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
 
@@ -44,6 +48,25 @@ def fallback_root() -> Path:
 
 
 _warned: set[str] = set()  # cache roots already reported unwritable by this process
+FOLDER_FORMAT = "prepared-corpus cache"  # the cache folder's format, in its mark
+_ENTRY_NAME = re.compile(r"[0-9a-f]{20}(\.lock)?")  # an entry (`cache_key`) or its lock file
+
+
+def _earlier_cache(root: Path) -> list[str] | None:
+  """What an earlier version (before the mark) wrote in cache folder `root`: its entries and their lock files, where
+  it holds nothing else; else None."""
+  names = [p.name for p in root.iterdir()]
+  return names if all(_ENTRY_NAME.fullmatch(name) for name in names) else None
+
+
+def _claim_entry(root: Path, key: str) -> Any:
+  """The lock file of entry `key` in cache folder `root`, created with its parents; the folder claimed and the
+  entry and its lock recorded first (`owned_folders`: NotOwnedError for a folder holding other files); OSError
+  where it cannot be written."""
+  root.mkdir(parents=True, exist_ok=True)
+  folder = owned_folders.claim(root, FOLDER_FORMAT, flag="RETNET_JAX_CACHE", earlier=_earlier_cache, take_flag=None)
+  folder.record(key, f"{key}.lock")
+  return open(root / f"{key}.lock", "a")  # pylint: disable=consider-using-with
 
 
 def _open_root(key: str) -> tuple[Path, Any]:
@@ -51,8 +74,7 @@ def _open_root(key: str) -> tuple[Path, Any]:
   `fallback_root`; ValueError naming both when neither can be written."""
   root = cache_root()
   try:
-    root.mkdir(parents=True, exist_ok=True)
-    return root, open(root / f"{key}.lock", "a")  # pylint: disable=consider-using-with
+    return root, _claim_entry(root, key)
   except OSError as e:
     problem = e
   fallback = fallback_root()
@@ -61,7 +83,7 @@ def _open_root(key: str) -> tuple[Path, Any]:
       problem.strerror or str(problem)).lower()
   try:
     fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
-    lock = open(fallback / f"{key}.lock", "a")  # pylint: disable=consider-using-with
+    lock = _claim_entry(fallback, key)
   except OSError as e:
     raise ValueError(f"{origin} {str(root)!r} cannot be written ({reason}), nor can the fallback {str(fallback)!r} "
                      f"({(e.strerror or str(e)).lower()}); set RETNET_JAX_CACHE to a writable folder.") from None

@@ -33,7 +33,7 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from retnet_jax.core import sharding
+from retnet_jax.core import owned_folders, sharding
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.interop.safetensors_folder import DTYPES, INDEX_FILE, SINGLE_FILE, SafetensorsFolder, listing
 from retnet_jax.mixers import attention, multiscale_retention
@@ -71,6 +71,7 @@ EXPORTABLE = {"stability_norm": False, "rotation_pairs": "half", "rotation_freqs
               "decay_schedule": "retnet", "scale_embedding": False, "embed_norm": False, "ffn_activation": "swish"}
 MAX_KEY_HEAD_DIM = 256  # fla's MultiScaleRetention asserts head_k_dim <= 256 (its rotary kernel)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+FOLDER_FORMAT = "fla checkpoint"  # an export's folder, in its mark (`owned_folders`)
 
 # Our parameter path inside block i -> fla's name inside `model.layers.{i}.`: a retention block, then what differs in
 # a hybrid's attention block (its fused q/k/v kernel holds fla's three, `QKV_NAMES`).
@@ -389,12 +390,18 @@ def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_
       yield name, np.ascontiguousarray(part.T if path[-1] == "kernel" else part)
 
 
-def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> tokenizer_lib.Tokenizer:
-  """Raises before anything is written if `out_dir` is not new or empty, if fla cannot express the model
-  (ValueError naming the fields), or if the tokenizer does not fit the vocabulary; returns the tokenizer."""
-  out = Path(out_dir)
-  if out.exists() and (not out.is_dir() or any(out.iterdir())):
-    raise FileExistsError(f"{out} exists and is not an empty folder; export into a new --checkpoint folder.")
+def _export_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The names every export of `config` writes, whatever its shards: config.json, the tokenizer.json of a
+  `data.tokenizer` file, and both names that decide what fla loads (one file, or an index of shards)."""
+  return ("config.json", SINGLE_FILE, INDEX_FILE) + (() if config.data.tokenizer == "byte" else ("tokenizer.json",))
+
+
+def check_export(config: ml_collections.ConfigDict, out_dir: str | Path, take: bool = False
+                 ) -> tokenizer_lib.Tokenizer:
+  """Raises before anything is written if `out_dir` is not new, empty or an export's (`owned_folders.check`;
+  `take`: --take_folder, beside the files found), if fla cannot express the model (ValueError naming the fields),
+  or if the tokenizer does not fit the vocabulary; returns the tokenizer."""
+  owned_folders.check(out_dir, FOLDER_FORMAT, flag="--checkpoint", writes=_export_names(config), take=take)
   problems = export_problems(config.model)
   if problems:
     raise ValueError("fla's RetNet cannot express this model: " + "; ".join(problems) + ".")
@@ -403,7 +410,7 @@ def check_export(config: ml_collections.ConfigDict, out_dir: str | Path) -> toke
 
 
 def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Path,
-              max_shard_bytes: int = 2 * 2**30) -> Path:
+              max_shard_bytes: int = 2 * 2**30, take: bool = False) -> Path:
   """Writes `model` as an fla RetNet checkpoint folder that `RetNetForCausalLM.from_pretrained` loads.
 
   Args:
@@ -411,22 +418,32 @@ def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Pa
     config: its full config; `check_export` must accept it. The tensors are written in `model.param_dtype`
       (float32 or bfloat16: every one, norm scales included), as config.json's `dtype` says. A `data.tokenizer`
       tokenizer.json is copied, with the tokenizer files beside it.
-    out_dir: a new or empty folder.
+    out_dir: a folder that is new, empty, or an earlier export's (it carries the project's mark): the files of
+      that export that this one does not write again (shards of another count) are removed, and nothing else.
     max_shard_bytes: the bytes of one safetensors file; more make shards with an index.
+    take: write into a folder holding files this project did not write, beside them (--take_folder).
   Returns:
     The folder: config.json, model.safetensors (or shards and model.safetensors.index.json), tokenizer files.
   """
   out = Path(out_dir)
-  tokenizer = check_export(config, out)
+  tokenizer = check_export(config, out, take)
   tokenizer_file = None if config.data.tokenizer == "byte" else Path(config.data.tokenizer)
   params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(layer_stack.as_layout(model, False), nnx.Param)))
   itemsize = np.dtype(layers.compute_dtype(config.model.param_dtype)).itemsize
   shards = _shards({path: itemsize * math.prod(value.shape) for path, value in params.items()}, max_shard_bytes)
   files = ([SINGLE_FILE] if len(shards) == 1 else
            [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+  siblings = tuple(name for name in TOKENIZER_FILES[1:] if tokenizer_file is not None  # beside a tokenizer.json
+                   and tokenizer_file.name == "tokenizer.json" and (tokenizer_file.parent / name).is_file())
+  names = [*files, *([INDEX_FILE] if len(shards) > 1 else []), "config.json",
+           *(["tokenizer.json", *siblings] if tokenizer_file is not None else [])]
   writer = jax.process_index() == 0
   if writer:
-    out.mkdir(parents=True, exist_ok=True)
+    folder = owned_folders.claim(out, FOLDER_FORMAT, flag="--checkpoint", writes=names, take=take)
+    stale = sorted(folder.written() - set(names))  # an earlier export's, not written again: fla would load them
+    for name in stale:
+      (out / name).unlink(missing_ok=True)
+    folder.forget(*stale)
   for file, paths in zip(files, shards):
     tensors = dict(_host_arrays(params, paths, config.model))
     if writer:
@@ -441,8 +458,6 @@ def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Pa
     (out / "config.json").write_text(json.dumps(fla_config_of(config.model, tokenizer.eos_id), indent=2))
     if tokenizer_file is not None:
       shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-      siblings = TOKENIZER_FILES[1:] if tokenizer_file.name == "tokenizer.json" else ()
       for name in siblings:
-        if (tokenizer_file.parent / name).is_file():
-          shutil.copyfile(tokenizer_file.parent / name, out / name)
+        shutil.copyfile(tokenizer_file.parent / name, out / name)
   return out
