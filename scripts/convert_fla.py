@@ -18,7 +18,7 @@ from pathlib import Path
 from absl import flags
 
 from retnet_jax.core import sharding
-from retnet_jax.interop import convert, convert_fla
+from retnet_jax.interop import convert, convert_fla, export_fla
 from retnet_jax.models import presets
 from retnet_jax.training import cli, train_state, workdir as workdir_lib
 
@@ -34,9 +34,9 @@ def main():
   workdir, checkpoint = Path(_WORKDIR.value), Path(_CHECKPOINT.value)
   if _TO_FLA.value:
     config = workdir_lib.saved_config(workdir)
-    convert_fla.check_export(config, checkpoint, _TAKE_FOLDER.value)
+    export_fla.check_export(config, checkpoint, _TAKE_FOLDER.value)
     model, step = train_state.restore_model(config, workdir, _STEP.value)
-    convert_fla.write_fla(model, config, checkpoint, take=_TAKE_FOLDER.value)
+    export_fla.write_fla(model, config, checkpoint, take=_TAKE_FOLDER.value)
     print(f"wrote step {step} of {workdir} to {checkpoint}; load it with "
           f"fla.models.RetNetForCausalLM.from_pretrained({str(checkpoint)!r})", flush=True)
     return

@@ -19,7 +19,7 @@ from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
 from retnet_jax.core import owned_folders, sharding
-from retnet_jax.interop import convert, convert_fla, safetensors_folder
+from retnet_jax.interop import convert, convert_fla, export_fla, safetensors_folder
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
 from tests.helpers import forward, random_tokens, run_script
@@ -249,7 +249,7 @@ def test_round_trip_through_fla(tmp_path, tie, max_shard_bytes, scan, hybrid):
   (its fused q/k/v kernel as fla's three, its window, heads and rotary base in fla's attn entry)."""
   model, config = our_fla_model(tie_embeddings=tie, scan_layers=scan, **hybrid)
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
-  out = convert_fla.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
+  out = export_fla.write_fla(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
   sharded = (out / safetensors_folder.INDEX_FILE).is_file()
   assert sharded == (max_shard_bytes < 2**30) and (out / "tokenizer.json").is_file()
   assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
@@ -268,9 +268,9 @@ def test_export_in_bfloat16(tmp_path):
   folder imports back to them."""
   model, config = our_fla_model()
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tok" / "tokenizer.json", 30))
-  full = convert_fla.write_fla(model, config, tmp_path / "float32")
+  full = export_fla.write_fla(model, config, tmp_path / "float32")
   config.model.param_dtype = "bfloat16"
-  out = convert_fla.write_fla(model, config, tmp_path / "bfloat16")
+  out = export_fla.write_fla(model, config, tmp_path / "bfloat16")
   tensors, reference = load_file(out / safetensors_folder.SINGLE_FILE), load_file(full / safetensors_folder.SINGLE_FILE)
   assert {t.dtype.name for t in tensors.values()} == {"bfloat16"} and tensors.keys() == reference.keys()
   assert 2 * sum(t.nbytes for t in tensors.values()) == sum(t.nbytes for t in reference.values())
@@ -333,30 +333,30 @@ def test_models_fla_cannot_express_are_refused(tmp_path, override, message):
   config = presets.get_config("fla")
   config.model.update(override)
   with pytest.raises(ValueError, match=re.escape(message)):
-    convert_fla.check_export(config, tmp_path / "out")
+    export_fla.check_export(config, tmp_path / "out")
 
 
 def test_a_transformer_is_refused(tmp_path):
   with pytest.raises(ValueError, match=re.escape("model.architecture='transformer' (fla's RetNet is a RetNet")):
-    convert_fla.check_export(presets.get_config("tiny", "transformer"), tmp_path / "out")
+    export_fla.check_export(presets.get_config("tiny", "transformer"), tmp_path / "out")
 
 
 def test_export_refuses_before_writing(tmp_path):
   """A model fla cannot express, a tokenizer larger than the vocabulary, a folder in use: nothing is written."""
   model, config = our_fla_model(stability_norm=True)
   with pytest.raises(ValueError, match="model.stability_norm=True"):
-    convert_fla.write_fla(model, config, tmp_path / "out")
+    export_fla.write_fla(model, config, tmp_path / "out")
   model, config = our_fla_model()
   config.data.tokenizer = str(write_tokenizer(tmp_path / "tokenizer.json", 60))
   with pytest.raises(ValueError, match="the tokenizer has 60 tokens but model.vocab_size=47"):
-    convert_fla.write_fla(model, config, tmp_path / "out")
+    export_fla.write_fla(model, config, tmp_path / "out")
   assert not (tmp_path / "out").exists()
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "config.json").write_text("{}")
   config.data.tokenizer = "byte"
   with pytest.raises(owned_folders.NotOwnedError, match=r"--checkpoint='.*out' holds 'config.json', which this "
                                                         r"project did not write \(no \.retnet_jax\.json\)"):
-    convert_fla.write_fla(model, config, tmp_path / "out")
+    export_fla.write_fla(model, config, tmp_path / "out")
   assert (tmp_path / "out" / "config.json").read_text() == "{}"
 
 
@@ -370,11 +370,11 @@ def test_export_writes_only_into_its_own_folders_and_keeps_a_users_files(tmp_pat
   (out / "notes.txt").write_bytes(b"mine\x00")
   with pytest.raises(owned_folders.NotOwnedError, match=r"^--checkpoint='.*out' holds 'notes.txt', which this "
                                                         r"project did not write .* pass --take_folder"):
-    convert_fla.check_export(config, out)
-  convert_fla.write_fla(model, config, out, max_shard_bytes=30_000, take=True)
+    export_fla.check_export(config, out)
+  export_fla.write_fla(model, config, out, max_shard_bytes=30_000, take=True)
   shards = sorted(p.name for p in out.glob("model-*.safetensors"))
   assert len(shards) > 1 and (out / safetensors_folder.INDEX_FILE).is_file()
-  convert_fla.write_fla(model, config, out)  # its own folder now: no --take_folder needed
+  export_fla.write_fla(model, config, out)  # its own folder now: no --take_folder needed
   assert sorted(p.name for p in out.iterdir()) == sorted([owned_folders.MARK, "notes.txt", "config.json",
                                                           safetensors_folder.SINGLE_FILE])
   assert (out / "notes.txt").read_bytes() == b"mine\x00"

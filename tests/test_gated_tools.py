@@ -18,7 +18,7 @@ from retnet_jax.evaluation import evaluate, passkey_eval, sampling, sampling_che
 from retnet_jax.hardware import accelerators, flops
 from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
-from retnet_jax.interop import convert_fla
+from retnet_jax.interop import export_fla
 from retnet_jax.mixers import gated_retention
 from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
@@ -172,7 +172,7 @@ def test_the_fla_exporter_refuses_gated_retention_by_its_mixer(tmp_path, gate_in
   whatever the gate's start."""
   config = presets.get_config("fla")
   config.model.update(mixer="gated_retention", gate_init=gate_init)
-  assert any("model.mixer='gated_retention'" in problem for problem in convert_fla.export_problems(config.model))
+  assert any("model.mixer='gated_retention'" in problem for problem in export_fla.export_problems(config.model))
   with pytest.raises(ValueError, match=re.escape("model.mixer='gated_retention' (fla's RetNet")):
-    convert_fla.check_export(config, tmp_path / "out")
+    export_fla.check_export(config, tmp_path / "out")
   assert not (tmp_path / "out").exists()
