@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,7 +56,9 @@ def test_notebook_is_stored_with_the_outputs_of_one_run(path, tiny):
   assert [cell.execution_count for cell in code_cells] == list(range(1, len(code_cells) + 1))
   assert not problems(nb)
   text = "".join(output.get("text", "") for cell in code_cells for output in cell.outputs)
-  assert "writing to ../runs/" in text  # RUN_DIR printed relative to the notebook: no machine's own paths
+  # RUN_DIR and its workdirs printed relative to the notebook's folder: no machine's own paths.
+  assert "writing to ../runs/" in text
+  assert all(path.startswith("../runs/") for path in re.findall(r"[^\s,;'\"]*/runs/", text))
   assert sum("image/png" in output.get("data", {}) for cell in code_cells for output in cell.outputs) >= 2
   assert "parameters" in code_cells[0].metadata.get("tags", [])
   for name in tiny:  # every size the test overrides is a parameter read from the environment

@@ -354,7 +354,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
     raise write_errors.ExportWriteError(
         f"{e} ({what}). Checkpoint {step} in {checkpointer.directory} is committed and intact; {fix}, then run the "
         "same command again: the training is done, so it only exports the parameters.", e.errno) from e
-  metrics.log(f"done at step {step}; checkpoints in {checkpointer.directory}, params in {export_dir}")
+  metrics.log(f"done at step {step}; checkpoints in {workdir_lib.checkpoint_dir(workdir)}, params in {export_dir}")
   return last
 
 
