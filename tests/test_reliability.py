@@ -113,6 +113,11 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, corpus):
   process.send_signal(signal.SIGINT)
   output, _ = process.communicate(timeout=60)
   errors = [line for line in output.splitlines() if line.startswith("error:")]
+  if process.returncode == -signal.SIGINT and "SIGINT received: checkpoint of step" in output:
+    # The first Ctrl-C's checkpoint and stop finished within the 0.2 s: the second arrived as Python was exiting,
+    # with nothing left to interrupt (the run is saved).
+    assert "Traceback" not in output and not errors, output[-3000:]
+    return
   assert process.returncode == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
   assert len(errors) == 1 and re.fullmatch(rf"error: (interrupted by a second Ctrl-C|stopped by SIGINT); the last "
                                            rf"checkpoint in {workdir} is step \d+: rerun the same command to go on "
