@@ -26,7 +26,7 @@ def check_segment_ids(segment_ids, batch: int, length: int, name: str = "segment
 def starts(segment_ids_BxL: jax.Array) -> jax.Array:
   """`[B, L]` bool: True where a document other than the row's first begins (the id differs from the one before)."""
   changed = segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]
-  return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
+  return jnp.concatenate([jnp.zeros((segment_ids_BxL.shape[0], 1), bool), changed], axis=1)
 
 
 def document_index(segment_ids_BxL: jax.Array) -> jax.Array:

@@ -7,15 +7,16 @@
     out.lengths  # int32 [B]: tokens generated per row, a final stop token included
 
 `generate` is `decode(model, prefill(model, ...), ...)`: `prefill` runs every prompt token but the last in the
-chunkwise (or parallel) form in one compiled call; `decode` feeds one token at a time through the recurrent form in
-one compiled `lax.while_loop`, which stops once every row has emitted a stop token. RetNet's memory is constant in
-the context length; a Transformer prefills in the parallel form into a KV cache of `model.max_len` tokens, which
-must hold the prompt and the new tokens (as must a hybrid RetNet's unwindowed attention layers, of
-`model.attention_max_len`; windowed ones keep the last `model.attention_window` tokens, constant memory again).
-Left-padded rows start at position -pad, so each decodes as if alone. A `Sampler`'s
-prefill compiles once per (model structure, batch, prompt length, prefill_mode), its loop once per (model structure,
-batch, max_new_tokens, stop tokens, greedy or not, top_k, whether top_p is set, stream_every); new prompts, keys,
-temperatures and top_p do not recompile (one key and one key per row are different shapes).
+chunkwise (or parallel) form, block by block (`prefill_block` tokens, `streaming`) in one compiled call; `decode`
+feeds one token at a time through the recurrent form in one compiled `lax.while_loop`, which stops once every row
+has emitted a stop token. RetNet's memory is constant in the context length, the prefill's included; a Transformer
+prefills in the parallel form into a KV cache of `model.max_len` tokens, which must hold the prompt and the new
+tokens (as must a hybrid RetNet's unwindowed attention layers, of `model.attention_max_len`; windowed ones keep the
+last `model.attention_window` tokens, constant memory again). Left-padded rows start at position -pad, so each
+decodes as if alone. A `Sampler`'s prefill compiles once per (model structure, batch, prompt length, prefill_mode,
+prefill_block), its loop once per (model structure, batch, max_new_tokens, stop tokens, greedy or not, top_k, whether
+top_p is set, stream_every); new prompts, keys, temperatures and top_p do not recompile (one key and one key per row
+are different shapes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax.evaluation import sampling_checks as checks
-from retnet_jax.models import model as model_lib
+from retnet_jax.models import model as model_lib, streaming
 
 PAD_ID = 0
 
@@ -91,15 +92,15 @@ class Prefilled(NamedTuple):
   last_tokens: jax.Array
 
 
-def _prefill(params, prompts_BxP, lengths_B, *, graphdef, prefill_mode: str):
-  """The state after each row's prompt but its last token; each row starts at position -pad, so the padding stays
-  out of the state."""
+def _prefill(params, prompts_BxP, lengths_B, *, graphdef, prefill_mode: str, prefill_block: int):
+  """The state after each row's prompt but its last token, run in blocks of `prefill_block` tokens (0: one call);
+  each row starts at position -pad, so the padding stays out of the state."""
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompts_BxP.shape
   state = model.init_state(batch)
   state["position"] = lengths_B - prompt_len
   if prompt_len > 1:
-    _, state = model(prompts_BxP[:, :-1], mode=prefill_mode, state=state)
+    state = streaming.final_state(model, prompts_BxP[:, :-1], prefill_mode, prefill_block, state)
   return state
 
 
@@ -108,7 +109,7 @@ class Sampler:
   callbacks reach; reusing one reuses its compilations."""
 
   def __init__(self):
-    self._prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode"))
+    self._prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode", "prefill_block"))
     self._streams: dict[int, _InOrder] = {}  # by call id: the loop gets the id as an argument, so no recompile
     self._call_ids = itertools.count()
 
@@ -125,34 +126,40 @@ class Sampler:
     return jax.jit(self._loop, static_argnames=("graphdef", "settings"), compiler_options=options)
 
   def prefill(self, model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, *,
-              prefill_mode: str | None = None) -> Prefilled:
-    """Runs left-padded prompts in the chunkwise or parallel form, one compiled call.
+              prefill_mode: str | None = None, prefill_block: int | None = None) -> Prefilled:
+    """Runs left-padded prompts in the chunkwise or parallel form, block by block in one compiled call.
 
     Args:
       prompts_BxP: int token ids `[B, P]`, each row left-padded to P (`pad_prompts`).
       lengths_B: the true prompt lengths `[B]`, in [1, P].
       prefill_mode: one of `architectures.prefill_modes(model.config)`; None: the first, chunkwise for RetNet,
         parallel for a Transformer.
+      prefill_block: tokens per block, a multiple of `model.chunk_size` (`streaming.check_block`): the prefill's
+        memory is one block's whatever the prompt's length (but for a KV cache that holds the whole context). None:
+        `streaming.DEFAULT_BLOCK` rounded up to whole chunks; 0: the whole prompt in one call.
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
-    _, prefill_mode, padding = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    _, prefill_mode, padding, prefill_block = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode,
+                                                                   prefill_block)
     checks.check_cache(model, *prompts_BxP.shape)
-    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding)
+    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding, prefill_block)
 
-  def compile_prefill(self, model: model_lib.Model, batch: int, prompt_len: int, prefill_mode: str | None = None
-                      ) -> Any:
+  def compile_prefill(self, model: model_lib.Model, batch: int, prompt_len: int, prefill_mode: str | None = None,
+                      prefill_block: int | None = None) -> Any:
     """The prefill compiled for `batch` prompts padded to `prompt_len` tokens (`jax.stages.Compiled`), as `prefill`
     would run it: its `memory_analysis()` sizes the prefill with nothing allocated or run, and a prefill of those
     shapes then reuses the compilation.
 
     Args:
       batch, prompt_len: the shape of the prompts `[B, P]` (`pad_prompts`).
-      prefill_mode: as `prefill`.
+      prefill_mode, prefill_block: as `prefill`.
     """
     prefill_mode = checks.check_prefill_mode(model, prefill_mode)
+    prefill_block = streaming.check_block(model.config, prefill_block)
     width = prompt_len + checks.split_padding(prompt_len, getattr(model.config, "chunk_size", None))
     tokens = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    return self.trace_prefill(*nnx.split(model), tokens(batch, width), tokens(batch), prefill_mode).lower().compile()
+    return self.trace_prefill(*nnx.split(model), tokens(batch, width), tokens(batch), prefill_mode,
+                              prefill_block).lower().compile()
 
   def decode(self, model: model_lib.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -172,12 +179,12 @@ class Sampler:
 
   def generate(self, model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int,
                key: jax.Array, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-               stop_tokens: Sequence[int] = (), prefill_mode: str | None = None,
+               stop_tokens: Sequence[int] = (), prefill_mode: str | None = None, prefill_block: int | None = None,
                stream: Stream | None = None, stream_every: int = 8) -> Generation:
     """Samples `max_new_tokens` tokens after each left-padded prompt: `decode(model, prefill(model, ...), ...)`.
 
     Args:
-      prompts_BxP, lengths_B, prefill_mode: as `prefill`.
+      prompts_BxP, lengths_B, prefill_mode, prefill_block: as `prefill`.
       temperature: 0 decodes greedily (argmax); otherwise logits / temperature are filtered to the `top_k` most
         likely tokens, then to the smallest set whose probability reaches `top_p`, and sampled.
       key: one PRNG key (row r uses fold_in(key, r)) or one per row `[B]`; step s uses fold_in(row key, s), so a
@@ -188,27 +195,30 @@ class Sampler:
         it comes, at that cost per token.
     Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
     """
-    batch, prefill_mode, padding = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode)
+    batch, prefill_mode, padding, prefill_block = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode,
+                                                                       prefill_block)
     settings = checks.check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
     keys = checks.check_key(key, batch)  # every argument checked before the prefill runs
     checks.check_cache(model, *prompts_BxP.shape, settings.max_new_tokens)
     graphdef, params = nnx.split(model)
-    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode, padding)
+    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode, padding, prefill_block)
     return self._decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
 
   def trace_prefill(self, graphdef: nnx.GraphDef, params: Any, prompts_BxP: Any, lengths_B: Any,
-                    prefill_mode: str) -> Any:
-    """The compiled prefill traced on (abstract) `params`, prompts and lengths (`jax.ShapeDtypeStruct`s), for
-    ahead-of-time compilation (`aot`): `.lower().compile()` it on a target's devices."""
-    return self._prefill_jit.trace(params, prompts_BxP, lengths_B, graphdef=graphdef, prefill_mode=prefill_mode)
+                    prefill_mode: str, prefill_block: int) -> Any:
+    """The compiled prefill traced on (abstract) `params`, prompts and lengths (`jax.ShapeDtypeStruct`s), in blocks
+    of `prefill_block` tokens (checked: `streaming.check_block`), for ahead-of-time compilation (`aot`):
+    `.lower().compile()` it on a target's devices."""
+    return self._prefill_jit.trace(params, prompts_BxP, lengths_B, graphdef=graphdef, prefill_mode=prefill_mode,
+                                   prefill_block=prefill_block)
 
   def trace_decode(self, graphdef: nnx.GraphDef, params: Any, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
                    max_new_tokens: int) -> Any:
     """The decoding loop traced after a prefill of those (abstract) prompts, sampling with top-p and a key per row,
     without the CPU host's compiler options (`_loop_jit`): for ahead-of-time compilation on a target."""
-    state = jax.eval_shape(functools.partial(_prefill, graphdef=graphdef, prefill_mode=prefill_mode), params,
-                           prompts_BxP, lengths_B)
+    state = jax.eval_shape(functools.partial(_prefill, graphdef=graphdef, prefill_mode=prefill_mode, prefill_block=0),
+                           params, prompts_BxP, lengths_B)
     batch = prompts_BxP.shape[0]
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     settings = checks.Settings(max_new_tokens, greedy=False, top_k=None, use_top_p=True, stop_tokens=(),
@@ -219,14 +229,14 @@ class Sampler:
                       scalar(jnp.float32), scalar(jnp.int32), graphdef=graphdef, settings=settings)
 
   def _prefill_checked(self, graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
-                       padding: int) -> Prefilled:
+                       padding: int, prefill_block: int) -> Prefilled:
     """The prefill of prompts `checks.check_prefill` accepted, left-padded by `padding` more columns
-    (`checks.split_padding`)."""
+    (`checks.split_padding`), in blocks of `prefill_block` tokens."""
     prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
     if padding:
       prompts_BxP = jnp.pad(prompts_BxP, ((0, 0), (padding, 0)), constant_values=PAD_ID)
     state = self._prefill_jit(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
-                              prefill_mode=prefill_mode)
+                              prefill_mode=prefill_mode, prefill_block=prefill_block)
     return Prefilled(state, prompts_BxP[:, -1])
 
   def _decode_checked(self, graphdef, params, prefilled: Prefilled, settings: checks.Settings, keys: jax.Array,

@@ -16,7 +16,7 @@ import numpy as np
 
 from retnet_jax.core import config_checks, host_memory, sharding
 from retnet_jax.mixers import stability
-from retnet_jax.models import architectures, model as model_lib
+from retnet_jax.models import architectures, model as model_lib, streaming
 from retnet_jax.nn import layers
 
 Stream = Callable[[np.ndarray, int], None]
@@ -41,12 +41,13 @@ def split_padding(prompt_len: int, chunk_size: int | None) -> int:
   return -(prompt_len - 1) % (split[1] * chunk_size)
 
 
-def check_prefill(model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None
-                   ) -> tuple[int, str, int]:
-  """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs)
-  after checking the prompts, their lengths and the prefill mode (None: the model's default,
-  `architectures.prefill_modes`)."""
+def check_prefill(model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None,
+                  prefill_block: int | None = None) -> tuple[int, str, int, int]:
+  """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs, the
+  tokens per block) after checking the prompts, their lengths, the prefill mode (None: the model's default,
+  `architectures.prefill_modes`) and the block (`streaming.check_block`)."""
   prefill_mode = check_prefill_mode(model, prefill_mode)
+  prefill_block = streaming.check_block(model.config, prefill_block)
   batch = check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   cfg = model.config
   padding = split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
@@ -58,7 +59,7 @@ def check_prefill(model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, pref
                      "model.stability_norm_style='torchscale' the chunkwise normaliser depends on where chunks start, "
                      "so a padded row would not decode as if alone; use prefill_mode='parallel' "
                      "(--prefill_mode=parallel) or prompts of one length.")
-  return batch, prefill_mode, padding
+  return batch, prefill_mode, padding, prefill_block
 
 
 def check_prefill_mode(model: model_lib.Model, prefill_mode: str | None) -> str:

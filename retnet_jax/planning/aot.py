@@ -31,7 +31,7 @@ from retnet_jax.core import markdown, sharding
 from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.mixers.kernels import support
-from retnet_jax.models import architectures
+from retnet_jax.models import architectures, streaming
 from retnet_jax.nn import layer_stack
 from retnet_jax.training import train_state, train_step as train_step_lib
 
@@ -109,7 +109,7 @@ def _mesh(mesh_cfg: ml_collections.ConfigDict, target: accelerators.Target, devi
 def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
   """Per step, a function that traces it: the same jitted functions training and generation call. Batches are
   `train.batch_size` rows of `train.seq_len` tokens (and the next token), prompts as long: the prefill runs
-  `train.seq_len` tokens."""
+  `train.seq_len` tokens, in blocks of `streaming.check_block`'s default."""
   batch, seq_len = config.train.batch_size, config.train.seq_len
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=run.placement.batch_sharding)
   params = run.abstract_state["params"]
@@ -120,7 +120,7 @@ def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
 
   return {"train": lambda: run.train_step.trace(run.abstract_state, tokens),
           "eval": lambda: run.eval_step.trace(params, tokens),
-          "prefill": lambda: sampler.trace_prefill(*prefill_args),
+          "prefill": lambda: sampler.trace_prefill(*prefill_args, streaming.check_block(config.model, None)),
           "decode": lambda: sampler.trace_decode(*prefill_args, DECODE_TOKENS)}
 
 
