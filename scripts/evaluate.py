@@ -7,8 +7,11 @@ the training config's (`--config.data.files=...`, `--config.data.validation_file
 
 Long context: `--eval_seq_len=4096 --by_position=16 --mode=chunkwise` evaluates sequences of 4096 tokens (longer
 than training: the length-extrapolation curve) and adds each mode's loss in 16 equal position buckets
-(`loss_by_position`), plotted to WORKDIR/eval_step_STEP_by_position.png. With `--config.data.reset_at_documents`
-every form runs each document as if alone and the buckets hold positions within the document.
+(`loss_by_position`), plotted to WORKDIR/eval_step_STEP_by_position.png. The chunkwise and recurrent forms run
+block by block (`--eval_block` tokens) with the state carried, so `--eval_seq_len=1048576` takes one block's memory;
+the validation split must hold a batch of such sequences (`--config.train.batch_size=1`, a long
+`--config.data.validation_files`). With `--config.data.reset_at_documents` every form runs each document as if alone
+and the buckets hold positions within the document.
 """
 
 from retnet_jax.training import cli
@@ -35,6 +38,9 @@ _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate this many bat
 _EVAL_SEQ_LEN = flags.DEFINE_integer("eval_seq_len", None, "Tokens per validation sequence (default: the training "
                                      "train.seq_len); may be longer than training. The parallel form's memory grows "
                                      "with its square: use --mode=chunkwise or recurrent for long sequences.")
+_EVAL_BLOCK = flags.DEFINE_integer("eval_block", None, "Tokens per block of the chunkwise and recurrent forms, which "
+                                   "run long sequences block by block with the state carried: a multiple of "
+                                   "model.chunk_size (default: 2048 in whole chunks; 0: whole sequences at once).")
 _BY_POSITION = flags.DEFINE_integer("by_position", 0, "Number of equal position buckets (dividing the evaluation "
                                     "length) to report the loss of, and plot (0: off); with "
                                     "data.reset_at_documents, positions within each document.")
@@ -44,10 +50,11 @@ def main():
   config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
   seq_len = config.train.seq_len if _EVAL_SEQ_LEN.value is None else _EVAL_SEQ_LEN.value
   modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
-  evaluate.check_request(config, modes, seq_len, _BY_POSITION.value)  # before the checkpoint is read
+  evaluate.check_request(config, modes, seq_len, _BY_POSITION.value, _EVAL_BLOCK.value)  # before the checkpoint
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
   results = {"step": step, "workdir": str(_WORKDIR.value), "settings": cli.given_flags(),
-             **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value)}
+             **evaluate.evaluate_model(model, config, modes, _MAX_BATCHES.value, seq_len, _BY_POSITION.value,
+                                       _EVAL_BLOCK.value)}
   print(evaluate.format_table(results))
   plot = None
   if _BY_POSITION.value:

@@ -6,6 +6,9 @@ curve).
     results = evaluate_model(model, config, modes=architectures.modes(config.model))
     results = evaluate_model(model, config, modes=("chunkwise",), seq_len=4096, position_buckets=16)
     plot_loss_by_position(results, "loss_by_position.png", train_seq_len=config.train.seq_len)
+
+A RetNet's chunkwise and recurrent forms (and a hybrid's whose attention layers are windowed) evaluate long
+sequences block by block with the state carried (`streaming`, `streamed_nll`): memory is one block's at any length.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from flax import nnx
 
 from retnet_jax.core import dispatch, segments, sharding
 from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
-from retnet_jax.models import architectures, model as model_lib, presets
+from retnet_jax.models import architectures, model as model_lib, presets, streaming
 from retnet_jax.training import losses, train_state, train_step
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
@@ -60,6 +63,49 @@ def bucket_nll(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str, b
   return sums_BxK.at[rows_Bx1, position_buckets_of(segment_ids_BxL1, buckets)].add(nll_BxL), logits[:, -1]
 
 
+def streams(model_cfg: ml_collections.ConfigDict, mode: str, seq_len: int, block: int) -> bool:
+  """Whether `evaluate_model` runs sequences of `seq_len` tokens in `mode` block by block (`streamed_nll`): the
+  chunkwise and recurrent forms of a model whose state does not grow with the context (no KV cache holding it all),
+  at lengths beyond one `block` (`streaming.check_block`'s; 0: never)."""
+  return (mode in ("chunkwise", "recurrent") and architectures.cache_field(model_cfg) is None
+          and 0 < block < seq_len)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "buckets", "block"))
+def streamed_nll(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str, buckets: int, block: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """`bucket_nll` (or with `buckets` 0 `losses.sequence_nll`) computed block by block, the state carried: summed
+  NLL per sequence `[B]` or per sequence and bucket `[B, buckets]` (float32, the blocks' sums added with a
+  compensated sum) and the logits of the last position `[B, V]`, with the memory of one block of `block` tokens.
+  Each block's positions come from the carried state (within documents: `segments.model_positions`)."""
+  tokens_BxL1, _, segment_ids_BxL1 = losses.split_batch(batch)
+  model = nnx.merge(graphdef, params)
+  batch_size, length = tokens_BxL1.shape[0], tokens_BxL1.shape[1] - 1
+  width = length // buckets if buckets else length
+  rows_Bx1 = jnp.arange(batch_size)[:, None]
+
+  def run(carry, start, size):
+    state, sums_BxK, error_BxK, _ = carry
+    state = streaming.enter_block(state, segment_ids_BxL1, start)
+    tokens = streaming.columns(tokens_BxL1, start, size + 1)
+    ids = streaming.columns(segment_ids_BxL1, start, size)
+    positions_BxT = segments.model_positions(ids, state["position"], size)
+    logits, state = model(tokens[:, :-1], mode=mode, state=state, segment_ids=ids)
+    nll_BxT = losses.token_nll(logits, tokens[:, 1:])
+    block_BxK = jnp.zeros_like(sums_BxK).at[rows_Bx1, positions_BxT // width].add(nll_BxT)
+    total_BxK = sums_BxK + block_BxK  # Knuth's two-sum: the rounding error of each addition kept apart
+    rounded_BxK = total_BxK - sums_BxK
+    error_BxK = error_BxK + ((sums_BxK - (total_BxK - rounded_BxK)) + (block_BxK - rounded_BxK))
+    return state, total_BxK, error_BxK, logits[:, -1]
+
+  sums = jnp.zeros((batch_size, max(buckets, 1)), jnp.float32)
+  logits_BxV = jnp.zeros((batch_size, model.config.vocab_size), jnp.float32)
+  _, sums, error, logits_BxV = streaming.fold(run, (model.init_state(batch_size), sums, sums, logits_BxV), length,
+                                              block)
+  sums = sums + error
+  return (sums if buckets else sums[:, 0]), logits_BxV
+
+
 def check_position_buckets(seq_len: int, buckets: int) -> None:
   """Refuses an evaluation length that is not a positive integer, or a bucket count that does not split it into
   equal buckets, naming the nearest count that does."""
@@ -74,9 +120,10 @@ def check_position_buckets(seq_len: int, buckets: int) -> None:
                      "--eval_seq_len.")
 
 
-def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, position_buckets: int = 0) -> None:
+def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, position_buckets: int = 0,
+                  block: int | None = None) -> None:
   """What `evaluate_model` checks before any work, for callers to check before restoring a model too: the forms,
-  the length and its buckets, the mesh's split of sequences, a synthetic task's knobs."""
+  the length and its buckets, the streamed forms' block, the mesh's split of sequences, a synthetic task's knobs."""
   presets.check_full_config(config)
   if isinstance(modes, str):
     raise ValueError(f"modes={modes!r} is one string; give a sequence of forms, e.g. ({modes!r},).")
@@ -85,6 +132,7 @@ def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, positi
   if unknown:
     raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
   check_position_buckets(seq_len, position_buckets)
+  streaming.check_block(config.model, block, "--eval_block")
   train_step.check_documents(config, modes, "--mode")
   train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
   if task := config.data.synthetic:
@@ -109,14 +157,14 @@ def answer_stats(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str
 
 def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, modes=("parallel",),
                    max_batches: int | None = None, seq_len: int | None = None,
-                   position_buckets: int = 0) -> dict[str, Any]:
+                   position_buckets: int = 0, block: int | None = None) -> dict[str, Any]:
   """Validation metrics of `model` per mode, and with several modes their largest differences.
 
   Args:
     model: a RetNet or Transformer (e.g. from `train_state.restore_model`).
     config: its config; `data` gives the validation split, `train.seq_len` and the micro-batch the batches.
     modes: forms to evaluate, of `architectures.modes(config.model)`. The parallel form holds `[L, L]` scores
-      per head: at long `seq_len` evaluate the chunkwise or recurrent form, whose memory grows linearly.
+      per head: at long `seq_len` evaluate the chunkwise or recurrent form, which run block by block (`streams`).
     max_batches: evaluate this many batches spread over the split (`global_batches.eval_rows`); None: all. With
       `data.synthetic`: the first batches of the task's validation stream; None: `train.eval_batches`.
     seq_len: tokens per validation sequence (None: `train.seq_len`); it may exceed the training length. Text only.
@@ -124,9 +172,11 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
       `[k L / K, (k + 1) L / K)` of every sequence (position p predicts token p + 1 from tokens 0 to p). Text only.
       With `data.reset_at_documents`, positions within each document (its first token's is 0), and a bucket no
       input falls in is left out.
+    block: tokens per block of the streamed forms (`streams`), a multiple of `model.chunk_size`
+      (`streaming.check_block`); None: `streaming.DEFAULT_BLOCK` in whole chunks; 0: whole sequences at once.
   Returns:
     `{"seq_len", "tokens", "bytes", "sequences", "modes": {mode: {loss, perplexity, bits_per_token,
-    bits_per_byte}}}` plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`,
+    bits_per_byte}}}` (a streamed mode's also `block`, its tokens per block) plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`,
     `modes_agree`; with `position_buckets`, each mode's `loss_by_position`: a list of `{"start", "end", "loss",
     "tokens"}` (`tokens`: the inputs in the bucket).
     With `data.synthetic` (e.g. `mqar`): `{"task", "answers", "sequences", "modes": {mode: {loss, perplexity,
@@ -137,7 +187,7 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   seq_len = config.train.seq_len if seq_len is None else seq_len
-  check_request(config, modes, seq_len, position_buckets)
+  check_request(config, modes, seq_len, position_buckets, block)
   task, batch_size = config.data.synthetic, config.train.batch_size // config.train.grad_accum_steps
   placement = sharding.placement(config.mesh)
   if task:
@@ -175,13 +225,16 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
   else:
     nll_fn = functools.partial(bucket_nll, buckets=position_buckets) if position_buckets else losses.sequence_nll
   with placement.active():
+    block = streaming.check_block(config.model, block, "--eval_block")
     for mode in modes:
-      outputs = dispatch.host_map(lambda batch: nll_fn(graphdef, params, batch, mode), batches)
+      streamed = not task and streams(config.model, mode, seq_len, block)
+      mode_fn = functools.partial(streamed_nll, buckets=position_buckets, block=block) if streamed else nll_fn
+      outputs = dispatch.host_map(lambda batch: mode_fn(graphdef, params, batch, mode), batches)
       nll = np.concatenate([np.asarray(o[0], np.float64) for o in outputs])  # [N] or [N, buckets]
       per_mode_logits[mode] = np.concatenate([np.asarray(o[1]) for o in outputs])
       loss = float(nll.sum() / num_tokens)
       results["modes"][mode] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-                                "bits_per_token": loss / math.log(2)}
+                                "bits_per_token": loss / math.log(2), **({"block": block} if streamed else {})}
       if task:
         results["modes"][mode][f"{task}_accuracy"] = sum(float(o[2].sum()) for o in outputs) / num_tokens
       else:
