@@ -29,6 +29,21 @@ from retnet_jax.models import architectures
 from retnet_jax.nn import layer_stack, layers
 
 State = dict[str, Any]
+MAX_POSITION = 2**31 - 1  # positions are int32
+
+
+def check_position(position_B: Any, length: int) -> None:
+  """For a concrete carried `position [B]` (outside jit): `length` more tokens must end within the int32 positions,
+  or ValueError naming the position and the limit. A traced one is not checked: inside jit, positions past the limit
+  would wrap to negative ones (left padding)."""
+  try:
+    reached = int(np.asarray(position_B, np.int64).max())
+  except jax.errors.TracerArrayConversionError:
+    return
+  if reached + length > MAX_POSITION:
+    raise ValueError(f"the state is at position {reached}, and {length} more tokens would pass position "
+                     f"{MAX_POSITION}, the largest int32 position; start a new state (position 0) or use fewer "
+                     "tokens.")
 
 
 def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
@@ -151,6 +166,7 @@ class Model(nnx.Module):
       state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * cfg.num_layers}
     else:
       check_state(cfg, state, batch)
+      check_position(state["position"], length)
       for mixer, layer_state in zip(mixers, state["layers"]):
         mixer.check_room(cfg, layer_state, length)
     positions_BxL = segments.model_positions(segment_ids, state["position"], length)
