@@ -41,6 +41,7 @@ _STOP = flags.DEFINE_multi_integer("stop_token", [], "Token id that ends a compl
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _PREFILL = flags.DEFINE_enum("prefill_mode", None, architectures.PREFILL_MODES, "Form used for the prompt (default: "
                              "chunkwise, or parallel for a Transformer).")
+_PREFILL_BLOCK = cli.prefill_block_flag()
 _STREAM = flags.DEFINE_boolean("stream", True, "Print the first prompt's completion as it is produced.")
 _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the compiled loop to the console "
                                      "at a time (1: every token, one host callback each).")
@@ -65,7 +66,8 @@ def main():
         sampling.Sampler(), model, tokenizer, prompts, print_row=0 if _STREAM.value else None,
         max_new_tokens=_MAX_NEW.value, key=jax.random.key(_SEED.value), temperature=_TEMPERATURE.value,
         top_k=_TOP_K.value, top_p=_TOP_P.value,
-        stop_tokens=stop, prefill_mode=_PREFILL.value, stream_every=_STREAM_EVERY.value)
+        stop_tokens=stop, prefill_mode=_PREFILL.value, prefill_block=_PREFILL_BLOCK.value,
+        stream_every=_STREAM_EVERY.value)
   for prompt, completion in zip(prompts[1:] if _STREAM.value else prompts,
                                 completions[1:] if _STREAM.value else completions):
     print("-" * 40 + "\n" + prompt + completion)

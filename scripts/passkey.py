@@ -33,6 +33,7 @@ _SAMPLES = flags.DEFINE_integer("samples", 8, "Examples (keys) per length and de
 _MODE = flags.DEFINE_enum("mode", None, architectures.PREFILL_MODES, "Form of the prefill (decoding is recurrent; "
                           "default: the model's own, chunkwise for RetNet, parallel for a Transformer); the parallel "
                           "form's memory grows with the square of the length.")
+_PREFILL_BLOCK = cli.prefill_block_flag()
 _SEED = flags.DEFINE_integer("seed", 0, "Sample s of every cell hides the key of seed + s.")
 _MAX_HOURS = cli.positive_float_flag("max_hours", 2.0, "Refuse a grid whose prompts would take longer than this on "
                                      "this device (timed on a short prompt before the grid runs).")
@@ -59,8 +60,8 @@ def main():
   if mode not in own:
     raise ValueError(f"--mode={mode}: a {config.model.architecture} prefills in {', '.join(own)}.")
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
-  passkey_eval.check_memory(model, mode, grid, _BATCH_SIZE.value)  # every prefill sized before one runs
-  generate = passkey_eval.greedy_generate(model, mode)
+  passkey_eval.check_memory(model, mode, grid, _BATCH_SIZE.value, _PREFILL_BLOCK.value)  # sized before any runs
+  generate = passkey_eval.greedy_generate(model, mode, _PREFILL_BLOCK.value)
   tokens, rate = passkey_eval.prompt_tokens(grid), passkey_eval.seconds_per_token(generate, grid)
   estimate = f"{tokens} prompt tokens take about {metrics.format_duration(tokens * rate)} here"
   if tokens * rate > 3600 * _MAX_HOURS.value:

@@ -1,8 +1,12 @@
 """Passkey examples checked by hand (byte tokenizer) and by decoding (a tokenizers BPE), the accuracy of oracles whose
 right answers are known, and greedy generation against a greedy loop of whole-sequence forward passes."""
 
+import json
 import os
 import re
+import resource
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,7 @@ from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer, HFTokenizer
 from retnet_jax.models.model import Model
 from retnet_jax.training import workdir
+from tests.helpers import REPO, script_lines
 
 BYTES = ByteTokenizer()
 # Byte tokens of an example besides the filler: the introduction (64), the needle with two 6-token keys
@@ -105,16 +110,17 @@ def test_bad_arguments_are_refused():
     passkey.make_grid(BYTES, [], [0.5], samples=1)
   with pytest.raises(ValueError, match="seed=-1 must be a non-negative integer"):
     passkey.make_grid(BYTES, [300], [0.5], samples=1, seed=-1)
-  # Refused before any example is built (otherwise OOM-killed without a word): the machine's memory in tokens.
-  length = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+  # Refused before any example is built (otherwise OOM-killed without a word): the available memory in tokens.
+  length = host_memory.available_bytes() // 4
   with pytest.raises(ValueError, match=rf"lengths=\[{length}\] at 1 depths and 1 samples make [\d.]+ GiB of example "
-                                       r"tokens, more than a quarter of this machine's \d+ GiB of memory"):
+                                       r"tokens, more than a quarter of the [\d.]+ GiB of host memory available here, "
+                                       r"bounded by .+; choose shorter lengths"):
     passkey.make_grid(BYTES, [length], [0.5], samples=1)
 
 
 def window_oracle(tokenizer, window, calls):
   """A GenerateFn that answers right exactly when the whole key sentence lies in the last `window` prompt tokens."""
-  def generate(prompts_NxP, lengths_N, num_tokens):
+  def generate(prompts_NxP, lengths_N, num_tokens, progress=None):
     calls.append(len(prompts_NxP))
     out = np.zeros((len(prompts_NxP), num_tokens), np.int32)
     for row, (prompt, length) in enumerate(zip(prompts_NxP, lengths_N)):
@@ -185,7 +191,8 @@ def test_a_prefill_beyond_the_memory_is_refused_before_any_prompt_runs(monkeypat
   grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
   with pytest.raises(ValueError, match=r"^length 180: the prefill of 2 prompts of 174 tokens takes about 0\.\d MiB "
                                        r"\(XLA's memory analysis of its compiled program\), more than the 0\.1 MiB of "
-                                       r"host memory available here; choose shorter lengths \(--lengths\), or "
+                                       r"host memory available here, bounded by .+; choose shorter lengths "
+                                       r"\(--lengths\), or "
                                        r"fewer examples per call \(--batch_size\)\.$"):
     passkey_eval.check_memory(tiny_model(), "chunkwise", grid)
 
@@ -197,8 +204,8 @@ def test_a_prefill_beyond_the_available_host_memory_is_refused(monkeypatch):
       sampling.Sampler().compile_prefill(tiny_model(), 2, 174, "chunkwise")))
   monkeypatch.setattr(host_memory, "available_bytes", lambda: needed // 2)
   grid = passkey.make_grid(BYTES, [180], [0.5], samples=2)
-  with pytest.raises(ValueError, match=r"^length 180: .* more than the .* of host memory available here; choose "
-                                       r"shorter lengths \(--lengths\)"):
+  with pytest.raises(ValueError, match=r"^length 180: .* more than the .* of host memory available here, bounded by "
+                                       r".+; choose shorter lengths \(--lengths\)"):
     passkey_eval.check_memory(tiny_model(), "chunkwise", grid)
 
 
@@ -211,6 +218,42 @@ def test_a_prefill_that_fits_is_accepted():
   passkey_eval.check_memory(model, None, passkey.make_grid(BYTES, [180], [0.5], samples=2))
   compiled = sampling.Sampler().compile_prefill(model, 2, 174)
   assert 0 < accelerators.required_bytes(accelerators.memory_sizes(compiled)) < 2**30
+
+
+def test_a_long_call_reports_its_progress_with_an_eta(monkeypatch):
+  """Within one call, the prefill's progress becomes lines of the grid's prompt tokens done and the time left (every
+  PROGRESS_EVERY_S seconds: here every report), then the call's own line."""
+  monkeypatch.setattr(passkey_eval, "PROGRESS_EVERY_S", 0.0)
+  grid = passkey.make_grid(BYTES, [400], [0.5], samples=2)  # prompts of 394 tokens: 788 in the grid
+
+  def generate(prompts_NxP, lengths_N, num_tokens, progress=None):
+    for done in (98, 197, 393):  # columns of the 393 the prefill runs
+      progress(done, prompts_NxP.shape[1] - 1)
+    return np.zeros((len(prompts_NxP), num_tokens), np.int32)
+  lines = []
+  passkey_eval.evaluate(generate, grid, progress=lines.append)
+  assert [line.split(" prompt tokens")[0] for line in lines] == ["passkey: 196/788", "passkey: 395/788",
+                                                                 "passkey: 788/788"]
+  assert all(re.search(r"in \dm\d\ds, ETA \d+m\d\ds$", line) for line in lines)
+
+
+@pytest.mark.slow
+def test_ten_million_tokens_under_an_8_gib_address_space_limit(trained_copy):
+  """The tiny preset's passkey at 10,000,000 tokens, as `prlimit --as=8589934592 scripts/passkey.py` runs it: the
+  prefill streams in blocks, so it exits 0 with progress lines and its accuracy grid (before: sized at 22.1 GiB, then
+  refused, or under the limit accepted and failed allocating 23.7 GB)."""
+  _, workdir, _ = trained_copy
+  limit = 8 * 2**30
+  result = subprocess.run(
+      [sys.executable, str(REPO / "scripts" / "passkey.py"), f"--workdir={workdir}", "--lengths=10000000",
+       "--samples=1", "--depths=0.5"], capture_output=True, text=True, cwd=REPO, timeout=900,
+      env={**os.environ, "XLA_FLAGS": ""}, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = script_lines(result.stdout)
+  assert any(re.match(r"passkey: 9999994/9999994 prompt tokens \(100%\) in \dm\d\ds, ETA 0m00s$", line)
+             for line in lines + result.stderr.splitlines())
+  results = json.loads(lines[-1])
+  assert results["lengths"] == [10_000_000] and np.shape(results["accuracy"]) == (1, 1)
 
 
 @pytest.mark.parametrize("synthetic,expected", [

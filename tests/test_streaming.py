@@ -156,3 +156,17 @@ def test_default_block_is_whole_chunks():
   assert streaming.check_block(model_of("retnet").config, None) == streaming.DEFAULT_BLOCK
   assert streaming.check_block(tiny_model(chunk_size=24).config, None) == 2064
   assert streaming.check_block(model_of("transformer").config, 5) == 5
+
+
+def test_progress_reports_every_block_in_order_after_it_ran():
+  """`progress(columns_done, columns)` once per block, increasing, the last the whole prompt; the states equal a
+  prefill without it."""
+  model = model_of("retnet")
+  tokens, lengths = sampling.pad_prompts([random_tokens(1, 7 * BLOCK // 2 + 1, seed=3)[0]])
+  reports = []
+  with_progress = SAMPLER.prefill(model, tokens, lengths, prefill_block=BLOCK,
+                                  progress=lambda done, columns: reports.append((done, columns)))
+  assert reports == [(16, 56), (32, 56), (48, 56), (56, 56)]
+  assert rel_err(with_progress.state, SAMPLER.prefill(model, tokens, lengths, prefill_block=BLOCK).state) == 0
+  with pytest.raises(ValueError, match=r"progress must be a callable progress\(columns_done, columns\) or None"):
+    SAMPLER.prefill(model, tokens, lengths, progress=5)

@@ -27,9 +27,11 @@ from retnet_jax.training import metrics
 
 SCORING = "greedy decoding after the question, exact match of every answer token"
 
-# generate_fn(prompts_NxP, lengths_N, num_tokens) -> int token ids [N, num_tokens]: greedy continuations of
-# left-padded prompts (`sampling.pad_prompts`).
-GenerateFn = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
+# generate_fn(prompts_NxP, lengths_N, num_tokens, progress=None) -> int token ids [N, num_tokens]: greedy
+# continuations of left-padded prompts (`sampling.pad_prompts`), reporting the prefill's columns done to `progress`
+# (`sampling.Progress`) where given.
+GenerateFn = Callable[..., np.ndarray]
+PROGRESS_EVERY_S = 10.0  # seconds between progress lines within one long call
 
 
 def exact_match(generated_NxT: np.ndarray, examples: Sequence[Example]) -> np.ndarray:
@@ -44,7 +46,7 @@ def prompt_tokens(grid: Grid) -> int:
   return sum(ex.answer_positions[0] for row in grid.examples for cell in row for ex in cell)
 
 
-def seconds_per_token(generate_fn: GenerateFn, grid: Grid, probe_len: int = 512) -> float:
+def seconds_per_token(generate_fn: GenerateFn, grid: Grid, probe_len: int = 4096) -> float:
   """Seconds per prompt token of `generate_fn` on this device, timed on a second call (the first compiles) with the
   first `probe_len` tokens of the grid's first example: with `prompt_tokens`, how long the grid will take (at least:
   a parallel prefill grows with the square of the length)."""
@@ -69,7 +71,8 @@ def batches(grid: Grid, batch_size: int | None = None) -> Iterator[tuple[int, in
         yield i, j, cell[start:start + step]
 
 
-def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: int | None = None) -> None:
+def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: int | None = None,
+                 prefill_block: int | None = None) -> None:
   """Refuses, before any prompt runs, a grid whose prefill would not fit the memory of the device it runs on (an
   accelerator's, or on the CPU the host memory still available): each distinct shape of `evaluate`'s calls is
   compiled ahead of time (`sampling.Sampler.compile_prefill`) and sized by XLA's memory analysis
@@ -77,7 +80,7 @@ def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: i
   reuses those compilations.
 
   Args:
-    model, prefill_mode: as `greedy_generate`.
+    model, prefill_mode, prefill_block: as `greedy_generate`.
     grid, batch_size: as `evaluate`.
   """
   device = jax.local_devices()[0]  # where an uncommitted prefill runs
@@ -86,7 +89,7 @@ def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: i
   for i, _, batch in batches(grid, batch_size):
     shapes.setdefault((len(batch), max(ex.answer_positions[0] for ex in batch)), i)
   for (rows, width), i in shapes.items():
-    compiled = sampler.compile_prefill(model, rows, width, prefill_mode)
+    compiled = sampler.compile_prefill(model, rows, width, prefill_mode, prefill_block)
     needed = accelerators.required_bytes(accelerators.memory_sizes(compiled))
     if needed > memory:
       fewer_rows = ", or fewer examples per call (--batch_size)" if rows > 1 else ""
@@ -110,36 +113,53 @@ def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None,
       answer and generates as many tokens as the longest answer of the batch.
     grid: from `passkey.make_grid`.
     batch_size: examples per `generate_fn` call (None: a cell's samples at once).
-    progress: called after each call with a line of the prompt tokens done, the time taken and the time left.
+    progress: called with a line of the prompt tokens done, the time taken and the time left after each call, and
+      every `PROGRESS_EVERY_S` seconds within a long prefill.
   Returns:
     `{"scoring", "samples", "lengths", "depths", "accuracy": [[per depth] per length], "mean_accuracy"}`.
   """
   correct = [[[] for _ in row] for row in grid.examples]
   total, done, began = prompt_tokens(grid), 0, time.perf_counter()
+  last_line = began
+
+  def report(tokens_done: int) -> None:
+    nonlocal last_line
+    last_line = time.perf_counter()
+    elapsed = last_line - began
+    left = metrics.format_duration(elapsed * (total - tokens_done) / max(tokens_done, 1))
+    progress(f"passkey: {tokens_done}/{total} prompt tokens ({100 * tokens_done / total:.0f}%) in "
+             f"{metrics.format_duration(elapsed)}, ETA {left}")
+
   for i, j, batch in batches(grid, batch_size):
     prompts_NxP, lengths_N = sampling.pad_prompts([ex.tokens[:ex.answer_positions[0]] for ex in batch])
-    generated_NxT = generate_fn(prompts_NxP, lengths_N, max(len(ex.answer_positions) for ex in batch))
+    tokens = int(sum(ex.answer_positions[0] for ex in batch))
+
+    def within_call(columns_done: int, columns: int) -> None:  # the prefill's progress, every PROGRESS_EVERY_S
+      if time.perf_counter() - last_line >= PROGRESS_EVERY_S and columns_done < columns:
+        report(done + tokens * columns_done // columns)
+
+    generated_NxT = generate_fn(prompts_NxP, lengths_N, max(len(ex.answer_positions) for ex in batch),
+                                progress=None if progress is None else within_call)
     correct[i][j].append(exact_match(generated_NxT, batch))
-    done += sum(ex.answer_positions[0] for ex in batch)
+    done += tokens
     if progress is not None:
-      elapsed = time.perf_counter() - began
-      left = metrics.format_duration(elapsed * (total - done) / done)
-      progress(f"passkey: {done}/{total} prompt tokens ({100 * done / total:.0f}%) in "
-               f"{metrics.format_duration(elapsed)}, ETA {left}")
+      report(done)
   accuracy = [[float(np.concatenate(cell).mean()) for cell in row] for row in correct]
   return {"scoring": SCORING, "samples": len(grid.examples[0][0]), "lengths": list(grid.lengths),
           "depths": list(grid.depths), "accuracy": accuracy, "mean_accuracy": float(np.mean(accuracy))}
 
 
-def greedy_generate(model: Any, prefill_mode: str | None = None) -> GenerateFn:
+def greedy_generate(model: Any, prefill_mode: str | None = None, prefill_block: int | None = None) -> GenerateFn:
   """A `GenerateFn` of `model`: prompts prefilled in `prefill_mode` (`architectures.prefill_modes`; None: the
-  model's default), then decoded greedily in the recurrent form (`sampling.Sampler.generate`, one sampler per
-  function)."""
+  model's default) in blocks of `prefill_block` tokens (`sampling.Sampler.prefill`), then decoded greedily in the
+  recurrent form (`sampling.Sampler.generate`, one sampler per function)."""
   sampler = sampling.Sampler()
 
-  def generate(prompts_NxP: np.ndarray, lengths_N: np.ndarray, num_tokens: int) -> np.ndarray:
+  def generate(prompts_NxP: np.ndarray, lengths_N: np.ndarray, num_tokens: int,
+               progress: sampling.Progress | None = None) -> np.ndarray:
     return sampler.generate(model, prompts_NxP, lengths_N, max_new_tokens=num_tokens, key=jax.random.key(0),
-                            temperature=0.0, prefill_mode=prefill_mode).tokens
+                            temperature=0.0, prefill_mode=prefill_mode, prefill_block=prefill_block,
+                            progress=progress).tokens
   return generate
 
 

@@ -37,6 +37,9 @@ from retnet_jax.models import model as model_lib, streaming
 PAD_ID = 0
 
 Stream = checks.Stream
+# progress(columns_done, columns) of a prefill call, called from its compiled loop after each block (columns: the
+# prompts' padded width less the last token, which the decoding loop takes).
+Progress = Callable[[int, int], None]
 
 
 class Generation(NamedTuple):
@@ -92,15 +95,22 @@ class Prefilled(NamedTuple):
   last_tokens: jax.Array
 
 
-def _prefill(params, prompts_BxP, lengths_B, *, graphdef, prefill_mode: str, prefill_block: int):
+def _prefill(params, prompts_BxP, lengths_B, call_id, *, graphdef, prefill_mode: str, prefill_block: int,
+             report: Callable[..., None] | None = None):
   """The state after each row's prompt but its last token, run in blocks of `prefill_block` tokens (0: one call);
-  each row starts at position -pad, so the padding stays out of the state."""
+  each row starts at position -pad, so the padding stays out of the state. `report(call_id, done, columns)`, if
+  given, is a host callback after each block."""
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompts_BxP.shape
   state = model.init_state(batch)
   state["position"] = lengths_B - prompt_len
+  on_block = None
+  if report is not None:
+    def on_block(done, state):  # a value of the block's final state: the callback runs once the block has
+      value = max(jax.tree.leaves(state["layers"]), key=lambda leaf: leaf.size).reshape(-1)[0]
+      jax.debug.callback(report, call_id, done, prompt_len - 1, value, ordered=False)
   if prompt_len > 1:
-    state = streaming.final_state(model, prompts_BxP[:, :-1], prefill_mode, prefill_block, state)
+    state = streaming.final_state(model, prompts_BxP[:, :-1], prefill_mode, prefill_block, state, on_block=on_block)
   return state
 
 
@@ -109,8 +119,9 @@ class Sampler:
   callbacks reach; reusing one reuses its compilations."""
 
   def __init__(self):
-    self._prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode", "prefill_block"))
+    self._prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode", "prefill_block", "report"))
     self._streams: dict[int, _InOrder] = {}  # by call id: the loop gets the id as an argument, so no recompile
+    self._progress: dict[int, list] = {}  # by call id: [progress, the most columns reported so far]
     self._call_ids = itertools.count()
 
   @functools.cached_property
@@ -126,7 +137,8 @@ class Sampler:
     return jax.jit(self._loop, static_argnames=("graphdef", "settings"), compiler_options=options)
 
   def prefill(self, model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, *,
-              prefill_mode: str | None = None, prefill_block: int | None = None) -> Prefilled:
+              prefill_mode: str | None = None, prefill_block: int | None = None,
+              progress: Progress | None = None) -> Prefilled:
     """Runs left-padded prompts in the chunkwise or parallel form, block by block in one compiled call.
 
     Args:
@@ -137,12 +149,15 @@ class Sampler:
       prefill_block: tokens per block, a multiple of `model.chunk_size` (`streaming.check_block`): the prefill's
         memory is one block's whatever the prompt's length (but for a KV cache that holds the whole context). None:
         `streaming.DEFAULT_BLOCK` rounded up to whole chunks; 0: the whole prompt in one call.
+      progress: `progress(columns_done, columns)` after each block, in order (`Progress`): for a progress line on
+        a long prompt. Compiled in only where given.
     Returns: `Prefilled`: the state after every prompt token but the last, and the last tokens int32 `[B]`.
     """
     _, prefill_mode, padding, prefill_block = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode,
-                                                                   prefill_block)
+                                                                   prefill_block, progress)
     checks.check_cache(model, *prompts_BxP.shape)
-    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding, prefill_block)
+    return self._prefill_checked(*nnx.split(model), prompts_BxP, lengths_B, prefill_mode, padding, prefill_block,
+                                 progress)
 
   def compile_prefill(self, model: model_lib.Model, batch: int, prompt_len: int, prefill_mode: str | None = None,
                       prefill_block: int | None = None) -> Any:
@@ -180,11 +195,12 @@ class Sampler:
   def generate(self, model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, *, max_new_tokens: int,
                key: jax.Array, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                stop_tokens: Sequence[int] = (), prefill_mode: str | None = None, prefill_block: int | None = None,
-               stream: Stream | None = None, stream_every: int = 8) -> Generation:
+               progress: Progress | None = None, stream: Stream | None = None, stream_every: int = 8
+               ) -> Generation:
     """Samples `max_new_tokens` tokens after each left-padded prompt: `decode(model, prefill(model, ...), ...)`.
 
     Args:
-      prompts_BxP, lengths_B, prefill_mode, prefill_block: as `prefill`.
+      prompts_BxP, lengths_B, prefill_mode, prefill_block, progress: as `prefill`.
       temperature: 0 decodes greedily (argmax); otherwise logits / temperature are filtered to the `top_k` most
         likely tokens, then to the smallest set whose probability reaches `top_p`, and sampled.
       key: one PRNG key (row r uses fold_in(key, r)) or one per row `[B]`; step s uses fold_in(row key, s), so a
@@ -196,13 +212,14 @@ class Sampler:
     Returns: `Generation` of new tokens int32 `[B, max_new_tokens]` and tokens generated per row int32 `[B]`.
     """
     batch, prefill_mode, padding, prefill_block = checks.check_prefill(model, prompts_BxP, lengths_B, prefill_mode,
-                                                                       prefill_block)
+                                                                       prefill_block, progress)
     settings = checks.check_settings(model.config.vocab_size, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                                stream, stream_every)
     keys = checks.check_key(key, batch)  # every argument checked before the prefill runs
     checks.check_cache(model, *prompts_BxP.shape, settings.max_new_tokens)
     graphdef, params = nnx.split(model)
-    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode, padding, prefill_block)
+    prefilled = self._prefill_checked(graphdef, params, prompts_BxP, lengths_B, prefill_mode, padding, prefill_block,
+                                      progress)
     return self._decode_checked(graphdef, params, prefilled, settings, keys, temperature, top_p, stream)
 
   def trace_prefill(self, graphdef: nnx.GraphDef, params: Any, prompts_BxP: Any, lengths_B: Any,
@@ -210,15 +227,15 @@ class Sampler:
     """The compiled prefill traced on (abstract) `params`, prompts and lengths (`jax.ShapeDtypeStruct`s), in blocks
     of `prefill_block` tokens (checked: `streaming.check_block`), for ahead-of-time compilation (`aot`):
     `.lower().compile()` it on a target's devices."""
-    return self._prefill_jit.trace(params, prompts_BxP, lengths_B, graphdef=graphdef, prefill_mode=prefill_mode,
-                                   prefill_block=prefill_block)
+    return self._prefill_jit.trace(params, prompts_BxP, lengths_B, jax.ShapeDtypeStruct((), jnp.int32),
+                                   graphdef=graphdef, prefill_mode=prefill_mode, prefill_block=prefill_block)
 
   def trace_decode(self, graphdef: nnx.GraphDef, params: Any, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
                    max_new_tokens: int) -> Any:
     """The decoding loop traced after a prefill of those (abstract) prompts, sampling with top-p and a key per row,
     without the CPU host's compiler options (`_loop_jit`): for ahead-of-time compilation on a target."""
     state = jax.eval_shape(functools.partial(_prefill, graphdef=graphdef, prefill_mode=prefill_mode, prefill_block=0),
-                           params, prompts_BxP, lengths_B)
+                           params, prompts_BxP, lengths_B, jax.ShapeDtypeStruct((), jnp.int32))
     batch = prompts_BxP.shape[0]
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     settings = checks.Settings(max_new_tokens, greedy=False, top_k=None, use_top_p=True, stop_tokens=(),
@@ -229,15 +246,32 @@ class Sampler:
                       scalar(jnp.float32), scalar(jnp.int32), graphdef=graphdef, settings=settings)
 
   def _prefill_checked(self, graphdef, params, prompts_BxP: Any, lengths_B: Any, prefill_mode: str,
-                       padding: int, prefill_block: int) -> Prefilled:
+                       padding: int, prefill_block: int, progress: Progress | None) -> Prefilled:
     """The prefill of prompts `checks.check_prefill` accepted, left-padded by `padding` more columns
-    (`checks.split_padding`), in blocks of `prefill_block` tokens."""
+    (`checks.split_padding`), in blocks of `prefill_block` tokens, reporting to `progress`."""
     prompts_BxP = jnp.asarray(prompts_BxP, jnp.int32)
     if padding:
       prompts_BxP = jnp.pad(prompts_BxP, ((0, 0), (padding, 0)), constant_values=PAD_ID)
-    state = self._prefill_jit(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), graphdef=graphdef,
-                              prefill_mode=prefill_mode, prefill_block=prefill_block)
+    call_id = next(self._call_ids)
+    if progress is not None:
+      self._progress[call_id] = [progress, 0]
+    try:
+      state = self._prefill_jit(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), jnp.int32(call_id),
+                                graphdef=graphdef, prefill_mode=prefill_mode, prefill_block=prefill_block,
+                                report=None if progress is None else self._report)
+      if progress is not None:
+        jax.block_until_ready(state)
+        jax.effects_barrier()  # every block's report has run before the call returns
+    finally:
+      self._progress.pop(call_id, None)
     return Prefilled(state, prompts_BxP[:, -1])
+
+  def _report(self, call_id, done, columns, _) -> None:
+    """Host side of a prefill's report: its progress, with the most columns done so far (reports are unordered)."""
+    entry = self._progress.get(int(call_id))
+    if entry is not None and int(done) > entry[1]:
+      entry[1] = int(done)
+      entry[0](entry[1], int(columns))
 
   def _decode_checked(self, graphdef, params, prefilled: Prefilled, settings: checks.Settings, keys: jax.Array,
                       temperature: float, top_p: float | None, stream: Stream | None) -> Generation:

@@ -42,12 +42,14 @@ def split_padding(prompt_len: int, chunk_size: int | None) -> int:
 
 
 def check_prefill(model: model_lib.Model, prompts_BxP: Any, lengths_B: Any, prefill_mode: str | None,
-                  prefill_block: int | None = None) -> tuple[int, str, int, int]:
+                  prefill_block: int | None = None, progress: Any = None) -> tuple[int, str, int, int]:
   """(The batch size, the prefill mode, the columns of left padding the active mesh's split of sequences needs, the
   tokens per block) after checking the prompts, their lengths, the prefill mode (None: the model's default,
-  `architectures.prefill_modes`) and the block (`streaming.check_block`)."""
+  `architectures.prefill_modes`), the block (`streaming.check_block`) and the progress callable."""
   prefill_mode = check_prefill_mode(model, prefill_mode)
   prefill_block = streaming.check_block(model.config, prefill_block)
+  if progress is not None and not callable(progress):
+    raise ValueError(f"progress must be a callable progress(columns_done, columns) or None; got {progress!r}.")
   batch = check_prompts(prompts_BxP, lengths_B, model.config.vocab_size)
   cfg = model.config
   padding = split_padding(prompts_BxP.shape[1], getattr(cfg, "chunk_size", None))
@@ -75,17 +77,17 @@ def check_prefill_mode(model: model_lib.Model, prefill_mode: str | None) -> str:
 
 def device_memory(devices: Sequence[jax.Device]) -> int:
   """Bytes of memory of `devices` together: XLA's limit of each (accelerators), or where one reports none (CPU
-  devices, which share the host's) the host memory still available (`host_memory.available_bytes`), not the
-  physical memory, part of which other processes hold."""
+  devices, which share the host's) the host memory still available (`host_memory.available_bytes`: within this
+  process's address-space and cgroup limits too), not the physical memory, part of which other processes hold."""
   limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
   return sum(limits) if all(limits) else host_memory.available_bytes()
 
 
 def memory_name(devices: Sequence[jax.Device]) -> str:
   """What `device_memory(devices)` measures, for a message: "memory of the gpu devices here", or for CPU devices
-  "host memory available here"."""
+  "host memory available here, bounded by" the limit that gives it (`host_memory.available`), e.g. "MemAvailable"."""
   if not all((device.memory_stats() or {}).get("bytes_limit") for device in devices):
-    return "host memory available here"
+    return f"host memory available here, bounded by {host_memory.available()[1]}"
   return f"memory of the {devices[0].platform} device{'s' * (len(devices) > 1)} here"
 
 

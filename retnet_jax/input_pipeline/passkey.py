@@ -12,12 +12,12 @@ them by `retnet_jax.evaluation.passkey_eval`; `retnet_jax.input_pipeline.synthet
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from retnet_jax.core import host_memory
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
 
 INTRO = "A pass key is hidden in the text below. Find it and remember it."
@@ -87,11 +87,12 @@ def make_grid(tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[flo
   if seed < 0:
     raise ValueError(f"seed={seed} must be a non-negative integer (sample s draws its key from seed + s).")
   num_bytes = 4 * sum(max(int(n), 0) for n in lengths) * len(depths) * samples  # int32 token ids
-  memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  memory, bound = host_memory.available()
   if num_bytes > memory // 4:
     raise ValueError(f"lengths={list(lengths)} at {len(depths)} depths and {samples} samples make "
-                     f"{num_bytes / 2**30:.1f} GiB of example tokens, more than a quarter of this machine's "
-                     f"{memory / 2**30:.0f} GiB of memory; choose shorter lengths, or fewer depths or samples.")
+                     f"{num_bytes / 2**30:.1f} GiB of example tokens, more than a quarter of the {memory / 2**30:.1f} "
+                     f"GiB of host memory available here, bounded by {bound}; choose shorter lengths, or fewer depths "
+                     "or samples.")
   examples = [[[make_example(tokenizer, length, depth, seed + s) for s in range(samples)] for depth in depths]
               for length in lengths]
   return Grid(tuple(int(n) for n in lengths), tuple(float(d) for d in depths), examples)

@@ -172,6 +172,13 @@ def step_flag(help_text: str) -> flags.FlagHolder:
   return flags.DEFINE_integer("step", None, help_text)
 
 
+def prefill_block_flag() -> flags.FlagHolder:
+  """`--prefill_block`: tokens per block of a streamed prefill (`sampling.Sampler.prefill`); None: the default."""
+  return flags.DEFINE_integer("prefill_block", None, "Tokens per block of the prompt's prefill, a multiple of "
+                              "model.chunk_size: its memory is one block's at any prompt length (default: 2048 in "
+                              "whole chunks; 0: the whole prompt in one call).")
+
+
 def positive_float_flag(name: str, default: float, help_text: str,
                         flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
   """A float flag refused, naming it, unless positive and finite: absl's bounds let `nan` through (every
