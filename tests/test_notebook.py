@@ -19,7 +19,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "compare_modes.ipynb"
 # One length each, the same for both: the decode prefill then reuses the compiled chunkwise forward.
-TINY = dict(TRAIN_STEPS="4", BATCH="1", SEQ_LENS="24", DECODE_CONTEXTS="24", DECODE_TOKENS="2", REPEATS="1")
+TINY = dict(TRAIN_STEPS="4", BATCH="1", SEQ_LENS="24", DECODE_CONTEXTS="24", DECODE_TOKENS="2", REPEATS="1",
+            PREFILL_CONTEXTS="24,48")
 VERSUS = REPO / "notebooks" / "retnet_vs_transformer.ipynb"
 VERSUS_TINY = dict(TRAIN_STEPS="4", EVAL_EVERY="2", EVAL_SEQ_LEN="128", POSITION_BUCKETS="4", EVAL_BATCHES="1",
                    MQAR_STEPS="4", MQAR_BATCH="8", MQAR_WIDTHS="16,32", PASSKEY_SEQ_LEN="176", PASSKEY_STEPS="2",
@@ -71,7 +72,7 @@ def test_notebook_runs_end_to_end(tmp_path):
   assert not problems(nb)
   run_dir = tmp_path / "run"
   outputs = [output for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs]
-  for name in ("time_memory_vs_length.png", "decode_latency.png"):
+  for name in ("time_memory_vs_length.png", "decode_latency.png", "prefill_memory_vs_context.png"):
     assert (run_dir / "plots" / name).stat().st_size > 1000, name
   assert (run_dir / "checkpoints" / "4").is_dir()
 

@@ -110,7 +110,8 @@ def _prefill(params, prompts_BxP, lengths_B, call_id, *, graphdef, prefill_mode:
       value = max(jax.tree.leaves(state["layers"]), key=lambda leaf: leaf.size).reshape(-1)[0]
       jax.debug.callback(report, call_id, done, prompt_len - 1, value, ordered=False)
   if prompt_len > 1:
-    state = streaming.final_state(model, prompts_BxP[:, :-1], prefill_mode, prefill_block, state, on_block=on_block)
+    state = streaming.final_state(model, prompts_BxP, prefill_mode, prefill_block, state, on_block=on_block,
+                                  length=prompt_len - 1)
   return state
 
 
@@ -122,6 +123,7 @@ class Sampler:
     self._prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "prefill_mode", "prefill_block", "report"))
     self._streams: dict[int, _InOrder] = {}  # by call id: the loop gets the id as an argument, so no recompile
     self._progress: dict[int, list] = {}  # by call id: [progress, the most columns reported so far]
+    self._compiled_prefills: dict[tuple, Any] = {}  # compile_prefill's executables, by `_prefill_key`
     self._call_ids = itertools.count()
 
   @functools.cached_property
@@ -163,7 +165,8 @@ class Sampler:
                       prefill_block: int | None = None) -> Any:
     """The prefill compiled for `batch` prompts padded to `prompt_len` tokens (`jax.stages.Compiled`), as `prefill`
     would run it: its `memory_analysis()` sizes the prefill with nothing allocated or run, and a prefill of those
-    shapes then reuses the compilation.
+    shapes by this sampler, with the same parameters' shapes, dtypes and placement and no `progress`, then runs it
+    (without compiling again).
 
     Args:
       batch, prompt_len: the shape of the prompts `[B, P]` (`pad_prompts`).
@@ -173,8 +176,11 @@ class Sampler:
     prefill_block = streaming.check_block(model.config, prefill_block)
     width = prompt_len + checks.split_padding(prompt_len, getattr(model.config, "chunk_size", None))
     tokens = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    return self.trace_prefill(*nnx.split(model), tokens(batch, width), tokens(batch), prefill_mode,
-                              prefill_block).lower().compile()
+    graphdef, params = nnx.split(model)
+    compiled = self.trace_prefill(graphdef, params, tokens(batch, width), tokens(batch), prefill_mode,
+                                  prefill_block).lower().compile()
+    self._compiled_prefills[_prefill_key(graphdef, params, (batch, width), prefill_mode, prefill_block)] = compiled
+    return compiled
 
   def decode(self, model: model_lib.Model, prefilled: Prefilled, *, max_new_tokens: int, key: jax.Array,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -253,12 +259,15 @@ class Sampler:
     if padding:
       prompts_BxP = jnp.pad(prompts_BxP, ((0, 0), (padding, 0)), constant_values=PAD_ID)
     call_id = next(self._call_ids)
+    args = (params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), jnp.int32(call_id))
+    compiled = self._compiled_prefills.get(_prefill_key(graphdef, params, prompts_BxP.shape, prefill_mode,
+                                                        prefill_block)) if progress is None else None
     if progress is not None:
       self._progress[call_id] = [progress, 0]
     try:
-      state = self._prefill_jit(params, prompts_BxP, jnp.asarray(lengths_B, jnp.int32), jnp.int32(call_id),
-                                graphdef=graphdef, prefill_mode=prefill_mode, prefill_block=prefill_block,
-                                report=None if progress is None else self._report)
+      state = compiled(*args) if compiled is not None else self._prefill_jit(
+          *args, graphdef=graphdef, prefill_mode=prefill_mode, prefill_block=prefill_block,
+          report=None if progress is None else self._report)
       if progress is not None:
         jax.block_until_ready(state)
         jax.effects_barrier()  # every block's report has run before the call returns
@@ -347,6 +356,13 @@ class Sampler:
       self._streams[int(call_id)](block_BxW[:, step - int(start)], step)
 
 
+def _prefill_key(graphdef: nnx.GraphDef, params: Any, prompts_shape: tuple[int, ...], prefill_mode: str,
+                 prefill_block: int) -> tuple:
+  """What a compiled prefill depends on: the model's structure, its parameters' shapes, dtypes and placement (abstract
+  ones have none), the prompts' shape `[B, P]` (left padding included), the form and the block."""
+  leaves, treedef = jax.tree.flatten(params)
+  return (graphdef, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves),
+          tuple(prompts_shape), prefill_mode, prefill_block)
 
 
 def _sample(keys_B, logits_BxV, top_k: int | None, top_p: jax.Array | None) -> jax.Array:

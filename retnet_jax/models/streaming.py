@@ -91,12 +91,13 @@ def enter_block(state: Any, segment_ids_BxL: jax.Array | None, start) -> Any:
 
 
 def final_state(model: Any, tokens_BxL: jax.Array, mode: str, block: int, state: Any = None,
-                segment_ids_BxL: jax.Array | None = None, on_block: Callable[[Any, Any], None] | None = None
-                ) -> Any:
+                segment_ids_BxL: jax.Array | None = None, on_block: Callable[[Any, Any], None] | None = None,
+                length: int | None = None) -> Any:
   """The model's state after `tokens [B, L]` run in `mode` from `state` (None: `init_state`), block by block
   (`block` tokens, `check_block`'s; 0: one call): `model(tokens, mode, state, segment_ids=...)[1]` to float
-  rounding, with one block's memory. `on_block(columns_done, state)` is traced after each kind of block (for a host
-  callback reporting progress: given the state, it runs once the block has)."""
+  rounding, with one block's memory. `length`: run the first `length` columns only (None: all; no copy of the
+  rest is made). `on_block(columns_done, state)` is traced after each kind of block (for a host callback reporting
+  progress: given the state, it runs once the block has)."""
   if state is None:
     state = model.init_state(tokens_BxL.shape[0])
 
@@ -107,4 +108,4 @@ def final_state(model: Any, tokens_BxL: jax.Array, mode: str, block: int, state:
     if on_block is not None:
       on_block(start + width, state)
     return state
-  return fold(run, state, tokens_BxL.shape[1], block)
+  return fold(run, state, tokens_BxL.shape[1] if length is None else length, block)
