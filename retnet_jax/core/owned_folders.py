@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ MARK = ".retnet_jax.json"
 TOOL = "retnet_jax"
 VERSION = 1
 TAKE_FLAG = "--take_folder"  # the scripts' flag that writes into a folder holding files the project did not write
-_MARK_PARTIAL = MARK + ".partial"  # the mark being replaced (`_write_mark`)
 
 
 class NotOwnedError(ValueError):
@@ -57,6 +57,8 @@ class OwnedFolder:
 
   def record(self, *names: str) -> None:
     """Records `names` as written, before they are created; refuses (NotOwnedError) one that exists unrecorded."""
+    if bad := [name for name in names if not plain_name(name)]:
+      raise ValueError(f"cannot record {listing(map(str, bad))} in {self.path}: not plain names inside it.")
     with _locked(self.path):
       mark = self._mark()
       foreign = [name for name in names if name not in mark["written"] and os.path.lexists(self.path / name)]
@@ -90,13 +92,25 @@ def read_mark(folder: str | os.PathLike) -> dict[str, Any] | None:
     return None
   except (OSError, ValueError) as e:
     raise NotOwnedError(f"{path} is unreadable ({e}); restore it, or choose a new or empty folder.") from None
+  version = mark.get("version") if isinstance(mark, dict) else None
   if not (isinstance(mark, dict) and mark.get("tool") == TOOL and isinstance(mark.get("format"), str)
-          and isinstance(mark.get("version"), int) and isinstance(mark.get("written"), list)):
+          and type(version) is int and version >= 1 and isinstance(mark.get("written"), list)):
     raise NotOwnedError(f"{path} is not {TOOL}'s mark (tool, format, version, written); choose a new or empty folder.")
+  bad = [name for name in mark["written"] if not plain_name(name)]
+  if bad:
+    raise NotOwnedError(f"{path} records {listing(map(str, bad))} as written, which are not plain names inside its "
+                        "folder; it was not written by this project: choose a new or empty folder.")
   if mark["version"] > VERSION:
     raise NotOwnedError(f"{path} is version {mark['version']} of {TOOL}'s mark, newer than this code's {VERSION}; "
                         "update this code, or choose a new or empty folder.")
   return mark
+
+
+def plain_name(name: Any) -> bool:
+  """Whether `name` is a plain file name inside a folder: a non-empty string, not `.` or `..`, without a path
+  separator or NUL (a mark's names are removed and replaced: none may reach outside its folder)."""
+  return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+          and "\0" not in name)
 
 
 def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str] = (), take: bool = False,
@@ -128,7 +142,7 @@ def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
   if mark is not None and mark["format"] != kind:
     raise NotOwnedError(f"{named} is a {mark['format']} folder of this project, not a {kind}; choose a new or "
                         f"empty {flag}.")
-  found = sorted(p.name for p in path.iterdir() if p.name not in (MARK, _MARK_PARTIAL))
+  found = sorted(p.name for p in path.iterdir() if p.name != MARK)
   if mark is not None:
     recorded = set(mark["written"])
   elif not found:
@@ -179,7 +193,14 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def _write_mark(folder: Path, mark: dict[str, Any]) -> None:
-  """Writes the mark atomically: a reader sees the old one or the new one."""
-  partial = folder / _MARK_PARTIAL
-  partial.write_text(json.dumps(mark, indent=1) + "\n")
-  os.replace(partial, folder / MARK)
+  """Writes the mark atomically (a reader sees the old one or the new one) through a temporary file of a new name,
+  so that no file already in the folder is written over."""
+  fd, partial = tempfile.mkstemp(dir=folder, prefix=MARK + ".", suffix=".partial")
+  try:
+    with os.fdopen(fd, "w") as file:
+      file.write(json.dumps(mark, indent=1) + "\n")
+    os.replace(partial, folder / MARK)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(partial)
+    raise

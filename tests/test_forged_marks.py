@@ -1,0 +1,68 @@
+"""A folder's mark cannot be turned against the user: a mark whose names reach outside its folder, or whose fields
+have the wrong types, is refused in one line naming it before anything is removed; a user's file named like the
+mark's temporary is neither ignored nor written over."""
+
+import json
+
+import pytest
+
+from retnet_jax.core import owned_folders
+from tests.test_convert_fla import our_fla_model
+from retnet_jax.interop import export_fla
+
+
+def forged(folder, **fields):
+  """`folder` with a mark of the project's shape, `fields` replacing its own."""
+  folder.mkdir(parents=True, exist_ok=True)
+  mark = {"tool": owned_folders.TOOL, "format": export_fla.FOLDER_FORMAT, "version": 1, "written": [], **fields}
+  (folder / owned_folders.MARK).write_text(json.dumps(mark))
+  return folder / owned_folders.MARK
+
+
+@pytest.mark.parametrize("written", [["../outside/victim.txt"], ["ABSOLUTE"], [""], ["."], [".."], ["a/b"],
+                                     [5, None], ["ok", "..\x00"]])
+def test_a_forged_list_of_names_deletes_nothing_outside_the_folder(tmp_path, written):
+  """convert_fla.py --to_fla's stale-file cleanup removed `../outside/victim.txt` and an absolute path that a forged
+  mark listed: such a mark is refused in one line naming it, before the export writes or removes anything."""
+  victim = tmp_path / "outside" / "victim.txt"
+  victim.parent.mkdir()
+  victim.write_bytes(b"the user's\n")
+  written = [str(victim) if name == "ABSOLUTE" else name for name in written]
+  mark = forged(tmp_path / "out", written=written)
+  model, config = our_fla_model()
+  with pytest.raises(owned_folders.NotOwnedError, match=rf"^{mark}( records .* as written, which are not plain names "
+                                                        r"inside its folder| is not retnet_jax's mark)"):
+    export_fla.write_fla(model, config, tmp_path / "out")
+  assert victim.read_bytes() == b"the user's\n"
+  assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [owned_folders.MARK]
+
+
+@pytest.mark.parametrize("version", [True, -7, 0, "1", 1.0, None])
+def test_a_mark_of_the_wrong_types_is_refused_by_name(tmp_path, version):
+  mark = forged(tmp_path / "out", version=version)
+  with pytest.raises(owned_folders.NotOwnedError, match=rf"^{mark} is not retnet_jax's mark \(tool, format, version, "
+                                                        r"written\); choose a new or empty folder\.$"):
+    owned_folders.read_mark(tmp_path / "out")
+
+
+def test_a_users_file_named_like_the_marks_temporary_is_kept(tmp_path):
+  """A folder holding only the user's `.retnet_jax.json.partial` counted as empty, and the mark's write went through
+  that very name: it is the user's file now, refused as such, and --take_folder writes beside it."""
+  folder = tmp_path / "out"
+  folder.mkdir()
+  (folder / ".retnet_jax.json.partial").write_bytes(b"the user's\n")
+  with pytest.raises(owned_folders.NotOwnedError, match=r"holds '\.retnet_jax\.json\.partial', which this project "
+                                                        r"did not write"):
+    owned_folders.claim(folder, "workdir", flag="--workdir")
+  owned = owned_folders.claim(folder, "workdir", flag="--workdir", writes=("config.json",), take=True)
+  owned.record("metrics.jsonl")
+  assert (folder / ".retnet_jax.json.partial").read_bytes() == b"the user's\n"
+  assert sorted(p.name for p in folder.iterdir()) == [owned_folders.MARK, ".retnet_jax.json.partial"]
+  assert owned.written() == {"config.json", "metrics.jsonl"}
+
+
+def test_only_plain_names_are_recorded(tmp_path):
+  owned = owned_folders.claim(tmp_path / "out", "workdir", flag="--workdir")
+  with pytest.raises(ValueError, match=r"cannot record '\.\./x' in .*out: not plain names inside it\."):
+    owned.record("../x")
+  assert owned.written() == set()
