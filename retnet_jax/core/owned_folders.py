@@ -18,10 +18,11 @@ import contextlib
 import fcntl
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from retnet_jax.core import whole_files
 
 MARK = ".retnet_jax.json"
 TOOL = "retnet_jax"
@@ -193,14 +194,6 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def _write_mark(folder: Path, mark: dict[str, Any]) -> None:
-  """Writes the mark atomically (a reader sees the old one or the new one) through a temporary file of a new name,
-  so that no file already in the folder is written over."""
-  fd, partial = tempfile.mkstemp(dir=folder, prefix=MARK + ".", suffix=".partial")
-  try:
-    with os.fdopen(fd, "w") as file:
-      file.write(json.dumps(mark, indent=1) + "\n")
-    os.replace(partial, folder / MARK)
-  except BaseException:
-    with contextlib.suppress(FileNotFoundError):
-      os.unlink(partial)
-    raise
+  """Writes the mark whole (`whole_files`: a reader sees the old one or the new one), through a temporary file of a
+  new name, so that no file already in the folder is written over."""
+  whole_files.write_text(folder / MARK, json.dumps(mark, indent=1) + "\n")

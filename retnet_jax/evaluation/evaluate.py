@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from retnet_jax.core import dispatch, segments, sharding
+from retnet_jax.core import dispatch, segments, sharding, whole_files
 from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.models import architectures, model as model_lib, presets, streaming
 from retnet_jax.training import losses, train_state, train_step
@@ -302,4 +302,5 @@ def plot_loss_by_position(results: dict[str, Any], path: str | os.PathLike, trai
   ax.grid(True, alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  with whole_files.replacing(path) as png:  # a run killed while plotting leaves no half-written PNG
+    fig.savefig(png, dpi=100)

@@ -39,7 +39,7 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
-from retnet_jax.core import config_checks, sharding
+from retnet_jax.core import config_checks, sharding, whole_files
 from retnet_jax.evaluation import sampling
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
@@ -180,12 +180,12 @@ def _integer(name: str, value: Any, minimum: int) -> int:
 
 
 def write_results(results: dict[str, Any], path: str | Path) -> str | None:
-  """The harness's full results (`results_json`) written to `path` by the first process; returns the path as
+  """The harness's full results (`results_json`) written whole to `path` by the first process; returns the path as
   written, or None where it could not be (logged: the results still reach stdout)."""
   if jax.process_index() == 0:
     try:
       Path(path).parent.mkdir(parents=True, exist_ok=True)
-      Path(path).write_text(results_json(results) + "\n")
+      whole_files.write_text(path, results_json(results) + "\n")
     except OSError as e:  # a read-only or full disk
       logging.error(f"could not write {path} ({e.strerror}); the results are the table and the JSON line only")
       return None

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from retnet_jax.core import whole_files
 from retnet_jax.evaluation import sampling, sampling_checks
 from retnet_jax.input_pipeline.passkey import Example, Grid
 from retnet_jax.hardware import accelerators
@@ -203,4 +204,5 @@ def plot_heatmap(results: dict[str, Any], path: str | os.PathLike) -> None:
          title=f"Passkey accuracy{step}\n{results['samples']} samples per cell")
   fig.colorbar(image, ax=ax, label="exact-match accuracy")
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  with whole_files.replacing(path) as png:  # a run killed while plotting leaves no half-written PNG
+    fig.savefig(png, dpi=100)

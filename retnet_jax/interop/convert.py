@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 
-from retnet_jax.core import sharding
+from retnet_jax.core import sharding, whole_files
 from retnet_jax.interop.safetensors_folder import listing
 from retnet_jax.mixers import decay
 from retnet_jax.models import presets
@@ -307,5 +307,5 @@ def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: s
   with checkpointing.Checkpointer(ckpt_dir, keep=1, async_save=False) as checkpointer:
     checkpointer.save(0, state, {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)
   if jax.process_index() == 0:
-    workdir_lib.config_file(workdir).write_text(config.to_json_best_effort(indent=2))
+    whole_files.write_text(workdir_lib.config_file(workdir), config.to_json_best_effort(indent=2))
   return ckpt_dir

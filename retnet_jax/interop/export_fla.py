@@ -23,7 +23,7 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from retnet_jax.core import owned_folders
+from retnet_jax.core import owned_folders, whole_files
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.interop.convert_fla import fla_names, split_qkv
 from retnet_jax.interop.safetensors_folder import INDEX_FILE, SINGLE_FILE
@@ -171,15 +171,16 @@ def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Pa
   for file, paths in zip(files, shards):
     tensors = dict(_host_arrays(params, paths, config.model))
     if writer:
-      save_file(tensors, out / file, metadata={"format": "pt"})
+      with whole_files.replacing(out / file) as partial:
+        save_file(tensors, partial, metadata={"format": "pt"})
     del tensors
   if writer:
     if len(shards) > 1:
       weight_map = {name: file for file, paths in zip(files, shards) for path in paths for name in fla_names(path)}
       total = sum(itemsize * math.prod(value.shape) for value in params.values())
-      (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                               indent=2))
-    (out / "config.json").write_text(json.dumps(fla_config_of(config.model, tokenizer.eos_id), indent=2))
+      whole_files.write_text(out / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+                                                          "weight_map": weight_map}, indent=2))
+    whole_files.write_text(out / "config.json", json.dumps(fla_config_of(config.model, tokenizer.eos_id), indent=2))
     if tokenizer_file is not None:
       shutil.copyfile(tokenizer_file, out / "tokenizer.json")
       for name in siblings:

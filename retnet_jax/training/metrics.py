@@ -13,6 +13,8 @@ from typing import Any
 import jax
 from absl import logging
 
+from retnet_jax.core import whole_files
+
 # tensorboardX imports torch where it is installed, only to accept torch tensors, which training never logs; that
 # import takes seconds at every start of a script. Hidden while tensorboardX imports, unless already imported.
 _HIDE_TORCH = "torch" not in sys.modules
@@ -45,14 +47,14 @@ def to_json(values: dict[str, Any]) -> str:
 
 def write_results(results: dict[str, Any], path: str | os.PathLike,
                   plot: Callable[[dict[str, Any], Path], Any] | None = None) -> str:
-  """`results` as one JSON line (`to_json`), written to `path` by the first process, with `plot(results, png)` beside
-  it (`png`: `path` with the suffix `.png`); returns the line for stdout. A read-only or full workdir is logged,
-  not raised: the results still reach stdout."""
+  """`results` as one JSON line (`to_json`), written whole (`whole_files`) to `path` by the first process, with
+  `plot(results, png)` beside it (`png`: `path` with the suffix `.png`; the plot writes whole too); returns the
+  line for stdout. A read-only or full workdir is logged, not raised: the results still reach stdout."""
   line = to_json(results)
   if jax.process_index() == 0:
     path = Path(path)
     try:
-      path.write_text(line + "\n")
+      whole_files.write_text(path, line + "\n")
       if plot is not None:
         plot(results, path.with_suffix(".png"))
     except OSError as e:
@@ -127,7 +129,8 @@ class MetricsWriter:
     for ax in (loss_ax, rate_ax):
       ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(os.path.dirname(self._path), METRICS_PLOT), dpi=100)
+    with whole_files.replacing(os.path.join(os.path.dirname(self._path), METRICS_PLOT)) as png:
+      fig.savefig(png, dpi=100)
 
   def _reopen_if_replaced(self, step: int) -> None:
     """Reopens metrics.jsonl if it was deleted or replaced since it was opened (its lines would go nowhere)."""

@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from retnet_jax.core import config_checks, dispatch, sharding
+from retnet_jax.core import config_checks, dispatch, sharding, whole_files
 from retnet_jax.hardware import flops
 from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
@@ -95,7 +95,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         state = _restore_or_init(config, run, checkpointer, batches)  # refuses another model's, before any write
         with metrics.MetricsWriter(workdir) as writer:
           if jax.process_index() == 0:
-            workdir_lib.config_file(workdir).write_text(config.to_json_best_effort(indent=2))
+            whole_files.write_text(workdir_lib.config_file(workdir), config.to_json_best_effort(indent=2))
           return _train_loop(config, run, state, batches, valid_batches, checkpointer, writer, lock)
     except (workdir_lock.LockFileRemovedError, write_errors.ExportWriteError):  # they say what the workdir keeps
       raise
