@@ -1,14 +1,17 @@
-"""A folder's mark cannot be turned against the user: a mark whose names reach outside its folder, or whose fields
-have the wrong types, is refused in one line naming it before anything is removed; a user's file named like the
-mark's temporary is neither ignored nor written over."""
+"""A folder's mark and its names cannot be turned against the user: a mark whose names reach outside its folder, or
+whose fields have the wrong types, is refused in one line naming it before anything is removed; a user's file named
+like the mark's temporary is neither ignored nor written over; an output that is a symbolic link is never written
+through; paths are checked as resolved and an unexpanded ~ is refused."""
 
 import json
+import shutil
 
 import pytest
 
 from retnet_jax.core import owned_folders
-from tests.test_convert_fla import our_fla_model
 from retnet_jax.interop import export_fla
+from retnet_jax.training import train, workdir as workdir_lib
+from tests.test_convert_fla import our_fla_model
 
 
 def forged(folder, **fields):
@@ -66,3 +69,43 @@ def test_only_plain_names_are_recorded(tmp_path):
   with pytest.raises(ValueError, match=r"cannot record '\.\./x' in .*out: not plain names inside it\."):
     owned.record("../x")
   assert owned.written() == set()
+
+
+@pytest.mark.parametrize("name,is_dir", [("metrics.jsonl", False), ("params", True)])
+def test_a_symlinked_output_is_never_written_through(trained_copy, tmp_path, name, is_dir):
+  """A `metrics.jsonl` that was a symlink to a user's file was appended to, and a `params/` that was a symlink to a
+  user's folder was replaced: training refuses such a workdir before any work, the link's target untouched."""
+  config, workdir, _ = trained_copy
+  target = tmp_path / "users"
+  if is_dir:
+    target.mkdir()
+    (target / "notes.txt").write_bytes(b"the user's\n")
+  else:
+    target.write_bytes(b"the user's\n")
+  snapshot = lambda: sorted((str(p), p.read_bytes()) for p in [target, *target.rglob("*")] if p.is_file())
+  before = snapshot()
+  link = workdir / name
+  shutil.rmtree(link) if is_dir else link.unlink()
+  link.symlink_to(target, target_is_directory=is_dir)
+  config.train.steps += 4
+  with pytest.raises(owned_folders.NotOwnedError, match=rf"holds '{name}' as symbolic links, which this project "
+                                                        r"would write through"):
+    train.train_and_evaluate(config, workdir)
+  assert snapshot() == before and link.is_symlink()
+
+
+def test_a_workdir_reached_through_a_link_into_another_runs_checkpoints_is_refused(trained, tmp_path):
+  """--workdir=LINK/new, LINK pointing into another run's checkpoints/, wrote a second run inside that run."""
+  link = tmp_path / "link"
+  link.symlink_to(trained.workdir / "checkpoints", target_is_directory=True)
+  with pytest.raises(ValueError, match=r"--workdir=.*link/new lies inside the checkpoints/ folder of the run"):
+    workdir_lib.check_training_dir(link / "new")
+  assert not (trained.workdir / "checkpoints" / "new").exists()
+
+
+def test_an_unexpanded_tilde_is_refused(tmp_path, monkeypatch):
+  """'--workdir=~' made a folder named ~ while the last line said ~/checkpoints."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(owned_folders.NotOwnedError, match=r"^--workdir='~' begins with '~', which no shell expanded"):
+    workdir_lib.check_training_dir("~")
+  assert not (tmp_path / "~").exists()

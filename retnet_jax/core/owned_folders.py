@@ -9,7 +9,8 @@ Anything else is refused (NotOwnedError) before any work, naming the folder, a f
 the fix, unless an earlier version of the project wrote it (`earlier` recognises such a folder and names what it
 wrote, recorded as the project's) or the user takes it (`take`: the scripts' --take_folder), in which case the
 project writes beside the files found and touches none of them. A name the project is about to write that the
-folder already holds, unrecorded, is refused even then: the project replaces or removes only names it recorded.
+folder already holds, unrecorded, is refused even then: the project replaces or removes only names it recorded. A
+name it writes or recorded that is a symbolic link is refused too: it would write through the link.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
   """
   path = Path(path)
   named = f"{flag}={str(path)!r}"
+  if str(path).startswith("~"):
+    raise NotOwnedError(f"{named} begins with '~', which no shell expanded (the flag was quoted?), so a folder named "
+                        "'~' would be made here; write the path out, e.g. with $HOME.")
   if path.exists() and not path.is_dir():
     raise NotOwnedError(f"{named} is a file; choose a directory (new or empty).")
   if not path.is_dir():
@@ -161,6 +165,11 @@ def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
   if foreign:
     raise NotOwnedError(f"{named} holds {listing(foreign)}, which this project did not write and would write over; "
                         f"choose a new or empty {flag}, or move those files elsewhere.")
+  links = [name for name in set(writes) | recorded if plain_name(name) and (path / name).is_symlink()]
+  if links:
+    raise NotOwnedError(f"{named} holds {listing(links)} as symbolic links, which this project would write through "
+                        "to what they point at; it writes only files of its own: remove the links (what they point at "
+                        f"stays as it is), or choose a new {flag}.")
   return adopted
 
 

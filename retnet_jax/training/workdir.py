@@ -116,7 +116,7 @@ def earlier_workdir(folder: Path) -> list[str] | None:
 def check_outside_runs(path: Path, flag: str, choices: str) -> None:
   """Refuses (naming `flag` and the `choices` of directory) a `path` inside a run's `checkpoints/` or `params/`,
   whose folders that run writes, replaces and prunes."""
-  for parent in path.absolute().parents:
+  for parent in (*path.absolute().parents, *path.resolve().parents):  # as named, and with links followed
     if parent.name in ("checkpoints", "params") and config_file(parent.parent).is_file():
       raise ValueError(f"{flag}={path} lies inside the {parent.name}/ folder of the run {parent.parent}; "
                        f"choose a directory outside it ({choices}).")
