@@ -337,3 +337,27 @@ def test_generate_script_without_config_reads_the_workdirs_model(trained):
   stdout = script_stdout("generate.py", f"--workdir={trained.workdir}", "--prompt=A", "--max_new_tokens=4",
                          "--nostream")
   assert [s["prompt"] for s in json.loads(stdout.strip().splitlines()[-1])["samples"]] == ["A"]
+
+
+def test_a_run_is_evaluated_on_its_own_data_without_config(trained_copy):
+  """A run trained on the user's corpus (`--config.data.files=...`), then `evaluate.py --workdir=RUN` without
+  `--config`, was scored on the shipped Shakespeare split with no word: it reads the run's data section and
+  training length from its config.json, and the results name what they evaluated."""
+  config, workdir, flags = trained_copy
+  given = script_stdout("evaluate.py", *flags, "--max_batches=1", "--mode=chunkwise")
+  alone = script_stdout("evaluate.py", f"--workdir={workdir}", "--max_batches=1", "--mode=chunkwise")
+  given, alone = json.loads(given.splitlines()[-1]), json.loads(alone.splitlines()[-1])
+  assert alone["data"] == given["data"] == {"files": [config.data.files[0]], "split": "validation",
+                                            "split_tokens": alone["data"]["split_tokens"]}
+  assert alone["seq_len"] == config.train.seq_len == 32  # the run's, not the preset's 64
+  assert alone["modes"]["chunkwise"]["loss"] == given["modes"]["chunkwise"]["loss"]
+
+
+def test_a_bad_training_length_in_config_json_is_named(trained_copy):
+  _, workdir, _ = trained_copy
+  saved = json.loads((workdir / "config.json").read_text())
+  saved["train"]["seq_len"] = -5
+  (workdir / "config.json").write_text(json.dumps(saved))
+  with pytest.raises(ValueError, match=r"config\.json: train\.seq_len must be a positive integer \(the run's "
+                                       r"training length\); got -5\."):
+    workdir_lib.saved_config(workdir)

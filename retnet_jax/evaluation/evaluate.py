@@ -216,7 +216,7 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
                                    minlength=position_buckets))
     num_sequences, num_tokens, num_bytes = len(targets), int(targets.size), count_bytes(tokenizer, targets)
     results = {"seq_len": seq_len, "tokens": num_tokens, "bytes": num_bytes, "sequences": num_sequences,
-               "modes": {}}
+               "data": evaluated_data(config.data, sum(c.num_tokens("validation") for c in corpora)), "modes": {}}
 
   graphdef, params = nnx.split(model)
   per_mode_logits = {}
@@ -254,6 +254,17 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
   return results
 
 
+def evaluated_data(data_cfg: ml_collections.ConfigDict, split_tokens: int) -> dict[str, Any]:
+  """What an evaluation of text read, for its results: the data section's sources that are set (files, validation
+  files, prepared corpora, a hub dataset; none: the shipped corpus), the split and the tokens it holds."""
+  sources = {field: list(data.as_tuple(data_cfg[field])) for field in ("files", "validation_files", "prepared")
+             if data.as_tuple(data_cfg[field])}
+  if data_cfg.hub_dataset:
+    sources["hub_dataset"] = data_cfg.hub_dataset
+  return {**(sources or {"shipped_corpus": f"data/{data.DEFAULT_CORPUS.name}"}), "split": "validation",
+          "split_tokens": int(split_tokens)}
+
+
 def format_table(results: dict[str, Any]) -> str:
   """A plain-text table of the per-mode metrics."""
   task = results.get("task")
@@ -263,7 +274,8 @@ def format_table(results: dict[str, Any]) -> str:
     lines.append(f"{mode:<10} {m['loss']:>8.4f} {m['perplexity']:>8.3f} {m['bits_per_token']:>11.4f} "
                  f"{m[last]:>10.4f}")
   lines.append(f"{results['sequences']} sequences of {task}, {results['answers']:,} answers" if task else
-               f"{results['sequences']} sequences, {results['tokens']:,} tokens, {results['bytes']:,} bytes")
+               f"{results['sequences']} sequences, {results['tokens']:,} tokens, {results['bytes']:,} bytes of the "
+               f"validation split of {_sources(results['data'])}")
   if "modes_agree" in results:
     lines.append(f"largest difference between modes: loss {results['max_loss_difference']:.2e} "
                  f"(tolerance {results['tolerance']:.1e}), last-position logits "
@@ -276,6 +288,13 @@ def format_table(results: dict[str, Any]) -> str:
       lines.append(f"{bucket['start']}-{bucket['end']}".rjust(15) + " " +
                    " ".join(f"{buckets[k]['loss']:>10.4f}" for buckets in by_position.values()))
   return "\n".join(lines)
+
+
+def _sources(data_: dict[str, Any]) -> str:
+  """`evaluated_data`'s sources in a few words: "data.files=['a.txt'] (1,234 tokens in the split)"."""
+  named = "; ".join(f"the shipped corpus {value}" if field == "shipped_corpus" else f"data.{field}={value}"
+                    for field, value in data_.items() if field not in ("split", "split_tokens"))
+  return f"{named} ({data_['split_tokens']:,} tokens in the split)"
 
 
 def plot_loss_by_position(results: dict[str, Any], path: str | os.PathLike, train_seq_len: int | None = None) -> None:

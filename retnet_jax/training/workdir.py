@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import ml_collections
 import numpy as np
 
-from retnet_jax.core import owned_folders
+from retnet_jax.core import config_checks, owned_folders
 from retnet_jax.models import presets
 from retnet_jax.training import checkpointing, metrics, workdir_lock
 
@@ -200,7 +200,8 @@ def config_file(workdir: str | os.PathLike) -> Path:
 
 def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
   """The full config a workdir was written with (by training or a conversion): its preset, with the model and
-  tokenizer of its config.json."""
+  data sections of its config.json (the data it trained on: what evaluation reads) and its training length
+  (`train.seq_len`: evaluation's default length)."""
   path = config_file(workdir)
   if path.is_dir():
     raise ValueError(f"{path} is a folder, not the config file of a run; put the run's config.json back, or give "
@@ -220,25 +221,44 @@ def saved_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
       raise ValueError(f"{path}: {key}={saved[key]!r} must be a {'string' if kind is str else 'JSON object'}; fix "
                        "it in config.json, or give the config with --config.")
   config = presets.get_config(saved["preset"], saved["model"].get("architecture", "retnet"))
-  fields = [("model", name, value) for name, value in saved["model"].items()]
-  if "tokenizer" in saved["data"]:  # the data section's only field a reader takes
-    fields.append(("data", "tokenizer", saved["data"]["tokenizer"]))
-  for section, name, value in fields:
-    if name not in config[section]:
-      raise ValueError(f"{path}: {section}.{name} is not a field of a {config.model.architecture} config; remove it "
-                       "from config.json, or give the config with --config.")
+  fields = [(("model", name), value) for name, value in saved["model"].items()]
+  fields += _nested_fields(("data",), saved["data"])
+  train = saved.get("train")
+  if isinstance(train, dict) and "seq_len" in train:
+    fields.append((("train", "seq_len"), config_checks.positive_int(train["seq_len"], f"{path}: train.seq_len",
+                                                                    "the run's training length")))
+  for names, value in fields:
+    *parents, name = names
+    section = config
+    for parent in parents:
+      section = section[parent]
+    field = ".".join(names)
+    if name not in section:
+      raise ValueError(f"{path}: {field} is not a field of a {config.model.architecture} config; remove it from "
+                       "config.json, or give the config with --config.")
     try:
-      config[section][name] = value
+      section[name] = tuple(value) if isinstance(section[name], tuple) and isinstance(value, list) else value
     except (TypeError, ValueError) as e:
-      raise ValueError(f"{path}: {section}.{name}={value!r} does not fit the field ({e}); fix it in config.json, or "
+      raise ValueError(f"{path}: {field}={value!r} does not fit the field ({e}); fix it in config.json, or "
                        "give the config with --config.") from None
   return config
 
 
+def _nested_fields(names: tuple[str, ...], values: dict[str, Any]) -> list[tuple[tuple[str, ...], Any]]:
+  """(the dotted path's names, value) of every leaf field of a config.json section (its subsections opened)."""
+  fields = []
+  for name, value in values.items():
+    if isinstance(value, dict):
+      fields += _nested_fields(names + (name,), value)
+    else:
+      fields.append((names + (name,), value))
+  return fields
+
+
 def trained_task(workdir: str | os.PathLike) -> str | None:
   """What the run in `workdir` trained on, by its config.json's data section: "text", or the synthetic task of
-  `data.synthetic` ("passkey", "mqar"); None where config.json is missing or does not say (`saved_config` keeps
-  the preset's data section, so it cannot tell)."""
+  `data.synthetic` ("passkey", "mqar"); None where config.json is missing or does not say (a config given with
+  --config may name other data than the run's)."""
   try:
     data = json.loads(config_file(workdir).read_bytes().decode("utf-8"))["data"]
     return data.get("synthetic") or "text"
@@ -249,9 +269,9 @@ def trained_task(workdir: str | os.PathLike) -> str | None:
 def script_config(given: ml_collections.ConfigDict, workdir: str | os.PathLike, named: bool,
                   overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """The config of a script that reads a run (evaluate, generate, passkey): `given` (--config) where it was named
-  on the command line or the workdir has no config.json; otherwise the workdir's saved config (its preset, model
-  and tokenizer: `saved_config`) with each of `overrides` (the dotted fields set by --config.x.y) taken from `given`,
-  so that a hybrid or an overridden model is read without repeating its fields.
+  on the command line or the workdir has no config.json; otherwise the workdir's saved config (its preset, model,
+  data and training length: `saved_config`) with each of `overrides` (the dotted fields set by --config.x.y) taken
+  from `given`, so that a hybrid, an overridden model or the run's own corpus is read without repeating its fields.
 
   Args:
     given: --config's value. workdir: the run's directory. named: whether --config was on the command line.
