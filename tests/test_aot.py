@@ -212,7 +212,11 @@ def test_a_missing_extra_names_the_pip_command(monkeypatch):
     ("h100:1", {"model__retention_impl": "pallas", "model__chunk_size": 8},
      r"chunk_size 8 is not one of the split kernels'"),
     ("v5e-4", {"model__retention_impl": "pallas", "model__chunk_size": 16}, r"compile for GPUs only .* 'tpu'"),
-    ("v5e-4", {"train__batch_size": 6}, r"micro-batch of 6 sequences .* not divisible by the 4 data shards")])
+    ("v5e-4", {"train__batch_size": 6}, r"micro-batch of 6 sequences .* not divisible by the 4 data shards"),
+    # training's own checks, as train.py makes them (aot_compile.py accepted loss_tile=-5)
+    ("h100:1", {"train__loss_tile": -5}, r"^train\.loss_tile must be 0 \(the loss over all tokens at once\) or a "
+                                         r"positive number of tokens per tile; got -5\.$"),
+    ("h100:1", {"train__steps": 0}, r"^train\.steps must be a positive integer; got 0\.$")])
 def test_bad_requests_fail_before_compiling(target, fields, message):
   with pytest.raises(ValueError, match=message):
     aot.check_request(tiny(**fields), accelerators.parse_target(target), ("train",))

@@ -33,7 +33,7 @@ from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.mixers.kernels import support
 from retnet_jax.models import architectures, streaming
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import train_state, train_step as train_step_lib
+from retnet_jax.training import train, train_state, train_step as train_step_lib
 
 STEPS = ("train", "eval", "prefill", "decode")
 DECODE_TOKENS = 256  # new tokens per decoding loop compiled
@@ -53,7 +53,7 @@ def check_request(config: ml_collections.ConfigDict, target: accelerators.Target
   except ValueError as e:
     raise ValueError(f"--target={target.name} has {target.num_devices} devices: {e}") from None
   with support.target_backend(target.chip.platform):
-    train_state.check_config(config, target.num_devices)
+    train.check_config(config, target.num_devices)  # training's own checks: the plan is of that training
 
 
 def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: Sequence[str] = ("train",)
