@@ -13,6 +13,11 @@ the workdir's latest checkpoint (or `--step`) with its config.json, written as a
 holding other files, left untouched). Neither direction needs torch.
 """
 
+from retnet_jax.training import cli
+
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
+
 from pathlib import Path
 
 from absl import flags
@@ -20,7 +25,7 @@ from absl import flags
 from retnet_jax.core import sharding
 from retnet_jax.interop import convert, convert_fla, export_fla
 from retnet_jax.models import presets
-from retnet_jax.training import cli, train_state, workdir as workdir_lib
+from retnet_jax.training import train_state, workdir as workdir_lib
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fla RetNet checkpoint folder: read, or written with --to_fla.",
                                   required=True)

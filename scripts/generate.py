@@ -38,7 +38,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 d
 _TOP_K = flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens only.")
 _TOP_P = flags.DEFINE_float("top_p", None, "Sample from the smallest set of tokens whose probability reaches p.")
 _STOP = flags.DEFINE_multi_integer("stop_token", [], "Token id that ends a completion (repeatable).")
-_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
+_SEED = cli.seed_flag("PRNG seed.")
 _PREFILL = flags.DEFINE_enum("prefill_mode", None, architectures.PREFILL_MODES, "Form used for the prompt (default: "
                              "chunkwise, or parallel for a Transformer).")
 _PREFILL_BLOCK = cli.prefill_block_flag()

@@ -41,18 +41,24 @@ _MODEL_ARGS = flags.DEFINE_string("model_args", "", "The adapter's options, e.g.
                                   "(the checkpoint comes from --config, --workdir and --step).")
 
 
+MAX_LIMIT = 2**31 - 1  # the harness slices its examples by --limit (itertools.islice)
+
+
 def main():
   options = harness_utils.simple_parse_args_string(_MODEL_ARGS.value)
   misplaced = sorted(set(options) & {"workdir", "config", "step", "batch_size"} | {k for k in options if "." in k})
   if misplaced:
     raise ValueError(f"--model_args={_MODEL_ARGS.value!r} sets {misplaced}; give them as --workdir, --config, "
                      "--config.x.y, --step and --batch_size.")
+  limit = _LIMIT.value
+  if limit is not None and limit >= 1 and (limit != int(limit) or limit > MAX_LIMIT):
+    raise ValueError(f"--limit={limit:g} is a count of examples per task, so a whole number from 1 to {MAX_LIMIT} (or "
+                     "below 1 a fraction); leave --limit unset for every example.")
   if _OUTPUT_PATH.value and Path(_OUTPUT_PATH.value).suffix == ".json":
     workdir.check_results_path(_OUTPUT_PATH.value, "--output_path")
   task_manager, tasks = harness.load_tasks(_TASKS.value, _INCLUDE_PATH.value)
   config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
   lm = harness.RetNetLM(_WORKDIR.value, config, _STEP.value, batch_size=_BATCH_SIZE.value, **options)
-  limit = _LIMIT.value
   results = lm_eval.simple_evaluate(
       model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=_NUM_FEWSHOT.value,
       limit=int(limit) if limit is not None and limit >= 1 else limit, batch_size=_BATCH_SIZE.value,

@@ -19,6 +19,11 @@ counts and timed cases (`retnet_jax.bench.op`).
 
 from __future__ import annotations
 
+from retnet_jax.training import cli
+
+if __name__ == "__main__":
+  cli.prepare()  # first, before numpy and jax start threads
+
 import sys
 from pathlib import Path
 
@@ -27,7 +32,6 @@ import jax
 
 from retnet_jax.bench import kernel_check
 from retnet_jax.bench.op import TOLERANCE
-from retnet_jax.training import cli
 
 _OUT = flags.DEFINE_string("out", "runs/kernel_check.json", "JSON results file.")
 _BATCH = flags.DEFINE_integer("batch", 4, "Batch size.", lower_bound=1)

@@ -34,7 +34,7 @@ _MODE = flags.DEFINE_enum("mode", None, architectures.PREFILL_MODES, "Form of th
                           "default: the model's own, chunkwise for RetNet, parallel for a Transformer); the parallel "
                           "form's memory grows with the square of the length.")
 _PREFILL_BLOCK = cli.prefill_block_flag()
-_SEED = flags.DEFINE_integer("seed", 0, "Sample s of every cell hides the key of seed + s.")
+_SEED = cli.seed_flag("Sample s of every cell hides the key of seed + s.")
 _MAX_HOURS = cli.positive_float_flag("max_hours", 2.0, "Refuse a grid whose prompts would take longer than this on "
                                      "this device (timed on a short prompt before the grid runs).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Examples per compiled call (default: a cell's samples).",

@@ -248,3 +248,21 @@ def test_a_positive_float_flag_refuses_what_would_turn_its_guard_off(value):
     flag_values(["script", f"--max_hours={value}"])
   flag_values(["script", "--max_hours=0.5"])
   assert flag_values.max_hours == 0.5
+
+
+@pytest.mark.parametrize("script,flag,line", [
+    ("train.py", "--stpes=3", "error: unknown flag --stpes; did you mean --config.train.steps?"),  # absl: stderrthreshold
+    ("passkey.py", "--smaples=3", "error: unknown flag --smaples; did you mean --samples?"),
+    ("prepare_data.py", "--qwerty=3", "error: unknown flag --qwerty."),
+])
+def test_a_misspelt_flag_is_met_with_the_scripts_own_names(script, flag, line):
+  result = run_script(script, "--workdir=unused" if script != "prepare_data.py" else "--out=unused", flag)
+  assert result.returncode != 0 and script_lines(result.stderr)[0] == line, result.stderr[-2000:]
+
+
+def test_a_seed_beyond_64_bits_is_refused_by_range():
+  """generate.py --seed=99999999999999999999 ended in an OverflowError inside jax.random.key."""
+  result = run_script("generate.py", "--workdir=unused", "--seed=99999999999999999999")
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert script_lines(result.stderr)[0] == ("error: flag --seed=99999999999999999999: 99999999999999999999 is not an "
+                                            "integer in the range [0, 9223372036854775807]")

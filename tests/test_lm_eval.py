@@ -3,6 +3,7 @@ and a Transformer, against log-likelihoods and greedy decoding computed directly
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -307,3 +308,13 @@ def test_rolling_loglikelihood_is_per_document():
   for i, first, last in scored:
     expected[i] += logprobs[np.arange(first, last), tokens[first + 1:last + 1]].sum()
   assert batched == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("limit", ["1e30", "2.5"])
+def test_a_limit_that_is_no_count_is_refused_naming_the_flag(tmp_path, limit):
+  """--limit=1e30 ended in itertools.islice's own message, naming no flag."""
+  result = run_script("harness_eval.py", f"--workdir={tmp_path}", "--tasks=tiny_mc", f"--limit={limit}")
+  assert result.returncode == 1 and "Traceback" not in result.stderr
+  shown = re.escape(f"{float(limit):g}")
+  assert re.search(rf"^error: --limit={shown} is a count of examples per task, so a whole number from 1 to "
+                   r"2147483647", result.stderr, flags=re.MULTILINE), result.stderr[-2000:]

@@ -15,6 +15,7 @@ Importing this module imports neither numpy nor jax, so `prepare` can still act 
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import logging
 import os
@@ -170,6 +171,15 @@ def take_folder_flag() -> flags.FlagHolder:
 def step_flag(help_text: str) -> flags.FlagHolder:
   """`--step`: a checkpoint step; None for the latest."""
   return flags.DEFINE_integer("step", None, help_text)
+
+
+MAX_SEED = 2**63 - 1  # PRNG seeds are 64-bit integers (jax.random.key, numpy's generators)
+
+
+def seed_flag(help_text: str) -> flags.FlagHolder:
+  """`--seed`, an integer in [0, MAX_SEED]: one outside is a usage error naming the range, before any work (a
+  larger one overflowed deep inside jax.random.key)."""
+  return flags.DEFINE_integer("seed", 0, help_text, lower_bound=0, upper_bound=MAX_SEED)
 
 
 def prefill_block_flag() -> flags.FlagHolder:
@@ -418,6 +428,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if e.code == 1:  # parsing raises flags.Error for bad input: only the help flags exit
       sys.exit(0)
     raise
+  except flags.UnrecognizedFlagError as e:
+    sys.exit(f"error: {_unknown_flag(e.flagname)}\nPass --helpshort or --helpfull to see help on flags.")
   except flags.Error as e:
     lines = [line for line in str(e).splitlines() if line.strip()]
     if any(line.startswith("Traceback") for line in lines):  # ml_collections quotes its own traceback: the cause
@@ -425,6 +437,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit("error: " + " ".join(lines) + "\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
     sys.exit(_unknown_field(argv, e))
+
+
+def _unknown_flag(name: str) -> str:
+  """One line for a flag the script does not define, suggesting the closest of its own flags (the script's and this
+  package's: absl's suggestions come from every flag, e.g. --stpes -> stderrthreshold) and of the config's fields
+  (--stpes -> --config.train.steps)."""
+  own = {flag.name: flag.name for module, defined in flags.FLAGS.flags_by_module_dict().items()
+         if module.startswith("retnet_jax") or os.path.abspath(module) == os.path.abspath(sys.argv[0])
+         for flag in defined}
+  if "config" in own:
+    config = presets.get_config("tiny")
+    for section, fields in config.items():
+      if isinstance(fields, ml_collections.ConfigDict):
+        own.update({field: f"config.{section}.{field}" for field in fields if field not in own})
+  close = [own[match] for match in difflib.get_close_matches(name, list(own), n=2, cutoff=0.75)]
+  return f"unknown flag --{name}" + (f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ".")
 
 
 def _unknown_field(argv: list[str], error: BaseException) -> str:
