@@ -2,9 +2,10 @@
 
 import json
 import logging
+from pathlib import Path
 
 from retnet_jax.core import owned_folders
-from retnet_jax.training import metrics
+from retnet_jax.training import metrics, train
 
 
 def test_a_deleted_or_replaced_metrics_file_is_written_again_with_a_warning(tmp_path, caplog):
@@ -46,3 +47,16 @@ def test_training_plots_its_loss_and_learning_rate_into_the_workdir(trained):
   png = trained.workdir / metrics.METRICS_PLOT
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1024
   assert metrics.METRICS_PLOT in owned_folders.read_mark(trained.workdir)["written"]
+
+
+def test_the_last_line_names_every_output_as_the_workdir_was_given(trained_copy, caplog, monkeypatch):
+  """It named the checkpoints and params, not metrics.jsonl, metrics.png and tensorboard/."""
+  config, workdir, _ = trained_copy
+  monkeypatch.chdir(workdir.parent)
+  config.train.steps += 1
+  with caplog.at_level(logging.INFO, logger="absl"):
+    train.train_and_evaluate(config, Path(workdir.name))
+  run = workdir.name
+  assert caplog.records[-1].getMessage() == (
+      f"done at step 9; checkpoints in {run}/checkpoints, params in {run}/params/9; metrics in {run}/metrics.jsonl "
+      f"(plot {run}/metrics.png, TensorBoard {run}/tensorboard)")

@@ -15,6 +15,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import jax
 import ml_collections
@@ -354,7 +355,9 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
     raise write_errors.ExportWriteError(
         f"{e} ({what}). Checkpoint {step} in {checkpointer.directory} is committed and intact; {fix}, then run the "
         "same command again: the training is done, so it only exports the parameters.", e.errno) from e
-  metrics.log(f"done at step {step}; checkpoints in {workdir_lib.checkpoint_dir(workdir)}, params in {export_dir}")
+  metrics.log(f"done at step {step}; checkpoints in {workdir_lib.checkpoint_dir(workdir)}, params in {export_dir}; "
+              f"metrics in {Path(workdir) / metrics.METRICS_FILE} (plot {Path(workdir) / metrics.METRICS_PLOT}, "
+              f"TensorBoard {Path(workdir) / metrics.TENSORBOARD_DIR})")
   return last
 
 
