@@ -109,3 +109,17 @@ def test_an_unexpanded_tilde_is_refused(tmp_path, monkeypatch):
   with pytest.raises(owned_folders.NotOwnedError, match=r"^--workdir='~' begins with '~', which no shell expanded"):
     workdir_lib.check_training_dir("~")
   assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("kind,user_file", [("passkey", "passkey_step_30.png"),
+                                            ("eval", "eval_step_30_by_position.png")])
+def test_a_users_file_named_like_a_results_companion_is_kept(tmp_path, kind, user_file):
+  """A user's `passkey_step_30.png` beside no JSON, and a user's `eval_step_30_by_position.png`, were replaced by new
+  plots (a free name was chosen for the JSON only): the name is free only with its companions."""
+  (tmp_path / user_file).write_bytes(b"the user's")
+  path = workdir_lib.results_file(tmp_path, kind, 30, ["--a=1"])
+  assert path.name == f"{kind}_step_30_2.json"
+  ours = tmp_path / f"{kind}_step_31.json"
+  ours.write_text(json.dumps({"settings": ["--a=1"]}))
+  (tmp_path / user_file.replace("30", "31")).write_bytes(b"an earlier plot of those results")
+  assert workdir_lib.results_file(tmp_path, kind, 31, ["--a=1"]) == ours  # a rerun replaces its own results

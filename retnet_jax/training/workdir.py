@@ -51,7 +51,9 @@ ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "ro
                       "attention_num_heads": None, "attention_num_kv_heads": None, "attention_window": None,
                       "attention_rotation_base": 10000.0, "kernel_layout": "fused",
                       "gate_logit_normalizer": 16.0, "gate_init": "yoco"}
-RESULTS = ("eval", "passkey", "lm_eval")  # the evaluations that write results_file(..., kind, step)
+# The evaluations that write results_file(..., kind, step), and the files each writes beside its JSON (the suffix
+# replacing ".json"): evaluate.py's loss-by-position plot, passkey.py's heatmap.
+RESULTS = {"eval": ("_by_position.png",), "passkey": (".png",), "lm_eval": ()}
 
 
 FORMAT = "workdir"  # a workdir's format in its mark (`owned_folders`)
@@ -293,12 +295,15 @@ def results_file(folder: str | os.PathLike, kind: str, step: int, settings: Sequ
   """Where evaluation `kind` (one of RESULTS) of checkpoint `step` run with `settings` (its command line:
   `cli.given_flags`) writes its results: `FOLDER/KIND_step_STEP.json`, or `KIND_step_STEP_N.json` with the smallest N
   from 2 where the names before it hold results of other settings (a result is replaced only by a rerun of its own
-  settings, which the JSON's "settings" records)."""
+  settings, which the JSON's "settings" records). A name is free only with the files written beside it (`RESULTS`):
+  a file of that name without its results is the user's, and the next N is taken."""
   if kind not in RESULTS:
-    raise ValueError(f"unknown kind of results {kind!r}; choose one of {RESULTS}.")
+    raise ValueError(f"unknown kind of results {kind!r}; choose one of {tuple(RESULTS)}.")
   for index in itertools.count(1):
     path = Path(folder) / f"{kind}_step_{step}{'' if index == 1 else f'_{index}'}.json"
-    if not path.exists() or _recorded_settings(path) == list(settings):
+    ours = os.path.lexists(path) and _recorded_settings(path) == list(settings)
+    companions = [path.with_name(path.stem + suffix) for suffix in RESULTS[kind]]
+    if (ours or not os.path.lexists(path)) and (ours or not any(map(os.path.lexists, companions))):
       return path
 
 
