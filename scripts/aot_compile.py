@@ -24,7 +24,7 @@ from pathlib import Path
 
 from absl import flags, logging
 
-from retnet_jax.core import markdown
+from retnet_jax.core import markdown, owned_folders, whole_files
 from retnet_jax.hardware import accelerators
 from retnet_jax.nn import layer_stack
 from retnet_jax.planning import aot
@@ -40,6 +40,7 @@ _REMATS = flags.DEFINE_list("remat_policies", ["none", *layer_stack.REMAT_POLICI
 _HOSTS = flags.DEFINE_integer("hosts", 1, "GPU targets: hosts of N GPUs each.")
 _SLICES = flags.DEFINE_integer("slices", 1, "TPU targets: slices of the named size.")
 _OUT = flags.DEFINE_string("out", None, "Directory for the table and the JSON report.", required=True)
+_TAKE_FOLDER = cli.take_folder_flag()
 
 
 def search_table(found: dict) -> str:
@@ -53,21 +54,27 @@ def search_table(found: dict) -> str:
   return "\n".join(lines)
 
 
+FOLDER_FORMAT = "aot plans"  # --out's format in its mark (`owned_folders`)
+
+
 def main():
   logging.set_verbosity(logging.INFO)  # a search's attempts as they end
   target = accelerators.parse_target(_TARGET.value, hosts=_HOSTS.value, slices=_SLICES.value)
   config = _CONFIG.value
+  name = "search" if _SEARCH.value else "report"
+  writes = (f"{name}.md", f"{name}.json")
+  owned_folders.check(_OUT.value, FOLDER_FORMAT, flag="--out", writes=writes, take=_TAKE_FOLDER.value)  # before work
   if _SEARCH.value:
-    report, name = aot.search(config, target, remats=_REMATS.value), "search"
+    report = aot.search(config, target, remats=_REMATS.value)
     table = search_table(report)
   else:
-    report, name = aot.plan(config, target, _STEPS.value), "report"
+    report = aot.plan(config, target, _STEPS.value)
     table = aot.format_table(report)
   report["config"] = flags.FLAGS["config"].config_filename
   out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / f"{name}.md").write_text(table + "\n")
-  (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+  owned_folders.claim(out, FOLDER_FORMAT, flag="--out", writes=writes, take=_TAKE_FOLDER.value)
+  whole_files.write_text(out / f"{name}.md", table + "\n")
+  whole_files.write_text(out / f"{name}.json", json.dumps(report, indent=1) + "\n")
   print(table, flush=True)
   print(json.dumps(report), flush=True)
 

@@ -246,3 +246,15 @@ def test_script_prints_the_report_last_and_writes_it(tmp_path):
   bad = run_script("aot_compile.py", "--target=v9-8", f"--out={tmp_path}")
   assert bad.returncode == 1 and "Traceback" not in bad.stderr
   assert "error: unknown --target='v9-8'; choose one of" in bad.stderr
+
+
+def test_a_users_report_in_out_is_kept_and_refused_before_compiling(tmp_path):
+  """aot_compile.py --out wrote over a user's report.md and report.json: --out is owned, checked before any work."""
+  for name in ("report.md", "report.json"):
+    (tmp_path / name).write_bytes(b"the user's")
+  result = run_script("aot_compile.py", "--config=configs/retnet.py:tiny", "--target=v5e-1", "--steps=eval",
+                      f"--out={tmp_path}")
+  assert result.returncode == 1 and "Traceback" not in result.stderr
+  assert re.search(r"^error: --out='.*' holds 'report.json', 'report.md', which this project did not write",
+                   result.stderr, flags=re.MULTILINE), result.stderr[-2000:]
+  assert all((tmp_path / name).read_bytes() == b"the user's" for name in ("report.md", "report.json"))
