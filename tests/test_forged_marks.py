@@ -3,7 +3,9 @@ whose fields have the wrong types, is refused in one line naming it before anyth
 like the mark's temporary is neither ignored nor written over; an output that is a symbolic link is never written
 through; paths are checked as resolved and an unexpanded ~ is refused."""
 
+import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -12,6 +14,7 @@ from retnet_jax.core import owned_folders
 from retnet_jax.interop import export_fla
 from retnet_jax.training import train, workdir as workdir_lib
 from tests.test_convert_fla import our_fla_model
+from tests.test_prepared import prepare
 
 
 def forged(folder, **fields):
@@ -123,3 +126,28 @@ def test_a_users_file_named_like_a_results_companion_is_kept(tmp_path, kind, use
   ours.write_text(json.dumps({"settings": ["--a=1"]}))
   (tmp_path / user_file.replace("30", "31")).write_bytes(b"an earlier plot of those results")
   assert workdir_lib.results_file(tmp_path, kind, 31, ["--a=1"]) == ours  # a rerun replaces its own results
+
+
+def test_a_users_metadata_json_is_refused_as_theirs_not_as_a_corpus(tmp_path):
+  """prepare_data.py --take_folder beside a user's metadata.json called it a prepared corpus and suggested deleting
+  it: it is the user's file, refused as such (with or without --take_folder), its bytes kept."""
+  (tmp_path / "d").mkdir()
+  (tmp_path / "d" / "metadata.json").write_bytes(b'{"mine": 1}')
+  for take in (False, True):
+    with pytest.raises(owned_folders.NotOwnedError, match=r"holds 'metadata.json', which this project did not "
+                                                          r"write"):
+      prepare(tmp_path / "d", take=take)
+  assert (tmp_path / "d" / "metadata.json").read_bytes() == b'{"mine": 1}'
+
+
+def test_a_full_disk_when_the_mark_is_written_is_one_line_naming_it(tmp_path, monkeypatch):
+  """A disk already full when the mark is written gave a bare Errno 28."""
+  def full(path, text):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+  monkeypatch.setattr(owned_folders.whole_files, "write_text", full)
+  with pytest.raises(owned_folders.MarkWriteError) as raised:
+    owned_folders.claim(tmp_path / "new", "workdir", flag="--workdir")
+  assert str(raised.value) == (f"could not write {tmp_path / 'new' / owned_folders.MARK}, the project's record of "
+                               "what it wrote there (No space left on device); free space on that disk or make it "
+                               "writable, then run the same command again.")
+  assert raised.value.errno == errno.ENOSPC

@@ -35,6 +35,15 @@ class NotOwnedError(ValueError):
   """A folder the project may not write into: it holds files the project did not write, or another format's."""
 
 
+class MarkWriteError(OSError):
+  """The folder or its mark could not be written (a full or read-only disk): the message names it and the fix;
+  `errno` is the cause's."""
+
+  def __init__(self, message: str, code: int | None):
+    super().__init__(message)
+    self.errno = code
+
+
 def listing(names: Iterable[str], limit: int = 3) -> str:
   """`'a', 'b', 'c' (and 4 more)`: a few of `names`, sorted, for a message."""
   names = sorted(names)
@@ -181,7 +190,12 @@ def claim(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
   path = Path(path)
   checked = dict(flag=flag, writes=writes, take=take, earlier=earlier, take_flag=take_flag)
   check(path, kind, **checked)  # a file is refused by name
-  path.mkdir(parents=True, exist_ok=True)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise MarkWriteError(f"could not create {flag}={str(path)!r} ({e.strerror or e}); free space on that disk or "
+                         f"make it writable, or choose another {flag}, then run the same command again.",
+                         e.errno) from None
   with _locked(path):  # again, with the mark's lock held
     adopted = check(path, kind, **checked)
     mark = read_mark(path) or {"tool": TOOL, "format": kind, "version": VERSION, "written": []}
@@ -205,4 +219,9 @@ def _locked(folder: Path) -> Iterator[None]:
 def _write_mark(folder: Path, mark: dict[str, Any]) -> None:
   """Writes the mark whole (`whole_files`: a reader sees the old one or the new one), through a temporary file of a
   new name, so that no file already in the folder is written over."""
-  whole_files.write_text(folder / MARK, json.dumps(mark, indent=1) + "\n")
+  try:
+    whole_files.write_text(folder / MARK, json.dumps(mark, indent=1) + "\n")
+  except OSError as e:
+    raise MarkWriteError(f"could not write {folder / MARK}, the project's record of what it wrote there "
+                         f"({e.strerror or e}); free space on that disk or make it writable, then run the same "
+                         "command again.", e.errno) from None

@@ -272,9 +272,10 @@ def write(out: str | os.PathLike, documents: Iterable[str], validation_documents
     raise CorpusError(f"data.validation_fraction={validation_fraction} must lie strictly between 0 and 1 (the share "
                       "of documents held out for validation); set it to e.g. 0.1, or give data.validation_files.")
   _check_out(out, sources)
+  # first: a metadata.json of the user's is theirs, refused as such, not taken for a prepared corpus
+  owned_folders.check(out, FOLDER_FORMAT, flag="--out", writes=_JSON_NAMES, take=take, earlier=_earlier_prepare)
   if (out / METADATA).exists():
     raise CorpusError(f"--out={str(out)!r} already holds a prepared corpus; choose another --out or delete it.")
-  owned_folders.check(out, FOLDER_FORMAT, flag="--out", writes=_JSON_NAMES, take=take, earlier=_earlier_prepare)
   resuming = (out / PROGRESS).exists()
   tokenizer = tokenizer_lib.load(tokenizer_spec)
   dtype = token_dtype(tokenizer.vocab_size)
