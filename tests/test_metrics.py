@@ -2,10 +2,12 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from retnet_jax.core import owned_folders
 from retnet_jax.training import metrics, train
+from tests.helpers import tiny_config
 
 
 def test_a_deleted_or_replaced_metrics_file_is_written_again_with_a_warning(tmp_path, caplog):
@@ -60,3 +62,17 @@ def test_the_last_line_names_every_output_as_the_workdir_was_given(trained_copy,
   assert caplog.records[-1].getMessage() == (
       f"done at step 9; checkpoints in {run}/checkpoints, params in {run}/params/9; metrics in {run}/metrics.jsonl "
       f"(plot {run}/metrics.png, TensorBoard {run}/tensorboard)")
+
+
+def test_progress_lines_come_by_time_until_the_first_logged_step(tmp_path, caplog, monkeypatch):
+  """The small run's first line came at step 50, 85 s in: before the first logged step, a line every
+  EARLY_PROGRESS_S seconds (here every step) gives the step, its time and the ETA; none after it."""
+  monkeypatch.setattr(train, "EARLY_PROGRESS_S", 0.0)
+  config = tiny_config(tmp_path, steps=8, log_every_steps=4, eval_every_steps=8)
+  with caplog.at_level(logging.INFO, logger="absl"):
+    train.train_and_evaluate(config, tmp_path / "run")
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+  assert [line.split(" (")[0] for line in lines[:4]] == ["step 2/8", "step 3/8", "step 4/8", "step 8/8"]
+  assert len(lines) == 5 and lines[4].startswith("step 8: eval loss")
+  assert all(re.fullmatch(r"step [23]/8 \(\d+%\) \| [\d.]+ s/step \| ETA \dm\d\ds", line) for line in lines[:2]), lines
+  assert "loss" in lines[2]

@@ -178,13 +178,16 @@ def progress_line(step: int, total: int, metrics: dict[str, float], seconds_per_
   """`step 100/3000 (3%) | loss 2.3456 | ... | ETA 12m05s` for the console.
 
   Args:
-    step, total: the step logged and the run's last. metrics: the step's values (`loss`, optionally `learning_rate`,
-      `grad_norm`, `tokens_per_sec`, `mfu`). seconds_per_step: training time per step (nan: not timed yet).
+    step, total: the step logged and the run's last. metrics: the step's values (optionally `loss`, `learning_rate`,
+      `grad_norm`, `tokens_per_sec`, `mfu`: a line by time before the first logged step has none). seconds_per_step:
+      training time per step (nan: not timed yet).
     show_mfu: whether the line shows `mfu`; False where its ceiling is measured (`flops.peak_flops`: CPUs, chips
       outside the device table). There the ceiling is a matmul timed at start, so the line read "MFU 99%" on an idle
       CPU and 21-41% on a busy one: a figure that compares with no chip's. metrics.jsonl keeps it as `mfu`.
   """
-  parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"loss {metrics['loss']:.4f}"]
+  parts = [f"step {step}/{total} ({100 * step / total:.0f}%)"]
+  if "loss" in metrics:
+    parts.append(f"loss {metrics['loss']:.4f}")
   if "learning_rate" in metrics:
     parts.append(f"lr {metrics['learning_rate']:.2e}")
   if "grad_norm" in metrics:

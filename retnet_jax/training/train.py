@@ -30,6 +30,11 @@ from retnet_jax.training import (checkpointing, losses, metrics, peer_watch, pre
                                  train_step as train_step_lib, workdir as workdir_lib, workdir_lock, write_errors)
 
 
+# Seconds between progress lines by time before the first logged step: the small run's first line came at step 50,
+# 85 s in.
+EARLY_PROGRESS_S = 15.0
+
+
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks the config against itself and the devices before any data is read or file written."""
   train_state.check_config(config, num_devices)
@@ -287,6 +292,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
   last: dict[str, float] = {}
   pending: list[dict[str, jax.Array]] = []
   compiled, interval_start, interval_steps = False, time.perf_counter(), 0
+  logged, last_line = False, time.perf_counter()  # until the first logged step, a line every EARLY_PROGRESS_S
   peers = {p: workdir_lib.writer_lock(workdir, p).path for p in range(jax.process_count()) if p != jax.process_index()}
   newest = lambda: (workdir_lib.listed_steps(workdir) or [None])[-1]
   with preemption.StopRequest() as stop, peer_watch.PeerWatch(
@@ -303,14 +309,20 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
       if profile and step == profile[1] + 1:
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
-      if compiled:
-        interval_steps += 1
-      else:  # the first step compiles: keep it out of the throughput
+      if not compiled:  # the first step compiles: keep it out of the throughput
         jax.block_until_ready(state)
         metrics.log(f"first step (compile + run) took {time.perf_counter() - interval_start:.1f} s")
         compiled, interval_start = True, time.perf_counter()
+        last_line = interval_start
+      else:
+        interval_steps += 1
+        if not logged and time.perf_counter() - last_line >= EARLY_PROGRESS_S and step % train_cfg.log_every_steps:
+          jax.block_until_ready(state)  # a line by time: the steps so far, timed
+          last_line = time.perf_counter()
+          metrics.log(metrics.progress_line(step, train_cfg.steps, {}, (last_line - interval_start) / interval_steps))
 
       if step % train_cfg.log_every_steps == 0 or step == train_cfg.steps:
+        logged = True
         check_workdir()
         _check_finite(state, train_cfg.nonfinite, checkpointer)
         values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
