@@ -18,6 +18,7 @@ import tokenizers
 from flax import nnx, traverse_util
 from safetensors.numpy import load_file, save_file
 
+from configs import retnet as retnet_config
 from retnet_jax.core import owned_folders, sharding
 from retnet_jax.interop import convert, convert_fla, export_fla, safetensors_folder
 from retnet_jax.models import presets
@@ -524,3 +525,13 @@ def test_script_converts_both_ways(tmp_path):
   theirs = fla_models.RetNetForCausalLM.from_pretrained(exported).eval()
   tokens = random_tokens(2, LENGTH, options["vocab_size"])
   assert relative_error(fla_logits(theirs, tokens)[0], fla_logits(model, tokens)[0]) < 1e-6
+
+
+def test_the_training_recipe_of_the_docs_exports():
+  """docs/interop.md's way to train a model that exports to fla: the fla preset, or a preset with the four fields
+  the exporter names."""
+  assert not export_fla.export_problems(retnet_config.get_config("fla").model)
+  small = retnet_config.get_config("small").model
+  assert len(export_fla.export_problems(small)) == 4
+  small.update(ffn_activation="swish", stability_norm=False, rotation_pairs="half", rotation_freqs="rope")
+  assert not export_fla.export_problems(small)
