@@ -123,10 +123,53 @@ def tiny_config(directory: Path, text_bytes: int = 60_000, **train_overrides) ->
   return config
 
 
+def metrics_rows(workdir: Path) -> list[dict]:
+  """Every row of `workdir/metrics.jsonl`, in file order."""
+  return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def read_metrics(workdir: Path, key: str = "loss") -> dict[int, float]:
-  """`key` of each step that logged it in `workdir/metrics.jsonl`, by step."""
-  lines = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  return {m["step"]: m[key] for m in lines if key in m}
+  """`key` of each step that logged it in `workdir/metrics.jsonl`, by step: the last row of a step that several runs
+  logged (a rerun appends), so these values alone cannot tell a resumed run from one trained again from step 0
+  (`assert_resumed_from` can)."""
+  return {m["step"]: m[key] for m in metrics_rows(workdir) if key in m}
+
+
+def logged_steps(workdir: Path, key: str = "loss") -> list[int]:
+  """The step of every row of `workdir/metrics.jsonl` that logged `key`, in file order: each run's rows after the
+  earlier runs' (the file is appended to), a step that several runs trained once per run."""
+  return [m["step"] for m in metrics_rows(workdir) if key in m]
+
+
+def step_runs(steps: list[int]) -> str:
+  """`steps` as runs of consecutive steps, for a message: [1, 2, 3, 1, 2, 5] as '1-3, 1-2, 5'."""
+  runs = []
+  for s in steps:
+    if runs and s == runs[-1][1] + 1:
+      runs[-1][1] = s
+    else:
+      runs.append([s, s])
+  return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+def assert_resumed_from(workdir: Path, step: int, output: str | None = None) -> None:
+  """Asserts that the last training in `workdir` (logging every step) resumed from checkpoint `step`, not from an
+  earlier one or step 0: steps 1 to `step` were each logged once (a run trained again from step 0 logs step 1 twice),
+  and the last run's rows go on from `step` + 1. The last run's rows begin at the last row whose step does not exceed
+  the one before (none where the rerun began right after the earlier run's last row). With `output` (what the run
+  printed), also that it said it resumed from that checkpoint."""
+  steps = logged_steps(workdir)
+  assert [s for s in steps if s <= step] == list(range(1, step + 1)), (
+      f"steps 1 to {step} should each be logged once (the last run resumed from checkpoint {step}); the runs logged "
+      f"steps {step_runs(steps)}")
+  begins = [n for n in range(1, len(steps)) if steps[n] <= steps[n - 1]]
+  if begins:
+    last = steps[begins[-1]:]
+    assert last == list(range(step + 1, step + 1 + len(last))), (
+        f"the last run should log steps from {step + 1} (resumed from checkpoint {step}); the runs logged steps "
+        f"{step_runs(steps)}")
+  if output is not None:
+    assert f"resumed from {Path(workdir).absolute() / 'checkpoints'}/{step} (data position" in output, output[-3000:]
 
 
 def flip_bytes(step_dir: Path, every_data_file: bool = False):

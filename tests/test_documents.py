@@ -16,7 +16,8 @@ from retnet_jax.core import segments, sharding
 from retnet_jax.evaluation import evaluate
 from retnet_jax.input_pipeline import data, global_batches, synthetic, tokenizer
 from retnet_jax.training import losses, train, train_step
-from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config, tiny_model, tiny_transformer
+from tests.helpers import (CORPUS, assert_resumed_from, random_tokens, read_metrics, tiny_config, tiny_model,
+                           tiny_transformer)
 from tests.test_data import bpe_path, byte_tokens, data_config, write_jsonl  # noqa: F401  (bpe_path: a fixture)
 
 
@@ -287,11 +288,13 @@ def test_evaluation_in_every_form_and_by_position_within_documents(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_with_documents_resumes_exactly(tmp_path, run_crashing_at_batch):
-  """8 steps straight vs 4 steps, a crash and a restart: identical losses; the documents change the losses."""
+  """8 steps straight vs a run crashed in step 6 and run again, which resumes from checkpoint 4 (no earlier step
+  trained again): identical losses; the documents change the losses."""
   config = documents_config(tmp_path)
   straight = train.train_and_evaluate(config, tmp_path / "straight")
   run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")
   resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+  assert_resumed_from(tmp_path / "resumed", 4)
   straight_losses = read_metrics(tmp_path / "straight")
   assert read_metrics(tmp_path / "resumed") == straight_losses and resumed["eval_loss"] == straight["eval_loss"]
   config.data.reset_at_documents = False

@@ -24,8 +24,8 @@ from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
 from retnet_jax.planning import aot
 from retnet_jax.training import train, train_state
-from tests.helpers import (aot_extra_missing, forward, random_tokens, read_metrics, run_script, tiny_config,
-                           tiny_model)
+from tests.helpers import (aot_extra_missing, assert_resumed_from, forward, random_tokens, read_metrics, run_script,
+                           tiny_config, tiny_model)
 
 MODES = architectures.MODES
 # The gate's starts, the bias's (new beside cases the recorded run placed in the slow tier) marked slow
@@ -36,14 +36,16 @@ SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused a
 @pytest.mark.slow  # 40 to 60 s: three tiny runs
 @pytest.mark.parametrize("gate_init", gated_retention.GATE_INITS)
 def test_trains_resumes_bit_for_bit_and_evaluates_alike_in_every_form(tmp_path, run_crashing_at_batch, gate_init):
-  """Trained chunkwise in segments of 16 tokens (states carried): crashed in step 6 and resumed from checkpoint 4, it
-  logs the straight run's losses and evaluation; its checkpoint evaluates alike in the three forms, loss by position
-  included (4 buckets of 8 tokens). Under `retnet` the gate bias is restored, learned away from its start."""
+  """Trained chunkwise in segments of 16 tokens (states carried): crashed in step 6 and resumed from checkpoint 4
+  (no earlier step trained again), it logs the straight run's losses and evaluation; its checkpoint evaluates alike
+  in the three forms, loss by position included (4 buckets of 8 tokens). Under `retnet` the gate bias is restored,
+  learned away from its start."""
   config = tiny_config(tmp_path, mode="chunkwise", segment_len=16)
   config.model.update(mixer="gated_retention", gate_init=gate_init)
   straight = train.train_and_evaluate(config, tmp_path / "straight")
   run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")
   resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+  assert_resumed_from(tmp_path / "resumed", 4)
   assert sorted(read_metrics(tmp_path / "straight")) == list(range(1, 9))
   assert read_metrics(tmp_path / "resumed") == read_metrics(tmp_path / "straight")
   assert resumed["eval_loss"] == straight["eval_loss"]

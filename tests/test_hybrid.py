@@ -19,8 +19,8 @@ from retnet_jax.mixers import attention as attention_mixer
 from retnet_jax.models import architectures
 from retnet_jax.nn import layer_stack, rotation
 from retnet_jax.training import losses, train, train_state, train_step
-from tests.helpers import (forms_agree, forward, max_abs_diff, on_gpu, random_tokens, read_metrics, tiny_config,
-                           tiny_model)
+from tests.helpers import (assert_resumed_from, forms_agree, forward, max_abs_diff, on_gpu, random_tokens,
+                           read_metrics, tiny_config, tiny_model)
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
@@ -250,13 +250,14 @@ def test_a_full_cache_is_refused_by_name():
 
 def test_a_hybrid_trains_resumes_and_evaluates(tmp_path, run_crashing_at_batch):
   """A windowed hybrid trained chunkwise in segments of 16 tokens (retention states and ring buffers carried):
-  crashed in step 6 and resumed, it logs the straight run's losses; its checkpoint evaluates alike in the three
-  modes, and the passkey evaluation decodes it."""
+  crashed in step 6 and resumed from checkpoint 4 (no earlier step trained again), it logs the straight run's
+  losses; its checkpoint evaluates alike in the three modes, and the passkey evaluation decodes it."""
   config = tiny_config(tmp_path, mode="chunkwise", segment_len=16)
   config.model.update(attention_layers=(1,), attention_window=8)
   straight = train.train_and_evaluate(config, tmp_path / "straight")
   run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")  # after checkpoint 4
   resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+  assert_resumed_from(tmp_path / "resumed", 4)
   assert read_metrics(tmp_path / "resumed") == read_metrics(tmp_path / "straight")
   assert sorted(read_metrics(tmp_path / "straight")) == list(range(1, 9))
   assert resumed["eval_loss"] == straight["eval_loss"]

@@ -20,7 +20,7 @@ from retnet_jax.evaluation import sampling
 from retnet_jax.models.architectures import MODES
 from retnet_jax.nn import layer_stack
 from retnet_jax.training import checkpointing, train, train_state, train_step
-from tests.helpers import forward, random_tokens, read_metrics, tiny_model, tiny_transformer
+from tests.helpers import assert_resumed_from, forward, random_tokens, read_metrics, tiny_model, tiny_transformer
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
@@ -148,11 +148,13 @@ def test_optimizer_state_moves_between_layouts():
 
 
 def test_checkpoints_restore_across_layouts(trained, tmp_path, run_crashing_at_batch):
-  """Train unrolled, resume scanned after a crash: the straight unrolled run's losses; read either way, and back."""
+  """Train unrolled, resume scanned from checkpoint 4 after a crash in step 6: the straight unrolled run's losses;
+  read either way, and back."""
   config = copy.deepcopy(trained.config)
   run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "switched")  # in step 6, after checkpoint 4
   config.model.scan_layers = True
   resumed = train.train_and_evaluate(config, tmp_path / "switched")
+  assert_resumed_from(tmp_path / "switched", 4)
   losses, switched = read_metrics(trained.workdir), read_metrics(tmp_path / "switched")
   assert sorted(switched) == sorted(losses) == list(range(1, 9))
   for step in range(1, 5):

@@ -12,7 +12,7 @@ from configs import retnet as retnet_config
 from retnet_jax.core import owned_folders, sharding
 from retnet_jax.interop import convert
 from retnet_jax.training import checkpointing, integrity, metrics, train, train_state, workdir as workdir_lib
-from tests.helpers import run_script, script_flags
+from tests.helpers import assert_resumed_from, run_script, script_flags
 from tests.test_prepared import interrupted, prepare
 from tests.test_workdir import newest, save_steps
 
@@ -140,12 +140,14 @@ def test_results_never_land_on_a_file_the_run_reads(trained, tmp_path):
 
 
 def test_an_earlier_versions_workdir_is_adopted_and_resumes(trained_copy):
-  """A workdir written before the mark (config.json, checkpoints/, metrics.jsonl) is recognised and marked."""
+  """A workdir written before the mark (config.json, checkpoints/, metrics.jsonl) is recognised and marked, and
+  the run resumes from its checkpoint 8."""
   workdir = trained_copy.workdir
   (workdir / owned_folders.MARK).unlink()
   (workdir / metrics.METRICS_PLOT).unlink()  # written since the mark
   (workdir / "notes.md").write_text("mine")
   train.train_and_evaluate(trained_copy.config, workdir)  # at its last step: nothing to train
+  assert_resumed_from(workdir, 8)
   written = owned_folders.OwnedFolder(workdir, workdir_lib.FORMAT).written()
   assert {"config.json", "checkpoints", "metrics.jsonl", "params", "tensorboard", "train_0.lock"} <= written
   assert "notes.md" not in written and (workdir / "notes.md").read_text() == "mine"
@@ -168,6 +170,7 @@ def test_an_export_of_other_params_is_exported_again_by_a_rerun(trained_copy):
   workdir, config = trained_copy.workdir, trained_copy.config
   params = stale_export(workdir, config)
   train.train_and_evaluate(config, workdir)  # at its last step: exports again
+  assert_resumed_from(workdir, 8)  # checkpoint 8 restored, no step trained again
   assert checkpointing.exported_checksums(workdir_lib.export_dir(workdir, 8)) == integrity.checksums(params)
 
 

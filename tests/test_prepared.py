@@ -18,7 +18,7 @@ import pytest
 from retnet_jax.bench import corpus as bench_corpus
 from retnet_jax.input_pipeline import data, global_batches, loader, prepared, tokenizer as tokenizer_lib
 from retnet_jax.training import train
-from tests.helpers import REPO, free_port, read_metrics, run_script, script_stdout, tiny_config
+from tests.helpers import REPO, assert_resumed_from, free_port, read_metrics, run_script, script_stdout, tiny_config
 
 DOCUMENTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(60)]
 
@@ -79,7 +79,21 @@ def test_shards_hold_every_document_once_and_hold_out_every_tenth(tmp_path, bpe_
   assert not (tmp_path / "c" / prepared.PROGRESS).exists()
 
 
+def finished_shards(out):
+  """The names of the shard files that `out`'s progress.json records as finished."""
+  shards = json.loads((out / prepared.PROGRESS).read_text())["shards"]
+  return [path.name for split, finished in shards.items() for index in range(len(finished))
+          for path in sorted(out.glob(f"{split}-{index:05d}.*"))]
+
+
+def file_stats(out, names):
+  """The inode and modification time of each file `names` in `out`: a file written again changes them."""
+  return {name: ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) for name in names}
+
+
 def test_an_interrupted_prepare_resumes_to_the_same_bytes_and_never_trains_half_written(tmp_path):
+  """A prepare stopped by Ctrl-C resumes after its last finished shard (kept as written, not written again) and
+  ends with the bytes of an uninterrupted one; until then its folder is refused as half-written."""
   prepare(tmp_path / "whole")
   with pytest.raises(KeyboardInterrupt):
     prepare(tmp_path / "part", interrupted(40))
@@ -88,7 +102,9 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes_and_never_trains_half_
     prepared.open_corpus(tmp_path / "part", tokenizer_lib.load("byte"))
   (tmp_path / "part" / f"train-{len(list((tmp_path / 'part').glob('train-*.tokens'))) - 1:05d}.tokens").write_bytes(
       b"x")  # the shard being written when it stopped
+  finished = file_stats(tmp_path / "part", finished_shards(tmp_path / "part"))
   prepare(tmp_path / "part")  # resumes after its last finished shard; its partial shard is dropped
+  assert len(finished) >= 2 and file_stats(tmp_path / "part", finished) == finished  # kept, not written again
   for whole in sorted((tmp_path / "whole").iterdir()):
     assert (tmp_path / "part" / whole.name).read_bytes() == whole.read_bytes(), whole.name
   assert sorted(p.name for p in (tmp_path / "part").iterdir()) == sorted(p.name for p in (tmp_path / "whole").iterdir())
@@ -369,6 +385,7 @@ def test_training_from_a_prepared_corpus_resumes_mid_epoch_exactly(tmp_path):
   shutil.rmtree(workdir / "checkpoints" / "12")  # as if stopped after step 6's checkpoint
   shutil.rmtree(workdir / "params")
   train.train_and_evaluate(config, workdir)  # resumes from step 6, mid-epoch
+  assert_resumed_from(workdir, 6)
   assert read_metrics(workdir) == straight and len(straight) == 12
   output = script_stdout("evaluate.py", f"--workdir={workdir}", "--config=configs/retnet.py:tiny",
                       f"--config.data.prepared={tmp_path / 'c'}", "--config.train.seq_len=32",
@@ -424,15 +441,21 @@ def test_sources_stream_parquet_rows_a_local_dataset_and_validation_files(tmp_pa
 
 @pytest.mark.slow
 def test_training_resets_at_prepared_documents(tmp_path):
-  """data.reset_at_documents on a prepared corpus: batches carry the stored documents' ids into the model."""
+  """data.reset_at_documents on a prepared corpus: batches carry the stored documents' ids (the tokens as without
+  them) into the model: the losses, training and evaluation, differ from the same run with the documents ignored."""
   prepare(tmp_path / "c", DOCUMENTS * 4, shard_tokens=4000)
   config = tiny_config(tmp_path, steps=2, eval_every_steps=2)
   config.data.update(files=(), prepared=(str(tmp_path / "c"),), reset_at_documents=True)
   corpora = loader.open_corpora(config.data, tokenizer_lib.load("byte"))
   tokens, _, ids = next(loader.PreparedBatches(corpora, 32, 8, 0, documents=True))
   assert tokens.shape == ids.shape == (8, 33) and int((np.diff(np.asarray(ids), axis=1) > 0).sum()) > 0
+  np.testing.assert_array_equal(tokens, next(loader.PreparedBatches(corpora, 32, 8, 0)))
   final = train.train_and_evaluate(config, tmp_path / "run")
-  assert np.isfinite(final["eval_loss"])
+  config.data.reset_at_documents = False
+  ignored = train.train_and_evaluate(config, tmp_path / "ignored")
+  assert np.isfinite(final["eval_loss"]) and abs(final["eval_loss"] - ignored["eval_loss"]) > 1e-4
+  losses, ignored_losses = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ignored")
+  assert sorted(losses) == [1, 2] and all(abs(losses[s] - ignored_losses[s]) > 1e-4 for s in losses), losses
 
 
 def test_a_position_saved_before_grain_continues_after_as_many_batches(tmp_path):

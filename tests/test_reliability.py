@@ -17,7 +17,8 @@ import pytest
 
 from retnet_jax.core import sharding
 from retnet_jax.training import checkpointing, train, train_state, train_step
-from tests.helpers import corpus_slice, flip_bytes, free_port, read_metrics, run_script, tiny_config
+from tests.helpers import (assert_resumed_from, corpus_slice, flip_bytes, free_port, logged_steps, read_metrics,
+                           run_script, tiny_config)
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = dict(batch_size=8, seq_len=32, warmup_steps=2, log_every_steps=1, eval_batches=1)
@@ -62,7 +63,8 @@ def wait_for(condition, process, timeout=120):
     time.sleep(0.002)
 
 
-def logged_steps(workdir):
+def rows_logged(workdir):
+  """How many rows metrics.jsonl holds so far (0 before it is written)."""
   path = Path(workdir) / "metrics.jsonl"
   return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -77,16 +79,18 @@ def reference(tmp_path_factory, corpus):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, corpus, reference):
+  """SIGTERM saves the step it stopped at; the rerun resumes from that checkpoint and logs every step as an
+  uninterrupted run does."""
   workdir = tmp_path / "run"
   process = launch(workdir, corpus)
-  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  wait_for(lambda: rows_logged(workdir) >= 30, process)
   process.send_signal(signal.SIGTERM)
   output = finish(process)
   assert "SIGTERM received: checkpoint of step" in output
   with checkpointing.Checkpointer(workdir / "checkpoints") as checkpointer:
     stopped_at = checkpointer.latest_step()
   assert 30 <= stopped_at < 300 and max(read_metrics(workdir)) == stopped_at  # nothing lost: the last step is saved
-  finish(launch(workdir, corpus))
+  assert_resumed_from(workdir, stopped_at, finish(launch(workdir, corpus)))
   assert read_metrics(workdir) == reference  # every step, bitwise
 
 
@@ -95,7 +99,7 @@ def test_a_closed_terminal_checkpoints_and_exits_zero(tmp_path, corpus):
   """SIGHUP (the terminal of a run started without nohup closed) stops as SIGTERM does: the last step is saved."""
   workdir = tmp_path / "run"
   process = launch(workdir, corpus, steps=100_000)
-  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  wait_for(lambda: rows_logged(workdir) >= 30, process)
   process.send_signal(signal.SIGHUP)
   output = finish(process)
   assert "SIGHUP received: checkpoint of step" in output
@@ -107,7 +111,7 @@ def test_a_closed_terminal_checkpoints_and_exits_zero(tmp_path, corpus):
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, corpus):
   workdir = tmp_path / "run"
   process = launch(workdir, corpus, steps=100_000, every_steps=20)
-  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  wait_for(lambda: rows_logged(workdir) >= 30, process)
   process.send_signal(signal.SIGINT)
   time.sleep(0.2)
   process.send_signal(signal.SIGINT)
@@ -126,6 +130,8 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_path, corpus, reference):
+  """SIGKILL while checkpoint 50 is written: the rerun resumes from the last whole checkpoint (50, or 25 when 50 was
+  not yet committed), training again only the steps after it, and logs every step as an uninterrupted run does."""
   workdir = tmp_path / "run"
   process = launch(workdir, corpus, every_steps=25, async_save=True)
   checkpoints = workdir / "checkpoints"
@@ -137,7 +143,7 @@ def test_sigkill_right_after_a_checkpoint_started_loses_only_that_interval(tmp_p
     latest = checkpointer.latest_step()
   assert latest in (25, 50)  # a half-written 50 is never taken as the latest
   assert (workdir / "train_0.lock").exists()  # the killed run's lock file stays, but its lock died with it
-  finish(launch(workdir, corpus, every_steps=25, async_save=True))
+  assert_resumed_from(workdir, latest, finish(launch(workdir, corpus, every_steps=25, async_save=True)))
   assert read_metrics(workdir) == reference  # steps after `latest` were redone identically
 
 
@@ -170,7 +176,7 @@ def test_a_second_training_in_a_live_workdir_is_refused(tmp_path, corpus, refere
   """Two trainings in one workdir: the second is refused at once, naming the first, which runs on undisturbed."""
   workdir = tmp_path / "run"
   first = launch(workdir, corpus)
-  wait_for(lambda: logged_steps(workdir) >= 1, first)
+  wait_for(lambda: rows_logged(workdir) >= 1, first)
   first.send_signal(signal.SIGSTOP)  # alive but paused, holding its lock, until the second has tried
   try:
     second = launch(workdir, corpus)
@@ -179,7 +185,7 @@ def test_a_second_training_in_a_live_workdir_is_refused(tmp_path, corpus, refere
     first.send_signal(signal.SIGCONT)
   assert second.returncode != 0 and f"is being trained by process {first.pid} on" in output, output[-3000:]
   finish(first)
-  assert read_metrics(workdir) == reference  # metrics.jsonl holds the first run alone
+  assert read_metrics(workdir) == reference and logged_steps(workdir) == list(range(1, 301))  # the first run alone
 
 
 @pytest.fixture
@@ -205,7 +211,7 @@ def test_full_then_read_only_disk_give_one_message_each_and_the_run_resumes_exac
                                                                                     small_disk):
   """A disk that fills up stops the training with one message naming it, the committed checkpoint and the fix;
   read-only, training is refused and evaluation still prints its results; with room again the run resumes and
-  every step equals an uninterrupted run's."""
+  every step equals an uninterrupted run's, resumed from the committed checkpoint."""
   workdir = small_disk / "run"
   process = launch(workdir, corpus, every_steps=5, async_save=True)
   output, _ = process.communicate(timeout=300)
@@ -225,7 +231,7 @@ def test_full_then_read_only_disk_give_one_message_each_and_the_run_resumes_exac
   assert "could not write" in result.stderr and "Traceback" not in result.stderr
 
   subprocess.run(["mount", "-o", "remount,rw,size=20m", str(small_disk)], check=True)
-  finish(launch(workdir, corpus, every_steps=5, async_save=True))
+  assert_resumed_from(workdir, committed, finish(launch(workdir, corpus, every_steps=5, async_save=True)))
   assert read_metrics(workdir) == reference
 
 
@@ -233,7 +239,7 @@ def test_full_then_read_only_disk_give_one_message_each_and_the_run_resumes_exac
 def test_a_workdir_deleted_while_training_stops_it_promptly_with_one_message(tmp_path, corpus):
   workdir = tmp_path / "run"
   process = launch(workdir, corpus, every_steps=5, async_save=True)
-  wait_for(lambda: logged_steps(workdir) >= 20, process)
+  wait_for(lambda: rows_logged(workdir) >= 20, process)
   while workdir.exists():  # the training keeps writing into it meanwhile
     shutil.rmtree(workdir, ignore_errors=True)
   output, _ = process.communicate(timeout=60)
@@ -243,17 +249,23 @@ def test_a_workdir_deleted_while_training_stops_it_promptly_with_one_message(tmp
 @pytest.mark.slow
 def test_a_workdir_moved_while_training_is_not_recreated_at_its_old_path(tmp_path, corpus, reference):
   """The save in flight recreated checkpoints/STEP.orbax-checkpoint-tmp at the old path, so moving the workdir back
-  nested it and training restarted from step 0."""
+  nested it and training restarted from step 0. Moved once a checkpoint is committed (saving every 5 steps, the next
+  one likely in flight): moved back, the run resumes from its newest committed checkpoint."""
   workdir = tmp_path / "run"
-  process = launch(workdir, corpus, every_steps=25, async_save=True)
-  wait_for(lambda: logged_steps(workdir) >= 30, process)
+  process = launch(workdir, corpus, every_steps=5, async_save=True)
+  checkpoints = workdir / "checkpoints"
+  committed = lambda: checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+  wait_for(lambda: rows_logged(workdir) >= 30 and committed(), process)
   workdir.rename(tmp_path / "moved")
   output, _ = process.communicate(timeout=60)
   assert process.returncode == 1 and f"error: the workdir {workdir} vanished while training" in one_error(output)
   time.sleep(1)
   assert not workdir.exists()
   (tmp_path / "moved").rename(workdir)  # put back, as the message says: it resumes
-  finish(launch(workdir, corpus))
+  with checkpointing.Checkpointer(checkpoints, read_only=True) as checkpointer:
+    latest = checkpointer.latest_step()
+  assert latest is not None and latest >= 5
+  assert_resumed_from(workdir, latest, finish(launch(workdir, corpus)))
   assert read_metrics(workdir) == reference
 
 
@@ -298,7 +310,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, 
   damage(tmp_path / "run" / "checkpoints" / "8")
   resumed = train.train_and_evaluate(config, tmp_path / "run")
   assert (tmp_path / "run" / "checkpoints" / "8.corrupt").is_dir()
-  assert read_metrics(tmp_path / "run") == read_metrics(straight_workdir)  # steps 5-12 redone from step 4
+  assert_resumed_from(tmp_path / "run", 4)  # not from step 0: steps 5-12 redone
+  assert read_metrics(tmp_path / "run") == read_metrics(straight_workdir)
   assert resumed["eval_loss"] == straight["eval_loss"]
 
 
@@ -408,7 +421,7 @@ def test_two_processes_match_one_process(tmp_path, corpus):
   for process in processes:
     finish(process)
   single_losses, multi_losses = read_metrics(single), read_metrics(multi)
-  assert sorted(multi_losses) == list(range(1, steps + 1))
+  assert logged_steps(multi) == list(range(1, steps + 1))  # each step once: process 0 alone writes the metrics
   assert max(abs(single_losses[s] - multi_losses[s]) for s in single_losses) < 1e-5
 
   config = in_process_config(corpus, steps=steps)  # the jointly written checkpoint restores in one process
@@ -432,7 +445,7 @@ def test_a_lost_process_is_named_in_one_line_by_the_survivor(tmp_path, corpus, p
   processes = [launch(workdir, corpus, devices=4, steps=100_000, every_steps=5,
                       extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"])
                for i in range(2)]
-  wait_for(lambda: logged_steps(workdir) >= 12, processes[0])
+  wait_for(lambda: rows_logged(workdir) >= 12, processes[0])
   if peer_host == "another":  # its lock file names another host: flock cannot tell whether it lives
     (workdir / "train_1.lock").write_text(json.dumps({"pid": 1, "host": "another-host", "started": "then"}))
   processes[1].kill()

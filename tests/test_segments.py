@@ -1,5 +1,5 @@
 """Packed documents (`segment_ids`): every retention form, the sequence-split form, the models and the segmented loss
-against each document run alone, values and gradients; segment_ids=None as without them; bad ids refused."""
+against each document run alone, values and gradients; segment_ids=None as one document per row; bad ids refused."""
 
 import jax
 import jax.numpy as jnp
@@ -249,15 +249,18 @@ def test_transformer_logits_match_each_document_alone():
     assert rel_err(recurrent, expected) < 1e-5, rel_err(recurrent, expected)
 
 
-def test_none_is_bitwise_the_default():
+def test_none_is_bitwise_one_document_per_row():
+  """segment_ids=None (the default) computes bit for bit what ids of one document per row do (whatever the id,
+  different per row): logits and states, each traced from its own call."""
   model, transformer = helpers.tiny_model(chunk_size=4, num_layers=1), helpers.tiny_transformer(num_layers=1)
   tokens = jnp.asarray(helpers.random_tokens(2, 11))
+  one_per_row = jnp.asarray([[3] * 11, [-8] * 11], jnp.int32)
   for net, modes in ((model, ("parallel", "chunkwise")), (transformer, ("parallel",))):
-    for mode in modes:  # two programs, each traced from its own call
+    for mode in modes:
       plain, plain_state = nnx.jit(lambda net: net(tokens, mode=mode))(net)
-      given, given_state = nnx.jit(lambda net: net(tokens, mode=mode, segment_ids=None))(net)
+      given, given_state = nnx.jit(lambda net: net(tokens, mode=mode, segment_ids=one_per_row))(net)
       assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves((plain, plain_state)),
-                                                      jax.tree.leaves((given, given_state))))
+                                                      jax.tree.leaves((given, given_state)))), mode
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from retnet_jax.hardware import flops
 from retnet_jax.mixers import stability
 from retnet_jax.models.model import Model
 from retnet_jax.training import checkpointing, losses, train, train_state, train_step, workdir as workdir_lib
-from tests.helpers import CORPUS, random_tokens, read_metrics, tiny_config
+from tests.helpers import CORPUS, assert_resumed_from, random_tokens, read_metrics, tiny_config
 
 
 def random_batch(config, seed=0):
@@ -99,11 +99,13 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_resume_is_exact(tmp_path, run_crashing_at_batch):
-  """8 steps straight vs 4 steps, a crash, and a restart that runs 4 more: identical losses and parameters."""
+  """8 steps straight vs a run crashed in step 6 and run again, which resumes from checkpoint 4 (no earlier step
+  trained again): identical losses and parameters."""
   config = tiny_config(tmp_path)
   straight = train.train_and_evaluate(config, tmp_path / "straight")
   run_crashing_at_batch(6, train.train_and_evaluate, config, tmp_path / "resumed")  # in step 6, after checkpoint 4
   resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+  assert_resumed_from(tmp_path / "resumed", 4)
 
   straight_losses, resumed_losses = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
   assert sorted(straight_losses) == list(range(1, 9))
@@ -139,6 +141,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
   finally:
     absl.logging.set_verbosity(verbosity)
   assert "WARNING: seed changed since the checkpoint" in caplog.text
+  assert_resumed_from(tmp_path / "run", 4, caplog.text)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -233,6 +236,7 @@ def test_fewer_steps_than_the_workdir_holds_and_a_long_warmup_are_noted(trained_
                    "train.learning_rate",
                    "NOTE: the checkpoint's step 8 is past train.steps=4: nothing to train (raise "
                    "--config.train.steps above 8 to go on)"]
+  assert_resumed_from(workdir, 8, caplog.text)
 
 
 @pytest.mark.slow
@@ -257,6 +261,7 @@ def test_a_full_disk_while_exporting_says_so_and_a_rerun_exports(trained_copy, m
   monkeypatch.setattr(checkpointing.ocp.StandardCheckpointer, "save", save)
   train.train_and_evaluate(config, workdir)
   assert workdir_lib.exported_steps(workdir) == [8]
+  assert_resumed_from(workdir, 8)  # both reruns restored checkpoint 8 and trained no step again
 
 
 def test_bfloat16_first_adam_moment_tracks_float32():
@@ -294,6 +299,7 @@ def test_resume_converts_the_first_adam_moment_to_a_new_state_dtype(trained_copy
     assert np.isfinite(train.train_and_evaluate(config, workdir)["loss"])
   assert ("NOTE: the checkpoint's first Adam moment is float32: converted to train.optimizer_state_dtype=bfloat16"
           in caplog.text)
+  assert_resumed_from(workdir, 8, caplog.text)
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
   with checkpointing.Checkpointer(workdir / "checkpoints", read_only=True) as checkpointer:
     state, _ = checkpointer.restore(layout.abstract_state, 10)

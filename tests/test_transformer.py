@@ -21,7 +21,8 @@ from retnet_jax.input_pipeline import tokenizer
 from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
 from retnet_jax.training import checkpointing, cli, train, train_state, workdir as workdir_lib
-from tests.helpers import forward, random_tokens, read_metrics, script_stdout, tiny_config, tiny_transformer
+from tests.helpers import (assert_resumed_from, forward, random_tokens, read_metrics, script_stdout, tiny_config,
+                           tiny_transformer)
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
 
@@ -113,7 +114,8 @@ def test_learns_on_the_corpus(trained):
 
 
 def test_resume_is_exact(tmp_path, trained, run_crashing_at_batch):
-  """The trained run vs one crashed in step 30 (after checkpoint 20) and restarted: identical losses and params."""
+  """The trained run vs one crashed in step 30 and run again, which resumes from checkpoint 20 (no earlier step
+  trained again): identical losses and params."""
   straight_config, straight = trained
   config = run_config(tmp_path)
   config.checkpoint.every_steps = 20
@@ -122,6 +124,7 @@ def test_resume_is_exact(tmp_path, trained, run_crashing_at_batch):
   with checkpointing.Checkpointer(tmp_path / "resumed" / "checkpoints", read_only=True) as checkpointer:
     assert checkpointer.all_steps() == [20]
   train.train_and_evaluate(config, tmp_path / "resumed")
+  assert_resumed_from(tmp_path / "resumed", 20)
   assert read_metrics(tmp_path / "resumed") == read_metrics(straight)  # bitwise on CPU, data order included
   assert read_metrics(tmp_path / "resumed", "eval_loss") == read_metrics(straight, "eval_loss")
   abstract = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state["params"]
