@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 from configs import retnet as retnet_config
 from retnet_jax.core import owned_folders, sharding
+from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.interop import convert, convert_fla, export_fla, safetensors_folder
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
@@ -218,10 +219,10 @@ def write_tokenizer(path, size):
   return path
 
 
-def our_fla_model(seed=3, **overrides):
+def our_fla_model(seed=3, vocab_size=47, **overrides):
   """A RetNet of fla's variant (the fla preset, tiny) with random weights, its norm scales too, and its config."""
   config = presets.get_config("fla")
-  config.model.update(vocab_size=47, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, value_dim=48, ffn_dim=40,
+  config.model.update(vocab_size=vocab_size, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, value_dim=48, ffn_dim=40,
                       chunk_size=16, dtype="float32", **overrides)
   model = Model(config.model, rngs=nnx.Rngs(seed))
   params = nnx.state(model, nnx.Param)
@@ -376,10 +377,10 @@ def test_export_writes_only_into_its_own_folders_and_keeps_a_users_files(tmp_pat
   shards = sorted(p.name for p in out.glob("model-*.safetensors"))
   assert len(shards) > 1 and (out / safetensors_folder.INDEX_FILE).is_file()
   export_fla.write_fla(model, config, out)  # its own folder now: no --take_folder needed
-  assert sorted(p.name for p in out.iterdir()) == sorted([owned_folders.MARK, "notes.txt", "config.json",
-                                                          safetensors_folder.SINGLE_FILE])
+  ours = ["config.json", safetensors_folder.SINGLE_FILE]  # a byte tokenizer of 47 tokens: no tokenizer files
+  assert sorted(p.name for p in out.iterdir()) == sorted([owned_folders.MARK, "notes.txt", *ours])
   assert (out / "notes.txt").read_bytes() == b"mine\x00"
-  assert owned_folders.read_mark(out)["written"] == ["config.json", safetensors_folder.SINGLE_FILE]
+  assert owned_folders.read_mark(out)["written"] == sorted(ours)
   back, _ = convert_fla.load_fla(out)
   assert jax.tree.all(jax.tree.map(np.array_equal, flat_params(back), flat_params(model)))
 
@@ -535,3 +536,21 @@ def test_the_training_recipe_of_the_docs_exports():
   assert len(export_fla.export_problems(small)) == 4
   small.update(ffn_activation="swish", stability_norm=False, rotation_pairs="half", rotation_freqs="rope")
   assert not export_fla.export_problems(small)
+
+
+def test_a_byte_tokenizer_model_exports_a_tokenizer_that_encodes_alike(tmp_path):
+  """The fla export of a byte-tokenizer model wrote no tokenizer files: it writes a tokenizer.json (one token per
+  byte) that transformers' AutoTokenizer loads and that encodes and decodes as the byte tokenizer does."""
+  transformers = pytest.importorskip("transformers")
+  model, config = our_fla_model(vocab_size=256)
+  assert config.data.tokenizer == "byte"
+  export_fla.write_fla(model, config, tmp_path / "out")
+  assert owned_folders.read_mark(tmp_path / "out")["written"] == sorted(
+      ["config.json", safetensors_folder.SINGLE_FILE, "tokenizer.json", "tokenizer_config.json"])
+  back, back_config = convert_fla.load_fla(tmp_path / "out")  # imported back with its tokenizer
+  assert back_config.model.vocab_size == 256
+  loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+  text = "Hé, wörld!\n  \x00\x7f 日本 \ufffd"
+  ids = ByteTokenizer().encode(text).tolist()
+  assert loaded(text, add_special_tokens=False)["input_ids"] == ids
+  assert loaded.decode(ids) == text and loaded.vocab_size == 256

@@ -43,6 +43,25 @@ class ByteTokenizer:
                          for i, piece in enumerate(pieces))
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's printable stand-in of each byte, the alphabet of `tokenizers`' ByteLevel pre-tokenizer: printable
+  Latin-1 bytes stand for themselves, the others for the code points from 256 on, in byte order."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+  others = [b for b in range(256) if b not in printable]
+  return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def byte_tokenizer_json() -> str:
+  """ByteTokenizer as a `tokenizers` tokenizer.json (byte-level pieces, one token per byte, id = the byte, no
+  merges): what an fla export of a byte-tokenizer model writes, so that transformers' AutoTokenizer encodes text
+  as this project does."""
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(
+      vocab={char: byte for byte, char in _bytes_to_unicode().items()}, merges=[]))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tokenizer.decoder = tokenizers.decoders.ByteLevel()
+  return tokenizer.to_str()
+
+
 class HFTokenizer:
   """A `tokenizers.Tokenizer` from a local tokenizer.json, with ByteTokenizer's interface.
 

@@ -38,6 +38,9 @@ EXPORTABLE = {"stability_norm": False, "rotation_pairs": "half", "rotation_freqs
 MAX_KEY_HEAD_DIM = 256  # fla's MultiScaleRetention asserts head_k_dim <= 256 (its rotary kernel)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 FOLDER_FORMAT = "fla checkpoint"  # an export's folder, in its mark (`owned_folders`)
+# tokenizer_config.json beside the byte tokenizer's tokenizer.json: transformers' AutoTokenizer then loads it as is.
+BYTE_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+BYTE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_ATTENTION_HEAD_DIM = 256  # flash-attn's largest head dim, which fla's Attention calls
 
 
@@ -115,9 +118,18 @@ def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_
 
 
 def _export_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The names every export of `config` writes, whatever its shards: config.json, the tokenizer.json of a
-  `data.tokenizer` file, and both names that decide what fla loads (one file, or an index of shards)."""
-  return ("config.json", SINGLE_FILE, INDEX_FILE) + (() if config.data.tokenizer == "byte" else ("tokenizer.json",))
+  """The names every export of `config` writes, whatever its shards: config.json, tokenizer.json (a
+  `data.tokenizer` file's, or the byte tokenizer's with its tokenizer_config.json), and both names that decide what
+  fla loads (one file, or an index of shards)."""
+  if config.data.tokenizer != "byte":
+    return ("config.json", SINGLE_FILE, INDEX_FILE, "tokenizer.json")
+  return ("config.json", SINGLE_FILE, INDEX_FILE) + (BYTE_TOKENIZER_FILES if _writes_byte_tokenizer(config) else ())
+
+
+def _writes_byte_tokenizer(config: ml_collections.ConfigDict) -> bool:
+  """Whether an export writes the byte tokenizer's files: a byte-tokenizer model whose vocabulary holds every byte
+  (a smaller one could not be loaded back with them)."""
+  return config.data.tokenizer == "byte" and config.model.vocab_size >= tokenizer_lib.ByteTokenizer.vocab_size
 
 
 def check_export(config: ml_collections.ConfigDict, out_dir: str | Path, take: bool = False
@@ -141,7 +153,9 @@ def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Pa
     model: the model, in either layout of its blocks; its parameters may be sharded.
     config: its full config; `check_export` must accept it. The tensors are written in `model.param_dtype`
       (float32 or bfloat16: every one, norm scales included), as config.json's `dtype` says. A `data.tokenizer`
-      tokenizer.json is copied, with the tokenizer files beside it.
+      tokenizer.json is copied, with the tokenizer files beside it; the byte tokenizer of a model whose vocabulary
+      holds every byte is written as a tokenizer.json that encodes as it does (`tokenizer.byte_tokenizer_json`),
+      with a tokenizer_config.json naming transformers' fast tokenizer.
     out_dir: a folder that is new, empty, or an earlier export's (it carries the project's mark): the files of
       that export that this one does not write again (shards of another count) are removed, and nothing else.
     max_shard_bytes: the bytes of one safetensors file; more make shards with an index.
@@ -160,7 +174,8 @@ def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Pa
   siblings = tuple(name for name in TOKENIZER_FILES[1:] if tokenizer_file is not None  # beside a tokenizer.json
                    and tokenizer_file.name == "tokenizer.json" and (tokenizer_file.parent / name).is_file())
   names = [*files, *([INDEX_FILE] if len(shards) > 1 else []), "config.json",
-           *(["tokenizer.json", *siblings] if tokenizer_file is not None else [])]
+           *(["tokenizer.json", *siblings] if tokenizer_file is not None else []),
+           *(BYTE_TOKENIZER_FILES if _writes_byte_tokenizer(config) else ())]
   writer = jax.process_index() == 0
   if writer:
     folder = owned_folders.claim(out, FOLDER_FORMAT, flag="--checkpoint", writes=names, take=take)
@@ -185,4 +200,7 @@ def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Pa
       shutil.copyfile(tokenizer_file, out / "tokenizer.json")
       for name in siblings:
         shutil.copyfile(tokenizer_file.parent / name, out / name)
+    elif _writes_byte_tokenizer(config):
+      whole_files.write_text(out / "tokenizer.json", tokenizer_lib.byte_tokenizer_json())
+      whole_files.write_text(out / "tokenizer_config.json", json.dumps(BYTE_TOKENIZER_CONFIG, indent=2))
   return out
