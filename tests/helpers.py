@@ -169,7 +169,7 @@ def assert_resumed_from(workdir: Path, step: int, output: str | None = None) -> 
         f"the last run should log steps from {step + 1} (resumed from checkpoint {step}); the runs logged steps "
         f"{step_runs(steps)}")
   if output is not None:
-    assert f"resumed from {Path(workdir).absolute() / 'checkpoints'}/{step} (data position" in output, output[-3000:]
+    assert f"resumed from {Path(workdir) / 'checkpoints' / str(step)} (data position" in output, output[-3000:]
 
 
 def flip_bytes(step_dir: Path, every_data_file: bool = False):

@@ -52,13 +52,15 @@ def test_training_plots_its_loss_and_learning_rate_into_the_workdir(trained):
 
 
 def test_the_last_line_names_every_output_as_the_workdir_was_given(trained_copy, caplog, monkeypatch):
-  """It named the checkpoints and params, not metrics.jsonl, metrics.png and tensorboard/."""
+  """It named the checkpoints and params, not metrics.jsonl, metrics.png and tensorboard/; "resumed from" printed an
+  absolute path where the last line printed it as given."""
   config, workdir, _ = trained_copy
   monkeypatch.chdir(workdir.parent)
   config.train.steps += 1
   with caplog.at_level(logging.INFO, logger="absl"):
     train.train_and_evaluate(config, Path(workdir.name))
   run = workdir.name
+  assert f"resumed from {run}/checkpoints/8 (data position" in caplog.text  # as given too, not absolute
   assert caplog.records[-1].getMessage() == (
       f"done at step 9; checkpoints in {run}/checkpoints, params in {run}/params/9; metrics in {run}/metrics.jsonl "
       f"(plot {run}/metrics.png, TensorBoard {run}/tensorboard)")

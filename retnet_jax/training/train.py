@@ -98,7 +98,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                                               async_save=config.checkpoint.async_save)
     try:
       with checkpointer:
-        state = _restore_or_init(config, run, checkpointer, batches)  # refuses another model's, before any write
+        state = _restore_or_init(config, run, checkpointer, batches, workdir)  # another model's refused first
         with metrics.MetricsWriter(workdir) as writer:
           if jax.process_index() == 0:
             whole_files.write_text(workdir_lib.config_file(workdir), config.to_json_best_effort(indent=2))
@@ -192,15 +192,15 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
 
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
                      checkpointer: checkpointing.Checkpointer,
-                     batches: loader.PreparedBatches | synthetic.SyntheticBatches):
+                     batches: loader.PreparedBatches | synthetic.SyntheticBatches, workdir: Path):
   """The newest checkpoint's state that reads back whole (`workdir.restore_newest`: an unreadable one is set aside
-  with a warning, another model config's refused), else a fresh one."""
+  with a warning, another model config's refused), else a fresh one; the line saying so names `workdir` as given."""
   restored = workdir_lib.restore_newest(checkpointer, config,
                                         lambda step: checkpointer.restore(run.abstract_state, step))
   if restored is not None:
     step, (state, meta) = restored
     batches.set_state(meta["data"])
-    metrics.log(f"resumed from {checkpointer.directory}/{step} (data position {meta['data']})")
+    metrics.log(f"resumed from {workdir_lib.checkpoint_dir(workdir) / str(step)} (data position {meta['data']})")
     saved_dtype = meta["config"]["train"].get("optimizer_state_dtype", "float32")  # float32 before the field
     if saved_dtype != config.train.optimizer_state_dtype:
       metrics.log(f"NOTE: the checkpoint's first Adam moment is {saved_dtype}: converted to "
