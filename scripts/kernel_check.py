@@ -32,6 +32,7 @@ import jax
 
 from retnet_jax.bench import kernel_check
 from retnet_jax.bench.op import TOLERANCE
+from retnet_jax.training import workdir
 
 _OUT = flags.DEFINE_string("out", "runs/kernel_check.json", "JSON results file.")
 _BATCH = flags.DEFINE_integer("batch", 4, "Batch size.", lower_bound=1)
@@ -76,7 +77,9 @@ def main():
     raise ValueError(f"no GPU: JAX's default backend is {jax.default_backend()!r}. Run this on a GPU machine, or "
                      "with --interpret for a tiny smoke run of the kernels in Pallas interpret mode.")
   out = Path(_OUT.value)
-  report = kernel_check.run(settings, _FORWARD_TILINGS.value, _BACKWARD_TILINGS.value, _INTERPRET.value, out)
+  workdir.check_results_path(out, "--out")  # a user's file, or a run's, is never replaced
+  report = kernel_check.run(settings, _FORWARD_TILINGS.value, _BACKWARD_TILINGS.value, _INTERPRET.value, out,
+                            cli.given_flags())
   failed = [c for c in report["cases"] if not c.get("errors", {"ok": True})["ok"]]
   print(f"{len(report['cases'])} cases, {len(failed)} beyond tolerance {TOLERANCE}; results in {out}")
   if failed:

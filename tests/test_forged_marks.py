@@ -13,6 +13,7 @@ import pytest
 from retnet_jax.core import owned_folders
 from retnet_jax.interop import export_fla
 from retnet_jax.training import train, workdir as workdir_lib
+from tests.helpers import run_script
 from tests.test_convert_fla import our_fla_model
 from tests.test_prepared import prepare
 
@@ -151,3 +152,13 @@ def test_a_full_disk_when_the_mark_is_written_is_one_line_naming_it(tmp_path, mo
                                "what it wrote there (No space left on device); free space on that disk or make it "
                                "writable, then run the same command again.")
   assert raised.value.errno == errno.ENOSPC
+
+
+def test_kernel_check_replaces_no_file_but_its_own_results(tmp_path):
+  """kernel_check.py wrote its --out unchecked: a user's file there is refused before any kernel runs."""
+  users = tmp_path / "notes.json"
+  users.write_bytes(b'{"mine": 1}')
+  result = run_script("kernel_check.py", "--interpret", f"--out={users}")
+  assert result.returncode == 1 and "Traceback" not in result.stderr
+  assert f"error: --out={users} exists and is not a results file" in result.stderr, result.stderr[-2000:]
+  assert users.read_bytes() == b'{"mine": 1}'

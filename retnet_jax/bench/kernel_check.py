@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from retnet_jax.bench.harness import interleave, memory_source, rate
 from retnet_jax.bench.op import (KINDS, TOLERANCE, error_text, kind_flops, op_case, op_inputs, relative_error,
                                  retention_op_flops)
+from retnet_jax.core import whole_files
 from retnet_jax.mixers import decay, kernels, retention
 
 
@@ -143,21 +145,23 @@ def time_forms(log_decay, chunk: int, inputs: dict[str, jax.Array], configs: lis
   return results
 
 
-def run(settings: Settings, forward_tilings: list[str], backward_tilings: list[str], interpret: bool, out: Path
-        ) -> dict[str, Any]:
-  """Checks and times every (head dims, length) of `settings`, rewriting the JSON report at `out` after each.
+def run(settings: Settings, forward_tilings: list[str], backward_tilings: list[str], interpret: bool, out: Path,
+        command_line: Sequence[str] = ()) -> dict[str, Any]:
+  """Checks and times every (head dims, length) of `settings`, rewriting the JSON report at `out` (whole) after each.
 
   Args:
     settings: batch, heads, chunk, head dims, lengths, the longest length checked, rounds and repeats.
     forward_tilings, backward_tilings: tilings to time (`tiling_configs`).
     interpret: run the kernels in Pallas interpret mode (any backend); else they must support every head dims.
+    command_line: the flags given (`cli.given_flags`), recorded as the report's "settings": a later run may
+      replace a results file that records them (`workdir.check_results_path`).
 
   Returns:
     The report: device, versions, sizes and one entry per case ({d_k, d_v, length, chunk, errors?, times,
     launch_grids}), for each kernel layout that supports the chunk (both when interpreted).
   """
   log_decay = decay.log_decay("retnet", settings.heads)
-  report = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
+  report = {"settings": list(command_line), "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
             "python": sys.version.split()[0], "batch": settings.batch, "heads": settings.heads, "chunk": settings.chunk,
             "dtype": "bfloat16", "interpret": interpret, "tolerance": TOLERANCE, "cases": []}
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -183,6 +187,6 @@ def run(settings: Settings, forward_tilings: list[str], backward_tilings: list[s
         case["errors"] = check(log_decay, chunk, inputs, interpret, layouts)
       case["times"] = time_forms(log_decay, chunk, inputs, configs, settings.rounds, settings.repeats, interpret)
       report["cases"].append(case)
-      out.write_text(json.dumps(report, indent=1))
+      whole_files.write_text(out, json.dumps(report, indent=1))
       print(json.dumps(case), flush=True)
   return report
