@@ -21,6 +21,18 @@ of a token's latency.
 buffers and step time of one long sequence split over 1, 2, 4 and 8 devices (simulated on a CPU), written to
 OUT/sequence_parallel.json, .md and .png.
 
+`--suite=context` measures prefill and decoding against the context length instead (`retnet_jax.bench.context`):
+RetNet, gated retention, a hybrid whose last layer attends over a window and the Transformer of the same size (the
+`--context_size` preset, default `small`), at batch 1, at each of `--context_lengths` (default: powers of 4 from 1k
+tokens to 1M for `small`, to 4M and then 10M for `tiny`), the models taking turns at each length, each point in its
+own process: XLA's memory analysis of the compiled prefill, the process's peak RSS, prefill tokens/s and decoding
+tokens/s after that context. A prefill or decoding estimated from the model's previous length to take longer than
+--point_budget_s is skipped with the estimate (the Transformer's prefill grows with the square of the length);
+its XLA memory analysis is still recorded. Writes OUT/context.json, .md and .png:
+
+    python scripts/benchmark.py --suite=context --out=runs/context
+    python scripts/benchmark.py --suite=context --context_size=tiny --out=runs/context_tiny
+
 `--suite=data` measures the data path instead (`retnet_jax.bench.corpus`): preparing a corpus (byte and BPE
 tokenizers, 1 and 2 processes), Grain's loader per process at batch 64 x 2048 and the train step beside them, and
 with --memory_mb the peak RSS of training from prepared corpora of those sizes; OUT/data.json and .md.
@@ -52,9 +64,9 @@ from pathlib import Path
 from absl import app, flags
 import jax
 
-from retnet_jax.bench import cases, corpus, gpu, sections, sequence
+from retnet_jax.bench import cases, context, corpus, gpu, sections, sequence
 from retnet_jax.bench.harness import Budget
-from retnet_jax.bench.suites import GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
+from retnet_jax.bench.suites import CONTEXT_SUITES, GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
 from retnet_jax.nn.layer_stack import REMAT_POLICIES
 
 _CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
@@ -62,10 +74,12 @@ _CONFIG = cli.config_flag("Base config; the suite sets its model size and traini
 SUITE_CONFIG_FLAGS = tuple(f"--config.model.{name}" for name in SIZE_FIELDS) + (
     "--config.model.dtype", "--config.train.mode", "--config.train.seq_len", "--config.train.batch_size",
     "--config.train.grad_accum_steps")
-_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence", "gpu", "data"], "quick: tiny sizes; full: "
-                           "the full-size preset; sequence: sequence-parallel training, the full suite's model; gpu: "
-                           "the GPU suite (retnet_jax/bench/suites.py); data: preparing, loading and training "
-                           "throughput of prepared corpora (retnet_jax/bench/corpus.py).")
+_SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence", "context", "gpu", "data"], "quick: tiny "
+                           "sizes; full: the full-size preset; sequence: sequence-parallel training, the full suite's "
+                           "model; context: prefill and decoding against the context length "
+                           "(retnet_jax/bench/context.py); gpu: the GPU suite (retnet_jax/bench/suites.py); data: "
+                           "preparing, loading and training throughput of prepared corpora "
+                           "(retnet_jax/bench/corpus.py).")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).", lower_bound=1)
@@ -93,18 +107,31 @@ _DATA_MB = flags.DEFINE_float("data_mb", 16, "--suite=data: size of the corpus p
                                lower_bound=0.5)
 _MEMORY_MB = flags.DEFINE_list("memory_mb", [], "--suite=data: corpus sizes in MB to train `tiny` from, measuring "
                                "peak RSS (e.g. 4,400).")
+_CONTEXT_SIZE = flags.DEFINE_enum("context_size", "small", list(CONTEXT_SUITES), "--suite=context: the preset "
+                                  "whose size the four models take (CONTEXT_SUITES in retnet_jax/bench/suites.py).")
+_CONTEXT_LENGTHS = flags.DEFINE_list("context_lengths", None, "--suite=context: the context lengths in tokens, e.g. "
+                                     "1024,4096 (default: the size's).")
+_POINT_BUDGET_S = flags.DEFINE_float("point_budget_s", None, "--suite=context: seconds a point's prefill or decoding "
+                                     "may take, estimated from the model's previous length; longer ones are skipped "
+                                     "(default: the size's).", lower_bound=0)
+CONTEXT_FLAGS = ("--context_size", "--context_lengths", "--point_budget_s")
 GPU_FLAGS = ("--parts", "--gpu_sizes", "--op_head_dims", "--op_lengths", "--train_models", "--remat", "--time_budget_s")
+
+
+def _refuse_model_flags(suite: str, extra: tuple[str, ...], fix: str) -> None:
+  """UsageError where the model-size flags, --config or `extra` flags are given to a suite that builds its models
+  from presets."""
+  fixed = [f"--{n}" for n, f in _SIZE.items() if f.value is not None] + [
+      arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--config") or arg.split("=")[0] in extra]
+  if fixed:
+    raise app.UsageError(f"{', '.join(fixed)}: --suite={suite} builds its models from presets; {fix}")
 
 
 def _gpu_suite(name: str):
   """GPU_SUITES[name] with the flags' overrides; UsageError naming a bad one."""
   suite = GPU_SUITES[name]
-  fixed = [f"--{n}" for n, f in _SIZE.items() if f.value is not None] + [
-      arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--config")]
-  if fixed:
-    raise app.UsageError(f"{', '.join(fixed)}: --suite=gpu builds its models from presets (GPU_SUITES in "
-                         "retnet_jax/bench/suites.py); use --train_models, --seq_len, --batch_size, --remat, "
-                         "--op_head_dims and --op_lengths.")
+  _refuse_model_flags("gpu", (), "use --train_models, --seq_len, --batch_size, --remat, --op_head_dims and "
+                      "--op_lengths (GPU_SUITES in retnet_jax/bench/suites.py).")
   try:
     head_dims = tuple(tuple(int(x) for x in dims.split("x", 1)) for dims in _OP_HEAD_DIMS.value or ())
     lengths = tuple(int(x) for x in _OP_LENGTHS.value or ())
@@ -128,6 +155,22 @@ def _gpu_suite(name: str):
       train_remat=suite.train_remat if _REMAT.value is None else {m: _REMAT.value for m in suite.models})
 
 
+def _context_sweep():
+  """CONTEXT_SUITES[--context_size] with the flags' overrides; UsageError naming a bad one."""
+  _refuse_model_flags("context", ("--seq_len", "--batch_size", "--inference_devices"),
+                      "choose its size with --context_size (CONTEXT_SUITES in retnet_jax/bench/suites.py).")
+  sweep = CONTEXT_SUITES[_CONTEXT_SIZE.value]
+  try:
+    lengths = tuple(sorted({int(x) for x in _CONTEXT_LENGTHS.value or ()}))
+  except ValueError:
+    lengths = None
+  if lengths is None or lengths and lengths[0] < 2:
+    raise app.UsageError(f"--context_lengths={','.join(_CONTEXT_LENGTHS.value)}: give lengths of at least 2 tokens, "
+                         "e.g. --context_lengths=1024,4096.")
+  budget = sweep.point_budget_s if _POINT_BUDGET_S.value is None else _POINT_BUDGET_S.value
+  return dataclasses.replace(sweep, lengths=lengths or sweep.lengths, point_budget_s=budget)
+
+
 def _check_inference_mesh(base, size: dict[str, int]) -> None:
   """Usage errors for a config mesh without a `tensor` axis and an --inference_devices that cannot split it."""
   devices, names = jax.devices(), tuple(base.mesh.axis_names)
@@ -141,18 +184,22 @@ def _check_inference_mesh(base, size: dict[str, int]) -> None:
 
 
 def main():
-  gpu_args = [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in GPU_FLAGS]
-  if _SUITE.value != "gpu" and gpu_args:
-    raise app.UsageError(f"{', '.join(gpu_args)}: only for --suite=gpu.")
+  for suite, suite_flags in (("gpu", GPU_FLAGS), ("context", CONTEXT_FLAGS)):
+    given = [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in suite_flags]
+    if _SUITE.value != suite and given:
+      raise app.UsageError(f"{', '.join(given)}: only for --suite={suite}.")
+  out = Path(_OUT.value)
+  if out.exists() and not out.is_dir():
+    raise app.UsageError(f"--out={out} is a file; give a folder for the results (JSON, Markdown, plots).")
+  if _SUITE.value == "context":
+    context.run(_context_sweep(), out, " ".join(["python"] + sys.argv))
+    return
   if _SUITE.value == "gpu":
     budget = Budget(_TIME_BUDGET_S.value)
     suite = _gpu_suite(_GPU_SIZES.value)
     bad_parts = [p for p in _PARTS.value if p not in gpu.PARTS]
     if bad_parts or not _PARTS.value:
       raise app.UsageError(f"--parts={','.join(_PARTS.value)}: choose one or more of {','.join(gpu.PARTS)}.")
-    out = Path(_OUT.value)
-    if out.exists() and not out.is_dir():
-      raise app.UsageError(f"--out={out} is a file; give a folder for the JSON and markdown files.")
     # Before JAX starts its backend: torch (fla) shares the GPU, so JAX allocates as it goes instead of taking 75%
     # up front, up to 90% (the train steps' limit: a step whose XLA buffers exceed it is skipped).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -164,7 +211,7 @@ def main():
       memory_mb = tuple(float(x) for x in _MEMORY_MB.value)
     except ValueError:
       raise app.UsageError(f"--memory_mb={','.join(_MEMORY_MB.value)}: give sizes in MB, e.g. 4,400.") from None
-    corpus.run(_CONFIG.value, Path(_OUT.value), " ".join(["python"] + sys.argv), _DATA_MB.value, memory_mb)
+    corpus.run(_CONFIG.value, out, " ".join(["python"] + sys.argv), _DATA_MB.value, memory_mb)
     return
   if jax.config.jax_num_cpu_devices < 0 and "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
@@ -180,9 +227,6 @@ def main():
   if set_by_suite:
     raise app.UsageError(f"{', '.join(set_by_suite)}: the suite sets these (and runs both dtypes and forms); use "
                          f"--{', --'.join(SIZE_FIELDS)}, --seq_len and --batch_size instead.")
-  out = Path(_OUT.value)
-  if out.exists() and not out.is_dir():
-    raise app.UsageError(f"--out={out} is a file; give a folder for results.json, results.md and the plots.")
   if _SUITE.value == "sequence":
     lengths = SEQUENCE_SUITE.lengths if _SEQ_LEN.value is None else (_SEQ_LEN.value,)
     sweep = dataclasses.replace(SEQUENCE_SUITE, suite=suite, lengths=lengths)

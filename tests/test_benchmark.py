@@ -102,13 +102,18 @@ def test_table_ranges_share_the_median_unit():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,message", [
+@pytest.mark.parametrize("flags,message", [
     ("--seq_len=0", "flag --seq_len=0: 0 is not a positive integer"),
     ("--config.model.d_model=128", "--config.model.d_model: the suite sets these .* use --d_model"),
     ("--out=README.md", "--out=README.md is a file; give a folder"),
+    ("--point_budget_s=5", "--point_budget_s: only for --suite=context"),
+    ("--suite=context --context_lengths=1024,1", r"--context_lengths=1024,1: give lengths of at least 2 tokens"),
+    ("--suite=context --context_lengths=4k", r"--context_lengths=4k: give lengths of at least 2 tokens"),
+    ("--suite=context --d_model=64", "--d_model: --suite=context builds its models from presets; choose its size "
+                                     "with --context_size"),
 ])
-def test_bad_flags_are_named(flag, message):
-  proc = run_script("benchmark.py", flag)
+def test_bad_flags_are_named(flags, message):
+  proc = run_script("benchmark.py", *flags.split())
   assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-3000:]
 
 
@@ -375,7 +380,7 @@ def test_kernel_check_and_gpu_op_part_share_the_op_measure(tmp_path):
   report = kernel_check.run(settings, [], [], interpret=True, out=tmp_path / "kernel_check.json")
   assert json.loads((tmp_path / "kernel_check.json").read_text()) == json.loads(json.dumps(report))
   assert {"device", "backend", "jax", "python", "batch", "heads", "chunk", "dtype", "interpret", "tolerance",
-          "cases"} == set(report) and report["tolerance"] == op.TOLERANCE
+          "settings", "cases"} == set(report) and report["tolerance"] == op.TOLERANCE
   (case,) = report["cases"]
   assert case["errors"]["ok"]
   for layout in ("split", "fused"):

@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 from retnet_jax.bench import gpu_check, requirements
+from retnet_jax.bench.suites import GPU_SUITES
 from tests.helpers import run_script
 
 
@@ -103,6 +104,13 @@ def test_smoke_run_writes_every_part_and_a_rerun_skips_them(tmp_path):
   files = {part: json.loads((out / f"check_{part}.json").read_text())["files"] for part in gpu_check.PARTS}
   assert "gpu_train_tiny.json" in files["train"] and "gpu_op_16x32.md" in files["op"]
   assert "gpu_decode.json" in files["decode"] and not files["kernels"]
+  # The decode part's curve against the context: the prefill compiled at each context, both models decoding.
+  curve = json.loads((out / "gpu_decode.json").read_text())["curve"]
+  assert [p["context"] for p in curve] == list(GPU_SUITES["check_tiny"].curve_contexts)
+  for point in curve:
+    assert point["retnet"]["prefill_xla_bytes"] > 0 and point["transformer"]["tokens_per_s"]["median"] > 0
+  assert curve[-1]["transformer"]["state_bytes"] > 8 * curve[0]["transformer"]["state_bytes"]
+  assert curve[-1]["retnet"]["state_bytes"] == curve[0]["retnet"]["state_bytes"]
   kernels = json.loads((out / "check_kernels.json").read_text())["results"]
   assert kernels["ok"] and set(kernels["cases"]) == {"constant", "constant/documents", "per_token/documents"}
   tests = json.loads((out / "check_tests.json").read_text())["results"]

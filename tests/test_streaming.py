@@ -140,6 +140,25 @@ def test_prefill_memory_does_not_grow_with_the_prompt():
   assert one_call > 4 * temps[2**14]  # the test can tell: one call's temporaries grow with the prompt
 
 
+def test_a_prefill_runs_the_compilation_of_compile_prefill(monkeypatch):
+  """`compile_prefill`'s executable is what a prefill of its shapes then runs: nothing is traced again (the tracing
+  would call `streaming.final_state`), and the state equals a fresh sampler's; with `progress` it compiles anew."""
+  model = model_of("retnet")
+  tokens, lengths = sampling.pad_prompts([list(range(1, 40)), [5, 6, 7]])
+  expected = sampling.Sampler().prefill(model, tokens, lengths)
+  sampler = sampling.Sampler()
+  sampler.compile_prefill(model, *tokens.shape)
+  traced = []
+  original = streaming.final_state
+  monkeypatch.setattr(streaming, "final_state", lambda *args, **kw: traced.append(1) or original(*args, **kw))
+  got = sampler.prefill(model, tokens, lengths)
+  assert not traced
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  sampler.prefill(model, tokens, lengths, progress=lambda done, columns: None)
+  assert traced
+
+
 @pytest.mark.parametrize("block,message", [
     (12, "prefill_block=12 is not a multiple of model.chunk_size=8 = 8, so its blocks would not hold whole chunks; "
          "use 8 or 16."),

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
 from retnet_jax.bench.suites import Suite
 from retnet_jax.core import sharding
-from retnet_jax.evaluation import sampling, sampling_checks
+from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import flops
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
@@ -153,21 +153,39 @@ def forward_case(model, mode: str, length: int, mesh: jax.sharding.Mesh) -> Case
               {"compile_s": compile_s, "compiled_bytes": buffers}, devices=mesh.size)
 
 
-def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: str) -> Case:
-  """Greedy `Sampler.decode` of `new_tokens` after a `context`-token prompt, prefilled once here (not timed):
-  each run decodes twice, each unit is one call's time per token."""
-  prompts = random_tokens(batch, context, model.config.vocab_size, seed=1)
-  sampler = sampling.Sampler()
-  prefilled = sampler.prefill(model, prompts, np.full((batch,), context, np.int32), prefill_mode=prefill_mode)
+def decode_from(model, sampler: sampling.Sampler, prefilled: sampling.Prefilled, new_tokens: int) -> Case:
+  """Greedy `sampler.decode` of `new_tokens` from `prefilled`, compiled here (its first call, not timed: the warm-up
+  run's memory is then that of decoding alone); each run decodes twice, each unit is one call's time per token.
+  Info: the decoding state's bytes (`state_bytes`) and the first call's seconds (`first_call_s`, compiling)."""
   decode = lambda: sampler.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
                                   temperature=0.0)
-  decode()  # compiles here, so that the warm-up run's memory is that of decoding alone
+  (first_call_s,) = timed(decode)()
 
   def run():
     return [s / new_tokens for s in timed(decode, repeats=2)()]
 
   devices = max(len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(model)))
-  return Case(run, {"state_bytes": sampling_checks.state_bytes(model, batch)}, devices=devices)
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(prefilled.state))
+  return Case(run, {"state_bytes": state_bytes, "first_call_s": first_call_s}, devices=devices)
+
+
+def decode_case(model, batch: int, context: int, new_tokens: int, prefill_mode: str) -> Case:
+  """`decode_from` after a `context`-token prompt of random tokens, prefilled once here (not timed)."""
+  prompts = random_tokens(batch, context, model.config.vocab_size, seed=1)
+  sampler = sampling.Sampler()
+  prefilled = sampler.prefill(model, prompts, np.full((batch,), context, np.int32), prefill_mode=prefill_mode)
+  return decode_from(model, sampler, prefilled, new_tokens)
+
+
+def zero_state(model, batch: int, context: int, new_tokens: int) -> sampling.Prefilled:
+  """A decoding state `context` tokens in, without a prefill: RetNet's retention state, or a KV cache of `context +
+  new_tokens` slots with `context` filled, holding zeros (for a context whose prefill would not fit or take too long:
+  a decoding step's work does not depend on the state's values)."""
+  state = model.init_state(batch, context + new_tokens)
+  state["layers"] = [{**layer, "next_slot": jnp.int32(context)} if "next_slot" in layer else layer
+                     for layer in state["layers"]]
+  state["position"] = jnp.full((batch,), context, jnp.int32)
+  return sampling.Prefilled(state, jnp.zeros((batch,), jnp.int32))
 
 
 def matmul_case(dtype, size: int) -> Case:

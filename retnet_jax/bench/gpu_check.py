@@ -9,7 +9,9 @@ Parts, in priority order, each over the GPU suite's modules (`CHECKS["h100"]`: t
 3. `kernels`: the compiled kernels (both layouts) against the XLA form in float32 at `highest`, values and gradients,
    constant and per-token decays, with packed documents (`kernel_check.check`).
 4. `decode`: batch 1 with bfloat16 weights against the weight-read floor, batch 64 at 8k tokens of context against
-   the Transformer (`gpu_decode`).
+   the Transformer, then the context suite's curve at batch 1 after 4k, 64k and 1M tokens: XLA's memory of RetNet's
+   and the Transformer's prefill (compiled, not run) and their decoding tokens/s from a zero-filled state (the
+   Transformer's 1M-token KV cache, 206 GB, is not decoded) (`gpu_decode`).
 5. `tests`: the GPU test command (docs/tests.md), `-m "not slow"`, ended at its budget; its counts so far.
 
 Budgets (`BUDGETS_S`, seconds, with `STARTUP_S` summing to `TOTAL_S` = 540) are deadlines taken in order: a part may
@@ -19,8 +21,9 @@ the next, and the tests take whatever is left. They come from an earlier H100 ru
 part's time goes mostly to fla's Triton autotuning (35-90 s per new shape, two functions) and ~20 compiles of ours,
 hence one head dim, two lengths, 3 rounds: 120 s; the kernel check took ~150 s per head dim at 4 lengths with its
 timing, here 3 checks at one length and no timing: 50 s; decoding took ~80 s for batch 1 and 3 contexts, here one
-context: 50 s; the GPU tests take ~260 s with 4 workers, so the ~100 s left runs part of them (their counts say how
-far). A part still running past its deadline stops between cases (a train case's process is ended).
+context: 50 s, and the curve's contexts (each 2 prefill compiles and 2 decoding loops, not yet timed on a GPU) start
+only while that deadline has not passed; the GPU tests take ~260 s with 4 workers, so the ~100 s left runs part of
+them (their counts say how far). A part still running past its deadline stops between cases (a train case's process is ended).
 
 Every part writes OUT/check_<part>.json and .md when it ends (`complete: true`), the train, op and decode parts also
 the GPU suite's files of their groups (gpu_train_1.3b.json ...), listed under `files`; a rerun skips a part whose

@@ -1,6 +1,7 @@
 """The GPU suite's decode part: greedy `Sampler.decode` at batch 1 (ms/token against parameter bytes, in
-`GpuSuite.decode_param_dtype`, / a read bandwidth measured alongside), and at a large batch after long contexts,
-against the Transformer's KV cache at the largest batch it fits."""
+`GpuSuite.decode_param_dtype`, / a read bandwidth measured alongside), at a large batch after long contexts, against
+the Transformer's KV cache at the largest batch it fits, and the context suite's curve at batch 1 (XLA's memory of
+the prefill, decoding tokens/s, RetNet against the Transformer; `retnet_jax.bench.context` on a CPU)."""
 
 from __future__ import annotations
 
@@ -12,30 +13,22 @@ from flax import nnx
 
 from retnet_jax.bench import cases
 from retnet_jax.bench.gpu_train import model_config
-from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
+from retnet_jax.bench.harness import Budget, Case, interleave, rate
 from retnet_jax.bench.report import fmt, fmt_range
 from retnet_jax.bench.suites import GpuSuite
 from retnet_jax.core import markdown
 from retnet_jax.evaluation import sampling
+from retnet_jax.hardware import accelerators
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
 
 
 def _context_decode_case(model, batch: int, context: int, new_tokens: int) -> Case:
-  """Greedy `Sampler.decode` of `new_tokens` from a state `context` tokens in: RetNet's retention state, or a KV
-  cache of `context + new_tokens` slots with `context` filled. The state holds zeros (a prefill of this batch and
-  length would not fit the device): a step's work does not depend on its values. Units as `cases.decode_case`."""
-  state = model.init_state(batch, context + new_tokens)
-  state["layers"] = [{**layer, "next_slot": jnp.int32(context)} if "next_slot" in layer else layer
-                     for layer in state["layers"]]
-  state["position"] = jnp.full((batch,), context, jnp.int32)
-  prefilled = sampling.Prefilled(state, jnp.zeros((batch,), jnp.int32))
-  sampler = sampling.Sampler()
-  decode = lambda: sampler.decode(model, prefilled, max_new_tokens=new_tokens, key=jax.random.key(0),
-                                  temperature=0.0)
-  decode()  # compiles
-  bytes_ = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-  return Case(lambda: [s / new_tokens for s in timed(decode, repeats=2)()], {"state_bytes": bytes_, "batch": batch})
+  """`cases.decode_from` a state `context` tokens in that holds zeros (`cases.zero_state`: a prefill of this batch and
+  length would not fit the device), with its batch in the info."""
+  case = cases.decode_from(model, sampling.Sampler(), cases.zero_state(model, batch, context, new_tokens), new_tokens)
+  case.info["batch"] = batch
+  return case
 
 
 def _cache_bytes(model, batch: int, max_len: int) -> int:
@@ -95,7 +88,40 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None, budget: Budg
           "median"]
     results["contexts"].append(point)
     del group
+  results["curve"] = measure_curve(suite, config, retnet, attention, source, cache_budget, budget, results["skipped"])
   return results
+
+
+def measure_curve(suite: GpuSuite, config, retnet, attention, source: str, cache_budget: int | None, budget: Budget,
+                  skipped: dict[str, str]) -> list[dict[str, Any]]:
+  """Per context of `suite.curve_contexts`, batch 1: XLA's memory analysis of RetNet's and the Transformer's prefill
+  (`Sampler.compile_prefill`, compiled, not run: the Transformer's abstract, its KV cache holding the context and the
+  new tokens), and their decoding tokens/s from a zero-filled state that far in, interleaved; the Transformer's only
+  where its KV cache fits `cache_budget`. A context not started before `budget` is spent goes to `skipped`."""
+  new, sampler, points = suite.decode_new_tokens, sampling.Sampler(), []
+  for context in suite.curve_contexts:
+    if budget.spent():
+      skipped[f"curve {context}"] = budget.reason
+      continue
+    print(f"decode curve: prefill compiled and decoding after {context} tokens", flush=True)
+    at_context = nnx.eval_shape(lambda: Model(presets.transformer_config(config.model, context + new),
+                                              rngs=nnx.Rngs(0)))
+    point: dict[str, Any] = {"context": context}
+    for name, model in (("retnet", retnet), ("transformer", at_context)):
+      sizes = accelerators.memory_sizes(sampler.compile_prefill(model, 1, context))
+      point[name] = {"prefill_xla": sizes, "prefill_xla_bytes": accelerators.required_bytes(sizes)}
+    group = {"retnet": _context_decode_case(retnet, 1, context, new)}
+    if cache_budget is not None and _cache_bytes(attention, 1, context + new) > cache_budget:
+      point["transformer"]["decode_skipped"] = "its KV cache at batch 1 exceeds a third of the device's memory"
+      point["transformer"]["state_bytes"] = _cache_bytes(attention, 1, context + new)
+    else:
+      group["transformer"] = _context_decode_case(attention, 1, context, new)
+    interleave(group, suite.rounds, source, budget)
+    for name, case in group.items():
+      point[name].update(state_bytes=case.info["state_bytes"], tokens_per_s=rate(1, case.info["seconds"]))
+    points.append(point)
+    del group
+  return points
 
 
 def decode_markdown(results: dict[str, Any]) -> list[str]:
@@ -116,4 +142,15 @@ def decode_markdown(results: dict[str, Any]) -> list[str]:
                  fmt(t["state_bytes"], "B") if t else "-", fmt(p.get("throughput_ratio"))])
   lines += markdown.table(["context", "RetNet batch", "RetNet tokens/s", "RetNet state", "Transformer batch",
                            "Transformer tokens/s", "KV cache", "ratio"], rows)
+  if results.get("curve"):  # (absent from the results of earlier runs)
+    lines += ["", "Against the context at batch 1: XLA's memory analysis of the prefill (compiled, not run) and "
+              "decoding tokens/s from a zero-filled state that far in.", ""]
+    lines += markdown.table(
+        ["context", "RetNet prefill XLA", "Transformer prefill XLA", "RetNet tokens/s", "Transformer tokens/s",
+         "KV cache"],
+        [[f"{p['context']:,}", fmt(p["retnet"]["prefill_xla_bytes"], "B"),
+          fmt(p["transformer"]["prefill_xla_bytes"], "B"), fmt_range(p["retnet"]["tokens_per_s"]),
+          fmt_range(p["transformer"]["tokens_per_s"]) if "tokens_per_s" in p["transformer"]
+          else p["transformer"]["decode_skipped"], fmt(p["transformer"]["state_bytes"], "B")]
+         for p in results["curve"]])
   return lines + [f"Skipped: {name}: {reason.rstrip('.')}." for name, reason in results["skipped"].items()]

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+
+
+def lines(ax, series: dict[str, list[dict]], x: str, y: Callable[[dict], float], title: str, ylabel: str,
+          xlabel: str = "tokens", **style) -> None:
+  """One line per entry of `series` (name -> points) on log-log axes `ax`: point[x] against y(point), with
+  matplotlib's `style` (e.g. linestyle)."""
+  for name, points in series.items():
+    ax.plot([p[x] for p in points], [y(p) for p in points], marker="o", label=name, **style)
+  ax.set(xscale="log", yscale="log", title=title, xlabel=xlabel, ylabel=ylabel)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
 
 
 def plot(results, out: Path) -> list[str]:
@@ -10,13 +22,6 @@ def plot(results, out: Path) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-
-  def lines(ax, series, x, y, title, ylabel, xlabel="tokens"):
-    for name, points in series.items():
-      ax.plot([p[x] for p in points], [y(p) for p in points], marker="o", label=name)
-    ax.set(xscale="log", yscale="log", title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
 
   files = []
   for kind in ("forward", "train"):

@@ -1,4 +1,4 @@
-"""The benchmark suites (quick, full, sequence, gpu) and the model fields they set."""
+"""The benchmark suites (quick, full, sequence, context, gpu) and the model fields they set."""
 
 from __future__ import annotations
 
@@ -71,6 +71,27 @@ SEQUENCE_SUITE = SequenceSweep(suite=SUITES["full"], splits=(1, 2, 4, 8), length
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextSweep:
+  """What the context suite (`retnet_jax.bench.context`) measures: prefill and decoding of four models of one size
+  (RetNet, gated retention, the hybrid, the Transformer) at batch 1 against the context length."""
+  preset: str  # the models' size: a preset of `presets.PRESETS`
+  lengths: tuple[int, ...]  # context tokens: each prompt is prefilled, then decoded after
+  new_tokens: int  # greedy tokens per decoding call
+  attention_window: int  # the hybrid's last layer attends over this many tokens (the others retain)
+  point_budget_s: float  # a prefill or decoding estimated from the model's previous length to take longer is skipped
+
+
+# Powers of 4 from 1k tokens: to 1M for `small`, to 4M and then 10M for `tiny` (6 and 8 minutes on 2 cores,
+# docs/benchmarks.md). The budget keeps the Transformer's prefill, quadratic in the length, to 16k tokens at `small`.
+CONTEXT_SUITES = {
+    "small": ContextSweep(preset="small", lengths=tuple(1024 * 4**i for i in range(6)), new_tokens=32,
+                          attention_window=512, point_budget_s=120.0),
+    "tiny": ContextSweep(preset="tiny", lengths=tuple(1024 * 4**i for i in range(7)) + (10 * 2**20,), new_tokens=32,
+                         attention_window=512, point_budget_s=120.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class GpuSuite:
   """What the GPU suite (`retnet_jax.bench.gpu`) measures. Every size is a field, so that a CPU test runs it tiny.
 
@@ -102,6 +123,9 @@ class GpuSuite:
   op_decays: tuple[str, ...] = ("constant",)  # gpu_op.DECAYS: per-head decays; per_token: also per-token ones
   op_layouts: tuple[str, ...] = ("split",)  # the Pallas kernels' layouts (`kernels.LAYOUTS`) the op times
   decode_param_dtype: str = "float32"  # the decoded model's parameters (model.param_dtype): the bytes read per token
+  # the context suite's curve at batch 1 (`gpu_decode`): XLA's memory analysis of RetNet's and the Transformer's
+  # prefill (compiled, not run) and their decoding tokens/s from a state this many tokens in
+  curve_contexts: tuple[int, ...] = ()
 
 
 # The paper has no 350M size: d_model 1024 and 24 layers with its ratios (key head dim 256, value width 2 d_model,
@@ -126,7 +150,7 @@ GPU_SUITES = {
     # half a minute) at the largest batch and the lightest remat policy there that `planning.aot.search` fits on
     # h100:1 at seq 2048, XLA form, tried with full, save_mixer_out and dots_with_no_batch_dims_saveable: 128, 32
     # and 16 (13 minutes of compiling on 2 cores); one head dim, two lengths, both decays and layouts for the op;
-    # one context for decoding, from bfloat16 weights.
+    # one context for decoding, from bfloat16 weights, and the context suite's curve at 4k, 64k and 1M tokens.
     "check": GpuSuite(
         models={"1.3b": ("1.3b", dict(scan_layers=True))}, chunk_sizes={"xla": 256, "pallas": 64}, op_batch=4,
         op_heads=8, op_head_dims=((256, 256),), op_lengths=(4096, 16384), op_check_len=1024, op_repeats=3,
@@ -134,7 +158,7 @@ GPU_SUITES = {
         train_batch={"1.3b": 128}, train_remat={"1.3b": "full"}, decode_model="1.3b",
         decode_prompt_len=128, decode_batch=64, decode_contexts=(8192,), decode_new_tokens=32, compile_models=(),
         matmul_size=8192, rounds=3, op_decays=("constant", "per_token"), op_layouts=("split", "fused"),
-        decode_param_dtype="bfloat16"),
+        decode_param_dtype="bfloat16", curve_contexts=(4096, 65536, 1048576)),
     # The check's parts at the tiny sizes: its smoke run on a CPU.
     "check_tiny": GpuSuite(
         models={"tiny": ("tiny", dict(num_layers=1))}, chunk_sizes={"xla": 16, "pallas": 16},
@@ -142,7 +166,8 @@ GPU_SUITES = {
         train_models=("tiny",), train_impls=("xla", "pallas", "pallas_fused"), train_seq_len=32,
         train_batch={"tiny": 2}, train_remat={"tiny": "none"}, decode_model="tiny", decode_prompt_len=8,
         decode_batch=2, decode_contexts=(32,), decode_new_tokens=4, compile_models=(), matmul_size=64, rounds=1,
-        op_decays=("constant", "per_token"), op_layouts=("split", "fused"), decode_param_dtype="bfloat16"),
+        op_decays=("constant", "per_token"), op_layouts=("split", "fused"), decode_param_dtype="bfloat16",
+        curve_contexts=(64, 1024)),
     # Seconds on a CPU: the tests, and a smoke run of every part on a GPU before the real one.
     "tiny": GpuSuite(
         models={"tiny": ("tiny", dict(num_layers=1))}, chunk_sizes={"xla": 16, "pallas": 16},
