@@ -8,6 +8,7 @@ the product to 24 bits: off by 5e-3 to 3e-2 rad at n = 1e6 and up to pi near 2^3
 
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -130,3 +131,14 @@ def test_a_state_past_the_int32_positions_is_refused():
   with pytest.raises(ValueError, match=rf"position {MAX - 3}, and 4 more tokens would pass position {MAX}"):
     model(jnp.zeros((2, 4), jnp.int32), mode="recurrent", state=state)
   model_lib.check_position(state["position"], 3)
+
+
+def test_tables_are_the_same_with_64_bit_types_enabled():
+  """With jax_enable_x64 (float64 tests) a uint32 sum widened to uint64, whose bitcast to int32 added an axis."""
+  positions = jnp.asarray([[0, 1, 1000, 2**31 - 1]], jnp.int32)
+  expected = rotation.rotation_tables(positions, 16)
+  with jax.enable_x64(True):
+    got = rotation.rotation_tables(positions, 16)
+  for a, b in zip(got, expected):
+    assert a.shape == b.shape == (1, 4, 1, 8) and a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)

@@ -20,7 +20,7 @@ from retnet_jax.hardware import flops
 from retnet_jax.input_pipeline import tokenizer
 from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
-from retnet_jax.training import checkpointing, cli, train, train_state, workdir as workdir_lib
+from retnet_jax.training import checkpointing, flag_messages, train, train_state, workdir as workdir_lib
 from tests.helpers import (assert_resumed_from, forward, random_tokens, read_metrics, script_stdout, tiny_config,
                            tiny_transformer)
 
@@ -307,14 +307,14 @@ def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
 
 def test_retention_options_and_mixed_sections_are_refused(tmp_path):
   """A Transformer config has no retention fields: the locked config refuses them, and the command line's error
-  (`retnet_jax.training.cli`) names the option and the fix; a RetNet model section set to `transformer` is refused."""
+  (`retnet_jax.training.flag_messages`) names the option and the fix; a RetNet model section set to `transformer` is refused."""
   config = transformer_config.get_config("tiny")
   for field in ("chunk_size", "retention_impl", "decay_schedule", "stability_norm", "value_dim"):
     with pytest.raises(KeyError, match=f'"{field}" does not exist and cannot be added since the config is locked'):
       config.model[field] = None
   with pytest.raises(KeyError) as error:  # as ml_collections reads `--config.model.retention_impl=pallas`
     config_path.get_value("model.retention_impl", config)
-  assert cli._unknown_field(["train.py", "--config.model.retention_impl=pallas"], error.value) == (
+  assert flag_messages.unknown_field(["train.py", "--config.model.retention_impl=pallas"], error.value) == (
       "error: --config.model.retention_impl names no config field: 'retention_impl' (model.retention_impl is a "
       "retnet option, which this config's architecture does not have: drop it, or use "
       "--config=configs/retnet.py:NAME)")

@@ -75,7 +75,7 @@ def _turn_units(theta_P: jax.Array) -> tuple[jax.Array, jax.Array]:
   rest_P = jnp.sum(products_2xNxP - whole_2xNxP, axis=(0, 1))
   carry_P = jnp.round(rest_P)
   whole_2xNxP = whole_2xNxP - 2.0**32 * jnp.floor(whole_2xNxP * 2.0**-32)  # mod 2^32, exactly
-  whole_P = jnp.sum(whole_2xNxP.astype(jnp.uint32), axis=(0, 1))  # wraps mod 2^32
+  whole_P = jnp.sum(whole_2xNxP.astype(jnp.uint32), axis=(0, 1), dtype=jnp.uint32)  # wraps mod 2^32 (x64 too)
   return whole_P + jax.lax.bitcast_convert_type(carry_P.astype(jnp.int32), jnp.uint32), rest_P - carry_P
 
 

@@ -15,7 +15,6 @@ Importing this module imports neither numpy nor jax, so `prepare` can still act 
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib.util
 import logging
 import os
@@ -34,7 +33,7 @@ from ml_collections import config_flags
 
 from retnet_jax.core import host_memory, owned_folders, quiet_start
 from retnet_jax.models import presets
-from retnet_jax.training import workdir_lock
+from retnet_jax.training import flag_messages, workdir_lock
 
 DEFAULT_CONFIG = "configs/retnet.py:small"
 # What --help says under --config: the presets, where their fields are documented, how to override and list them.
@@ -97,7 +96,7 @@ def config_flag(help_text: str, flag_values: flags.FlagValues = flags.FLAGS) -> 
     return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, f"{help_text} {CONFIG_REFERENCE}",
                                            flag_values=flag_values, lock_config=True)
   except (AttributeError, KeyError) as e:
-    sys.exit(_unknown_field(sys.argv, e))
+    sys.exit(flag_messages.unknown_field(sys.argv, e))
 
 
 def command_line_config(holder: flags.FlagHolder) -> tuple[bool, tuple[str, ...]]:
@@ -429,42 +428,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
       sys.exit(0)
     raise
   except flags.UnrecognizedFlagError as e:
-    sys.exit(f"error: {_unknown_flag(e.flagname)}\nPass --helpshort or --helpfull to see help on flags.")
+    sys.exit(f"error: {flag_messages.unknown_flag(e.flagname)}\nPass --helpshort or --helpfull to see help on flags.")
   except flags.Error as e:
     lines = [line for line in str(e).splitlines() if line.strip()]
     if any(line.startswith("Traceback") for line in lines):  # ml_collections quotes its own traceback: the cause
       lines = [lines[0].split(": Error whilst", 1)[0] + ":", lines[-1]]
     sys.exit("error: " + " ".join(lines) + "\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
-    sys.exit(_unknown_field(argv, e))
-
-
-def _unknown_flag(name: str) -> str:
-  """One line for a flag the script does not define, suggesting the closest of its own flags (the script's and this
-  package's: absl's suggestions come from every flag, e.g. --stpes -> stderrthreshold) and of the config's fields
-  (--stpes -> --config.train.steps)."""
-  own = {flag.name: flag.name for module, defined in flags.FLAGS.flags_by_module_dict().items()
-         if module.startswith("retnet_jax") or os.path.abspath(module) == os.path.abspath(sys.argv[0])
-         for flag in defined}
-  if "config" in own:
-    config = presets.get_config("tiny")
-    for section, fields in config.items():
-      if isinstance(fields, ml_collections.ConfigDict):
-        own.update({field: f"config.{section}.{field}" for field in fields if field not in own})
-  close = [own[match] for match in difflib.get_close_matches(name, list(own), n=2, cutoff=0.75)]
-  return f"unknown flag --{name}" + (f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ".")
-
-
-def _unknown_field(argv: list[str], error: BaseException) -> str:
-  """One line for ml_collections' error about a `--config.x.y=...` that names no field (its innermost message)."""
-  while error.args and isinstance(error.args[0], BaseException):
-    error = error.args[0]
-  detail = " ".join(str(error.args[0] if error.args else error).split())
-  overrides = [arg.split("=", 1)[0] for arg in argv[1:] if arg.startswith("--config.")]
-  culprit = next((name for name in overrides if f"'{name.rsplit('.', 1)[-1]}'" in detail), "a --config override")
-  field = culprit.removeprefix("--config.model.")
-  owners = [name for name, fields in presets.MODEL_FIELDS.items() if field in fields]
-  if field != culprit and owners:  # another architecture's option
-    detail += (f" (model.{field} is a {owners[0]} option, which this config's architecture does not have: drop it, "
-               f"or use --config=configs/{owners[0]}.py:NAME)")
-  return f"error: {culprit} names no config field: {detail}"
+    sys.exit(flag_messages.unknown_field(argv, e))
