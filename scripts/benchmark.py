@@ -67,6 +67,7 @@ import jax
 from retnet_jax.bench import cases, context, corpus, gpu, sections, sequence
 from retnet_jax.bench.harness import Budget
 from retnet_jax.bench.suites import CONTEXT_SUITES, GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
+from retnet_jax.core import owned_folders
 from retnet_jax.nn.layer_stack import REMAT_POLICIES
 
 _CONFIG = cli.config_flag("Base config; the suite sets its model size and training shape.")
@@ -189,8 +190,8 @@ def main():
     if _SUITE.value != suite and given:
       raise app.UsageError(f"{', '.join(given)}: only for --suite={suite}.")
   out = Path(_OUT.value)
-  if out.exists() and not out.is_dir():
-    raise app.UsageError(f"--out={out} is a file; give a folder for the results (JSON, Markdown, plots).")
+  # A folder of its own (new, empty, or an earlier benchmark's), before any work: no user's file is written over.
+  owned_folders.claim(out, "benchmark results", flag="--out", take_flag=None)
   if _SUITE.value == "context":
     context.run(_context_sweep(), out, " ".join(["python"] + sys.argv))
     return

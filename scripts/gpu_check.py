@@ -32,6 +32,7 @@ from pathlib import Path  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from retnet_jax.bench import gpu_check  # noqa: E402
+from retnet_jax.core import owned_folders  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "runs/gpu_check", "Folder of every result file.")
 _PARTS = flags.DEFINE_list("parts", list(gpu_check.PARTS), f"Parts to run, of {','.join(gpu_check.PARTS)} (they run "
@@ -55,8 +56,8 @@ def main():
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   out = Path(_OUT.value)
-  if out.exists() and not out.is_dir():
-    raise app.UsageError(f"--out={out} is a file; give a folder for the result files.")
+  # A folder of its own (new, empty, an earlier check's: its parts done are kept), before any work.
+  owned_folders.claim(out, gpu_check.FOLDER_FORMAT, flag="--out", take_flag=None, earlier=gpu_check.earlier_results)
   # Before JAX starts its backend: torch (fla) shares the GPU, so JAX allocates as it goes, up to 90%.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")

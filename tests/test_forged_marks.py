@@ -6,10 +6,12 @@ through; paths are checked as resolved and an unexpanded ~ is refused."""
 import errno
 import json
 import os
+import re
 import shutil
 
 import pytest
 
+from retnet_jax.bench import gpu_check
 from retnet_jax.core import owned_folders
 from retnet_jax.interop import export_fla
 from retnet_jax.training import train, workdir as workdir_lib
@@ -162,3 +164,28 @@ def test_kernel_check_replaces_no_file_but_its_own_results(tmp_path):
   assert result.returncode == 1 and "Traceback" not in result.stderr
   assert f"error: --out={users} exists and is not a results file" in result.stderr, result.stderr[-2000:]
   assert users.read_bytes() == b'{"mine": 1}'
+
+
+@pytest.mark.parametrize("script,flags", [("benchmark.py", ("--suite=quick",)),
+                                          ("gpu_check.py", ("--smoke", "--parts=kernels"))])
+def test_benchmark_and_gpu_check_write_only_into_folders_of_their_own(tmp_path, script, flags):
+  """benchmark.py --out overwrote a user's data.json and data.md; gpu_check.py wrote its --out unchecked: a folder
+  holding a user's files is refused before any work, their bytes kept."""
+  out = tmp_path / "out"
+  out.mkdir()
+  for name in ("data.json", "data.md"):
+    (out / name).write_bytes(b"the user's")
+  result = run_script(script, *flags, f"--out={out}")
+  assert result.returncode == 1 and "Traceback" not in result.stderr
+  assert re.search(rf"^error: --out='{out}' holds 'data.json', 'data.md', which this project did not write",
+                   result.stderr, flags=re.MULTILINE), result.stderr[-2000:]
+  assert sorted(p.name for p in out.iterdir()) == ["data.json", "data.md"]
+  assert all((out / name).read_bytes() == b"the user's" for name in ("data.json", "data.md"))
+
+
+def test_an_earlier_gpu_checks_folder_is_adopted_and_a_users_is_not(tmp_path):
+  (tmp_path / "gpu_check.json").write_text(json.dumps({"parts": {}, "budgets_s": {}}))
+  (tmp_path / "check_op.json").write_text("{}")
+  assert gpu_check.earlier_results(tmp_path) == ["check_op.json", "gpu_check.json"]
+  (tmp_path / "gpu_check.json").write_text(json.dumps({"mine": 1}))
+  assert gpu_check.earlier_results(tmp_path) is None

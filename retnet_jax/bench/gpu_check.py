@@ -60,10 +60,23 @@ from retnet_jax.bench.gpu_op import PER_TOKEN_LAYOUT, log_decays
 from retnet_jax.bench.harness import Budget
 from retnet_jax.bench.op import TOLERANCE, op_inputs
 from retnet_jax.bench.suites import GPU_SUITES, GpuSuite
-from retnet_jax.core import markdown
+from retnet_jax.core import markdown, whole_files
 from retnet_jax.mixers import kernels
 
 PARTS = ("train", "op", "kernels", "decode", "tests")  # in priority order
+FOLDER_FORMAT = "gpu check results"  # --out's format in its mark (`owned_folders`)
+
+
+def earlier_results(folder: Path) -> list[str] | None:
+  """Every name in `folder` where an earlier version of the check (before the mark) wrote it: its summary
+  gpu_check.json reads back as one (parts and budgets); else None."""
+  try:
+    summary = json.loads((folder / "gpu_check.json").read_text())
+  except (OSError, ValueError):
+    return None
+  if not (isinstance(summary, dict) and {"parts", "budgets_s"} <= set(summary)):
+    return None
+  return sorted(p.name for p in folder.iterdir())
 TOTAL_S = 540.0
 STARTUP_S = 20.0  # interpreter, imports, the package check and the backend's start
 BUDGETS_S = {"train": 200.0, "op": 120.0, "kernels": 50.0, "decode": 50.0, "tests": 100.0}
@@ -352,12 +365,12 @@ def run(check: Check, parts: tuple[str, ...], out: Path, command: str, budgets: 
       header = [f"# GPU check: {part} ({stamp})", "", f"`{command}` on {record['device']} ({record['backend']}, jax "
                 f"{jax.__version__}): {seconds:.0f} s (budget {budgets[part]:g} s).", ""]
       notes = ["", f"Warnings ({len(found)}):", ""] + [f"- {line}" for line in found] if found else []
-      (out / f"check_{part}.md").write_text("\n".join(header + text + notes) + "\n")
-      (out / f"check_{part}.json").write_text(json.dumps(record, indent=1, default=str))
+      whole_files.write_text(out / f"check_{part}.md", "\n".join(header + text + notes) + "\n")
+      whole_files.write_text(out / f"check_{part}.json", json.dumps(record, indent=1, default=str))
       summary["parts"][part] = {"status": "done", "seconds": seconds, "warnings": len(found)}
     summary["elapsed_s"] = time.time() - start
-    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
-    (out / "gpu_check.md").write_text(summary_markdown(summary))
+    whole_files.write_text(out / "gpu_check.json", json.dumps(summary, indent=1))
+    whole_files.write_text(out / "gpu_check.md", summary_markdown(summary))
   print(summary_markdown(summary), flush=True)
   return summary
 
