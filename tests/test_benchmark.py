@@ -105,7 +105,7 @@ def test_table_ranges_share_the_median_unit():
 @pytest.mark.parametrize("flags,message", [
     ("--seq_len=0", "flag --seq_len=0: 0 is not a positive integer"),
     ("--config.model.d_model=128", "--config.model.d_model: the suite sets these .* use --d_model"),
-    ("--out=README.md", "--out=README.md is a file; give a folder"),
+    ("--out=README.md", r"--out='README.md' is a file; choose a directory \(new or empty\)"),
     ("--point_budget_s=5", "--point_budget_s: only for --suite=context"),
     ("--suite=context --context_lengths=1024,1", r"--context_lengths=1024,1: give lengths of at least 2 tokens"),
     ("--suite=context --context_lengths=4k", r"--context_lengths=4k: give lengths of at least 2 tokens"),
