@@ -19,7 +19,8 @@ RECORD = Path(__file__).resolve().parent / "durations.json"
 
 # Checks the fast tier keeps whatever their time (every case of each test named): every retention form, with a
 # constant, per-token and gated decay, against the float64 reference; the kernels (one case each of the split and
-# fused layouts) against float64 and the XLA form; every script started as a user starts it.
+# fused layouts) against float64 and the XLA form; every script started as a user starts it; a streamed prefill against
+# one call, and its memory at 2^20 tokens against 2^14.
 FAST = {
     "tests/test_retention.py::test_forms_match_float64_reference": "the three forms against float64",
     "tests/test_per_token_decay.py::test_forms_match_float64_recurrence": "per-token decays against float64",
@@ -29,6 +30,9 @@ FAST = {
     "tests/test_kernels.py::test_float32_values_and_gradients_match_float64_and_xla[7-1-default-fused]":
         "the fused kernels against float64 and the XLA form",
     "tests/test_scripts.py::test_every_script_starts_as_a_user_starts_it": "every script",
+    "tests/test_streaming.py::test_streamed_state_equals_one_call[retnet-56]":
+        "a prefill streamed in blocks equals one call",
+    "tests/test_streaming.py::test_prefill_memory_does_not_grow_with_the_prompt": "constant prefill memory",
 }
 
 
