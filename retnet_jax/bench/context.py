@@ -99,8 +99,8 @@ def _estimate(earlier: list[dict[str, Any]], seconds_of, length: int, power: int
 def plan(sweep: ContextSweep, name: str, length: int, earlier: list[dict[str, Any]], available: tuple[int, str]
          ) -> dict[str, Any]:
   """What point (`name`, `length`) runs, from the model's `earlier` points and the host memory `available` (bytes,
-  what bounds it): `run_prefill` and `run_decode` (bools), with `prefill_skipped` / `decode_skipped` (the reason) and the
-  estimate in seconds where one is skipped; or `skipped` where even the decoding state does not fit (nothing runs).
+  what bounds it): `run_prefill` and `run_decode` (bools), with `prefill_skipped` / `decode_skipped` (the reason) and
+  the estimate in seconds where one is skipped; or `skipped` where even the decoding state does not fit (nothing runs).
   Every plan holds the decoding state's bytes (`state_bytes`)."""
   cfg = model_config(sweep, name, length)
   state_bytes = sampling_checks.state_bytes(nnx.eval_shape(lambda: Model(cfg, rngs=nnx.Rngs(0))), 1)

@@ -23,7 +23,8 @@ hence one head dim, two lengths, 3 rounds: 120 s; the kernel check took ~150 s p
 timing, here 3 checks at one length and no timing: 50 s; decoding took ~80 s for batch 1 and 3 contexts, here one
 context: 50 s, and the curve's contexts (each 2 prefill compiles and 2 decoding loops, not yet timed on a GPU) start
 only while that deadline has not passed; the GPU tests take ~260 s with 4 workers, so the ~100 s left runs part of
-them (their counts say how far). A part still running past its deadline stops between cases (a train case's process is ended).
+them (their counts say how far). A part still running past its deadline stops between cases (a train case's process
+is ended).
 
 Every part writes OUT/check_<part>.json and .md when it ends (`complete: true`), the train, op and decode parts also
 the GPU suite's files of their groups (gpu_train_1.3b.json ...), listed under `files`; a rerun skips a part whose

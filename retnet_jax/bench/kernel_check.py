@@ -161,7 +161,8 @@ def run(settings: Settings, forward_tilings: list[str], backward_tilings: list[s
     launch_grids}), for each kernel layout that supports the chunk (both when interpreted).
   """
   log_decay = decay.log_decay("retnet", settings.heads)
-  report = {"settings": list(command_line), "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
+  report = {"settings": list(command_line), "device": str(jax.devices()[0].device_kind),
+            "backend": jax.default_backend(), "jax": jax.__version__,
             "python": sys.version.split()[0], "batch": settings.batch, "heads": settings.heads, "chunk": settings.chunk,
             "dtype": "bfloat16", "interpret": interpret, "tolerance": TOLERANCE, "cases": []}
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -176,7 +176,8 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
       (`streaming.check_block`); None: `streaming.DEFAULT_BLOCK` in whole chunks; 0: whole sequences at once.
   Returns:
     `{"seq_len", "tokens", "bytes", "sequences", "modes": {mode: {loss, perplexity, bits_per_token,
-    bits_per_byte}}}` (a streamed mode's also `block`, its tokens per block) plus, for several modes, `max_loss_difference`, `max_logit_difference`, `tolerance`,
+    bits_per_byte}}}` (a streamed mode's also `block`, its tokens per block) plus, for several modes,
+    `max_loss_difference`, `max_logit_difference`, `tolerance`,
     `modes_agree`; with `position_buckets`, each mode's `loss_by_position`: a list of `{"start", "end", "loss",
     "tokens"}` (`tokens`: the inputs in the bucket).
     With `data.synthetic` (e.g. `mqar`): `{"task", "answers", "sequences", "modes": {mode: {loss, perplexity,
