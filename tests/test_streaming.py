@@ -114,9 +114,8 @@ def test_the_blocks_carry_is_exact_in_float64(with_documents):
   state = rng.normal(size=(2, heads, dim, dim))
   log_decay = np.log(np.asarray([0.5, 1 - 1e-6]))
   ids = documents(length, seed=1) if with_documents else None
-  with jax.enable_x64(True):
-    expected_out, expected_state = retention.chunkwise_retention(q, k, v, log_decay, 8, state, ids)
 
+  def folded(q, k, v, state, ids):
     def run(carry, start, width):
       state, outs = carry
       opens = streaming.opens_at(ids, start)
@@ -124,7 +123,12 @@ def test_the_blocks_carry_is_exact_in_float64(with_documents):
       q_, k_, v_, ids_ = (streaming.columns(x, start, width) for x in (q, k, v, ids))
       out, state = retention.chunkwise_retention(q_, k_, v_, log_decay, 8, state, ids_)
       return state, jax.lax.dynamic_update_slice_in_dim(outs, out, start, axis=1)
-    got_state, got_out = streaming.fold(run, (jnp.asarray(state), jnp.zeros_like(expected_out)), length, BLOCK)
+    return streaming.fold(run, (state, jnp.zeros_like(v)), length, BLOCK)
+
+  with jax.enable_x64(True):  # each side one compiled program, not hundreds of eager float64 ops
+    one_call = lambda q, k, v, state, ids: retention.chunkwise_retention(q, k, v, log_decay, 8, state, ids)
+    expected_out, expected_state = jax.jit(one_call)(q, k, v, state, ids)
+    got_state, got_out = jax.jit(folded)(q, k, v, state, ids)
   assert got_out.dtype == jnp.float64
   assert rel_err(got_out, expected_out) < 1e-12 and rel_err(got_state, expected_state) < 1e-12
 
