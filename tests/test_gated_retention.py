@@ -16,6 +16,7 @@ from configs import retnet as retnet_config
 from retnet_jax.core import segments, sharding
 from retnet_jax.hardware import flops
 from retnet_jax.mixers import base, decay, gated_retention, multiscale_retention
+from retnet_jax.mixers.multiscale_retention import RetentionState
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
 from retnet_jax.training import losses
@@ -58,13 +59,13 @@ def gated_layer(cfg, dtype, gate: str, seed: int = 0):
 
 
 def layer_inputs(cfg, length=LENGTH, seed=0):
-  """x `[B, L, D]` (feature 0 constant 1) and a carried state `{"kv"}`, float64 NumPy."""
+  """x `[B, L, D]` (feature 0 constant 1) and a carried state `RetentionState(kv)`, float64 NumPy."""
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(BATCH, length, cfg.d_model))
   x[..., 0] = 1.0
   heads = cfg.num_heads
   kv = rng.normal(size=(BATCH, heads, cfg.d_model // heads, cfg.value_dim // heads))
-  return x, {"kv": kv}
+  return x, RetentionState(kv)
 
 
 def reference(layer, cfg, x, tables, positions, state=None, starts=None):
@@ -88,7 +89,7 @@ def reference(layer, cfg, x, tables, positions, state=None, starts=None):
   padding = np.asarray(positions) < 0
   k = np.where(padding[..., None, None], 0, k)
   log_decay = np.where(padding[..., None], 0, -np.logaddexp(0, -(x @ w["gt_proj"])) / cfg.gate_logit_normalizer)
-  s = np.zeros((batch, heads, d_k, v.shape[-1])) if state is None else np.asarray(state["kv"], np.float64)
+  s = np.zeros((batch, heads, d_k, v.shape[-1])) if state is None else np.asarray(state.kv, np.float64)
   outs = []
   for n in range(length):
     if starts is not None:
@@ -104,11 +105,11 @@ def reference(layer, cfg, x, tables, positions, state=None, starts=None):
 def call(layer, cfg, dtype, x, mode, positions=None, state=None, segment_ids=None):
   """`run_layer` on NumPy inputs in `dtype`: (y, state, tables) as NumPy."""
   positions = np.broadcast_to(np.arange(x.shape[1]), x.shape[:2]) if positions is None else positions
-  state = None if state is None else {"kv": jnp.asarray(state["kv"], jnp.float32)}
+  state = None if state is None else RetentionState(jnp.asarray(state.kv, jnp.float32))
   ids = None if segment_ids is None else jnp.asarray(segment_ids)
   y, new_state, tables = run_layer(layer, jnp.asarray(x, dtype), jnp.asarray(positions, jnp.int32), state, ids,
                                    ml_collections.FrozenConfigDict(cfg), mode)
-  return np.asarray(y), np.asarray(new_state["kv"]), tables
+  return np.asarray(y), np.asarray(new_state.kv), tables
 
 
 # Relative tolerances against the float64 recurrence. Measured: float32 5e-7, 7e-6 with gates near 0 (gate logits of
@@ -127,7 +128,7 @@ def test_forms_match_a_float64_recurrence(dtype, gate):
       cfg = layer_config(chunk_size=chunk)
       layer = gated_layer(cfg, jnp.dtype(dtype), gate)
       x, carried = layer_inputs(cfg)
-      carried = {"kv": carried["kv"].astype(np.float32).astype(np.float64)}  # as float32 hands it in
+      carried = RetentionState(carried.kv.astype(np.float32).astype(np.float64))  # as float32 hands it in
       for state, mode in itertools.product((None, carried), MODES if chunk == 4 else ("chunkwise",)):
         y, kv, tables = call(layer, cfg, jnp.dtype(dtype), x, mode, state=state)
         expected_y, expected_kv = reference(layer, cfg, x, tables, np.arange(LENGTH)[None], state)
@@ -143,14 +144,15 @@ def test_gradients_agree_across_forms():
       cfg = layer_config(chunk_size=4)
       layer = gated_layer(cfg, jnp.dtype(dtype), "mixed")
       x, carried = layer_inputs(cfg, seed=2)
-      x, kv = jnp.asarray(x, dtype), jnp.asarray(carried["kv"], dtype)
+      x, kv = jnp.asarray(x, dtype), jnp.asarray(carried.kv, dtype)
       weights = jnp.asarray(np.random.default_rng(3).normal(size=(BATCH, LENGTH, cfg.d_model)), dtype)
       positions = jnp.broadcast_to(jnp.arange(LENGTH), (BATCH, LENGTH))
 
       def grads(mode):
         def loss(layer):
-          y, state, _ = run_layer(layer, x, positions, {"kv": kv}, None, ml_collections.FrozenConfigDict(cfg), mode)
-          return jnp.sum(y * weights) + jnp.sum(state["kv"] ** 2)
+          y, state, _ = run_layer(layer, x, positions, RetentionState(kv), None,
+                                  ml_collections.FrozenConfigDict(cfg), mode)
+          return jnp.sum(y * weights) + jnp.sum(state.kv ** 2)
         return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.jit(nnx.grad(loss))(layer)))
 
       got = {mode: grads(mode) for mode in MODES}
@@ -176,7 +178,7 @@ def test_a_constant_gate_is_retnets_retention(gate_init, decays):
   x, carried = layer_inputs(cfg, seed=5)
   x = jnp.asarray(x, jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(LENGTH), (BATCH, LENGTH))
-  state = {"kv": jnp.asarray(carried["kv"], jnp.float32)}
+  state = RetentionState(jnp.asarray(carried.kv, jnp.float32))
   for mode in MODES:  # each layer's call compiled: eagerly, each operation dispatches on its own
     call = base.Call(positions, mode, None)
     expected = nnx.jit(lambda layer: layer(x, multiscale_retention.RETENTION.context(cfg, call), state))(retnet)
@@ -267,7 +269,7 @@ def test_packed_documents_match_the_reference():
     x, carried = layer_inputs(cfg, seed=7)
     for mode in MODES:
       y, kv, tables = call(layer, cfg, jnp.float64, x, mode, state=carried, segment_ids=ids)
-      carried32 = {"kv": carried["kv"].astype(np.float32)}
+      carried32 = RetentionState(carried.kv.astype(np.float32))
       expected_y, expected_kv = reference(layer, cfg, x, tables, np.arange(LENGTH)[None], carried32, starts)
       assert rel_err(y, expected_y) < 1e-10 and rel_err(kv, expected_kv) < 1e-10, mode
 
@@ -282,7 +284,8 @@ def test_model_forms_and_hybrid_forms_agree():
   tokens = random_tokens(2, 21)
   for model in (tiny_gated(), tiny_gated(attention_layers=(1,))):
     results = forms_agree(model, tokens, MODES)
-    assert set(results["parallel"][1]["layers"][0]) == {"kv"}
+    assert isinstance(results["parallel"][1].layers[0], RetentionState)
+    assert results["parallel"][1].layers[0].key_sum is None  # no normaliser
 
 
 def test_packed_documents_equal_each_document_alone_and_left_padding_the_prompt_alone():
@@ -295,13 +298,13 @@ def test_packed_documents_equal_each_document_alone_and_left_padding_the_prompt_
   prompt = random_tokens(1, 13, seed=4)
   padded = np.concatenate([random_tokens(1, 6, seed=5), prompt], axis=1)
   state = model.init_state(1)
-  state["position"] = jnp.full((1,), -6, jnp.int32)
+  state = state._replace(position=jnp.full((1,), -6, jnp.int32))
   alone = [forward(model, d, None, "parallel") for d in docs]
   prompt_alone = forward(model, prompt, None, "chunkwise")
   for mode in MODES:
     logits, last_state = forward(model, packed, None, mode, jnp.asarray(ids))
     assert max_abs_diff(logits, jnp.concatenate([a[0] for a in alone], axis=1)) < 5e-5, mode
-    assert max_abs_diff(last_state["layers"], alone[-1][1]["layers"]) < 1e-5, mode
+    assert max_abs_diff(last_state.layers, alone[-1][1].layers) < 1e-5, mode
     logits, padded_state = forward(model, padded, state, mode)
     assert max_abs_diff(logits[:, 6:], prompt_alone[0]) < 5e-5, mode
     assert max_abs_diff(padded_state, prompt_alone[1]) < 1e-5, mode

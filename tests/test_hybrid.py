@@ -41,8 +41,8 @@ def hybrid(request):
 def test_modes_agree(hybrid):
   """13 tokens (chunk 4, window 5): logits and states of the three forms agree to float32 rounding."""
   results = forms_agree(hybrid, random_tokens(2, 13), MODES)
-  state = results["parallel"][1]["layers"][-1]
-  assert int(state["next_slot"]) == 13 and set(state) == {"key", "value", "next_slot"}
+  state = results["parallel"][1].layers[-1]
+  assert isinstance(state, attention_mixer.KVCache) and int(state.next_slot) == 13
 
 
 @pytest.mark.parametrize("first,second", [("chunkwise", "recurrent"), ("parallel", "chunkwise"),
@@ -71,7 +71,7 @@ def test_window_decoding_matches_parallel_past_the_window():
   for n in range(3, tokens.shape[1]):
     logits, state = forward(windowed, tokens[:, n:n + 1], state, "recurrent")
     steps.append(logits)
-    assert state["layers"][0]["key"].shape[1] == 4
+    assert state.layers[0].key.shape[1] == 4
   assert max_abs_diff(jnp.concatenate(steps, axis=1), whole) < 5e-5
   unwindowed = forward(tiny_model(attention_layers=(0,)), tokens, None, "parallel")[0]
   assert max_abs_diff(unwindowed[:, :4], whole[:, :4]) < 5e-5
@@ -144,7 +144,7 @@ def test_left_padding_matches_the_prompt_alone(hybrid):
   padded = np.concatenate([np.zeros((1, 4), np.int32), tokens], axis=1)
   for mode in MODES:
     state = hybrid.init_state(1)
-    state["position"] = jnp.asarray([-4])
+    state = state._replace(position=jnp.asarray([-4]))
     logits, _ = forward(hybrid, padded, state, mode)
     assert max_abs_diff(logits[:, 4:], alone) < 5e-5, mode
 
@@ -185,7 +185,7 @@ def test_decoding_state_is_constant_in_the_context_with_a_window():
            for n in (6, 40)]
   assert sizes[0] == sizes[1]
   unwindowed = tiny_model(attention_layers=(1,), attention_max_len=64)
-  assert unwindowed.init_state(1)["layers"][1]["key"].shape[1] == 64
+  assert unwindowed.init_state(1).layers[1].key.shape[1] == 64
 
 
 @pytest.mark.parametrize("layers", [(1, 3), (1, 2)])

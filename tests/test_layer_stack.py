@@ -57,7 +57,7 @@ def test_scanned_model_computes_the_unrolled_function(mode):
   ids = np.array([[0] * 5 + [1] * 8, [0] * 9 + [1] * 4])  # packed documents, the second resetting the state
   first = [forward(model, tokens, None, mode) for model in (unrolled, scanned)]
   assert max_rel_diff(first[0][0], first[1][0]) < 1e-5
-  assert isinstance(first[1][1]["layers"], list) and len(first[1][1]["layers"]) == 3  # the state's edge layout
+  assert isinstance(first[1][1].layers, tuple) and len(first[1][1].layers) == 3  # the state's edge layout
   assert max_rel_diff(first[0][1], first[1][1]) < 1e-5
   carried = [forward(model, tokens, out[1], mode, ids) for model, out in zip((unrolled, scanned), first)]
   assert max_rel_diff(carried[0][0], carried[1][0]) < 1e-5
@@ -90,7 +90,7 @@ def test_scanned_transformer_computes_the_unrolled_function():
   assert max_rel_diff(outs[0][0], outs[1][0]) < 1e-5
   steps = [forward(model, tokens[:, 8:], out[1], "recurrent") for model, out in zip(models, outs)]
   assert max_rel_diff(steps[0][0], steps[1][0]) < 1e-5
-  assert max_rel_diff(steps[0][1]["layers"], steps[1][1]["layers"]) < 1e-5
+  assert max_rel_diff(steps[0][1].layers, steps[1][1].layers) < 1e-5
   grads = [jitted_grads(m, lambda m: jnp.mean(m(tokens, remat="full")[0] ** 2)) for m in models]
   assert max_rel_diff(layer_stack.relayout(grads[0], scanned=True), grads[1]) < 1e-5
 

@@ -12,7 +12,10 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax.core import sharding
+from retnet_jax.mixers import attention
 from retnet_jax.mixers.kernels import support
+from retnet_jax.mixers.multiscale_retention import RetentionState
+from retnet_jax.models import model as model_lib
 from retnet_jax.models.model import Model
 from retnet_jax.nn import layer_stack
 from tests.helpers import forms_agree, forward, kernel_chunk, max_abs_diff, random_tokens, tiny_model
@@ -31,7 +34,7 @@ def test_modes_agree_float32(stability_norm):
   The sequence (21) is not a multiple of the chunk size (8).
   """
   results = forms_agree(tiny_model(stability_norm=stability_norm), random_tokens(2, 21), MODES)
-  assert int(results["recurrent"][1]["position"][0]) == 21
+  assert int(results["recurrent"][1].position[0]) == 21
 
 
 def test_modes_agree_bfloat16():
@@ -143,12 +146,16 @@ def test_states_from_another_config_or_batch_are_refused():
   _, state = model(tokens)
   with pytest.raises(ValueError, match=r"holds 1 layer states but model.num_layers=2"):
     model(tokens, state=tiny_model(num_layers=1)(tokens)[1])
-  with pytest.raises(ValueError, match=r"layer 0 of the state holds .*'key_sum'"):
+  with pytest.raises(ValueError, match=r"layer 0 of the state holds RetentionState\(kv=.*key_sum=\(2, 2, 16\)\)"):
     tiny_model(stability_norm=False)(tokens, state=state)
-  with pytest.raises(ValueError, match=r"state\['position'\] must have shape \[batch\] = \(1,\)"):
+  with pytest.raises(ValueError, match=r"state.position must have shape \[batch\] = \(1,\)"):
     model(tokens[:1], state=state)
-  with pytest.raises(ValueError, match="a dict with 'position' and 'layers'"):
-    model(tokens, state={"position": state["position"]})
+  with pytest.raises(ValueError, match=r"state must be a ModelState\(position, layers\).*got a dict"):
+    model(tokens, state={"position": state.position, "layers": state.layers})  # the layout before typed states
+  hybrid = tiny_model(attention_layers=(1,))
+  swapped = hybrid.init_state(2)._replace(layers=hybrid.init_state(2).layers[::-1])
+  with pytest.raises(ValueError, match=r"layer 0 of the state holds KVCache\(key="):
+    hybrid(tokens, state=swapped)  # same leaves' count, another mixer's state
 
 
 def test_left_padding_with_negative_positions_matches_prompt_alone():
@@ -159,7 +166,7 @@ def test_left_padding_with_negative_positions_matches_prompt_alone():
   pad = 6
   padded = jnp.concatenate([random_tokens(1, pad, seed=5), prompt], axis=1)
   state = model.init_state(1)
-  state["position"] = jnp.full((1,), -pad, jnp.int32)
+  state = state._replace(position=jnp.full((1,), -pad, jnp.int32))
   for mode in MODES:
     logits, padded_state = forward(model, padded, state, mode)
     assert max_abs_diff(logits[:, pad:], alone) < 5e-5, mode
@@ -173,7 +180,7 @@ def test_bfloat16_state_hand_over_in_every_mode():
   whole, _ = forward(model, tokens, None, "parallel")
   scale = float(jnp.max(jnp.abs(whole)))
   _, state = forward(model, tokens[:, :11], None, "chunkwise")
-  assert state["layers"][0]["kv"].dtype == jnp.float32
+  assert state.layers[0].kv.dtype == jnp.float32
   for mode in MODES:
     logits, _ = forward(model, tokens[:, 11:], state, mode)
     assert max_abs_diff(logits, whole[:, 11:]) < 0.03 * scale, mode
@@ -281,3 +288,16 @@ def test_retention_impl_and_matmul_precision_configs():
 
   assert set(dot_precisions("highest")) == {"HIGHEST"}
   assert "HIGHEST" not in set(dot_precisions("default"))
+
+
+def test_states_are_typed_pytrees():
+  """`init_state` and every call give a `ModelState` whose layers hold their mixers' typed states, the same tree
+  either way (a hand-off can be a loop's carry): retention's `RetentionState`, attention's `KVCache`."""
+  model = tiny_model(attention_layers=(1,), attention_window=4)
+  empty = model.init_state(2)
+  _, state = model(random_tokens(2, 5), mode="chunkwise", state=empty)
+  for got in (empty, state):
+    assert isinstance(got, model_lib.ModelState) and isinstance(got.layers, tuple)
+    assert [type(layer) for layer in got.layers] == [RetentionState, attention.KVCache]
+  assert jax.tree.structure(empty) == jax.tree.structure(state)
+  assert state.layers[0].key_sum.shape == (2, 2, 16) and int(state.layers[1].next_slot) == 5

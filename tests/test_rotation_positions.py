@@ -86,7 +86,7 @@ def test_angles_match_the_exact_product(head_dim, base, freqs):
 def state_at(model, batch, position):
   """The model's empty state with every row at `position`."""
   state = model.init_state(batch)
-  return {**state, "position": jnp.full((batch,), position, jnp.int32)}
+  return state._replace(position=jnp.full((batch,), position, jnp.int32))
 
 
 def test_a_call_near_the_last_position_computes_what_it_computes_at_0():
@@ -100,7 +100,7 @@ def test_a_call_near_the_last_position_computes_what_it_computes_at_0():
   for start in (10**6, 2**24 + 1, MAX - tokens.shape[1]):
     logits, state = forward(model, tokens, state_at(model, 2, start), "chunkwise")
     assert max_abs_diff(logits, reference) < 1e-5 * scale, start
-    assert int(state["position"][0]) == start + tokens.shape[1]
+    assert int(state.position[0]) == start + tokens.shape[1]
 
 
 def test_forms_and_decoding_agree_up_to_the_last_position():
@@ -120,7 +120,7 @@ def test_forms_and_decoding_agree_up_to_the_last_position():
     logits, state = forward(model, tokens[:, n:n + 1], state, "recurrent")
     steps.append(logits)
   assert max_abs_diff(jnp.concatenate(steps, axis=1), whole) < 1e-5 * scale
-  assert max_abs_diff(state, whole_state) < 1e-5 and int(state["position"][0]) == MAX
+  assert max_abs_diff(state, whole_state) < 1e-5 and int(state.position[0]) == MAX
 
 
 def test_a_state_past_the_int32_positions_is_refused():
@@ -130,7 +130,7 @@ def test_a_state_past_the_int32_positions_is_refused():
   state = state_at(model, 2, MAX - 3)
   with pytest.raises(ValueError, match=rf"position {MAX - 3}, and 4 more tokens would pass position {MAX}"):
     model(jnp.zeros((2, 4), jnp.int32), mode="recurrent", state=state)
-  model_lib.check_position(state["position"], 3)
+  model_lib.check_position(state.position, 3)
 
 
 def test_tables_are_the_same_with_64_bit_types_enabled():

@@ -209,7 +209,7 @@ def test_retnet_logits_match_each_document_alone(style):
   _, carried = forward(model, jnp.asarray(tokens[:, :3]), None, "chunkwise")
   for mode in ("parallel", "recurrent") if style == "torchscale" else ("parallel", "chunkwise", "recurrent"):
     logits, state = forward(model, jnp.asarray(tokens[:, 3:-1]), carried, mode, jnp.asarray(IDS))
-    assert state["position"].tolist() == [1, 16, 3]
+    assert state.position.tolist() == [1, 16, 3]
     next_logits, _ = forward(model, jnp.asarray(tokens[:, -1:]), state, "recurrent")
     expected, expected_next = documents_alone(model, tokens[:, 3:-1], IDS, mode, carried, tokens[:, -1:])
     assert rel_err(logits, expected) < 1e-5, (mode, rel_err(logits, expected))
@@ -226,7 +226,7 @@ def test_pallas_kernels_in_the_model_match_each_document_alone():
   _, carried = forward(model, jnp.asarray(tokens[:, :3]), None, "chunkwise")
   logits, state = forward(kernel_model, jnp.asarray(tokens[:, 3:]), carried, "chunkwise", jnp.asarray(IDS))
   expected, _ = documents_alone(model, tokens[:, 3:], IDS, "chunkwise", carried, tokens[:, -1:])
-  assert state["position"].tolist() == [1, 16, 3]
+  assert state.position.tolist() == [1, 16, 3]
   assert rel_err(logits, expected) < 1e-5, rel_err(logits, expected)
 
 
@@ -238,7 +238,7 @@ def test_transformer_logits_match_each_document_alone():
   _, cached = forward(model, jnp.asarray(tokens[:, :3]), None, "parallel")
   for state, positions in ((None, [1, 13, 3]), (cached, [1, 16, 3])):
     logits, after = forward(model, jnp.asarray(tokens[:, 3:-1]), state, "parallel", jnp.asarray(IDS))
-    assert after["position"].tolist() == positions
+    assert after.position.tolist() == positions
     next_logits, _ = forward(model, jnp.asarray(tokens[:, -1:]), after, "recurrent")
     expected, expected_next = documents_alone(model, tokens[:, 3:-1], IDS, "parallel", state, tokens[:, -1:])
     assert rel_err(logits, expected) < 1e-5

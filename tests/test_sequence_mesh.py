@@ -99,7 +99,7 @@ def test_training_split_over_sequence_matches_data_parallel(tmp_path):
   with sharding.placement(config.mesh).active():
     got = sampler.prefill(model, prompts, lengths, prefill_mode="parallel")
     assert sampling_checks.split_padding(prompts.shape[1], config.model.chunk_size) == 64 - 19
-  assert np.array_equal(got.state["position"], expected.state["position"])
+  assert np.array_equal(got.state.position, expected.state.position)
   for x, y in zip(jax.tree.leaves(got.state), jax.tree.leaves(expected.state)):
     assert rel_err(x, y) < 1e-5
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax.evaluation import sampling
-from retnet_jax.mixers import retention
+from retnet_jax.mixers import attention, retention
 from retnet_jax.models import streaming
 from retnet_jax.models.model import Model
 from tests.helpers import random_tokens, tiny_model, tiny_transformer
@@ -63,7 +63,7 @@ def documents(length, seed):
 def retention_states(state):
   """The state's retention layers' leaves and its positions: a KV cache's slots of an earlier document (which
   streaming empties where a document opens on a block's first column, and one call keeps unseen) left out."""
-  return state["position"], [layer for layer in state["layers"] if "key" not in layer]
+  return state.position, [layer for layer in state.layers if not isinstance(layer, attention.KVCache)]
 
 
 # RetNet at 3.5 blocks and the windowed hybrid at a block and one in the fast tier, the rest in the slow one.

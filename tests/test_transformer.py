@@ -147,7 +147,7 @@ def test_kv_cache_decoding_equals_parallel_logits(model):
     logits, state = forward(model, tokens[:, t:t + 1], state, "recurrent")
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), parallel, atol=atol)
-  assert int(state["layers"][0]["next_slot"]) == 40 and state["layers"][0]["key"].shape[1] == model.config.max_len
+  assert int(state.layers[0].next_slot) == 40 and state.layers[0].key.shape[1] == model.config.max_len
 
 
 def test_transformer_incremental_decoding_matches_parallel():
@@ -170,9 +170,9 @@ def test_transformer_incremental_decoding_matches_parallel():
   rest, _ = forward(model, tokens[:, 13:], prefill_state, "recurrent")
   np.testing.assert_allclose(jnp.concatenate([prefill, rest], axis=1), parallel, atol=1e-5 * scale)
   for final in (state, recurrent_state, step_state):
-    assert all(int(layer["next_slot"]) == 21 for layer in final["layers"]) and final["position"].tolist() == [21, 21]
+    assert all(int(layer.next_slot) == 21 for layer in final.layers) and final.position.tolist() == [21, 21]
   # The cache the parallel call returns continues like the one filled token by token.
-  np.testing.assert_allclose(state["layers"][1]["key"][:, :21], step_state["layers"][1]["key"][:, :21],
+  np.testing.assert_allclose(state.layers[1].key[:, :21], step_state.layers[1].key[:, :21],
                              atol=1e-5)
 
 
@@ -191,7 +191,7 @@ def test_transformer_splits_whole_heads_over_a_tensor_mesh():
   logits, state = forward(sharded, tokens, sharded.init_state(2), "parallel")
   expected, expected_state = forward(single, tokens, single.init_state(2), "parallel")
   np.testing.assert_allclose(logits, expected, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
-  np.testing.assert_allclose(state["layers"][1]["key"], expected_state["layers"][1]["key"], atol=1e-5)
+  np.testing.assert_allclose(state.layers[1].key, expected_state.layers[1].key, atol=1e-5)
 
 
 def test_transformer_left_padding_and_generate():
@@ -201,7 +201,7 @@ def test_transformer_left_padding_and_generate():
   prompt = random_tokens(1, 7, seed=1)
   padded = jnp.concatenate([jnp.zeros((1, 4), jnp.int32), prompt], axis=1)
   state = model.init_state(1)
-  state["position"] = jnp.asarray([-4], jnp.int32)
+  state = state._replace(position=jnp.asarray([-4], jnp.int32))
   padded_logits, _ = forward(model, padded, state, "parallel")
   alone, _ = forward(model, prompt, None, "parallel")
   np.testing.assert_allclose(padded_logits[:, 4:], alone, atol=1e-5 * float(jnp.max(jnp.abs(alone))))

@@ -17,6 +17,7 @@ from retnet_jax.bench.suites import Suite
 from retnet_jax.core import sharding
 from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import flops
+from retnet_jax.mixers import attention
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
 from retnet_jax.training import optimizer, train_step, workdir
@@ -182,9 +183,9 @@ def zero_state(model, batch: int, context: int, new_tokens: int) -> sampling.Pre
   new_tokens` slots with `context` filled, holding zeros (for a context whose prefill would not fit or take too long:
   a decoding step's work does not depend on the state's values)."""
   state = model.init_state(batch, context + new_tokens)
-  state["layers"] = [{**layer, "next_slot": jnp.int32(context)} if "next_slot" in layer else layer
-                     for layer in state["layers"]]
-  state["position"] = jnp.full((batch,), context, jnp.int32)
+  layers = tuple(layer._replace(next_slot=jnp.int32(context)) if isinstance(layer, attention.KVCache) else layer
+                 for layer in state.layers)
+  state = state._replace(position=jnp.full((batch,), context, jnp.int32), layers=layers)
   return sampling.Prefilled(state, jnp.zeros((batch,), jnp.int32))
 
 

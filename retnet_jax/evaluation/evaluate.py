@@ -89,7 +89,7 @@ def streamed_nll(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str,
     state = streaming.enter_block(state, segment_ids_BxL1, start)
     tokens = streaming.columns(tokens_BxL1, start, size + 1)
     ids = streaming.columns(segment_ids_BxL1, start, size)
-    positions_BxT = segments.model_positions(ids, state["position"], size)
+    positions_BxT = segments.model_positions(ids, state.position, size)
     logits, state = model(tokens[:, :-1], mode=mode, state=state, segment_ids=ids)
     nll_BxT = losses.token_nll(logits, tokens[:, 1:])
     block_BxK = jnp.zeros_like(sums_BxK).at[rows_Bx1, positions_BxT // width].add(nll_BxT)

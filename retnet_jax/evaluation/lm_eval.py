@@ -209,7 +209,7 @@ def _left_padded(sequences: list[list[int]], rows: int, width: int) -> tuple[np.
 def _continuation_logprobs(graphdef, params, state, rows_B, inputs_BxC, targets_BxC, *, mode: str):
   """Log-probabilities of `targets` `[B, C]` after `inputs`, row b continuing row `rows_B[b]` of a prefilled state,
   and whether each target is the most likely token."""
-  prefill_batch = state["position"].shape[0]
+  prefill_batch = state.position.shape[0]
   # Leaves with the batch first are the rows' own; others (a KV cache's shared next slot) are common.
   state = jax.tree.map(lambda x: x[rows_B] if x.ndim and x.shape[0] == prefill_batch else x, state)
   logits_BxCxV, _ = nnx.merge(graphdef, params)(inputs_BxC, mode=mode, state=state)

@@ -103,11 +103,11 @@ def _prefill(params, prompts_BxP, lengths_B, call_id, *, graphdef, prefill_mode:
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompts_BxP.shape
   state = model.init_state(batch)
-  state["position"] = lengths_B - prompt_len
+  state = state._replace(position=lengths_B - prompt_len)
   on_block = None
   if report is not None:
     def on_block(done, state):  # a value of the block's final state: the callback runs once the block has
-      value = max(jax.tree.leaves(state["layers"]), key=lambda leaf: leaf.size).reshape(-1)[0]
+      value = max(jax.tree.leaves(state.layers), key=lambda leaf: leaf.size).reshape(-1)[0]
       jax.debug.callback(report, call_id, done, prompt_len - 1, value, ordered=False)
   if prompt_len > 1:
     state = streaming.final_state(model, prompts_BxP, prefill_mode, prefill_block, state, on_block=on_block,

@@ -120,9 +120,9 @@ def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tok
                      f"(--config.model.{field}={needed}), or shorten the prompts or max_new_tokens.")
 
 
-def check_decoding_room(model: model_lib.Model, state: dict[str, Any], max_new_tokens: int) -> None:
+def check_decoding_room(model: model_lib.Model, state: model_lib.ModelState, max_new_tokens: int) -> None:
   """A prefilled state's KV caches that hold the whole context must hold `max_new_tokens` more."""
-  for mixer, layer_state in zip(architectures.layer_mixers(model.config), state["layers"]):
+  for mixer, layer_state in zip(architectures.layer_mixers(model.config), state.layers):
     mixer.check_room(model.config, layer_state, max_new_tokens)
 
 

@@ -24,7 +24,6 @@ from retnet_jax.core import config_checks, segments, sharding
 from retnet_jax.mixers import base
 from retnet_jax.nn import layer_stack, layers, matmul, rotation
 
-State = dict[str, Any]
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
 
 
@@ -64,17 +63,25 @@ def _slot_steps(last_step, size: int) -> jax.Array:
   return last_step - (last_step - slots_S) % size
 
 
-def write_cache(cache: State, k, v, step, ring: bool) -> State:
+class KVCache(NamedTuple):
+  """One attention layer's decoding state: `key`, `value` `[B, S, G, K]` in the compute dtype, of S slots (a
+  window's ring buffer, or `max_len`), and `next_slot []` int32, the tokens fed so far."""
+  key: jax.Array
+  value: jax.Array
+  next_slot: jax.Array
+
+
+def write_cache(cache: KVCache, k, v, step, ring: bool) -> KVCache:
   """The cache with `k, v [B, L, G, K]` written for steps `step ... step + L - 1`, each at its step mod S (a `ring`
-  buffer: of more than S tokens, the last S), or from slot `step` on."""
-  length, size = k.shape[1], cache["key"].shape[1]
+  buffer: of more than S tokens, the last S), or from slot `step` on (`next_slot` kept)."""
+  length, size = k.shape[1], cache.key.shape[1]
   if not ring or length == 1 or (isinstance(step, int) and step + length <= size):
-    return {name: jax.lax.dynamic_update_slice_in_dim(cache[name], x.astype(cache[name].dtype), step % size, axis=1)
-            for name, x in (("key", k), ("value", v))}
-  kept = min(length, size)
-  slots = (step + length - kept + jnp.arange(kept)) % size
-  return {name: cache[name].at[:, slots].set(x[:, length - kept:].astype(cache[name].dtype))
-          for name, x in (("key", k), ("value", v))}
+    write = lambda old, x: jax.lax.dynamic_update_slice_in_dim(old, x.astype(old.dtype), step % size, axis=1)
+  else:
+    kept = min(length, size)
+    slots = (step + length - kept + jnp.arange(kept)) % size
+    write = lambda old, x: old.at[:, slots].set(x[:, length - kept:].astype(old.dtype))
+  return cache._replace(key=write(cache.key, k), value=write(cache.value, v))
 
 
 def _cached_attention(q, k, v, cache, step, position_B, window: int | None, document_BxL=None):
@@ -86,16 +93,15 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
   written first and the queries attend over the whole cache. With the queries' document index `document [B, L]`
   (0: the first document), a query sees its own document's keys, the cached ones belonging to 0.
   """
-  length, size = q.shape[1], cache["key"].shape[1]
+  length, size = q.shape[1], cache.key.shape[1]
   query_step_L = step + jnp.arange(length)
   new_cache = write_cache(cache, k, v, step, window is not None)
   if window is not None and length > 1:  # attend over [old cache, new keys]
     key_step_S = jnp.concatenate([_slot_steps(step - 1, size), query_step_L])
-    keys, values = (jnp.concatenate([cache[name], x.astype(cache[name].dtype)], axis=1)
-                    for name, x in (("key", k), ("value", v)))
+    keys, values = (jnp.concatenate([old, x.astype(old.dtype)], axis=1) for old, x in ((cache.key, k), (cache.value, v)))
   else:
     key_step_S = _slot_steps(step + length - 1, size)
-    keys, values = new_cache["key"], new_cache["value"]
+    keys, values = new_cache.key, new_cache.value
   key_document_BxS = None
   if document_BxL is not None:
     offset_S = key_step_S - step
@@ -109,7 +115,7 @@ class CausalSelfAttention(nnx.Module):
   """Multi-head causal attention: fused q/k/v projection, rotary positions, output projection; optionally grouped
   key/value heads and a sliding window of the last `window` tokens.
 
-  Its state is a KV cache (`key`, `value` `[B, S, G, K]`) and `next_slot`, the tokens fed so far. Without a state it
+  Its state is a `KVCache` (`key`, `value` `[B, S, G, K]`, and `next_slot`, the tokens fed so far). Without a state it
   attends among the given tokens (or, recurrent, one at a time) over a cache it starts; with one it writes them into
   the cache and attends over it. A windowed layer's cache needs only `window` slots (a ring buffer), so its decoding
   memory stays constant in the context.
@@ -127,7 +133,7 @@ class CausalSelfAttention(nnx.Module):
     self.qkv_proj = layers.Dense(cfg.d_model, width, ("embed", "heads"), init=init, dtype=dtype, rngs=rngs)
     self.out_proj = layers.Dense(cfg.d_model, cfg.d_model, ("heads", "embed"), init=init, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_BxLxD: jax.Array, context: "Context", state: State | None) -> tuple[jax.Array, State]:
+  def __call__(self, x_BxLxD: jax.Array, context: "Context", state: KVCache | None) -> tuple[jax.Array, KVCache]:
     """`x [B, L, D]` in the call `context` with the layer's state (None: a cache started for this call, of
     max(L, max_len) slots unless windowed) -> (y, new state)."""
     positions_BxL, tables, mode, document_BxL = context
@@ -135,10 +141,11 @@ class CausalSelfAttention(nnx.Module):
     if state is None:
       size = self.window or max(length, self.cache_len)
       cache = empty_cache(batch, size, self.num_kv_heads, self.head_dim, self.dtype)
-      slot, form = jnp.zeros((), jnp.int32), "recurrent" if mode == "recurrent" else "self"
+      form = "recurrent" if mode == "recurrent" else "self"
     else:
-      cache, slot = {k: state[k] for k in ("key", "value")}, state["next_slot"]
+      cache = state
       form = "recurrent" if mode == "recurrent" else "cache"
+    slot = cache.next_slot
     groups, group_size = self.num_kv_heads, self.num_heads // self.num_kv_heads
     # Columns grouped per key/value head (its query heads, then its key and its value): a split of the `heads`
     # axis over devices (tensor parallelism) gives each device whole groups. One group per head: q, k, v per head.
@@ -167,13 +174,14 @@ class CausalSelfAttention(nnx.Module):
       cache, out_LxBxHxK = jax.lax.scan(step, cache, time_major, unroll=length == 1)
       out = jnp.swapaxes(out_LxBxHxK, 0, 1)
     out = checkpoint_name(out.reshape(batch, length, d), layer_stack.MIXER_OUT)
-    return self.out_proj(out.astype(self.dtype)), {**cache, "next_slot": slot + length}
+    return self.out_proj(out.astype(self.dtype)), cache._replace(next_slot=slot + length)
 
 
-def empty_cache(batch_size: int, size: int, num_kv_heads: int, head_dim: int, dtype) -> State:
-  """One layer's empty KV cache of `size` slots: `key`, `value` `[B, size, num_kv_heads, head_dim]` in `dtype`."""
+def empty_cache(batch_size: int, size: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+  """One layer's empty KV cache of `size` slots: `key`, `value` `[B, size, num_kv_heads, head_dim]` in `dtype`,
+  `next_slot` 0."""
   shape = (batch_size, size, num_kv_heads, head_dim)
-  return {"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
 
 def check_room(next_slot: Any, size: int, length: int, field: str) -> None:
@@ -264,22 +272,22 @@ class Attention(base.Mixer):
     document_BxL = None if call.segment_ids_BxL is None else segments.document_index(call.segment_ids_BxL)
     return Context(call.positions_BxL, tables, call.mode, document_BxL)
 
-  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> State:
+  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> KVCache:
     """An empty KV cache of `window` slots, else `max_len` (default the model's), and `next_slot` 0."""
     settings = self.settings(cfg)
     size = settings.window or max_len or settings.max_len
-    return {**empty_cache(batch_size, size, settings.num_kv_heads, cfg.d_model // settings.num_heads,
-                          layers.compute_dtype(cfg.dtype)), "next_slot": jnp.zeros((), jnp.int32)}
+    return empty_cache(batch_size, size, settings.num_kv_heads, cfg.d_model // settings.num_heads,
+                       layers.compute_dtype(cfg.dtype))
 
-  def state_for(self, cfg: ml_collections.ConfigDict, batch_size: int, found: Any) -> State:
+  def state_for(self, cfg: ml_collections.ConfigDict, batch_size: int, found: Any) -> KVCache:
     size = None
-    if not self.settings(cfg).window and isinstance(found, dict) and "key" in found:
-      size = found["key"][1]  # an unwindowed cache may be made of any size
+    if not self.settings(cfg).window and isinstance(found, KVCache) and len(getattr(found.key, "shape", ())) > 1:
+      size = found.key.shape[1]  # an unwindowed cache may be made of any size
     return self.init_state(cfg, batch_size, size)
 
-  def check_room(self, cfg: ml_collections.ConfigDict, state: State, length: int) -> None:
+  def check_room(self, cfg: ml_collections.ConfigDict, state: KVCache, length: int) -> None:
     if not self.settings(cfg).window:
-      check_room(state["next_slot"], state["key"].shape[1], length, f"model.{self.field('max_len')}")
+      check_room(state.next_slot, state.key.shape[1], length, f"model.{self.field('max_len')}")
 
   def cache_field(self, cfg: ml_collections.ConfigDict) -> str | None:
     return None if self.settings(cfg).window else self.field("max_len")

@@ -16,7 +16,9 @@ import jax
 import ml_collections
 from flax import nnx
 
-State = dict[str, jax.Array]
+# One layer's decoding state: a pytree of the mixer's own type (`multiscale_retention.RetentionState`,
+# `attention.KVCache`), compared with others by its tree structure and leaf shapes.
+State = Any
 
 
 class Call(NamedTuple):
@@ -56,7 +58,8 @@ class Mixer(abc.ABC):
     """One layer's empty decoding state for `batch_size` rows (a KV cache: of `max_len` slots where it grows)."""
 
   def state_for(self, cfg: ml_collections.ConfigDict, batch_size: int, found: Any) -> State:
-    """The empty state a layer state `found` must match in shapes (a KV cache may be made of any size)."""
+    """The empty state a layer state `found` (arrays or `jax.ShapeDtypeStruct`s) must match in tree and shapes (a KV
+    cache may be made of any size)."""
     del found
     return self.init_state(cfg, batch_size)
 

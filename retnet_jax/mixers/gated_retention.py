@@ -91,14 +91,15 @@ class GatedRetentionLayer(multiscale_retention.RetentionLayer):
     log_decay = jax.nn.log_sigmoid(logits_BxLxH) / jnp.asarray(self.gate_logit_normalizer, wide)
     return jnp.where((positions_BxL >= 0)[..., None], log_decay, 0)
 
-  def __call__(self, x_BxLxD: jax.Array, context: multiscale_retention.Context, state: base.State | None
-               ) -> tuple[jax.Array, base.State]:
+  def __call__(self, x_BxLxD: jax.Array, context: multiscale_retention.Context,
+               state: multiscale_retention.RetentionState | None
+               ) -> tuple[jax.Array, multiscale_retention.RetentionState]:
     """`x [B, L, D]` in the call `context` (positions, rotation tables, form, documents) with the layer's incoming
-    state `{"kv"}` (None: empty) -> (y, new state)."""
+    state `RetentionState(kv)` (None: empty) -> (y, new state)."""
     positions_BxL, rotation_tables, mode, segment_ids_BxL = context
     q, k, v = self.project(x_BxLxD, positions_BxL, rotation_tables)
     log_decay_BxLxH = self.gate_log_decay(x_BxLxD, positions_BxL)
-    kv_in = None if state is None else state["kv"]
+    kv_in = None if state is None else state.kv
     split_over = None if mode == "recurrent" else sharding.sequence_split()
     if mode == "chunkwise" and self.kernel and split_over is None:
       out_BxLxHxV, kv = self.kernel_form(q, k, v, log_decay_BxLxH, kv_in, segment_ids_BxL)
@@ -106,7 +107,7 @@ class GatedRetentionLayer(multiscale_retention.RetentionLayer):
       out_BxLxHxV, kv, _, _ = self.retention_form(mode, q, k, v, log_decay_BxLxH, kv_in, split_over=split_over,
                                                   segment_ids=segment_ids_BxL)
       out_BxLxHxV = out_BxLxHxV.astype(retention.accumulation_dtype(out_BxLxHxV))
-    return self.output(out_BxLxHxV, x_BxLxD), {"kv": kv}
+    return self.output(out_BxLxHxV, x_BxLxD), multiscale_retention.RetentionState(kv)
 
 
 class GatedRetention(multiscale_retention.Retention):
@@ -137,9 +138,10 @@ class GatedRetention(multiscale_retention.Retention):
   def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> GatedRetentionLayer:
     return GatedRetentionLayer(cfg, dtype=dtype, rngs=rngs)
 
-  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> base.State:
+  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None
+                 ) -> multiscale_retention.RetentionState:
     """`kv [B, H, d_k, d_v]` float32 zeros, retention's state without a normaliser (`max_len` is unused)."""
-    return {"kv": super().init_state(cfg, batch_size, max_len)["kv"]}
+    return multiscale_retention.RetentionState(super().init_state(cfg, batch_size, max_len).kv)
 
   def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
     """Multi-scale retention's projections (q, k, v, g, out) and the gate's, d x heads (`gate_init="retnet"`'s

@@ -25,6 +25,14 @@ from retnet_jax.nn import layer_stack, layers, rotation
 RETENTION_IMPLS = ("xla", "pallas", "auto")
 
 
+class RetentionState(NamedTuple):
+  """One retention layer's decoding state, float32: the decayed sum of key-value products `kv [B, H, d_k, d_v]`,
+  and the decayed key sum `key_sum [B, H, d_k]` that the normaliser reads (None where the layer has none: gated
+  retention, or `model.stability_norm` off)."""
+  kv: jax.Array
+  key_sum: jax.Array | None = None
+
+
 class Context(NamedTuple):
   """What every retention layer of one call shares: positions `[B, L]`, rotation tables, form, documents."""
   positions_BxL: jax.Array
@@ -227,34 +235,34 @@ class MultiScaleRetention(RetentionLayer):
   def _fused(self, q, k, v, log_decay_H, state, positions_BxL, segment_ids_BxL=None):
     """The chunkwise form and the shared normaliser's q . z from one pass of the Pallas kernels, on each device's
     batch and head shards: (normalised float32 output, new state)."""
-    kv_in = None if state is None else state["kv"]
+    kv_in = None if state is None else state.kv
     if not self.stability_norm:
       out, kv = self.kernel_form(q, k, v, log_decay_H, kv_in, segment_ids_BxL)
-      return out, {"kv": kv}
+      return out, RetentionState(kv)
     qkv_axes, state_axes = ("batch", None, "heads", None), ("batch", "heads", None, None)
     doc_axes = ("batch", None)  # the documents split over the batch like q
     kernel = lambda q, k, v, log_decay, kv, z, ids: kernels.chunkwise_retention_with_key_sum(
         q, k, v, log_decay, self.chunk_size, kv, z, segment_ids=ids, precision=self.precision,
         config=self.kernel_config)
-    z_in = None if state is None else state["key_sum"]
+    z_in = None if state is None else state.key_sum
     out, kv, qz, key_sum = sharding.per_shard(
         kernel, [qkv_axes] * 3 + [("heads",), state_axes, ("batch", "heads", None), doc_axes],
         [qkv_axes, state_axes, ("batch", None, "heads"), ("batch", "heads", None)],
     )(q, k, v, log_decay_H, kv_in, z_in, segment_ids_BxL)
     divisor = stability.divisor(self.stability_norm_style, "chunkwise", qz, positions_BxL, log_decay_H)
-    return out.astype(jnp.float32) / divisor[..., None], {"kv": kv, "key_sum": key_sum}
+    return out.astype(jnp.float32) / divisor[..., None], RetentionState(kv, key_sum)
 
   def _unfused(self, mode: str, q, k, v, log_decay_H, state, positions_BxL, split_over=None, segment_ids_BxL=None):
     """The XLA form of `mode` (split over `split_over`, as in `retention_form`), then the normaliser from a second
     call on a ones value column: (normalised float32 output, new state)."""
     batch, length, heads = q.shape[:3]
-    kv_in = None if state is None else state["kv"]
+    kv_in = None if state is None else state.kv
     # torchscale's chunkwise scalars read the entry states in float32.
     torchscale_chunks = stability.torchscale_normaliser(self) and mode == "chunkwise"
     out_BxLxHxV, kv, entry_states, _ = self.retention_form(mode, q, k, v, log_decay_H, kv_in, split_over=split_over,
                                                            segment_ids=segment_ids_BxL,
                                                            wide_entry_states=torchscale_chunks)
-    new_state = {"kv": kv}
+    new_state = RetentionState(kv)
     out_BxLxHxV = out_BxLxHxV.astype(jnp.float32)
     if self.stability_norm:
       # q_n . z_n is the retention of a ones value column, z the decayed key sum in the state. A call of its own
@@ -262,10 +270,10 @@ class MultiScaleRetention(RetentionLayer):
       # v keeps its width. Its in-chunk scores are q . k, so it also gives torchscale's chunkwise score sums.
       q_sg, k_sg = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
       ones = jnp.ones((batch, length, heads, 1), q.dtype)
-      z_in = None if state is None else state["key_sum"][..., None]
+      z_in = None if state is None else state.key_sum[..., None]
       qz, key_sum, _, abs_sums = self.retention_form(mode, q_sg, k_sg, ones, log_decay_H, z_in, torchscale_chunks,
                                                      split_over, segment_ids_BxL)
-      new_state["key_sum"] = key_sum[..., 0]
+      new_state = RetentionState(kv, key_sum[..., 0])
       if torchscale_chunks:
         divisor = stability.torchscale_chunkwise_divisor(abs_sums, entry_states, self.chunk_size, log_decay_H)
       else:
@@ -298,15 +306,14 @@ class Retention(base.Mixer):
       raise ValueError(f"segment_ids cannot reset {reason}.")
     return Context(call.positions_BxL, rotation.tables_for(cfg, call.positions_BxL), call.mode, call.segment_ids_BxL)
 
-  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> base.State:
+  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None
+                 ) -> RetentionState:
     """`kv [B, H, d_k, d_v]` zeros, plus `key_sum [B, H, d_k]` if normalised; float32 (`max_len` is unused)."""
     del max_len
     heads = cfg.num_heads
     d_k, d_v = cfg.d_model // heads, cfg.value_dim // heads
-    state = {"kv": jnp.zeros((batch_size, heads, d_k, d_v), jnp.float32)}
-    if cfg.stability_norm:
-      state["key_sum"] = jnp.zeros((batch_size, heads, d_k), jnp.float32)
-    return state
+    key_sum = jnp.zeros((batch_size, heads, d_k), jnp.float32) if cfg.stability_norm else None
+    return RetentionState(jnp.zeros((batch_size, heads, d_k, d_v), jnp.float32), key_sum)
 
   def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
     """q (d^2), k (d^2), v (d d_v), each of k and v scaled by num_kv_heads / num_heads, g (d d_v), out (d_v d)."""

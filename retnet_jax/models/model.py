@@ -15,7 +15,7 @@ state passed in continues each row's first document and the state returned is it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,14 @@ from retnet_jax.mixers import base
 from retnet_jax.models import architectures
 from retnet_jax.nn import layer_stack, layers
 
-State = dict[str, Any]
 MAX_POSITION = 2**31 - 1  # positions are int32
+
+
+class ModelState(NamedTuple):
+  """A model's decoding state: the position `[B]` int32 of each row's next token (negative: left padding to come),
+  and each layer's mixer state (`multiscale_retention.RetentionState`, `attention.KVCache`, ...)."""
+  position: jax.Array
+  layers: tuple[Any, ...]
 
 
 def check_position(position_B: Any, length: int) -> None:
@@ -46,25 +52,31 @@ def check_position(position_B: Any, length: int) -> None:
                      "tokens.")
 
 
+def shapes(tree: Any) -> Any:
+  """`tree` with each leaf replaced by its shape: states compare by tree structure and shapes."""
+  return jax.tree.map(lambda x: tuple(np.shape(x)), tree)
+
+
 def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
-  """Checks a carried state against the model config and the token batch: its layers, their keys and shapes."""
-  if not isinstance(state, dict) or set(state) != {"position", "layers"}:
-    keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-    raise ValueError(f"state must be a dict with 'position' and 'layers', as the model returns it; got {keys}.")
-  if tuple(np.shape(state["position"])) != (batch,):
-    raise ValueError(f"state['position'] must have shape [batch] = ({batch},) to match the tokens; got "
-                     f"{tuple(np.shape(state['position']))}.")
-  if len(state["layers"]) != cfg.num_layers:
-    raise ValueError(f"the state holds {len(state['layers'])} layer states but model.num_layers={cfg.num_layers}; "
+  """Checks a carried state against the model config and the token batch: its layers, their trees and shapes."""
+  if not isinstance(state, ModelState):
+    raise ValueError(f"state must be a ModelState(position, layers), as model.init_state and the model return it; "
+                     f"got a {type(state).__name__}.")
+  if tuple(np.shape(state.position)) != (batch,):
+    raise ValueError(f"state.position must have shape [batch] = ({batch},) to match the tokens; got "
+                     f"{tuple(np.shape(state.position))}.")
+  if len(state.layers) != cfg.num_layers:
+    raise ValueError(f"the state holds {len(state.layers)} layer states but model.num_layers={cfg.num_layers}; "
                      "it was made by another model config.")
   expected_by = {}  # (mixer, found) -> its shapes: traced once per kind of layer state, not once per layer
-  for i, (mixer, layer_state) in enumerate(zip(architectures.layer_mixers(cfg), state["layers"])):
-    found = {k: tuple(np.shape(v)) for k, v in layer_state.items()} if isinstance(layer_state, dict) else layer_state
+  for i, (mixer, layer_state) in enumerate(zip(architectures.layer_mixers(cfg), state.layers)):
+    found = shapes(layer_state)
     key = (mixer.name, repr(found))
     if key not in expected_by:
-      expected_by[key] = {k: v.shape for k, v in jax.eval_shape(lambda: mixer.state_for(cfg, batch, found)).items()}
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), layer_state)
+      expected_by[key] = shapes(jax.eval_shape(lambda: mixer.state_for(cfg, batch, abstract)))
     expected = expected_by[key]
-    if found != expected:
+    if jax.tree.structure(found) != jax.tree.structure(expected) or found != expected:
       raise ValueError(f"layer {i} of the state holds {found}, but a batch of {batch} in this model config needs "
                        f"{expected}; the state was made by another model config or batch size.")
 
@@ -81,7 +93,7 @@ class Block(nnx.Module):
     self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
     self.ffn = layers.GLUFeedForward(cfg, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_BxLxD: jax.Array, context: Any, state: State | None) -> tuple[jax.Array, State]:
+  def __call__(self, x_BxLxD: jax.Array, context: Any, state: base.State | None) -> tuple[jax.Array, base.State]:
     """`x [B, L, D]` in its mixer's call `context` with the layer's state (None: empty) -> (x', new state)."""
     norm, mixer = getattr(self, f"{self.mixer_name}_norm"), getattr(self, self.mixer_name)
     y, state = mixer(norm(x_BxLxD), context, state)
@@ -114,22 +126,21 @@ class Model(nnx.Module):
         cfg.d_model, cfg.vocab_size, ("embed", "vocab"), init=nnx.initializers.normal(cfg.d_model**-0.5),
         dtype=dtype, out_dtype=jnp.float32, rngs=rngs)
 
-  def init_state(self, batch_size: int, max_len: int | None = None) -> State:
+  def init_state(self, batch_size: int, max_len: int | None = None) -> ModelState:
     """The empty state: position 0 and every layer's empty mixer state (a KV cache of `max_len` slots, default the
     model's cache length, unless windowed)."""
     cfg = self.config
-    return {"position": jnp.zeros((batch_size,), jnp.int32),
-            "layers": [mixer.init_state(cfg, batch_size, max_len) for mixer in architectures.layer_mixers(cfg)]}
+    return ModelState(jnp.zeros((batch_size,), jnp.int32),
+                      tuple(mixer.init_state(cfg, batch_size, max_len) for mixer in architectures.layer_mixers(cfg)))
 
-  def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None,
-               remat: str = "none", segment_ids: jax.Array | None = None) -> tuple[jax.Array, State]:
+  def __call__(self, tokens_BxL: jax.Array, mode: str = "parallel", state: ModelState | None = None,
+               remat: str = "none", segment_ids: jax.Array | None = None) -> tuple[jax.Array, ModelState]:
     """Runs the model over a token batch in one form.
 
     Args:
       tokens_BxL: integer token ids `[batch, seq]`.
       mode: the form, one of `architectures.modes(config)`: parallel, chunkwise (retention) or recurrent.
-      state: the state a previous call returned (position `[batch]`, each layer's state), or None to start at
-        position 0.
+      state: the `ModelState` a previous call or `init_state` returned, or None to start at position 0.
       remat: `none`, or a key of `layer_stack.REMAT_POLICIES` to recompute each block in the backward pass and save
         memory.
       segment_ids: integer document ids `[batch, seq]` (a document: a run of equal ids in a row), or None: one
@@ -140,8 +151,8 @@ class Model(nnx.Module):
     x_BxLxD, state = self.hidden(tokens_BxL, mode, state, remat, segment_ids)
     return self.logits(x_BxLxD), state
 
-  def hidden(self, tokens_BxL: jax.Array, mode: str = "parallel", state: State | None = None, remat: str = "none",
-             segment_ids: jax.Array | None = None) -> tuple[jax.Array, State]:
+  def hidden(self, tokens_BxL: jax.Array, mode: str = "parallel", state: ModelState | None = None,
+             remat: str = "none", segment_ids: jax.Array | None = None) -> tuple[jax.Array, ModelState]:
     """As the call, with the final-normed hidden states `[batch, seq, d_model]` (compute dtype) in place of the
     logits: for a loss that projects them tile by tile (`losses.tiled_nll`)."""
     own = architectures.modes(self.config)
@@ -155,21 +166,21 @@ class Model(nnx.Module):
     with layers.matmul_precision(self.config.matmul_precision):
       return layers.output_logits(self.embed, self.head, x_BxLxD)
 
-  def _forward(self, tokens_BxL, mode: str, state: State | None, remat: str, segment_ids
-               ) -> tuple[jax.Array, State]:
+  def _forward(self, tokens_BxL, mode: str, state: ModelState | None, remat: str, segment_ids
+               ) -> tuple[jax.Array, ModelState]:
     cfg = self.config
     layers.check_tokens(tokens_BxL, cfg.vocab_size)
     batch, length = tokens_BxL.shape
     segments.check_segment_ids(segment_ids, batch, length)
     mixers = architectures.layer_mixers(cfg)
     if state is None:  # no carried state: each layer starts empty (retention skips the cross terms)
-      state = {"position": jnp.zeros((batch,), jnp.int32), "layers": [None] * cfg.num_layers}
+      state = ModelState(jnp.zeros((batch,), jnp.int32), (None,) * cfg.num_layers)
     else:
       check_state(cfg, state, batch)
-      check_position(state["position"], length)
-      for mixer, layer_state in zip(mixers, state["layers"]):
+      check_position(state.position, length)
+      for mixer, layer_state in zip(mixers, state.layers):
         mixer.check_room(cfg, layer_state, length)
-    positions_BxL = segments.model_positions(segment_ids, state["position"], length)
+    positions_BxL = segments.model_positions(segment_ids, state.position, length)
     call = base.Call(positions_BxL, mode, segment_ids)
     contexts = {mixer.name: mixer.context(cfg, call) for mixer in architectures.mixers(cfg)}
     x = self.embed(tokens_BxL)
@@ -182,5 +193,5 @@ class Model(nnx.Module):
     def call_block(block, x, layer_state):
       x, layer_state = block(x, contexts[block.mixer_name], layer_state)
       return sharding.constrain(x, ("batch", "length", None)), layer_state
-    x, layer_states = layer_stack.run(self.blocks, x, state["layers"], call_block, remat)
-    return self.final_norm(x), {"position": positions_BxL[:, -1] + 1, "layers": layer_states}
+    x, layer_states = layer_stack.run(self.blocks, x, state.layers, call_block, remat)
+    return self.final_norm(x), ModelState(positions_BxL[:, -1] + 1, tuple(layer_states))
