@@ -295,7 +295,7 @@ def test_states_are_typed_pytrees():
   either way (a hand-off can be a loop's carry): retention's `RetentionState`, attention's `KVCache`."""
   model = tiny_model(attention_layers=(1,), attention_window=4)
   empty = model.init_state(2)
-  _, state = model(random_tokens(2, 5), mode="chunkwise", state=empty)
+  _, state = forward(model, random_tokens(2, 5), empty, "chunkwise")
   for got in (empty, state):
     assert isinstance(got, model_lib.ModelState) and isinstance(got.layers, tuple)
     assert [type(layer) for layer in got.layers] == [RetentionState, attention.KVCache]
