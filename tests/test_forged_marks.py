@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from retnet_jax.bench import gpu_check
+from benchmarks import gpu_check
 from retnet_jax.core import owned_folders
 from retnet_jax.interop import export_fla
 from retnet_jax.training import train, workdir as workdir_lib

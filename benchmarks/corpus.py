@@ -28,14 +28,14 @@ from typing import Any
 import jax
 import tokenizers
 
-from retnet_jax.bench.harness import random_tokens
-from retnet_jax.bench.sections import cpu_name
+from benchmarks.harness import random_tokens
+from benchmarks.sections import cpu_name
 from retnet_jax.core import markdown, sharding
 from retnet_jax.input_pipeline import data, loader, prepared, sources, tokenizer as tokenizer_lib
 from retnet_jax.training import train_step
 
 LOADER_BATCH, LOADER_SEQ_LEN = 64, 2048
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:

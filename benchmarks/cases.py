@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
-from retnet_jax.bench.suites import Suite
+from benchmarks.harness import Case, compile_timed, random_tokens, timed
+from benchmarks.suites import Suite
 from retnet_jax.core import sharding
 from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import flops
