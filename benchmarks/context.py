@@ -59,7 +59,7 @@ MODELS = ("retnet", "gated", "hybrid", "transformer")  # in the order they take 
 MIN_TIMED_S = 1.0  # a prefill, or decoding, runs again until its runs have taken this long
 DECODE_CALLS = 3  # a point's decoding calls: the first compiles, two are timed (`cases.decode_from`)
 STARTUP_S = 300.0  # a point's process may take this beyond 3 x the budget (start, build, compiles) before it is ended
-POINT = "from retnet_jax.training import cli; cli.prepare(); from benchmarks import context; context.point_main()"
+POINT = "from retnet_jax.runs import cli; cli.prepare(); from benchmarks import context; context.point_main()"
 ROOT = Path(__file__).resolve().parents[1]  # the point process's working directory: `-c` imports benchmarks/ there
 REPLY = "context point: "  # the start of the point process's line of results
 

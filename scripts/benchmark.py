@@ -51,7 +51,7 @@ recorded as skipped, what was measured is kept (OUT/gpu_run.md lists the groups 
 
 from __future__ import annotations
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads

@@ -23,7 +23,7 @@ if __name__ == "__main__":
   if message := requirements.check():
     sys.exit(message)
 
-from retnet_jax.training import cli  # noqa: E402  (after the package check: it imports ml_collections)
+from retnet_jax.runs import cli  # noqa: E402  (after the package check: it imports ml_collections)
 
 if __name__ == "__main__":
   cli.prepare()  # before numpy and jax start threads

@@ -19,7 +19,7 @@ counts and timed cases (`benchmarks.op`).
 
 from __future__ import annotations
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -33,7 +33,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root: benchmarks/ is not installed
 from benchmarks import kernel_check
 from benchmarks.op import TOLERANCE
-from retnet_jax.training import workdir
+from retnet_jax.runs import workdir
 
 _OUT = flags.DEFINE_string("out", "runs/kernel_check.json", "JSON results file.")
 _BATCH = flags.DEFINE_integer("batch", 4, "Batch size.", lower_bound=1)
