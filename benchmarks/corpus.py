@@ -133,7 +133,7 @@ def run(config, out: Path, command: str, data_mb: float, memory_mb: tuple[float,
   out.mkdir(parents=True, exist_ok=True)
   results: dict[str, Any] = {"command": command, "cpu": cpu_name(), "date": datetime.date.today().isoformat(),
                              "corpus_mb": data_mb, "prepare": {}, "memory": {}}
-  with tempfile.TemporaryDirectory(prefix="retnet_jax_bench_data_") as scratch:
+  with tempfile.TemporaryDirectory(prefix="benchmarks_data_") as scratch:
     scratch = Path(scratch)
     corpus = write_corpus(scratch / "corpus.jsonl", data_mb)
     results["prepare"]["byte_workers1"] = prepare_rate(corpus, "byte", 1, scratch / "byte_1")  # never in workers
