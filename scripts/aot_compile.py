@@ -12,7 +12,7 @@ writes both under --out (report.md and report.json, or search.md and search.json
 
 import os
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads

@@ -9,7 +9,7 @@ large batch, per-token latency vs context); the same for a Transformer of the sa
 whose last layer attends over a window of the prompt's length; gated retention (`model.mixer="gated_retention"`)
 beside RetNet in the training rows and decoding tokens/s of the suite's `gated_forms` and `gated_decode_batches`;
 and torchscale's RetNet at the identical configuration when torch and torchscale import. Writes OUT/results.json,
-OUT/results.md (also printed) and PNG plots. The benchmark itself is `retnet_jax.bench`.
+OUT/results.md (also printed) and PNG plots. The benchmark itself is the `benchmarks` package beside scripts/.
 
 Cases that are compared are measured interleaved: each is warmed up once (its peak memory is taken then),
 then timed once per round, round after round, because this machine's speed drifts between runs.
@@ -17,11 +17,11 @@ Compilation is timed on its own (ahead of time) and never inside a timed run. De
 `Sampler.decode` calls (no stream callback) from a prompt prefilled once, per token: the prefill is not part
 of a token's latency.
 
-`--suite=sequence` measures sequence-parallel training instead (`retnet_jax.bench.sequence`): per-device XLA
+`--suite=sequence` measures sequence-parallel training instead (`benchmarks.sequence`): per-device XLA
 buffers and step time of one long sequence split over 1, 2, 4 and 8 devices (simulated on a CPU), written to
 OUT/sequence_parallel.json, .md and .png.
 
-`--suite=context` measures prefill and decoding against the context length instead (`retnet_jax.bench.context`):
+`--suite=context` measures prefill and decoding against the context length instead (`benchmarks.context`):
 RetNet, gated retention, a hybrid whose last layer attends over a window and the Transformer of the same size (the
 `--context_size` preset, default `small`), at batch 1, at each of `--context_lengths` (default: powers of 4 from 1k
 tokens to 1M for `small`, to 4M and then 10M for `tiny`), the models taking turns at each length, each point in its
@@ -33,11 +33,11 @@ its XLA memory analysis is still recorded. Writes OUT/context.json, .md and .png
     python scripts/benchmark.py --suite=context --out=runs/context
     python scripts/benchmark.py --suite=context --context_size=tiny --out=runs/context_tiny
 
-`--suite=data` measures the data path instead (`retnet_jax.bench.corpus`): preparing a corpus (byte and BPE
+`--suite=data` measures the data path instead (`benchmarks.corpus`): preparing a corpus (byte and BPE
 tokenizers, 1 and 2 processes), Grain's loader per process at batch 64 x 2048 and the train step beside them, and
 with --memory_mb the peak RSS of training from prepared corpora of those sizes; OUT/data.json and .md.
 
-`--suite=gpu` runs the GPU suite instead (`retnet_jax.bench.gpu`), on one device, its parts chosen with --parts
+`--suite=gpu` runs the GPU suite instead (`benchmarks.gpu`), on one device, its parts chosen with --parts
 (one device command may not run them all): the retention op against fla's Triton kernel and cuDNN attention, train
 steps of a ~350M RetNet and the 1.3b preset (and their Transformers) with MFU, decoding, and the deep presets'
 compile times, each written to OUT/gpu_<part>*.json and .md; each train case runs in its own process. Its models
@@ -51,7 +51,7 @@ recorded as skipped, what was measured is kept (OUT/gpu_run.md lists the groups 
 
 from __future__ import annotations
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -64,9 +64,10 @@ from pathlib import Path
 from absl import app, flags
 import jax
 
-from retnet_jax.bench import cases, context, corpus, gpu, sections, sequence
-from retnet_jax.bench.harness import Budget
-from retnet_jax.bench.suites import CONTEXT_SUITES, GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root: benchmarks/ is not installed
+from benchmarks import cases, context, corpus, gpu, sections, sequence
+from benchmarks.harness import Budget
+from benchmarks.suites import CONTEXT_SUITES, GPU_SUITES, SEQUENCE_SUITE, SIZE_FIELDS, SUITES
 from retnet_jax.core import owned_folders
 from retnet_jax.nn.layer_stack import REMAT_POLICIES
 
@@ -78,9 +79,9 @@ SUITE_CONFIG_FLAGS = tuple(f"--config.model.{name}" for name in SIZE_FIELDS) + (
 _SUITE = flags.DEFINE_enum("suite", "quick", list(SUITES) + ["sequence", "context", "gpu", "data"], "quick: tiny "
                            "sizes; full: the full-size preset; sequence: sequence-parallel training, the full suite's "
                            "model; context: prefill and decoding against the context length "
-                           "(retnet_jax/bench/context.py); gpu: the GPU suite (retnet_jax/bench/suites.py); data: "
+                           "(benchmarks/context.py); gpu: the GPU suite (benchmarks/suites.py); data: "
                            "preparing, loading and training throughput of prepared corpora "
-                           "(retnet_jax/bench/corpus.py).")
+                           "(benchmarks/corpus.py).")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Output folder for results.json, results.md and plots.")
 _SIZE = {name: flags.DEFINE_integer(name, None, f"model.{name} (default: the suite's)") for name in SIZE_FIELDS}
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Training sequence length (default: the suite's).", lower_bound=1)
@@ -109,7 +110,7 @@ _DATA_MB = flags.DEFINE_float("data_mb", 16, "--suite=data: size of the corpus p
 _MEMORY_MB = flags.DEFINE_list("memory_mb", [], "--suite=data: corpus sizes in MB to train `tiny` from, measuring "
                                "peak RSS (e.g. 4,400).")
 _CONTEXT_SIZE = flags.DEFINE_enum("context_size", "small", list(CONTEXT_SUITES), "--suite=context: the preset "
-                                  "whose size the four models take (CONTEXT_SUITES in retnet_jax/bench/suites.py).")
+                                  "whose size the four models take (CONTEXT_SUITES in benchmarks/suites.py).")
 _CONTEXT_LENGTHS = flags.DEFINE_list("context_lengths", None, "--suite=context: the context lengths in tokens, e.g. "
                                      "1024,4096 (default: the size's).")
 _POINT_BUDGET_S = flags.DEFINE_float("point_budget_s", None, "--suite=context: seconds a point's prefill or decoding "
@@ -132,7 +133,7 @@ def _gpu_suite(name: str):
   """GPU_SUITES[name] with the flags' overrides; UsageError naming a bad one."""
   suite = GPU_SUITES[name]
   _refuse_model_flags("gpu", (), "use --train_models, --seq_len, --batch_size, --remat, --op_head_dims and "
-                      "--op_lengths (GPU_SUITES in retnet_jax/bench/suites.py).")
+                      "--op_lengths (GPU_SUITES in benchmarks/suites.py).")
   try:
     head_dims = tuple(tuple(int(x) for x in dims.split("x", 1)) for dims in _OP_HEAD_DIMS.value or ())
     lengths = tuple(int(x) for x in _OP_LENGTHS.value or ())
@@ -159,7 +160,7 @@ def _gpu_suite(name: str):
 def _context_sweep():
   """CONTEXT_SUITES[--context_size] with the flags' overrides; UsageError naming a bad one."""
   _refuse_model_flags("context", ("--seq_len", "--batch_size", "--inference_devices"),
-                      "choose its size with --context_size (CONTEXT_SUITES in retnet_jax/bench/suites.py).")
+                      "choose its size with --context_size (CONTEXT_SUITES in benchmarks/suites.py).")
   sweep = CONTEXT_SUITES[_CONTEXT_SIZE.value]
   try:
     lengths = tuple(sorted({int(x) for x in _CONTEXT_LENGTHS.value or ()}))

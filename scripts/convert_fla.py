@@ -13,7 +13,7 @@ the workdir's latest checkpoint (or `--step`) with its config.json, written as a
 holding other files, left untouched). Neither direction needs torch.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -25,7 +25,8 @@ from absl import flags
 from retnet_jax.core import sharding
 from retnet_jax.interop import convert, convert_fla, export_fla
 from retnet_jax.models import presets
-from retnet_jax.training import train_state, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import train_state
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "fla RetNet checkpoint folder: read, or written with --to_fla.",
                                   required=True)

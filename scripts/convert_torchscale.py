@@ -10,7 +10,7 @@ left untouched), then prints the flags that load the result. Reading the .pt fil
 needs torch: `pip install -e '.[torch]'`.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -24,7 +24,7 @@ from pathlib import Path
 from absl import flags
 
 from retnet_jax.interop import convert
-from retnet_jax.training import workdir
+from retnet_jax.runs import workdir
 
 _STATE_DICT = flags.DEFINE_string("state_dict", None, "torch.save'd RetNetDecoder state_dict (.pt).", required=True)
 _TORCHSCALE_CONFIG = flags.DEFINE_string("torchscale_config", None, "JSON file of RetNetConfig keyword values.",

@@ -14,7 +14,7 @@ the validation split must hold a batch of such sequences (`--config.train.batch_
 and the buckets hold positions within the document.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -26,7 +26,8 @@ from absl import flags, logging
 
 from retnet_jax.evaluation import evaluate
 from retnet_jax.models import architectures
-from retnet_jax.training import metrics, train_state, workdir
+from retnet_jax.runs import workdir
+from retnet_jax.training import metrics, train_state
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")

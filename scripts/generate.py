@@ -10,7 +10,7 @@ Transformer's KV cache holds `model.max_len` tokens). On a mesh that splits sequ
 is one JSON object with every prompt's completion.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -25,7 +25,8 @@ from retnet_jax.core import sharding
 from retnet_jax.evaluation import sampling, text_generation
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
-from retnet_jax.training import train_state, workdir
+from retnet_jax.runs import workdir
+from retnet_jax.training import train_state
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")

@@ -3,9 +3,9 @@
     python scripts/gpu_check.py --out=runs/gpu_check            # on the GPU machine
     python scripts/gpu_check.py --smoke --out=runs/gpu_smoke    # every part on a CPU at tiny sizes, in about a minute
 
-First names the packages it needs that are missing (`retnet_jax.bench.requirements`: how to install them from
+First names the packages it needs that are missing (`benchmarks.requirements`: how to install them from
 wheels) and stops before any work; fla missing only skips fla's kernels in the op part. Then runs its parts in
-priority order, each within its time budget (train, op, kernels, decode, tests: `retnet_jax.bench.gpu_check` says
+priority order, each within its time budget (train, op, kernels, decode, tests: `benchmarks.gpu_check` says
 what each measures and why its budget), writing OUT/check_<part>.json and .md as each ends (the train, op and decode
 parts also the GPU suite's gpu_<part>_*.json and .md) and OUT/gpu_check.json and .md, the summary. A rerun skips the
 parts done (`--redo=op,tests` or `--redo=all` runs them again), so a run cut short is finished by the next.
@@ -13,25 +13,26 @@ parts done (`--redo=op,tests` or `--redo=all` runs them again), so a run cut sho
 
 import sys
 import time
+from pathlib import Path
 
-from retnet_jax.bench import requirements  # the standard library only: it runs where the packages are missing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root: benchmarks/ is not installed
+from benchmarks import requirements  # noqa: E402  (the standard library only: runs where packages are missing)
 
 START = time.time()  # the parts' deadlines count from here
 if __name__ == "__main__":
   if message := requirements.check():
     sys.exit(message)
 
-from retnet_jax.training import cli  # noqa: E402  (after the package check: it imports ml_collections)
+from retnet_jax.runs import cli  # noqa: E402  (after the package check: it imports ml_collections)
 
 if __name__ == "__main__":
   cli.prepare()  # before numpy and jax start threads
 
 import os  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from retnet_jax.bench import gpu_check  # noqa: E402
+from benchmarks import gpu_check  # noqa: E402
 from retnet_jax.core import owned_folders  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "runs/gpu_check", "Folder of every result file.")

@@ -10,7 +10,7 @@ where they were written); the harness's full results go to `--output_path` (a `.
 '.[eval]'.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -22,7 +22,7 @@ import lm_eval
 from lm_eval import utils as harness_utils
 
 from retnet_jax.evaluation import lm_eval as harness
-from retnet_jax.training import workdir
+from retnet_jax.runs import workdir
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")

@@ -13,13 +13,13 @@ chunks walked serially per program). FLOPs per head: forward 2 T (C (d_k + d_v) 
 forward+backward 3 times that. Times are named `pallas_<layout>_<tiling>/forward` (that forward tiling) and
 `pallas_<layout>_<tiling>/forward_backward` (that backward tiling, after the layout's first forward one). The JSON
 (device, versions, one entry per case) is rewritten after every case, so a run cut short keeps its results. The
-check itself is `retnet_jax.bench.kernel_check`; the GPU suite's op part shares its inputs, error measure, FLOP
-counts and timed cases (`retnet_jax.bench.op`).
+check itself is `benchmarks.kernel_check`; the GPU suite's op part shares its inputs, error measure, FLOP
+counts and timed cases (`benchmarks.op`).
 """
 
 from __future__ import annotations
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -30,9 +30,10 @@ from pathlib import Path
 from absl import app, flags
 import jax
 
-from retnet_jax.bench import kernel_check
-from retnet_jax.bench.op import TOLERANCE
-from retnet_jax.training import workdir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root: benchmarks/ is not installed
+from benchmarks import kernel_check
+from benchmarks.op import TOLERANCE
+from retnet_jax.runs import workdir
 
 _OUT = flags.DEFINE_string("out", "runs/kernel_check.json", "JSON results file.")
 _BATCH = flags.DEFINE_integer("batch", 4, "Batch size.", lower_bound=1)

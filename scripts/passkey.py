@@ -10,7 +10,7 @@ trains one) and, as the last line of stdout, one JSON object, also written to WO
 heatmap in WORKDIR/passkey_step_STEP.png.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -20,7 +20,8 @@ from absl import flags
 from retnet_jax.evaluation import passkey_eval
 from retnet_jax.input_pipeline import passkey, tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
-from retnet_jax.training import metrics, train_state, workdir
+from retnet_jax.runs import workdir
+from retnet_jax.training import metrics, train_state
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")

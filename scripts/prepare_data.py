@@ -13,7 +13,7 @@ its metadata.json is written, at the end. Prints progress, and as the last line 
 documents, tokens, seconds, out.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads
@@ -26,7 +26,8 @@ from pathlib import Path
 from absl import flags
 
 from retnet_jax.input_pipeline import prepared, sources
-from retnet_jax.training import metrics, workdir
+from retnet_jax.runs import workdir
+from retnet_jax.training import metrics
 
 _CONFIG = cli.config_flag("Config file and preset whose data section names the sources and the tokenizer.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the prepared corpus into.", required=True)

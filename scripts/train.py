@@ -10,7 +10,7 @@ of `accelerators.GPU_TRAINING_XLA_FLAGS` to XLA_FLAGS (a flag already there keep
 none.
 """
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 if __name__ == "__main__":
   cli.prepare()  # first, before numpy and jax start threads

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from retnet_jax.bench import cases
+from benchmarks import cases
 from retnet_jax.hardware import accelerators, flops
 from retnet_jax.mixers.kernels import support
 from retnet_jax.models import presets

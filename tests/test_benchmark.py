@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks import harness, report
 from configs import retnet as retnet_config
-from retnet_jax.bench import harness, report
 from retnet_jax.hardware import flops
 from retnet_jax.models.model import Model
 from tests.helpers import run_script
@@ -172,7 +172,7 @@ def test_data_suite_measures_prepare_loader_step_and_memory(tmp_path):
 def test_sequence_suite_splits_one_sequence_over_devices(tmp_path):
   """The sequence suite at the quick size: per split, buffers per device falling with the split, the same first
   loss as on one device, and the JSON, table and plot written."""
-  from retnet_jax.bench import sequence, suites
+  from benchmarks import sequence, suites
   sweep = suites.SequenceSweep(suite=suites.SUITES["quick"], splits=(1, 8), lengths=(256,),
                                compile_only_lengths=(1024,), rounds=1)
   results = sequence.run(retnet_config.get_config("small"), sweep, tmp_path, "test")
@@ -195,7 +195,7 @@ def test_gpu_suite_flop_counts_and_fla_mapping():
   import torch
 
   from retnet_jax.mixers import decay, retention
-  from retnet_jax.bench import gpu_op, op
+  from benchmarks import gpu_op, op
   # B 2, H 3, T 128, d_k 16, d_v 32, chunk 64: per head and token 2 * 64 * 48 + 4 * 16 * 32 = 8192 FLOPs.
   assert op.retention_op_flops(2, 3, 128, 16, 32, 64) == 2 * 3 * 128 * 8192
   # Causal attention: 2 * T^2 * d per head = 2 * 128^2 * 16 = 524288.
@@ -228,8 +228,8 @@ def test_gpu_suite_flop_counts_and_fla_mapping():
 def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
   """Every part of `--suite=gpu` at the tiny sizes on the CPU: what runs here is measured, what needs a GPU (Pallas,
   cuDNN, fla) is recorded as skipped with its reason; each part's JSON and table are written."""
-  from retnet_jax.bench import gpu, suites
-  from retnet_jax.bench.op import retention_op_flops
+  from benchmarks import gpu, suites
+  from benchmarks.op import retention_op_flops
   suite = suites.GPU_SUITES["tiny"]
   written = gpu.run(suite, "tiny", gpu.PARTS, tmp_path, "test")
   assert set(written) == {"gpu_op_16x32", "gpu_train_tiny", "gpu_decode", "gpu_compile", "gpu_run"}
@@ -269,7 +269,7 @@ def test_gpu_suite_runs_tiny_on_cpu(tmp_path):
 
 def _in_process(monkeypatch):
   """Runs the GPU suite's train cases in this process, so that monkeypatches reach them."""
-  from retnet_jax.bench import gpu_train
+  from benchmarks import gpu_train
   monkeypatch.setattr(gpu_train, "isolated", lambda fn, *args, timeout=None: fn(*args))
 
 
@@ -302,7 +302,7 @@ def _fake_compile(steps):
 def test_gpu_train_out_of_memory_is_skipped_with_the_failed_allocation(tmp_path, monkeypatch):
   """An out-of-memory of a train case's compile or run (the error a GPU raises) is recorded as skipped with the
   allocation that failed, and the part goes on with the next case and writes its files."""
-  from retnet_jax.bench import gpu, gpu_train, suites
+  from benchmarks import gpu, gpu_train, suites
   oom = lambda n: jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate {n} bytes.")
 
   def step_out_of_memory(state, batch):
@@ -325,7 +325,7 @@ def test_gpu_train_out_of_memory_is_skipped_with_the_failed_allocation(tmp_path,
 def test_gpu_time_budget_ends_a_run_keeping_what_it_measured(tmp_path, monkeypatch):
   """A budget spent during the first train case's warm-up: that case is kept with the one round timed, the next
   case and the next part are recorded as skipped for the time budget, and the files are written."""
-  from retnet_jax.bench import gpu, gpu_train, suites
+  from benchmarks import gpu, gpu_train, suites
   budget = harness.Budget(3600)
 
   def step_spending_the_budget(state, batch):
@@ -363,7 +363,7 @@ def test_kernel_check_and_gpu_op_part_share_the_op_measure(tmp_path):
   """The kernel check and the GPU suite's op part draw the same bfloat16 inputs, measure errors alike (in float64: a
   difference that float32 rounds away still counts) and count FLOPs alike; the kernel check runs in interpret mode
   on the CPU and writes its JSON report."""
-  from retnet_jax.bench import kernel_check, op
+  from benchmarks import kernel_check, op
   q, k, v, d_out = op.op_inputs(1, 8, 2, 16, 32)
   q_attention, k_attention, v_attention, _ = op.op_inputs(1, 8, 2, 16, 16)
   assert {x.dtype for x in (q, k, v, d_out)} == {jnp.dtype(jnp.bfloat16)}
@@ -399,7 +399,7 @@ def test_kernel_check_and_gpu_op_part_share_the_op_measure(tmp_path):
 def test_decoding_target_without_torchscale_is_not_measured():
   """The decoding target against torchscale divides by torchscale's decoding in the same run; without it the target
   is reported as not measured (value and met None), not compared with a figure from another machine."""
-  from retnet_jax.bench import sections
+  from benchmarks import sections
   results = {
       "training": {"retnet/parallel/float32": {"mfu": 0.8}, "retnet/chunkwise/float32": {"mfu": 0.7}},
       "decoding": {"throughput": {"retnet": {"batch_1": {"median": 100.0}}}, "batch_1_over_floor": 0.6,

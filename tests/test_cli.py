@@ -17,7 +17,8 @@ from absl import logging as absl_logging
 import pytest
 
 from retnet_jax.core import quiet_start
-from retnet_jax.training import cli, metrics
+from retnet_jax.runs import cli
+from retnet_jax.training import metrics
 from tests.helpers import REPO, free_port, run_script, script_lines
 
 
@@ -48,7 +49,7 @@ def test_errors_are_one_message(tmp_path, flags, message):
     ("evaluate.py", ("--config", "--workdir", "--step")),
 ])
 def test_help_lists_the_shared_flags(script, listed):
-  """--help names the flags a script takes from retnet_jax.training.cli beside its own, --workdir marked required and
+  """--help names the flags a script takes from retnet_jax.runs.cli beside its own, --workdir marked required and
   --config with how to override its fields, and help asked for is no error."""
   result = run_script(script, "--help")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -160,7 +161,7 @@ def test_distributed_settings_refuse_what_would_fail_later(flags, env, message):
 
 
 JOIN = """
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 cli.prepare()
 start = cli.distributed_flags()
 cli.run(lambda: (start(), print("joined")))
@@ -230,7 +231,7 @@ def test_without_an_accelerator_the_plugins_start_quietly_on_the_cpu():
   """With the CUDA/TPU plugins installed (the aot extra) and no accelerator, plugin discovery printed two tracebacks
   and libtpu's warnings before each script's output."""
   env = {name: value for name, value in os.environ.items() if name != "JAX_PLATFORMS"}
-  code = "from retnet_jax.training import cli; cli.prepare(); import jax; print(jax.devices()[0].platform)"
+  code = "from retnet_jax.runs import cli; cli.prepare(); import jax; print(jax.devices()[0].platform)"
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=120)
   assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr

@@ -1,4 +1,4 @@
-"""The context suite (`scripts/benchmark.py --suite=context`, `retnet_jax.bench.context`): what each point runs or
+"""The context suite (`scripts/benchmark.py --suite=context`, `benchmarks.context`): what each point runs or
 skips and why, a skipped prefill still sized and decoded from zeros, and the suite end to end at the tiny size, where
 RetNet's compiled prefill stays flat and the Transformer's grows with its KV cache."""
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from retnet_jax.bench import context
-from retnet_jax.bench.suites import CONTEXT_SUITES
+from benchmarks import context
+from benchmarks.suites import CONTEXT_SUITES
 from tests.helpers import run_script
 
 SWEEP = dataclasses.replace(CONTEXT_SUITES["tiny"], lengths=(4096, 16384), point_budget_s=10.0)

@@ -13,7 +13,7 @@ import tokenizers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from retnet_jax.bench import corpus as bench_corpus
+from benchmarks import corpus as bench_corpus
 from retnet_jax.input_pipeline import data, global_batches, sources, tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

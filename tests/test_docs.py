@@ -26,7 +26,7 @@ from absl import flags
 import ml_collections
 import pytest
 
-from retnet_jax.training import cli
+from retnet_jax.runs import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_FENCES = ("bash", "sh", "shell", "console")

@@ -16,7 +16,8 @@ from configs import retnet as retnet_config
 from retnet_jax.core import dispatch, sharding
 from retnet_jax.evaluation import evaluate, sampling
 from retnet_jax.input_pipeline import data, global_batches, tokenizer
-from retnet_jax.training import checkpointing, losses, metrics, train_state, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import checkpointing, losses, metrics, train_state
 from tests.helpers import flip_bytes, forward, run_script, script_stdout
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests

@@ -11,10 +11,11 @@ import shutil
 
 import pytest
 
-from retnet_jax.bench import gpu_check
+from benchmarks import gpu_check
 from retnet_jax.core import owned_folders
 from retnet_jax.interop import export_fla
-from retnet_jax.training import train, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import train
 from tests.helpers import run_script
 from tests.test_convert_fla import our_fla_model
 from tests.test_prepared import prepare

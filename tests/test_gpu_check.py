@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from retnet_jax.bench import gpu_check, requirements
-from retnet_jax.bench.suites import GPU_SUITES
+from benchmarks import gpu_check, requirements
+from benchmarks.suites import GPU_SUITES
 from tests.helpers import run_script
 
 

@@ -1,6 +1,7 @@
-"""The package's import structure: no circle between its modules, the data layer loads no model code, no module uses
-another's private names or tells architectures apart by name outside the registry, and what the scripts import on a
-plain install is installed with it."""
+"""The package's import structure: no circle between its modules, the data layer loads no model code, the library
+loads neither torch nor matplotlib nor the benchmark beside it, no module (of the package, the benchmark or the
+scripts) uses another's private names or tells architectures apart by name outside the registry, and what the scripts
+import on a plain install is installed with it."""
 import ast
 import configparser
 import importlib.metadata
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "retnet_jax"
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "retnet_jax"
+BENCHMARKS = REPO / "benchmarks"  # the benchmark, beside the package: not installed, imported by its scripts
 DATA_LAYER = ("retnet_jax.input_pipeline.data", "retnet_jax.input_pipeline.tokenizer",
               "retnet_jax.input_pipeline.synthetic", "retnet_jax.input_pipeline.passkey")
 MODEL_CODE = ("retnet_jax.models.model", "retnet_jax.evaluation.sampling", "retnet_jax.nn.layers",
@@ -21,13 +24,15 @@ MODEL_CODE = ("retnet_jax.models.model", "retnet_jax.evaluation.sampling", "retn
 # What README's scripts run on the Quickstart install (`pip install -e .`, no extras), plots included.
 QUICKSTART = ("retnet_jax.evaluation.evaluate", "retnet_jax.evaluation.passkey_eval",
               "retnet_jax.training.train", "retnet_jax.input_pipeline.prepared")
+# What `import retnet_jax`, the Quickstart's scripts and the command line load: no torch, no matplotlib.
+LIBRARY_START = ("retnet_jax", *QUICKSTART, "retnet_jax.runs.cli")
 
 
-def module_names() -> dict[str, Path]:
-  """Dotted name -> source file of every module under retnet_jax (a package by its `__init__.py`)."""
+def module_names(package: Path = PACKAGE) -> dict[str, Path]:
+  """Dotted name -> source file of every module under `package` (a package by its `__init__.py`)."""
   names = {}
-  for path in PACKAGE.rglob("*.py"):
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+  for path in package.rglob("*.py"):
+    parts = path.relative_to(package.parent).with_suffix("").parts
     names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
   return names
 
@@ -94,8 +99,8 @@ def test_find_cycle_names_the_circle():
 def test_no_import_cycle():
   modules = module_names()
   graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-  # the graph sees `from retnet_jax.training import workdir as ...`
-  assert "retnet_jax.training.workdir" in graph["retnet_jax.training.train_state"]
+  # the graph sees `from retnet_jax.runs import workdir as ...`
+  assert "retnet_jax.runs.workdir" in graph["retnet_jax.training.train"]
   cycle = find_cycle(graph)
   assert cycle is None, f"import circle: {' -> '.join(cycle)}"
 
@@ -141,12 +146,37 @@ def test_data_layer_loads_no_model_code():
   assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_the_library_loads_neither_torch_nor_matplotlib():
+  """In a fresh interpreter, one after the other: `import retnet_jax`, the modules README's Quickstart scripts import
+  and the command line, none of which may load torch (seconds of every script's start; only the converters' checks
+  and the benchmark use it) or matplotlib (imported where a plot is drawn, not where a module is)."""
+  code = ("import importlib, sys\n"
+          f"for name in {LIBRARY_START!r}:\n"
+          "  importlib.import_module(name)\n"
+          "  if loaded := sorted(m for m in ('torch', 'matplotlib') if m in sys.modules):\n"
+          "    sys.exit(f'import {name} loads {loaded}')")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_library_imports_nothing_of_the_benchmark():
+  """The benchmark moved out of the package (its bench/ subpackage) to benchmarks/ beside it, which `pip install`
+  leaves out: no module of retnet_jax may import it."""
+  assert not list((PACKAGE / "bench").rglob("*.py")), "the package holds bench/ again: the benchmark is benchmarks/"
+  found = sorted(str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py")
+                 if "benchmarks" in third_party_imports(path))
+  assert not found, f"modules of the library importing the benchmark (benchmarks/ is not installed): {found}"
+
+
 def private_uses(path: Path, modules: dict[str, Path]) -> list[str]:
-  """`alias._name` uses (and `from module import _name`) in `path` of another retnet_jax module's private names."""
+  """`alias._name` uses (and `from module import _name`) in `path` of the private names of another module of
+  `modules`."""
   aliases, found = {}, []
+  packages = {name.partition(".")[0] for name in modules}
   tree = ast.parse(path.read_text(encoding="utf-8"))
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("retnet_jax"):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.partition(".")[0] in packages:
       for alias in node.names:
         if f"{node.module}.{alias.name}" in modules:
           aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -164,10 +194,10 @@ def private_uses(path: Path, modules: dict[str, Path]) -> list[str]:
 
 
 def test_no_module_uses_another_modules_private_names():
-  modules = module_names()
-  uses = {str(path.relative_to(PACKAGE.parent)): private_uses(path, modules) for path in modules.values()}
-  uses.update({str(path.relative_to(PACKAGE.parent)): private_uses(path, modules)
-               for path in sorted((PACKAGE.parent / "scripts").glob("*.py"))})
+  modules = {**module_names(), **module_names(BENCHMARKS)}
+  uses = {str(path.relative_to(REPO)): private_uses(path, modules) for path in modules.values()}
+  uses.update({str(path.relative_to(REPO)): private_uses(path, modules)
+               for path in sorted((REPO / "scripts").glob("*.py"))})
   uses = {path: found for path, found in uses.items() if found}
   assert not uses, f"private names used across modules (make them public where shared): {uses}"
 

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from retnet_jax.core import owned_folders
+from retnet_jax.runs import workdir as workdir_lib
 from retnet_jax.training import metrics, train
 from tests.helpers import tiny_config
 
@@ -46,9 +47,9 @@ def test_mfu_is_left_off_the_line_where_its_ceiling_is_a_measured_matmul():
 def test_training_plots_its_loss_and_learning_rate_into_the_workdir(trained):
   """Training wrote no curve to look at without a TensorBoard viewer: at each evaluation it redraws
   WORKDIR/metrics.png from metrics.jsonl, a name recorded in the workdir's mark like the others it writes."""
-  png = trained.workdir / metrics.METRICS_PLOT
+  png = trained.workdir / workdir_lib.METRICS_PLOT
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1024
-  assert metrics.METRICS_PLOT in owned_folders.read_mark(trained.workdir)["written"]
+  assert workdir_lib.METRICS_PLOT in owned_folders.read_mark(trained.workdir)["written"]
 
 
 def test_the_last_line_names_every_output_as_the_workdir_was_given(trained_copy, caplog, monkeypatch):

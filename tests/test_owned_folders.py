@@ -11,7 +11,8 @@ import pytest
 from configs import retnet as retnet_config
 from retnet_jax.core import owned_folders, sharding
 from retnet_jax.interop import convert
-from retnet_jax.training import checkpointing, integrity, metrics, train, train_state, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import checkpointing, integrity, metrics, run_checkpoints, train, train_state
 from tests.helpers import assert_resumed_from, run_script, script_flags
 from tests.test_prepared import interrupted, prepare
 from tests.test_workdir import newest, save_steps
@@ -144,7 +145,7 @@ def test_an_earlier_versions_workdir_is_adopted_and_resumes(trained_copy):
   the run resumes from its checkpoint 8."""
   workdir = trained_copy.workdir
   (workdir / owned_folders.MARK).unlink()
-  (workdir / metrics.METRICS_PLOT).unlink()  # written since the mark
+  (workdir / workdir_lib.METRICS_PLOT).unlink()  # written since the mark
   (workdir / "notes.md").write_text("mine")
   train.train_and_evaluate(trained_copy.config, workdir)  # at its last step: nothing to train
   assert_resumed_from(workdir, 8)
@@ -159,7 +160,7 @@ def abstract_params(config):
 
 def stale_export(workdir, config):
   """Replaces the run's params/8 by an export of other params; returns the checkpoint's params."""
-  params, _ = workdir_lib.read_params(workdir, config, abstract_params(config))
+  params, _ = run_checkpoints.read_params(workdir, config, abstract_params(config))
   checkpointing.export_params(workdir_lib.export_dir(workdir, 8), jax.tree.map(lambda x: x + 1, params), replace=True)
   return params
 
@@ -177,15 +178,15 @@ def test_an_export_of_other_params_is_exported_again_by_a_rerun(trained_copy):
 def test_an_export_without_checksums_is_refused_and_exported_again(trained_copy):
   """An export lacking checksums.json (interrupted) was read unverified and never repaired by a rerun."""
   workdir, config = trained_copy.workdir, trained_copy.config
-  params, _ = workdir_lib.read_params(workdir, config, abstract_params(config))
+  params, _ = run_checkpoints.read_params(workdir, config, abstract_params(config))
   export = workdir_lib.export_dir(workdir, 8)
   (export / "checksums.json").unlink()
   shutil.move(workdir_lib.checkpoint_dir(workdir), workdir / "moved")
   with pytest.raises(ValueError, match=r"the params export .*params/8 is unreadable \(DamagedCheckpointError: the "
                                        r"params export at .* has no readable checksums.json \(its export was "
                                        r"interrupted\): it cannot be verified; run the training command again"):
-    workdir_lib.read_params(workdir, config, abstract_params(config))
-  assert workdir_lib.export_params(workdir, 8, params) == export
+    run_checkpoints.read_params(workdir, config, abstract_params(config))
+  assert run_checkpoints.export_params(workdir, 8, params) == export
   assert checkpointing.exported_checksums(export) == integrity.checksums(params)
   assert not checkpointing.export_params(export, params)  # the same params: kept
 

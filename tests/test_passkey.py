@@ -22,7 +22,7 @@ from retnet_jax.hardware import accelerators
 from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer, HFTokenizer
 from retnet_jax.models.model import Model
-from retnet_jax.training import workdir
+from retnet_jax.runs import workdir
 from tests.helpers import REPO, script_lines
 
 BYTES = ByteTokenizer()

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from retnet_jax.training import peer_watch, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import peer_watch
 
 
 def test_a_released_peer_lock_is_reported_only_while_the_steps_stall(tmp_path):

@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from retnet_jax.bench import corpus as bench_corpus
+from benchmarks import corpus as bench_corpus
 from retnet_jax.input_pipeline import data, global_batches, loader, prepared, tokenizer as tokenizer_lib
 from retnet_jax.training import train
 from tests.helpers import REPO, assert_resumed_from, free_port, read_metrics, run_script, script_stdout, tiny_config

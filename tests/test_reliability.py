@@ -270,7 +270,7 @@ def test_a_workdir_moved_while_training_is_not_recreated_at_its_old_path(tmp_pat
 
 
 def test_writer_lock_is_exclusive_and_released(tmp_path):
-  from retnet_jax.training import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
+  from retnet_jax.runs import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
   with workdir_lib.writer_lock(tmp_path):
     with pytest.raises(workdir_lock.WorkdirBusyError, match=rf"being trained by process {os.getpid()} on .* since"):
       workdir_lib.writer_lock(tmp_path).acquire()  # another open file description: flock excludes it too
@@ -357,7 +357,7 @@ def test_nonfinite_step_stops_the_run_naming_it(tmp_path, corpus, monkeypatch):
 
 
 def test_a_removed_lock_file_is_told_from_a_vanished_workdir(tmp_path):
-  from retnet_jax.training import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
+  from retnet_jax.runs import workdir as workdir_lib, workdir_lock  # pylint: disable=import-outside-toplevel
   (tmp_path / "run").mkdir()
   with workdir_lib.writer_lock(tmp_path / "run") as lock:
     lock.check_held()

@@ -26,10 +26,10 @@ def test_every_script_starts_as_a_user_starts_it(script):
   assert Path(REPO / "scripts" / script).stem in result.stdout  # absl names the script's own flags by its module
 
 
-# What a script may import before `cli.prepare()`: the standard library's os, sys and time, cli itself, and the GPU
-# check's package check (standard library only).
-BEFORE_PREPARE = re.compile(r"(import (os|sys|time)|from retnet_jax\.training import cli|"
-                            r"from retnet_jax\.bench import requirements)\b.*")
+# What a script may import before `cli.prepare()`: the standard library's os, sys, time and pathlib (the repository's
+# root on sys.path, for benchmarks/), cli itself, and the GPU check's package check (standard library only).
+BEFORE_PREPARE = re.compile(r"(import (os|sys|time)|from pathlib import Path|from retnet_jax\.runs import cli|"
+                            r"from benchmarks import requirements)\b.*")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

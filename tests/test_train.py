@@ -17,7 +17,8 @@ from retnet_jax.core import sharding
 from retnet_jax.hardware import flops
 from retnet_jax.mixers import stability
 from retnet_jax.models.model import Model
-from retnet_jax.training import checkpointing, losses, train, train_state, train_step, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import checkpointing, losses, run_checkpoints, train, train_state, train_step
 from tests.helpers import CORPUS, assert_resumed_from, random_tokens, read_metrics, tiny_config
 
 
@@ -320,12 +321,12 @@ def test_checkpoints_written_before_a_model_field_existed_stay_compatible(tmp_pa
   """A checkpoint's config without the fields added since (its model had their old behaviour) resumes under
   today's defaults and is refused under another value; how the model computes may change on resume."""
   config = tiny_config(tmp_path)
-  old = {k: v for k, v in config.model.to_dict().items() if k not in workdir_lib.ADDED_MODEL_FIELDS}
+  old = {k: v for k, v in config.model.to_dict().items() if k not in run_checkpoints.ADDED_MODEL_FIELDS}
   config.model.update(matmul_precision="highest", retention_impl="auto", chunk_size=4)
-  workdir_lib.check_compatible(old, config, tmp_path)
+  run_checkpoints.check_compatible(old, config, tmp_path)
   config.model.rotation_pairs = "half"
   with pytest.raises(ValueError, match="model.rotation_pairs: checkpoint 'interleaved' vs config 'half'"):
-    workdir_lib.check_compatible(old, config, tmp_path)
+    run_checkpoints.check_compatible(old, config, tmp_path)
 
 
 def test_profile_trace_and_tensorboard_events_are_written(tmp_path):

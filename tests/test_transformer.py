@@ -20,7 +20,8 @@ from retnet_jax.hardware import flops
 from retnet_jax.input_pipeline import tokenizer
 from retnet_jax.models import architectures, presets
 from retnet_jax.models.model import Model
-from retnet_jax.training import checkpointing, flag_messages, train, train_state, workdir as workdir_lib
+from retnet_jax.runs import flag_messages
+from retnet_jax.training import checkpointing, run_checkpoints, train, train_state
 from tests.helpers import (assert_resumed_from, forward, random_tokens, read_metrics, script_stdout, tiny_config,
                            tiny_transformer)
 
@@ -307,7 +308,8 @@ def test_bad_input_fails_before_touching_the_workdir(tmp_path, change, message):
 
 def test_retention_options_and_mixed_sections_are_refused(tmp_path):
   """A Transformer config has no retention fields: the locked config refuses them, and the command line's error
-  (`retnet_jax.training.flag_messages`) names the option and the fix; a RetNet model section set to `transformer` is refused."""
+  (`retnet_jax.runs.flag_messages`) names the option and the fix; a RetNet model section set to `transformer` is
+  refused."""
   config = transformer_config.get_config("tiny")
   for field in ("chunk_size", "retention_impl", "decay_schedule", "stability_norm", "value_dim"):
     with pytest.raises(KeyError, match=f'"{field}" does not exist and cannot be added since the config is locked'):
@@ -333,14 +335,14 @@ def test_checkpoints_of_the_other_architecture_are_refused(tmp_path):
   """A RetNet checkpoint written before `architecture` existed loads as a RetNet and is refused, by that field
   alone, under a Transformer config; the cache length may change between runs."""
   old = {k: v for k, v in retnet_config.get_config("tiny").model.to_dict().items() if k != "architecture"}
-  workdir_lib.check_compatible(old, retnet_config.get_config("tiny"), tmp_path)
+  run_checkpoints.check_compatible(old, retnet_config.get_config("tiny"), tmp_path)
   config = transformer_config.get_config("tiny")
   with pytest.raises(ValueError, match=r"incompatible model config \(model.architecture: checkpoint 'retnet' vs "
                                        r"config 'transformer'\); use the model config it was trained with"):
-    workdir_lib.check_compatible(old, config, tmp_path)
+    run_checkpoints.check_compatible(old, config, tmp_path)
   saved = config.model.to_dict()
   config.model.max_len = 4096
-  workdir_lib.check_compatible(saved, config, tmp_path)
+  run_checkpoints.check_compatible(saved, config, tmp_path)
 
 
 @pytest.mark.devices(8)

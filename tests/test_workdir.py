@@ -1,5 +1,5 @@
-"""The workdir: its layout, the one policy for the newest checkpoint that reads back whole, and restoring the model
-from the parameters alone."""
+"""The workdir: its layout (`runs.workdir`), the one policy for the newest checkpoint that reads back whole
+(`training.run_checkpoints`), and restoring the model from the parameters alone."""
 
 import json
 
@@ -11,7 +11,8 @@ from flax import nnx
 
 from configs import retnet as retnet_config
 from retnet_jax.core import sharding
-from retnet_jax.training import checkpointing, optimizer, train_state, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import checkpointing, optimizer, run_checkpoints, train_state
 
 
 def save_steps(workdir, config, steps, state=None):
@@ -32,7 +33,7 @@ def newest(workdir, config, read_only):
   with checkpointing.Checkpointer(workdir_lib.checkpoint_dir(workdir), read_only=read_only) as ckpt:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = {"params": {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=device)}}
-    return workdir_lib.restore_newest(ckpt, config, lambda step: ckpt.restore(abstract, step))
+    return run_checkpoints.restore_newest(ckpt, config, lambda step: ckpt.restore(abstract, step))
 
 
 def test_a_damaged_newest_step_is_set_aside_by_the_writer_and_named_to_a_reader(tmp_path):
@@ -90,7 +91,7 @@ def test_restore_model_reads_the_parameters_alone(tmp_path, monkeypatch):
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), state["params"])
   monkeypatch.undo()
   with checkpointing.Checkpointer(workdir_lib.checkpoint_dir(tmp_path / "full")) as ckpt:  # the writer's restore
-    assert workdir_lib.restore_newest(ckpt, config, lambda step: ckpt.restore(layout.abstract_state, step)) is None
+    assert run_checkpoints.restore_newest(ckpt, config, lambda step: ckpt.restore(layout.abstract_state, step)) is None
   assert (workdir_lib.checkpoint_dir(tmp_path / "full") / "3.corrupt").is_dir()
 
 
@@ -149,10 +150,10 @@ def test_a_gated_run_from_before_gate_init_reads_back_as_yoco(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"preset": "tiny", "model": old_model, "data": {}}))
   saved = workdir_lib.saved_config(tmp_path)
   assert saved.model.mixer == "gated_retention" and saved.model.gate_init == "yoco"
-  workdir_lib.check_compatible(old_model, config, tmp_path)
+  run_checkpoints.check_compatible(old_model, config, tmp_path)
   config.model.gate_init = "retnet"
   with pytest.raises(ValueError, match="model.gate_init: checkpoint 'yoco' vs config 'retnet'"):
-    workdir_lib.check_compatible(old_model, config, tmp_path)
+    run_checkpoints.check_compatible(old_model, config, tmp_path)
 
 
 @pytest.mark.parametrize("edit,message", [

@@ -5,7 +5,7 @@ worker threads with `mmap` and returns them with `munmap`, so every step faults 
 cost is in docs/benchmarks.md). `keep_freed_memory()` makes malloc serve them from one heap that is never
 trimmed, so later steps reuse the same pages: the process keeps its peak footprint. Call it first, before
 importing numpy or jax: a thread keeps the malloc arena it first used, and numpy's and XLA's threads would
-otherwise already hold others. The scripts do so through `retnet_jax.training.cli.prepare`. Buffers used once (a
+otherwise already hold others. The scripts do so through `retnet_jax.runs.cli.prepare`. Buffers used once (a
 checkpoint's reads) are allocated within `one_off_buffers()`, so that the heap does not keep them. The heap keeps
 more than the live memory (freed blocks that later temporaries do not fit), so the peak is higher and varies run to
 run (measured in docs/scale.md); `RETNET_JAX_KEEP_FREED_MEMORY=0` leaves malloc as it is, for the lower peak.

@@ -1,4 +1,4 @@
-"""The notebooks' start: what `training.cli.prepare` does for a script, for a Jupyter kernel.
+"""The notebooks' start: what `runs.cli.prepare` does for a script, for a Jupyter kernel.
 
 `start` is a notebook's first call, before numpy and jax are imported: JAX on the CPU without the accelerator plugins'
 start-up noise where this machine has no accelerator (`quiet_start`), freed host memory kept (`host_memory`), and

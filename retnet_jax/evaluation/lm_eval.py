@@ -43,7 +43,8 @@ from retnet_jax.core import config_checks, sharding, whole_files
 from retnet_jax.evaluation import sampling
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
-from retnet_jax.training import cli, losses, metrics, train_state, workdir as workdir_lib
+from retnet_jax.runs import cli, workdir as workdir_lib
+from retnet_jax.training import losses, metrics, train_state
 
 try:
   import lm_eval.models  # noqa: F401  (the harness's own models first: a non-empty registry skips them)

@@ -33,7 +33,8 @@ from retnet_jax.mixers import decay
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import checkpointing, train_state, workdir as workdir_lib
+from retnet_jax.runs import workdir as workdir_lib
+from retnet_jax.training import checkpointing, train_state
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read
 # below only act in training (dropout, drop path, activation checkpointing, FSDP), choose the forward form

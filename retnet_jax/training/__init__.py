@@ -1,2 +1,2 @@
-"""Training: the loop, the train state and pure step, optimizer, losses, checkpoints and work directories, metrics,
-faults, the scripts' shared entry point."""
+"""Training: the loop, the train state and pure step, optimizer, losses, checkpoints and the choice of a run's step,
+metrics, faults."""

@@ -14,6 +14,7 @@ import jax
 from absl import logging
 
 from retnet_jax.core import whole_files
+from retnet_jax.runs import workdir as workdir_lib
 
 # tensorboardX imports torch where it is installed, only to accept torch tensors, which training never logs; that
 # import takes seconds at every start of a script. Hidden while tensorboardX imports, unless already imported.
@@ -74,10 +75,6 @@ def _drop_partial_line(path: str) -> None:
       file.truncate(content.rfind(b"\n") + 1)
 
 
-# `MetricsWriter`'s, in the workdir: every value by step, TensorBoard's event files, the loss and learning-rate plot.
-METRICS_FILE, TENSORBOARD_DIR, METRICS_PLOT = "metrics.jsonl", "tensorboard", "metrics.png"
-
-
 class MetricsWriter:
   """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard, and plots the loss and learning
   rate into WORKDIR/metrics.png (`plot`); only process 0 writes."""
@@ -85,10 +82,10 @@ class MetricsWriter:
   def __init__(self, workdir: str | os.PathLike):
     self.enabled = jax.process_index() == 0
     if self.enabled:
-      self._path = os.path.join(workdir, METRICS_FILE)
+      self._path = os.path.join(workdir, workdir_lib.METRICS_FILE)
       _drop_partial_line(self._path)
       self._jsonl = open(self._path, "a", encoding="utf-8")
-      self._tensorboard = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+      self._tensorboard = SummaryWriter(os.path.join(workdir, workdir_lib.TENSORBOARD_DIR))
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:
@@ -129,7 +126,7 @@ class MetricsWriter:
     for ax in (loss_ax, rate_ax):
       ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    with whole_files.replacing(os.path.join(os.path.dirname(self._path), METRICS_PLOT)) as png:
+    with whole_files.replacing(os.path.join(os.path.dirname(self._path), workdir_lib.METRICS_PLOT)) as png:
       fig.savefig(png, dpi=100)
 
   def _reopen_if_replaced(self, step: int) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-from retnet_jax.training import workdir_lock
+from retnet_jax.runs import workdir_lock
 
 EXIT_STATUS = 1
 LEFT = "left"  # the pulse of a process that finished its steps: it stopped beating, but is not lost

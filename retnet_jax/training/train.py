@@ -26,8 +26,9 @@ from retnet_jax.hardware import flops
 from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
 from retnet_jax.nn import layers
-from retnet_jax.training import (checkpointing, losses, metrics, peer_watch, preemption, train_state,
-                                 train_step as train_step_lib, workdir as workdir_lib, workdir_lock, write_errors)
+from retnet_jax.runs import workdir as workdir_lib, workdir_lock
+from retnet_jax.training import (checkpointing, losses, metrics, peer_watch, preemption, run_checkpoints, train_state,
+                                 train_step as train_step_lib, write_errors)
 
 
 # Seconds between progress lines by time before the first logged step: the small run's first line came at step 50,
@@ -193,10 +194,11 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
 def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
                      checkpointer: checkpointing.Checkpointer,
                      batches: loader.PreparedBatches | synthetic.SyntheticBatches, workdir: Path):
-  """The newest checkpoint's state that reads back whole (`workdir.restore_newest`: an unreadable one is set aside
-  with a warning, another model config's refused), else a fresh one; the line saying so names `workdir` as given."""
-  restored = workdir_lib.restore_newest(checkpointer, config,
-                                        lambda step: checkpointer.restore(run.abstract_state, step))
+  """The newest checkpoint's state that reads back whole (`run_checkpoints.restore_newest`: an unreadable one is set
+  aside with a warning, another model config's refused), else a fresh one; the line saying so names `workdir` as
+  given."""
+  restored = run_checkpoints.restore_newest(checkpointer, config,
+                                            lambda step: checkpointer.restore(run.abstract_state, step))
   if restored is not None:
     step, (state, meta) = restored
     batches.set_state(meta["data"])
@@ -361,15 +363,15 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
 
   checkpointer.wait()
   try:
-    export_dir = workdir_lib.export_params(workdir, step, state["params"])
+    export_dir = run_checkpoints.export_params(workdir, step, state["params"])
   except write_errors.ExportWriteError as e:
     what, fix = _DISK_FAULTS.get(e.errno, ("a write failed", "remove the cause"))
     raise write_errors.ExportWriteError(
         f"{e} ({what}). Checkpoint {step} in {checkpointer.directory} is committed and intact; {fix}, then run the "
         "same command again: the training is done, so it only exports the parameters.", e.errno) from e
   metrics.log(f"done at step {step}; checkpoints in {workdir_lib.checkpoint_dir(workdir)}, params in {export_dir}; "
-              f"metrics in {Path(workdir) / metrics.METRICS_FILE} (plot {Path(workdir) / metrics.METRICS_PLOT}, "
-              f"TensorBoard {Path(workdir) / metrics.TENSORBOARD_DIR})")
+              f"metrics in {Path(workdir) / workdir_lib.METRICS_FILE} (plot "
+              f"{Path(workdir) / workdir_lib.METRICS_PLOT}, TensorBoard {Path(workdir) / workdir_lib.TENSORBOARD_DIR})")
   return last
 
 

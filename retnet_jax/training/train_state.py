@@ -24,7 +24,7 @@ from flax import nnx
 from retnet_jax.core import config_checks, sharding
 from retnet_jax.models import architectures, model as model_lib, presets
 from retnet_jax.nn import layers
-from retnet_jax.training import optimizer, workdir as workdir_lib
+from retnet_jax.training import optimizer, run_checkpoints
 
 TrainState = dict[str, Any]
 
@@ -117,12 +117,12 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
                   ) -> tuple[model_lib.Model, int]:
   """The model of `workdir` at `step` (None: the newest that reads back whole), placed on `config.mesh` over the
   devices present, its parameters cast to `model.param_dtype` (every one: matrices, embeddings and norm scales).
-  Only its parameters are read (`workdir.read_params`): no optimizer is built or restored.
+  Only its parameters are read (`run_checkpoints.read_params`): no optimizer is built or restored.
 
   Returns:
     (model, step).
   """
   check_config(config, jax.device_count())
   graphdef, abstract_params = model_layout(config, sharding.placement(config.mesh))
-  params, step = workdir_lib.read_params(workdir, config, abstract_params, step)
+  params, step = run_checkpoints.read_params(workdir, config, abstract_params, step)
   return nnx.merge(graphdef, params), step

@@ -30,12 +30,12 @@ from typing import Any
 
 import jax
 
-from retnet_jax.bench.gpu_compile import compile_markdown, measure_compile
-from retnet_jax.bench.gpu_decode import decode_markdown, measure_decode
-from retnet_jax.bench.gpu_op import measure_op, op_markdown, op_plot
-from retnet_jax.bench.gpu_train import measure_train, train_markdown
-from retnet_jax.bench.harness import Budget, memory_source
-from retnet_jax.bench.suites import GpuSuite
+from benchmarks.gpu_compile import compile_markdown, measure_compile
+from benchmarks.gpu_decode import decode_markdown, measure_decode
+from benchmarks.gpu_op import measure_op, op_markdown, op_plot
+from benchmarks.gpu_train import measure_train, train_markdown
+from benchmarks.harness import Budget, memory_source
+from benchmarks.suites import GpuSuite
 
 PARTS = ("op", "train", "decode", "compile")
 VERSIONED = ("jax", "jaxlib", "flax", "torch", "triton", "flash-linear-attention", "fla-core")

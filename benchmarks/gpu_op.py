@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax.bench.harness import Budget, Case, interleave, rate, timed
-from retnet_jax.bench.op import (KINDS, TOLERANCE, attention_op_flops, error_text, kind_flops, op_case, op_inputs,
-                                 relative_error, retention_op_flops)
-from retnet_jax.bench.report import fmt
-from retnet_jax.bench.suites import GpuSuite
+from benchmarks.harness import Budget, Case, interleave, rate, timed
+from benchmarks.op import (KINDS, TOLERANCE, attention_op_flops, error_text, kind_flops, op_case, op_inputs,
+                           relative_error, retention_op_flops)
+from benchmarks.report import fmt
+from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown
 from retnet_jax.mixers import decay, kernels, retention
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from retnet_jax.bench.harness import Case, peak_memory, random_tokens, timed
+from benchmarks.harness import Case, peak_memory, random_tokens, timed
 from retnet_jax.interop import convert
 
 

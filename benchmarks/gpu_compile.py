@@ -6,11 +6,11 @@ from typing import Any
 
 import jax
 
-from retnet_jax.bench import cases
-from retnet_jax.bench.gpu_train import model_config, too_big
-from retnet_jax.bench.harness import Budget
-from retnet_jax.bench.report import fmt
-from retnet_jax.bench.suites import GpuSuite
+from benchmarks import cases
+from benchmarks.gpu_train import model_config, too_big
+from benchmarks.harness import Budget
+from benchmarks.report import fmt
+from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
 from retnet_jax.models import architectures
 

@@ -13,9 +13,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from retnet_jax.bench.cases import make_config, train_case
-from retnet_jax.bench.harness import compile_timed, interleave, random_tokens, rate
-from retnet_jax.bench.suites import Suite
+from benchmarks.cases import make_config, train_case
+from benchmarks.harness import compile_timed, interleave, random_tokens, rate
+from benchmarks.suites import Suite
 from retnet_jax.models.model import Model
 from retnet_jax.training import losses, optimizer
 

@@ -28,14 +28,14 @@ from typing import Any
 import jax
 import tokenizers
 
-from retnet_jax.bench.harness import random_tokens
-from retnet_jax.bench.sections import cpu_name
+from benchmarks.harness import random_tokens
+from benchmarks.sections import cpu_name
 from retnet_jax.core import markdown, sharding
 from retnet_jax.input_pipeline import data, loader, prepared, sources, tokenizer as tokenizer_lib
 from retnet_jax.training import train_step
 
 LOADER_BATCH, LOADER_SEQ_LEN = 64, 2048
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
@@ -133,7 +133,7 @@ def run(config, out: Path, command: str, data_mb: float, memory_mb: tuple[float,
   out.mkdir(parents=True, exist_ok=True)
   results: dict[str, Any] = {"command": command, "cpu": cpu_name(), "date": datetime.date.today().isoformat(),
                              "corpus_mb": data_mb, "prepare": {}, "memory": {}}
-  with tempfile.TemporaryDirectory(prefix="retnet_jax_bench_data_") as scratch:
+  with tempfile.TemporaryDirectory(prefix="benchmarks_data_") as scratch:
     scratch = Path(scratch)
     corpus = write_corpus(scratch / "corpus.jsonl", data_mb)
     results["prepare"]["byte_workers1"] = prepare_rate(corpus, "byte", 1, scratch / "byte_1")  # never in workers

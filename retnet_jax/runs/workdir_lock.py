@@ -1,6 +1,6 @@
 """One training process per workdir: a lock that the kernel releases whenever its holder ends, SIGKILL included.
 
-    with workdir.writer_lock(path, jax.process_index()):  # the lock file's path comes from retnet_jax.training.workdir
+    with workdir.writer_lock(path, jax.process_index()):  # the lock file's path comes from retnet_jax.runs.workdir
       ...  # write checkpoints, metrics.jsonl, config.json
 
 Readers (evaluation, generation, notebooks) take no lock: they open checkpoints read-only. Each process of a

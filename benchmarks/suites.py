@@ -58,7 +58,7 @@ SUITES = {
 
 @dataclasses.dataclass(frozen=True)
 class SequenceSweep:
-  """What the sequence suite measures (`retnet_jax.bench.sequence`): the model, the splits and the lengths."""
+  """What the sequence suite measures (`benchmarks.sequence`): the model, the splits and the lengths."""
   suite: Suite  # its size is the model; the rest is unused
   splits: tuple[int, ...]  # devices of the `sequence` mesh axis; the first is the reference (1)
   lengths: tuple[int, ...]  # compiled, run and timed at every split
@@ -72,7 +72,7 @@ SEQUENCE_SUITE = SequenceSweep(suite=SUITES["full"], splits=(1, 2, 4, 8), length
 
 @dataclasses.dataclass(frozen=True)
 class ContextSweep:
-  """What the context suite (`retnet_jax.bench.context`) measures: prefill and decoding of four models of one size
+  """What the context suite (`benchmarks.context`) measures: prefill and decoding of four models of one size
   (RetNet, gated retention, the hybrid, the Transformer) at batch 1 against the context length."""
   preset: str  # the models' size: a preset of `presets.PRESETS`
   lengths: tuple[int, ...]  # context tokens: each prompt is prefilled, then decoded after
@@ -93,7 +93,7 @@ CONTEXT_SUITES = {
 
 @dataclasses.dataclass(frozen=True)
 class GpuSuite:
-  """What the GPU suite (`retnet_jax.bench.gpu`) measures. Every size is a field, so that a CPU test runs it tiny.
+  """What the GPU suite (`benchmarks.gpu`) measures. Every size is a field, so that a CPU test runs it tiny.
 
   Models are named sizes: `(preset, model fields that replace the preset's)`, with bfloat16 compute and float32
   parameters. The RetNet chunk size depends on the retention implementation: the XLA form's preset chunk, the
@@ -146,7 +146,7 @@ GPU_SUITES = {
         decode_model="1.3b", decode_prompt_len=128, decode_batch=64, decode_contexts=(2048, 8192, 32768),
         decode_new_tokens=32, compile_models=("1.3b", "2.7b"), matmul_size=8192, rounds=5),
     # scripts/gpu_check.py's train, op and decode parts: every GPU target within 9 minutes on one H100
-    # (retnet_jax/bench/gpu_check.py says how). The 1.3b train step with scanned layers (compiled in seconds, not
+    # (benchmarks/gpu_check.py says how). The 1.3b train step with scanned layers (compiled in seconds, not
     # half a minute) at the largest batch and the lightest remat policy there that `planning.aot.search` fits on
     # h100:1 at seq 2048, XLA form, tried with full, save_mixer_out and dots_with_no_batch_dims_saveable: 128, 32
     # and 16 (13 minutes of compiling on 2 cores); one head dim, two lengths, both decays and layouts for the op;

@@ -43,11 +43,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from retnet_jax.bench import cases, plots
-from retnet_jax.bench.harness import memory_source, peak_memory, random_tokens, rate, spread, timed
-from retnet_jax.bench.report import fmt
-from retnet_jax.bench.sections import cpu_name
-from retnet_jax.bench.suites import ContextSweep
+from benchmarks import cases, plots
+from benchmarks.harness import memory_source, peak_memory, random_tokens, rate, spread, timed
+from benchmarks.report import fmt
+from benchmarks.sections import cpu_name
+from benchmarks.suites import ContextSweep
 from retnet_jax.core import host_memory, markdown
 from retnet_jax.evaluation import sampling, sampling_checks
 from retnet_jax.hardware import accelerators
@@ -59,7 +59,8 @@ MODELS = ("retnet", "gated", "hybrid", "transformer")  # in the order they take 
 MIN_TIMED_S = 1.0  # a prefill, or decoding, runs again until its runs have taken this long
 DECODE_CALLS = 3  # a point's decoding calls: the first compiles, two are timed (`cases.decode_from`)
 STARTUP_S = 300.0  # a point's process may take this beyond 3 x the budget (start, build, compiles) before it is ended
-POINT = "from retnet_jax.training import cli; cli.prepare(); from retnet_jax.bench import context; context.point_main()"
+POINT = "from retnet_jax.runs import cli; cli.prepare(); from benchmarks import context; context.point_main()"
+ROOT = Path(__file__).resolve().parents[1]  # the point process's working directory: `-c` imports benchmarks/ there
 REPLY = "context point: "  # the start of the point process's line of results
 
 
@@ -193,7 +194,7 @@ def measure_apart(sweep: ContextSweep, name: str, length: int, prefill: bool, de
   timeout = 3 * sweep.point_budget_s + STARTUP_S
   try:
     done = subprocess.run([sys.executable, "-c", POINT, request], capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, cwd=ROOT)
   except subprocess.TimeoutExpired:
     return {"error": f"ran past {timeout:.0f} s and was ended"}
   replies = [line[len(REPLY):] for line in done.stdout.splitlines() if line.startswith(REPLY)]

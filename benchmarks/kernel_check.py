@@ -23,9 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from retnet_jax.bench.harness import interleave, memory_source, rate
-from retnet_jax.bench.op import (KINDS, TOLERANCE, error_text, kind_flops, op_case, op_inputs, relative_error,
-                                 retention_op_flops)
+from benchmarks.harness import interleave, memory_source, rate
+from benchmarks.op import (KINDS, TOLERANCE, error_text, kind_flops, op_case, op_inputs, relative_error,
+                           retention_op_flops)
 from retnet_jax.core import whole_files
 from retnet_jax.mixers import decay, kernels, retention
 

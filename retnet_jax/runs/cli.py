@@ -1,6 +1,6 @@
 """What the scripts share: the host-memory setting made first, their common flags, and the absl entry point.
 
-    from retnet_jax.training import cli
+    from retnet_jax.runs import cli
     if __name__ == "__main__":
       cli.prepare()  # before numpy and jax are imported
     ...
@@ -33,7 +33,7 @@ from ml_collections import config_flags
 
 from retnet_jax.core import host_memory, owned_folders, quiet_start
 from retnet_jax.models import presets
-from retnet_jax.training import flag_messages, workdir_lock
+from retnet_jax.runs import flag_messages, workdir_lock
 
 DEFAULT_CONFIG = "configs/retnet.py:small"
 # What --help says under --config: the presets, where their fields are documented, how to override and list them.
@@ -74,7 +74,7 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
 def _kept() -> str:
   """What an interrupted run leaves: the newest checkpoint step of --workdir and how to go on."""
   workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS and flags.FLAGS.is_parsed() else None
-  workdir_lib = sys.modules.get("retnet_jax.training.workdir")  # loaded by then if the script uses one (no import here)
+  workdir_lib = sys.modules.get("retnet_jax.runs.workdir")  # loaded by then if the script uses one (no import here)
   if not workdir or workdir_lib is None:
     return "rerun the same command (a training run resumes from its last checkpoint)."
   steps = workdir_lib.listed_steps(workdir)

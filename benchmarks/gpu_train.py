@@ -16,11 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from retnet_jax.bench import cases
-from retnet_jax.bench.harness import (Budget, compile_timed, interleave, isolated, memory_source, out_of_memory,
-                                      random_tokens, rate)
-from retnet_jax.bench.report import fmt, fmt_range
-from retnet_jax.bench.suites import GpuSuite
+from benchmarks import cases
+from benchmarks.harness import (Budget, compile_timed, interleave, isolated, memory_source, out_of_memory,
+                                random_tokens, rate)
+from benchmarks.report import fmt, fmt_range
+from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.models import architectures, presets

@@ -16,15 +16,15 @@ from typing import Any
 import jax
 from flax import nnx
 
-from retnet_jax.bench import documents
-from retnet_jax.bench.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
-                                    gated_config, make_config, matmul_case, param_count, read_case,
-                                    retnet_train_case, transformer_train_case)
-from retnet_jax.bench.harness import interleave, memory_source, rate
-from retnet_jax.bench.plots import plot
-from retnet_jax.bench.report import fmt, to_markdown
-from retnet_jax.bench.suites import Suite
-from retnet_jax.bench.torchscale_worker import Torchscale
+from benchmarks import documents
+from benchmarks.cases import (Inference, InitialStates, compile_train_step, decode_case, forward_case,
+                              gated_config, make_config, matmul_case, param_count, read_case,
+                              retnet_train_case, transformer_train_case)
+from benchmarks.harness import interleave, memory_source, rate
+from benchmarks.plots import plot
+from benchmarks.report import fmt, to_markdown
+from benchmarks.suites import Suite
+from benchmarks.torchscale_worker import Torchscale
 from retnet_jax.core import sharding
 from retnet_jax.hardware import flops
 from retnet_jax.models import architectures, presets

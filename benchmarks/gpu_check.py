@@ -55,12 +55,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax.bench import gpu, kernel_check
-from retnet_jax.bench.documents import document_ids
-from retnet_jax.bench.gpu_op import PER_TOKEN_LAYOUT, log_decays
-from retnet_jax.bench.harness import Budget
-from retnet_jax.bench.op import TOLERANCE, op_inputs
-from retnet_jax.bench.suites import GPU_SUITES, GpuSuite
+from benchmarks import gpu, kernel_check
+from benchmarks.documents import document_ids
+from benchmarks.gpu_op import PER_TOKEN_LAYOUT, log_decays
+from benchmarks.harness import Budget
+from benchmarks.op import TOLERANCE, op_inputs
+from benchmarks.suites import GPU_SUITES, GpuSuite
 from retnet_jax.core import markdown, whole_files
 from retnet_jax.mixers import kernels
 
@@ -319,7 +319,7 @@ def _part(name: str, check: Check, out: Path, command: str, budget: Budget
   env = {k: v for k, v in os.environ.items() if k != "RETNET_TEST_BACKEND"}
   if check.test_backend:
     env["RETNET_TEST_BACKEND"] = check.test_backend
-  results = run_tests(tests_command(check), env, budget, Path(__file__).resolve().parents[2])
+  results = run_tests(tests_command(check), env, budget, Path(__file__).resolve().parents[1])
   return results, [], tests_markdown(results)
 
 

@@ -12,15 +12,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from retnet_jax.bench.harness import Case, compile_timed, random_tokens, timed
-from retnet_jax.bench.suites import Suite
+from benchmarks.harness import Case, compile_timed, random_tokens, timed
+from benchmarks.suites import Suite
 from retnet_jax.core import sharding
 from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import flops
 from retnet_jax.mixers import attention
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
-from retnet_jax.training import optimizer, train_step, workdir
+from retnet_jax.training import optimizer, run_checkpoints, train_step
 
 # Model widths the inference mesh's `tensor` axis splits: its device count must divide each.
 TENSOR_SPLIT = ("num_heads", "ffn_dim", "vocab_size")
@@ -62,7 +62,7 @@ def train_case(step, state, batch, compile_s: float, buffers: int | None) -> Cas
 class InitialStates:
   """The initial train state per model size, initialised (compiled) once per benchmark run and copied per case.
 
-  It depends on neither the form, the dtype nor the shape (`workdir.RESUMABLE_MODEL_CHANGES`).
+  It depends on neither the form, the dtype nor the shape (`run_checkpoints.RESUMABLE_MODEL_CHANGES`).
   """
 
   def __init__(self):
@@ -70,7 +70,8 @@ class InitialStates:
 
   def copy(self, config, run) -> Any:
     """A copy of the initial state of `config.model`; call under `run`'s mesh and logical-axis rules."""
-    key = json.dumps({k: v for k, v in config.model.to_dict().items() if k not in workdir.RESUMABLE_MODEL_CHANGES},
+    model = config.model.to_dict()
+    key = json.dumps({k: v for k, v in model.items() if k not in run_checkpoints.RESUMABLE_MODEL_CHANGES},
                      sort_keys=True)
     if key not in self._states:
       self._states[key] = run.init()

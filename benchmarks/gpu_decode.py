@@ -1,7 +1,7 @@
 """The GPU suite's decode part: greedy `Sampler.decode` at batch 1 (ms/token against parameter bytes, in
 `GpuSuite.decode_param_dtype`, / a read bandwidth measured alongside), at a large batch after long contexts, against
 the Transformer's KV cache at the largest batch it fits, and the context suite's curve at batch 1 (XLA's memory of
-the prefill, decoding tokens/s, RetNet against the Transformer; `retnet_jax.bench.context` on a CPU)."""
+the prefill, decoding tokens/s, RetNet against the Transformer; `benchmarks.context` on a CPU)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from retnet_jax.bench import cases
-from retnet_jax.bench.gpu_train import model_config
-from retnet_jax.bench.harness import Budget, Case, interleave, rate
-from retnet_jax.bench.report import fmt, fmt_range
-from retnet_jax.bench.suites import GpuSuite
+from benchmarks import cases
+from benchmarks.gpu_train import model_config
+from benchmarks.harness import Budget, Case, interleave, rate
+from benchmarks.report import fmt, fmt_range
+from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown
 from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import accelerators

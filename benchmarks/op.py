@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax.bench.harness import Case, compile_timed, timed
+from benchmarks.harness import Case, compile_timed, timed
 
 # Largest error / largest reference value of the op's outputs from bfloat16 inputs, as the bfloat16 tests allow.
 TOLERANCE = 2e-2

@@ -21,11 +21,11 @@ from typing import Any
 
 import jax
 
-from retnet_jax.bench.cases import compile_train_step, make_config, param_count
-from retnet_jax.bench.harness import Case, compile_timed, interleave, memory_source, random_tokens, rate, timed
-from retnet_jax.bench.report import fmt
-from retnet_jax.bench.sections import cpu_name
-from retnet_jax.bench.suites import SequenceSweep
+from benchmarks.cases import compile_train_step, make_config, param_count
+from benchmarks.harness import Case, compile_timed, interleave, memory_source, random_tokens, rate, timed
+from benchmarks.report import fmt
+from benchmarks.sections import cpu_name
+from benchmarks.suites import SequenceSweep
 from retnet_jax.core import host_memory, markdown, sharding
 from retnet_jax.training import train_step
 

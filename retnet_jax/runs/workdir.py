@@ -1,4 +1,4 @@
-"""A run's directory: where each of its files lives, and which checkpoint step is the newest that reads back whole.
+"""A run's directory: where each of its files lives, who may write there, and the config it was written with.
 
     WORKDIR/
       checkpoints/STEP           training checkpoints (STEP.corrupt: one set aside as unreadable)
@@ -9,15 +9,12 @@
       eval_step_STEP.json        scripts/evaluate.py's results (eval_step_STEP_by_position.png: its plot)
       passkey_step_STEP.json     scripts/passkey.py's results (passkey_step_STEP.png: its heatmap)
       lm_eval_step_STEP.json     scripts/harness_eval.py's results (each with _N before .json for other settings)
-      train_PROCESS.lock         the lock of the training process (retnet_jax.training.workdir_lock)
+      train_PROCESS.lock         the lock of the training process (retnet_jax.runs.workdir_lock)
       .retnet_jax.json           the project's mark: written first, it records the names above that were written
                                  (retnet_jax.core.owned_folders); training and conversions write into nothing else
 
-    step, (state, meta) = restore_newest(checkpointer, config, lambda step: checkpointer.restore(abstract, step))
-    params, step = read_params(workdir, config, abstract_params)  # evaluation: the parameters alone
-
-Training (the writer) and evaluation, generation, lm-eval and conversion (readers) choose their step by the one
-policy of `restore_newest`.
+Which checkpoint step a run's writer and readers take, by one policy, and the params export are
+`retnet_jax.training.run_checkpoints`: this module opens no checkpoint.
 """
 
 from __future__ import annotations
@@ -28,29 +25,16 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import ml_collections
-import numpy as np
 
 from retnet_jax.core import config_checks, owned_folders
 from retnet_jax.models import presets
-from retnet_jax.training import checkpointing, metrics, workdir_lock
+from retnet_jax.runs import workdir_lock
 
-T = TypeVar("T")
-# Model fields that may change between a checkpoint and its resumption: they change how, not what, it computes
-# (`param_dtype`: the dtype evaluation, generation and export cast the float32 weights to).
-RESUMABLE_MODEL_CHANGES = ("dtype", "chunk_size", "matmul_precision", "retention_impl", "kernel_layout", "max_len",
-                           "scan_layers", "attention_max_len", "param_dtype")
-# Model fields added since checkpoints were first written -> the value a checkpoint without the field was trained
-# with (the model's behaviour before the field existed).
-ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "rotation_freqs": "linspace",
-                      "head_norm_scale": False, "architecture": "retnet", "mixer": "retention", "attention_layers": (),
-                      "attention_num_heads": None, "attention_num_kv_heads": None, "attention_window": None,
-                      "attention_rotation_base": 10000.0, "kernel_layout": "fused",
-                      "gate_logit_normalizer": 16.0, "gate_init": "yoco"}
 # The evaluations that write results_file(..., kind, step), and the files each writes beside its JSON (the suffix
 # replacing ".json"): evaluate.py's loss-by-position plot, passkey.py's heatmap.
 RESULTS = {"eval": ("_by_position.png",), "passkey": (".png",), "lm_eval": ()}
@@ -58,6 +42,8 @@ RESULTS = {"eval": ("_by_position.png",), "passkey": (".png",), "lm_eval": ()}
 
 FORMAT = "workdir"  # a workdir's format in its mark (`owned_folders`)
 PROFILE_DIR = "profile"  # `train.profile_steps`' trace
+# `metrics.MetricsWriter`'s: every value by step, TensorBoard's event files, the loss and learning-rate plot.
+METRICS_FILE, TENSORBOARD_DIR, METRICS_PLOT = "metrics.jsonl", "tensorboard", "metrics.png"
 # The fields of every config.json that training and the conversions write: a folder of an earlier version of this
 # project (written before the mark) is recognised by them.
 CONFIG_FIELDS = ("preset", "model", "data", "train", "checkpoint", "mesh", "seed")
@@ -89,7 +75,7 @@ def check_training_dir(workdir: str | os.PathLike, writes: Sequence[str] = (), t
 
 def training_names(config: ml_collections.ConfigDict, process_index: int) -> tuple[str, ...]:
   """The names training writes in its workdir on process `process_index` (the layout above, results aside)."""
-  names = (config_file("").name, metrics.METRICS_FILE, metrics.TENSORBOARD_DIR, metrics.METRICS_PLOT,
+  names = (config_file("").name, METRICS_FILE, TENSORBOARD_DIR, METRICS_PLOT,
            checkpoint_dir("").name, export_dir("", 0).parent.name, writer_lock("", process_index).path.name)
   return names + ((PROFILE_DIR,) if config.train.profile_steps else ())
 
@@ -110,7 +96,7 @@ def earlier_workdir(folder: Path) -> list[str] | None:
     return None
   found = [p.name for p in folder.iterdir()]
   if not (isinstance(saved, dict) and all(field in saved for field in CONFIG_FIELDS)
-          and {checkpoint_dir("").name, export_dir("", 0).parent.name, metrics.METRICS_FILE} & set(found)):
+          and {checkpoint_dir("").name, export_dir("", 0).parent.name, METRICS_FILE} & set(found)):
     return None
   return sorted(name for name in found if _EARLIER_NAMES.fullmatch(name))
 
@@ -136,7 +122,8 @@ def has_checkpoints(workdir: str | os.PathLike) -> bool:
 
 def listed_steps(workdir: str | os.PathLike) -> list[int]:
   """The step folders of `checkpoint_dir`, ascending, from a directory listing alone (no orbax, any thread): a
-  folder is renamed to its step once committed; whether it reads back whole is `restore_newest`'s question."""
+  folder is renamed to its step once committed; whether it reads back whole is the question of
+  `run_checkpoints.restore_newest`."""
   ckpt_dir = checkpoint_dir(workdir)
   try:
     return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
@@ -172,21 +159,8 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step folder being wr
 
 
 def export_dir(workdir: str | os.PathLike, step: int) -> Path:
-  """`WORKDIR/params/STEP`: the parameters alone (`checkpointing.export_params`) of `step`."""
+  """`WORKDIR/params/STEP`: the parameters alone (`run_checkpoints.export_params`) of `step`."""
   return Path(workdir) / "params" / str(step)
-
-
-def export_params(workdir: str | os.PathLike, step: int, params: Any) -> Path:
-  """Exports `params` of `step` to `export_dir` for readers, unless it holds these params already (their checksums
-  agree). One there of other params (the run retrained after its checkpoints/ was deleted) or without checksums
-  (an interrupted export) is replaced, with a note: params/ is the run's (`training_names`, recorded in its mark).
-  Returns the export's folder."""
-  folder = export_dir(workdir, step)
-  existed = folder.exists()
-  if checkpointing.export_params(folder, params, replace=True) and existed:
-    metrics.log(f"NOTE: {folder} held other params than step {step}'s checkpoint (or an interrupted export): "
-                "exported again")
-  return folder
 
 
 def exported_steps(workdir: str | os.PathLike) -> list[int]:
@@ -330,110 +304,3 @@ def _recorded_settings(path: Path) -> list[str] | None:
 def writer_lock(workdir: str | os.PathLike, process_index: int = 0) -> workdir_lock.WriterLock:
   """The lock `WORKDIR/train_<process_index>.lock` that one training process per workdir holds."""
   return workdir_lock.WriterLock(workdir, Path(workdir) / f"train_{process_index}.lock")
-
-
-def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
-  """Refuses (IncompatibleCheckpointError) a checkpoint written with another model config, naming the fields."""
-  current = config.model.to_dict()
-  saved_model = {**{k: v for k, v in ADDED_MODEL_FIELDS.items() if k in current}, **saved_model}
-  differs = sorted(k for k in set(saved_model) | set(current)
-                   if k not in RESUMABLE_MODEL_CHANGES
-                   and json.dumps(saved_model.get(k)) != json.dumps(current.get(k)))
-  if "architecture" in differs:  # the other fields differ as a consequence
-    differs = ["architecture"]
-  if differs:
-    details = ", ".join(f"model.{k}: checkpoint {saved_model.get(k)!r} vs config {current.get(k)!r}"
-                        for k in differs)
-    raise checkpointing.IncompatibleCheckpointError(
-        f"{workdir} holds a checkpoint of an incompatible model config ({details}); use the model config it was "
-        f"trained with ({config_file(workdir)}), or another --workdir for a new run.")
-
-
-def restore_newest(checkpointer: checkpointing.Checkpointer, config: ml_collections.ConfigDict,
-                   read: Callable[[int], T], step: int | None = None, attempts: int = 10) -> tuple[int, T] | None:
-  """`(step, read(step))` of checkpoint `step`, or (None) of the newest step that reads back whole.
-
-  A step's meta is checked first: a checkpoint of another model config is refused by name (`check_compatible`),
-  as is one whose arrays do not fit the config's (nothing older fits either). A step that does not read back
-  whole (meta or arrays unreadable, or unlike their checksums) is, for the writer (`checkpointer` not read-only:
-  the training process), set aside as `STEP.corrupt` with a warning and the previous step read; for a reader,
-  named in a ValueError with the steps to choose from, unless a training run deleted it while it was read (its
-  retention policy, as newer steps arrive): the newest is then resolved again, up to `attempts` times.
-
-  Returns:
-    `(step, read(step))`; None for the writer when no step is left (a fresh start).
-  """
-  workdir = Path(checkpointer.directory).parent
-  attempt = 0
-  while True:
-    attempt += 1
-    if not checkpointer.read_only and not checkpointer.all_steps():
-      return None
-    current, steps = checkpointer.resolve(step), checkpointer.all_steps()
-    try:
-      check_compatible(checkpointer.restore_meta(current)["config"]["model"], config, workdir)
-      return current, read(current)
-    except checkpointing.IncompatibleCheckpointError:
-      raise
-    except Exception as e:  # orbax and TensorStore raise many kinds for a damaged step folder
-      error = e
-    if not checkpointer.read_only:
-      target = checkpointer.set_aside(current)
-      metrics.log(f"WARNING: checkpoint {current} is unreadable ({type(error).__name__}: {_first_line(error)}); "
-                  f"moved to {target}, trying the previous one")
-      continue
-    checkpointer.reload()
-    if step is not None or attempt == attempts or checkpointer.latest_step() == current:
-      raise ValueError(f"checkpoint {current} in {checkpointer.directory} is unreadable ({type(error).__name__}: "
-                       f"{_first_line(error)}); choose another with --step (available steps: {steps}).") from error
-
-
-def read_params(workdir: str | os.PathLike, config: ml_collections.ConfigDict, abstract_params: Any,
-                step: int | None = None) -> tuple[Any, int]:
-  """The parameters of `workdir` at `step` (None: the newest that reads back whole), placed as `abstract_params`.
-
-  Reads the parameters alone (no optimizer state) of the training checkpoints, or, in a workdir that has none,
-  the params export that training writes at its end, checked against the workdir's config.json.
-
-  Args:
-    workdir: a training run's (or a conversion's) directory; it may be training meanwhile.
-    config: the full config; a checkpoint of another model config is refused by name.
-    abstract_params: the parameters' `jax.ShapeDtypeStruct`s with shardings (`train_state.model_layout`).
-    step: the checkpoint step (None: the newest).
-  Returns:
-    (params, step).
-  """
-  if not isinstance(workdir, (str, os.PathLike)) or not os.fspath(workdir):
-    raise TypeError(f"workdir must be a run's directory (a str or path); got {workdir!r}.")
-  if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
-    raise ValueError(f"step={step!r} must be a checkpoint step, a non-negative int (or None: the newest).")
-  ckpt_dir, exported = checkpoint_dir(workdir), exported_steps(workdir)
-  if has_checkpoints(workdir):
-    with checkpointing.Checkpointer(ckpt_dir, read_only=True) as checkpointer:
-      step, params = restore_newest(checkpointer, config, lambda s: checkpointer.restore(
-          {"params": abstract_params}, s, partial=True)[0]["params"], step)
-    return params, step
-  export = export_dir(workdir, 0).parent
-  if not exported:
-    raise FileNotFoundError(f"no checkpoints in {workdir} (expected {ckpt_dir} or {export}); train first "
-                            f"with scripts/train.py --workdir={workdir}, or point --workdir at a training run.")
-  if step is None:
-    step = exported[-1]
-  elif step not in exported:
-    raise ValueError(f"No exported params for step {step} in {export} (and no {ckpt_dir}); "
-                     f"available steps: {exported}.")
-  if config_file(workdir).is_file():
-    check_compatible(json.loads(config_file(workdir).read_text())["model"], config, workdir)
-  try:
-    return checkpointing.load_params(export_dir(workdir, step), abstract_params), step
-  except checkpointing.IncompatibleCheckpointError:
-    raise
-  except Exception as e:  # a truncated or damaged export: orbax and TensorStore raise many kinds
-    raise ValueError(f"the params export {export_dir(workdir, step)} is unreadable ({type(e).__name__}: "
-                     f"{_first_line(e)}); choose another with --step (available steps: {exported}), or restore "
-                     "from checkpoints/.") from e
-
-
-def _first_line(error: Exception) -> str:
-  """The first line of an error's message (TensorStore appends pages of its spec)."""
-  return (str(error).strip().splitlines() or [""])[0]
