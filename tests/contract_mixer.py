@@ -1,9 +1,11 @@
 """A test-only token mixer, the worked example of docs/models.md's "Adding a mixer": causal linear attention without
 decay, o_t = q_t . S_t with S_t = sum_{s<=t} k_s^T v_s per head (keys scaled by d_k^-0.5), its decoding state S
-`{"kv": [B, H, d_k, d_v]}` (fixed size). Its three forms: the parallel form's [L, L] scores, chunks of
+`LinearAttentionState(kv [B, H, d_k, d_v])` (fixed size). Its three forms: the parallel form's [L, L] scores, chunks of
 `model.chunk_size` carrying S (a scan of the parallel form), one token at a time. Packed documents reset S in the
 parallel and recurrent forms; the chunkwise form refuses them (so the contract suite checks a refusal too).
 tests/test_mixer_contract.py registers it as `model.mixer=NAME` for its tests and runs the contract on it."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,11 @@ from retnet_jax.mixers import base
 from retnet_jax.nn import layers
 
 NAME = "test_linear_attention"
+
+
+class LinearAttentionState(NamedTuple):
+  """One layer's decoding state: S, the sum of k^T v so far, `[B, H, d_k, d_v]` float32."""
+  kv: jax.Array
 
 
 def _parallel(q, k, v, s_BxHxKxV, segment_ids_BxL=None):
@@ -72,7 +79,7 @@ class LinearAttentionLayer(nnx.Module):
     split = lambda proj: proj(x_BxLxD).reshape(batch, length, self.heads, -1).astype(wide)
     q, k, v = split(self.q_proj), split(self.k_proj), split(self.v_proj)
     k = jnp.where((positions_BxL >= 0)[..., None, None], k * k.shape[-1]**-0.5, 0)  # left padding adds no key
-    s = jnp.zeros((batch, self.heads, k.shape[-1], v.shape[-1]), wide) if state is None else state["kv"].astype(wide)
+    s = jnp.zeros((batch, self.heads, k.shape[-1], v.shape[-1]), wide) if state is None else state.kv.astype(wide)
     if mode == "parallel":
       out, s = _parallel(q, k, v, s, segment_ids_BxL)
     elif mode == "chunkwise":
@@ -80,7 +87,7 @@ class LinearAttentionLayer(nnx.Module):
     else:
       starts_BxL = jnp.zeros((batch, length), bool) if segment_ids_BxL is None else segments.starts(segment_ids_BxL)
       out, s = _recurrent(q, k, v, s, starts_BxL)
-    return self.out_proj(out.reshape(batch, length, -1).astype(self.dtype)), {"kv": s}
+    return self.out_proj(out.reshape(batch, length, -1).astype(self.dtype)), LinearAttentionState(s)
 
 
 class LinearAttention(base.Mixer):
@@ -105,10 +112,11 @@ class LinearAttention(base.Mixer):
       raise ValueError(f"segment_ids cannot reset {reason}.")
     return call
 
-  def init_state(self, cfg, batch_size: int, max_len: int | None = None) -> base.State:
+  def init_state(self, cfg, batch_size: int, max_len: int | None = None) -> LinearAttentionState:
     """S = 0, `kv [B, H, d_k, d_v]` float32 (`max_len` unused: S keeps its size)."""
     heads = cfg.num_heads
-    return {"kv": jnp.zeros((batch_size, heads, cfg.d_model // heads, cfg.value_dim // heads), jnp.float32)}
+    return LinearAttentionState(jnp.zeros((batch_size, heads, cfg.d_model // heads, cfg.value_dim // heads),
+                                          jnp.float32))
 
   def matmul_params(self, cfg) -> int:
     """q, k (d^2 each), v (d d_v), out (d_v d)."""

@@ -98,7 +98,8 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
   new_cache = write_cache(cache, k, v, step, window is not None)
   if window is not None and length > 1:  # attend over [old cache, new keys]
     key_step_S = jnp.concatenate([_slot_steps(step - 1, size), query_step_L])
-    keys, values = (jnp.concatenate([old, x.astype(old.dtype)], axis=1) for old, x in ((cache.key, k), (cache.value, v)))
+    keys, values = (jnp.concatenate([old, x.astype(old.dtype)], axis=1)
+                    for old, x in ((cache.key, k), (cache.value, v)))
   else:
     key_step_S = _slot_steps(step + length - 1, size)
     keys, values = new_cache.key, new_cache.value
