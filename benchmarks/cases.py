@@ -20,7 +20,7 @@ from retnet_jax.hardware import flops
 from retnet_jax.mixers import attention
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
-from retnet_jax.training import optimizer, run_checkpoints, train_step
+from retnet_jax.training import optimizer, run_checkpoints, train_state, train_step
 
 # Model widths the inference mesh's `tensor` axis splits: its device count must divide each.
 TENSOR_SPLIT = ("num_heads", "ffn_dim", "vocab_size")
@@ -107,9 +107,9 @@ def transformer_train_step(config, mesh) -> tuple[Any, dict[str, Any], jax.Array
   graphdef, params = nnx.split(model)
   tx = optimizer.make_optimizer(config.train)
   # Besides params and opt_state the train state holds step counters; their values do not change the timing.
-  counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in train_step.setup(config, mesh).abstract_state.items()
-              if k not in ("params", "opt_state")}
-  state = {"params": params, "opt_state": tx.init(params), **counters}
+  abstract = train_step.setup(config, mesh).abstract_state._asdict()
+  counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in abstract.items() if k not in ("params", "opt_state")}
+  state = train_state.TrainState(params=params, opt_state=tx.init(params), **counters)
   batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
   return jax.jit(train_step.make_train_step(graphdef, tx, config.train), donate_argnums=0), state, batch
 

@@ -185,7 +185,7 @@ def test_a_train_step_with_gradient_accumulation_takes_the_documents_loss():
   tokens, ids = random_tokens(4, 21, seed=6), np.concatenate([IDS, IDS[::-1] + 10])
   with run.placement.active():
     state = run.init()
-    params = jax.device_get(state["params"])
+    params = jax.device_get(state.params)
     batch = jax.device_put((tokens, None, ids), run.placement.batch_sharding)
     _, metrics = run.train_step(state, batch)
     evaluated = float(run.eval_step(params, batch))
@@ -207,7 +207,7 @@ def test_a_train_step_split_over_sequence_takes_the_documents_loss():
   tokens = random_tokens(2, 65, seed=7)
   with run.placement.active():
     state = run.init()
-    params = jax.device_get(state["params"])
+    params = jax.device_get(state.params)
     _, metrics = run.train_step(state, jax.device_put((tokens, None, ids), run.placement.batch_sharding))
   expected = float(compiled_alone_nll(nnx.merge(run.graphdef, params), tokens, ids).mean())
   assert abs(float(metrics["loss"]) - expected) < 1e-5

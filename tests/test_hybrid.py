@@ -292,9 +292,9 @@ def test_sharded_step_matches_the_single_device_step():
       results.append(run.train_step(run.init(), jax.device_put(batch, run.placement.batch_sharding)))
   (single, single_metrics), (sharded, sharded_metrics) = results
   assert abs(float(single_metrics["loss"]) - float(sharded_metrics["loss"])) < 1e-5
-  kernel = sharded["params"]["blocks"][1]["attention"]["qkv_proj"]["kernel"][...]
+  kernel = sharded.params["blocks"][1]["attention"]["qkv_proj"]["kernel"][...]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor") and len(kernel.devices()) == 8
-  assert max_abs_diff(single["params"], sharded["params"]) < 1e-5
+  assert max_abs_diff(single.params, sharded.params) < 1e-5
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_any_work():

@@ -191,6 +191,6 @@ def test_scanned_sharded_step_matches_the_unrolled_single_device_step():
     results.append((state, metrics))
   (single, single_metrics), (sharded, sharded_metrics) = results
   assert abs(float(single_metrics["loss"]) - float(sharded_metrics["loss"])) < 1e-5
-  kernel = sharded["params"]["blocks"]["retention"]["q_proj"]["kernel"][...]
+  kernel = sharded.params["blocks"]["retention"]["q_proj"]["kernel"][...]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")  # the layer axis replicated
-  assert max_rel_diff(layer_stack.relayout(single["params"], True), sharded["params"]) < 1e-4
+  assert max_rel_diff(layer_stack.relayout(single.params, True), sharded.params) < 1e-4

@@ -164,7 +164,7 @@ def test_gradient_accumulation_with_tiles_equals_without():
       states.append(run.train_step(run.init(), tokens))
   (state, metrics), (tiled_state, tiled_metrics) = states
   assert abs(float(metrics["loss"] - tiled_metrics["loss"])) <= 1e-6 * float(metrics["loss"])
-  assert _max_relative(state["params"], tiled_state["params"]) < 1e-5
+  assert _max_relative(state.params, tiled_state.params) < 1e-5
 
 
 @pytest.mark.optimized

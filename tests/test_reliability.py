@@ -324,7 +324,7 @@ def corrupt_targets_at(monkeypatch, steps):
     run = setup(config, mesh)
 
     def corrupting_step(state, tokens_BxL1):
-      if int(state["step"]) + 1 in steps:
+      if int(state.step) + 1 in steps:
         corrupt = np.array(tokens_BxL1)
         corrupt[:, -1] = config.model.vocab_size
         tokens_BxL1 = jax.device_put(corrupt, tokens_BxL1.sharding)
@@ -382,7 +382,7 @@ def test_a_lock_file_removed_while_training_stops_it_after_a_checkpoint(tmp_path
     run = setup(config, mesh)
 
     def removing_step(state, tokens_BxL1):
-      if int(state["step"]) + 1 == 6:
+      if int(state.step) + 1 == 6:
         (workdir / "train_0.lock").unlink()
       return run.train_step(state, tokens_BxL1)
 
@@ -427,8 +427,8 @@ def test_two_processes_match_one_process(tmp_path, corpus):
   config = in_process_config(corpus, steps=steps)  # the jointly written checkpoint restores in one process
   run = train_state.make_layout(config, sharding.placement(config.mesh))
   with checkpointing.Checkpointer(multi / "checkpoints") as checkpointer:
-    state, meta = checkpointer.restore(run.abstract_state)
-  exported = checkpointing.load_params(single / "params" / str(steps), run.abstract_state["params"])
+    state, meta = checkpointer.restore(run.abstract_state.saved())
+  exported = checkpointing.load_params(single / "params" / str(steps), run.abstract_state.params)
   assert int(state["step"]) == steps
   difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(exported)))

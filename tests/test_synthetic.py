@@ -185,14 +185,14 @@ def test_train_step_carries_the_weights_through_micro_batches():
   for accum in (1, 2):
     config.train.grad_accum_steps = accum
     tx = optimizer.make_optimizer(config.train)
-    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-             "nonfinite_steps": jnp.zeros((), jnp.int32), "first_nonfinite_step": jnp.full((), -1, jnp.int32)}
+    state = train_state.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
+                                   jnp.full((), -1, jnp.int32))
     results.append(jax.jit(train_step.make_train_step(graphdef, tx, config.train))(state, batch))
   (whole, whole_metrics), (micro, micro_metrics) = results
   assert float(whole_metrics["loss"]) == pytest.approx(float(losses.token_loss(graphdef, params, batch, "parallel")))
   assert float(micro_metrics["loss"]) == pytest.approx(float(whole_metrics["loss"]), rel=1e-6)
-  np.testing.assert_allclose(micro["params"]["table"][...], whole["params"]["table"][...], atol=1e-6)
-  assert not np.allclose(whole["params"]["table"][...], params["table"][...])
+  np.testing.assert_allclose(micro.params["table"][...], whole.params["table"][...], atol=1e-6)
+  assert not np.allclose(whole.params["table"][...], params["table"][...])
 
 
 class Recall(nnx.Module):

@@ -63,10 +63,10 @@ def test_sharded_step_matches_single_device():
   mesh = sharding.make_mesh(config.mesh)
   sharded, sharded_metrics = one_step(config, mesh, batch)
   assert abs(float(single_metrics["loss"]) - float(sharded_metrics["loss"])) < 1e-5
-  assert max_tree_diff(single["params"], sharded["params"]) < 1e-5
-  assert max_tree_diff(single["opt_state"], sharded["opt_state"]) < 1e-5
+  assert max_tree_diff(single.params, sharded.params) < 1e-5
+  assert max_tree_diff(single.opt_state, sharded.opt_state) < 1e-5
 
-  params = sharded["params"]
+  params = sharded.params
   P = jax.sharding.PartitionSpec
   expected = [  # the rules: embed -> fsdp, heads/mlp/vocab -> tensor
       (params["embed"]["embedding"], P("tensor", "fsdp")),
@@ -80,7 +80,7 @@ def test_sharded_step_matches_single_device():
     assert array.sharding.spec == spec
     split = 2 ** sum(axis is not None for axis in spec)  # each named mesh axis has size 2; data replicates
     assert array.addressable_shards[0].data.size == array.size // split
-  mu = sharded["opt_state"][1][0].mu["blocks"][0]["retention"]["q_proj"]["kernel"][...]
+  mu = sharded.opt_state[1][0].mu["blocks"][0]["retention"]["q_proj"]["kernel"][...]
   assert mu.sharding.spec == P("fsdp", "tensor")  # optimizer moments are sharded like their parameters
 
 
@@ -96,7 +96,7 @@ def test_gradient_accumulation_equals_one_big_batch():
   accumulated, accumulated_metrics = one_step(config, mesh, batch)
   assert abs(float(whole_metrics["loss"]) - float(accumulated_metrics["loss"])) < 1e-5
   assert abs(float(whole_metrics["grad_norm"]) - float(accumulated_metrics["grad_norm"])) < 1e-5
-  assert max_tree_diff(whole["params"], accumulated["params"]) < 1e-5
+  assert max_tree_diff(whole.params, accumulated.params) < 1e-5
 
 
 def test_resume_is_exact(tmp_path, run_crashing_at_batch):
@@ -113,7 +113,7 @@ def test_resume_is_exact(tmp_path, run_crashing_at_batch):
   for step in range(1, 9):
     assert resumed_losses[step] == straight_losses[step], step  # bitwise on CPU, data order included
   assert resumed["eval_loss"] == straight["eval_loss"]
-  abstract = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state["params"]
+  abstract = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state.params
   params = [checkpointing.load_params(tmp_path / run / "params" / "8", abstract) for run in ("straight", "resumed")]
   assert max_tree_diff(*params) == 0
 
@@ -126,10 +126,10 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, caplog):
   config.mesh.shape = (2, 2, 2)
   run = train_state.make_layout(config, sharding.placement(config.mesh))
   with checkpointing.Checkpointer(tmp_path / "run" / "checkpoints") as checkpointer:
-    state, meta = checkpointer.restore(run.abstract_state)
+    state, meta = checkpointer.restore(run.abstract_state.saved())
   kernel = state["params"]["blocks"][0]["ffn"]["fc1"]["kernel"][...]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-  exported = checkpointing.load_params(tmp_path / "run" / "params" / "4", run.abstract_state["params"])
+  exported = checkpointing.load_params(tmp_path / "run" / "params" / "4", run.abstract_state.params)
   assert max_tree_diff(state["params"], exported) == 0
   assert int(state["step"]) == 4 and meta["data"] == {"grain": {"next_index": 4}}
   config.train.steps = 6  # and training continues on the new mesh, warning that the batches now differ
@@ -282,13 +282,13 @@ def test_bfloat16_first_adam_moment_tracks_float32():
         losses.append(float(metrics["loss"]))
     runs[dtype] = state, losses
   (state, losses), (reference, reference_losses) = runs["bfloat16"], runs["float32"]
-  moments = state["opt_state"][1][0]
+  moments = state.opt_state[1][0]
   assert {leaf.dtype for leaf in jax.tree.leaves(moments.mu)} == {jnp.dtype(jnp.bfloat16)}
   assert {leaf.dtype for leaf in jax.tree.leaves(moments.nu)} == {jnp.dtype(jnp.float32)}
   assert jax.tree.map(lambda leaf: leaf.sharding, moments.mu) == jax.tree.map(lambda leaf: leaf.sharding,
-                                                                              state["params"])
+                                                                              state.params)
   np.testing.assert_allclose(losses, reference_losses, rtol=2e-3)
-  assert max_tree_diff(state["params"], reference["params"]) < 2e-3
+  assert max_tree_diff(state.params, reference.params) < 2e-3
 
 
 def test_resume_converts_the_first_adam_moment_to_a_new_state_dtype(trained_copy, caplog):
@@ -303,7 +303,7 @@ def test_resume_converts_the_first_adam_moment_to_a_new_state_dtype(trained_copy
   assert_resumed_from(workdir, 8, caplog.text)
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
   with checkpointing.Checkpointer(workdir / "checkpoints", read_only=True) as checkpointer:
-    state, _ = checkpointer.restore(layout.abstract_state, 10)
+    state, _ = checkpointer.restore(layout.abstract_state.saved(), 10)
   mu = state["opt_state"][1][0].mu["blocks"][0]["retention"]["q_proj"]["kernel"][...]
   assert mu.dtype == jnp.bfloat16 and float(jnp.max(jnp.abs(mu))) > 0
 

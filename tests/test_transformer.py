@@ -128,7 +128,7 @@ def test_resume_is_exact(tmp_path, trained, run_crashing_at_batch):
   assert_resumed_from(tmp_path / "resumed", 20)
   assert read_metrics(tmp_path / "resumed") == read_metrics(straight)  # bitwise on CPU, data order included
   assert read_metrics(tmp_path / "resumed", "eval_loss") == read_metrics(straight, "eval_loss")
-  abstract = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state["params"]
+  abstract = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state.params
   straight_params, resumed_params = [checkpointing.load_params(run / "params" / str(STEPS), abstract)
                                      for run in (straight, tmp_path / "resumed")]
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(straight_params), jax.tree.leaves(resumed_params)))
@@ -350,7 +350,7 @@ def test_sharding_rules_split_its_parameters():
   """The mesh's logical-axis rules place its parameters as RetNet's: embed -> fsdp, heads / mlp / vocab -> tensor."""
   config = transformer_config.get_config("tiny")
   config.mesh.shape = (2, 2, 2)
-  params = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state["params"]
+  params = train_state.make_layout(config, sharding.placement(config.mesh)).abstract_state.params
   P = jax.sharding.PartitionSpec
   block = params["blocks"][0]
   for variable, spec in ((params["embed"]["embedding"], P("tensor", "fsdp")),

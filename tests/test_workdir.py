@@ -74,12 +74,12 @@ def test_restore_model_reads_the_parameters_alone(tmp_path, monkeypatch):
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
   with layout.placement.active():
     state = train_state.init_fn(config, layout)()
-  save_steps(tmp_path / "full", config, (3,), state)
+  save_steps(tmp_path / "full", config, (3,), state.saved())
   meta_file = workdir_lib.checkpoint_dir(tmp_path / "full") / "3" / "meta" / "metadata"
   meta = json.loads(meta_file.read_text())
   meta["checksums"] = {k: v + (k.startswith("['opt_state']")) for k, v in meta["checksums"].items()}
   meta_file.write_text(json.dumps(meta))
-  save_steps(tmp_path / "params_only", config, (5,), {"params": state["params"], "step": state["step"]})
+  save_steps(tmp_path / "params_only", config, (5,), {"params": state.params, "step": state.step})
 
   def no_optimizer(_):
     raise AssertionError("restore_model built an optimizer")
@@ -88,10 +88,11 @@ def test_restore_model_reads_the_parameters_alone(tmp_path, monkeypatch):
   for workdir, step in ((tmp_path / "full", 3), (tmp_path / "params_only", 5)):
     model, restored_step = train_state.restore_model(config, workdir)
     assert restored_step == step
-    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), state["params"])
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), state.params)
   monkeypatch.undo()
   with checkpointing.Checkpointer(workdir_lib.checkpoint_dir(tmp_path / "full")) as ckpt:  # the writer's restore
-    assert run_checkpoints.restore_newest(ckpt, config, lambda step: ckpt.restore(layout.abstract_state, step)) is None
+    restore = lambda step: ckpt.restore(layout.abstract_state.saved(), step)
+    assert run_checkpoints.restore_newest(ckpt, config, restore) is None
   assert (workdir_lib.checkpoint_dir(tmp_path / "full") / "3.corrupt").is_dir()
 
 

@@ -306,7 +306,7 @@ def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: s
   state = train_state.from_params(config, layout, nnx.state(model, nnx.Param))
   workdir_lib.claim(workdir, conversion_names(), take)
   with checkpointing.Checkpointer(ckpt_dir, keep=1, async_save=False) as checkpointer:
-    checkpointer.save(0, state, {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)
+    checkpointer.save(0, state.saved(), {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)
   if jax.process_index() == 0:
     whole_files.write_text(workdir_lib.config_file(workdir), config.to_json_best_effort(indent=2))
   return ckpt_dir

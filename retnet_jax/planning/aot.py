@@ -112,7 +112,7 @@ def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
   `train.seq_len` tokens, in blocks of `streaming.check_block`'s default."""
   batch, seq_len = config.train.batch_size, config.train.seq_len
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=run.placement.batch_sharding)
-  params = run.abstract_state["params"]
+  params = run.abstract_state.params
   sampler = sampling.Sampler()
   prefill_mode = architectures.prefill_modes(config.model)[0]
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)

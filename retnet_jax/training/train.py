@@ -198,9 +198,10 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
   aside with a warning, another model config's refused), else a fresh one; the line saying so names `workdir` as
   given."""
   restored = run_checkpoints.restore_newest(checkpointer, config,
-                                            lambda step: checkpointer.restore(run.abstract_state, step))
+                                            lambda step: checkpointer.restore(run.abstract_state.saved(), step))
   if restored is not None:
-    step, (state, meta) = restored
+    step, (saved, meta) = restored
+    state = train_state.TrainState.from_saved(saved)
     batches.set_state(meta["data"])
     metrics.log(f"resumed from {workdir_lib.checkpoint_dir(workdir) / str(step)} (data position {meta['data']})")
     saved_dtype = meta["config"]["train"].get("optimizer_state_dtype", "float32")  # float32 before the field
@@ -217,7 +218,7 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
     return state
   with run.placement.active():
     state = run.init()
-  metrics.log(f"initialised {_count_params(state['params']):,} parameters on mesh "
+  metrics.log(f"initialised {_count_params(state.params):,} parameters on mesh "
               f"{dict(run.placement.mesh.shape)}; training from step 0")
   return state
 
@@ -239,7 +240,7 @@ def _field(config: dict, dotted: str) -> str:
 
 def _check_finite(state: train_state.TrainState, policy: str, checkpointer: checkpointing.Checkpointer) -> None:
   """With policy `stop`, raises at the first non-finite step (its update was not applied)."""
-  first = int(state["first_nonfinite_step"])
+  first = int(state.first_nonfinite_step)
   if policy == "stop" and first >= 0:
     raise FloatingPointError(
         f"non-finite loss or gradient at step {first}; its update was not applied and the last good checkpoint "
@@ -257,11 +258,12 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
   flops_per_token = flops.train_flops_per_token(config.model, train_cfg.seq_len, train_cfg.mode)
   peak, measured_peak = flops.peak_flops(layers.compute_dtype(config.model.dtype), jax.devices())
   profile = tuple(train_cfg.profile_steps or ())
-  saved_step = int(state["step"])
+  saved_step = int(state.step)
 
   def write(eval_loss=None):
     nonlocal saved_step
-    checkpointer.save(step, state, {"data": batches.get_state(), "config": config.to_dict()}, eval_loss=eval_loss)
+    checkpointer.save(step, state.saved(), {"data": batches.get_state(), "config": config.to_dict()},
+                      eval_loss=eval_loss)
     saved_step = step
 
   def check_lock(eval_loss=None):
@@ -290,7 +292,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
     check_lock(eval_loss)  # a failed background save is reported by the save itself
     write(eval_loss)
 
-  step = int(state["step"])
+  step = int(state.step)
   last: dict[str, float] = {}
   pending: list[dict[str, jax.Array]] = []
   compiled, interval_start, interval_steps = False, time.perf_counter(), 0
@@ -329,7 +331,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
         _check_finite(state, train_cfg.nonfinite, checkpointer)
         values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
         values["perplexity"] = math.exp(min(values["loss"], 50.0))
-        values["nonfinite_steps"] = int(state["nonfinite_steps"])
+        values["nonfinite_steps"] = int(state.nonfinite_steps)
         seconds = (time.perf_counter() - interval_start) / interval_steps if interval_steps else float("nan")
         if interval_steps:
           achieved = tokens_per_step * flops_per_token / seconds
@@ -342,7 +344,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
 
       eval_loss = None
       if step % train_cfg.eval_every_steps == 0 or step == train_cfg.steps:
-        eval_loss = evaluate(run, state["params"], valid_batches())
+        eval_loss = evaluate(run, state.params, valid_batches())
         values = metrics.eval_metrics(eval_loss)
         writer.write(step, values)
         writer.plot()
@@ -363,7 +365,7 @@ def _train_loop(config, run: train_step_lib.Setup, state: train_state.TrainState
 
   checkpointer.wait()
   try:
-    export_dir = run_checkpoints.export_params(workdir, step, state["params"])
+    export_dir = run_checkpoints.export_params(workdir, step, state.params)
   except write_errors.ExportWriteError as e:
     what, fix = _DISK_FAULTS.get(e.errno, ("a write failed", "remove the cause"))
     raise write_errors.ExportWriteError(

@@ -4,8 +4,9 @@
     state = train_state.init(config, layout)              # created sharded, in place
     model, step = train_state.restore_model(config, workdir)  # the parameters alone (in model.param_dtype)
 
-The state is the pytree `{"params", "opt_state", "step", "nonfinite_steps", "first_nonfinite_step"}`. Nothing
-here builds a train step: evaluation, generation and conversion use the layout without compiling one.
+The state is a `TrainState(params, opt_state, step, nonfinite_steps, first_nonfinite_step)`; checkpoints hold it as
+the dict of those fields (`TrainState.saved`), as they always have. Nothing here builds a train step: evaluation,
+generation and conversion use the layout without compiling one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,24 @@ from retnet_jax.models import architectures, model as model_lib, presets
 from retnet_jax.nn import layers
 from retnet_jax.training import optimizer, run_checkpoints
 
-TrainState = dict[str, Any]
+
+class TrainState(NamedTuple):
+  """What training carries from step to step: the model's parameters (an `nnx.State`, float32 masters), the
+  optimizer's state, the steps done, and the non-finite steps skipped and the first of them (-1: none)."""
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  nonfinite_steps: jax.Array
+  first_nonfinite_step: jax.Array
+
+  def saved(self) -> dict[str, Any]:
+    """The tree a checkpoint holds: a dict of the fields by name (checkpoints' layout, and their checksums' keys)."""
+    return self._asdict()
+
+  @classmethod
+  def from_saved(cls, tree: dict[str, Any]) -> "TrainState":
+    """The state of a checkpoint's tree (`saved`'s layout)."""
+    return cls(**tree)
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -67,8 +85,8 @@ class Layout:
 
 def _fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainState:
   """Step 0 around `params`: a zero optimizer state and counters."""
-  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-          "nonfinite_steps": jnp.zeros((), jnp.int32), "first_nonfinite_step": jnp.full((), -1, jnp.int32)}
+  return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
+                    jnp.full((), -1, jnp.int32))
 
 
 def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
@@ -105,9 +123,9 @@ def init_fn(config: ml_collections.ConfigDict, layout: Layout) -> Callable[[], T
 
 def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.State) -> TrainState:
   """A fresh state (step 0, zero optimizer state) around `params`, placed with the layout's shardings."""
-  placed = jax.tree.map(lambda leaf: leaf, layout.abstract_state["params"])
+  placed = jax.tree.map(lambda leaf: leaf, layout.abstract_state.params)
   nnx.replace_by_pure_dict(placed, nnx.to_pure_dict(params))
-  placed = jax.device_put(placed, layout.shardings["params"])
+  placed = jax.device_put(placed, layout.shardings.params)
   tx = optimizer.make_optimizer(config.train)
   with layout.placement.active():
     return jax.jit(lambda p: _fresh_state(tx, p), out_shardings=layout.shardings)(placed)

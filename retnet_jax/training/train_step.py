@@ -74,7 +74,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
                                               train_cfg.segment_len, train_cfg.loss_tile))
 
   def train_step(state: train_state.TrainState, batch: losses.Batch):
-    params = state["params"]
+    params = state.params
     if accum == 1:
       loss, grads = loss_and_grad(params, batch)
     else:
@@ -90,20 +90,19 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tr
       zeros = jax.tree.map(jnp.zeros_like, params)
       (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro_batches)
       loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
-    step = state["step"] + 1
+    step = state.step + 1
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = {
-        "params": keep(optax.apply_updates(params, updates), params),
-        "opt_state": keep(opt_state, state["opt_state"]),
-        "step": step,
-        "nonfinite_steps": state["nonfinite_steps"] + (~finite).astype(jnp.int32),
-        "first_nonfinite_step": jnp.where((state["first_nonfinite_step"] < 0) & ~finite, step,
-                                          state["first_nonfinite_step"]),
-    }
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
+    new_state = train_state.TrainState(
+        params=keep(optax.apply_updates(params, updates), params),
+        opt_state=keep(opt_state, state.opt_state),
+        step=step,
+        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+        first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~finite, step, state.first_nonfinite_step),
+    )
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step)}
 
   return train_step
 
@@ -136,4 +135,4 @@ def _build_setup(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mes
                          out_shardings=(shardings, None), donate_argnums=0),
       eval_step=jax.jit(lambda params, batch: losses.token_loss(graphdef, params, batch, mode,
                                                                 loss_tile=config.train.loss_tile),
-                        in_shardings=(shardings["params"], batch_sharding)))
+                        in_shardings=(shardings.params, batch_sharding)))
