@@ -16,7 +16,7 @@ from retnet_jax.evaluation import evaluate, passkey_eval, sampling
 from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.mixers import attention as attention_mixer
-from retnet_jax.models import architectures
+from retnet_jax.models import architectures, presets
 from retnet_jax.nn import layer_stack, rotation
 from retnet_jax.training import losses, train, train_state, train_step
 from tests.helpers import (assert_resumed_from, forms_agree, forward, max_abs_diff, on_gpu, random_tokens,
@@ -307,3 +307,16 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_any_work():
                                          r"host memory available here, bounded by .+; lower "
                                          r"model.attention_window=1000000000"):
       call()
+
+
+def test_the_fields_that_size_decoding_states_come_from_the_mixers():
+  """`architectures.state_fields` (what the memory check names to lower) asks each mixer: none for retention, the
+  window of a windowed attention layer, the cache length of an unwindowed one or of a Transformer."""
+  expected = {(): {}, ("attention_window",): dict(attention_layers=(1,), attention_window=5),
+              ("attention_max_len",): dict(attention_layers=(1,))}
+  for fields, overrides in expected.items():
+    cfg = retnet_config.get_config("tiny").model
+    cfg.update(overrides)
+    assert architectures.state_fields(cfg) == fields
+  assert architectures.state_fields(presets.transformer_config(retnet_config.get_config("tiny").model, 64)) == (
+      "max_len",)

@@ -106,8 +106,9 @@ def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tok
   devices = jax.local_devices()
   memory = device_memory(devices)
   if needed_bytes > memory:
-    field = "attention_window" if cfg.get("attention_window") else architectures.cache_field(cfg)
-    fix = f"lower model.{field}={cfg[field]}, or the batch" if field else "decode fewer rows at a time"
+    fields = architectures.state_fields(cfg)
+    fix = (f"lower {' or '.join(f'model.{field}={cfg[field]}' for field in fields)}, or the batch" if fields
+           else "decode fewer rows at a time")
     raise ValueError(f"the decoding state of {batch} rows takes {needed_bytes / 2**30:.1f} GiB, more than the "
                      f"{memory / 2**30:.1f} GiB of {memory_name(devices)}; {fix}.")
   field = architectures.cache_field(cfg)

@@ -293,6 +293,9 @@ class Attention(base.Mixer):
   def cache_field(self, cfg: ml_collections.ConfigDict) -> str | None:
     return None if self.settings(cfg).window else self.field("max_len")
 
+  def state_field(self, cfg: ml_collections.ConfigDict) -> str | None:
+    return self.field("window") if self.settings(cfg).window else self.field("max_len")
+
   def decode_context(self, cfg: ml_collections.ConfigDict) -> int:
     settings = self.settings(cfg)
     return settings.window or settings.max_len

@@ -70,6 +70,11 @@ class Mixer(abc.ABC):
     """The model field sizing a state that must hold the whole context, or None."""
     return None
 
+  def state_field(self, cfg: ml_collections.ConfigDict) -> str | None:
+    """The model field to lower where its decoding state does not fit in memory (a window, a cache's length), or
+    None: no field sizes it but the model's widths."""
+    return None
+
   def decode_context(self, cfg: ml_collections.ConfigDict) -> int:
     """The tokens a decoding step reads: 1 for a fixed-size state, a KV cache's slots otherwise."""
     return 1

@@ -165,6 +165,11 @@ def cache_field(cfg: ml_collections.ConfigDict) -> str | None:
   return next(filter(None, (mixer.cache_field(cfg) for mixer in mixers(cfg))), None)
 
 
+def state_fields(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The model fields that size the layers' decoding states (a window, a KV cache's length), in layer order."""
+  return tuple(dict.fromkeys(filter(None, (mixer.state_field(cfg) for mixer in mixers(cfg)))))
+
+
 def decode_context(cfg: ml_collections.ConfigDict) -> int:
   """The tokens the widest layer reads per decoding step: 1 for retention, a KV cache's slots for attention."""
   return max(mixer.decode_context(cfg) for mixer in mixers(cfg))
