@@ -130,10 +130,6 @@ class LinearAttention(base.Mixer):
       return 2 * seq_len * (cfg.d_model + cfg.value_dim)
     return state_rw + (2 * min(cfg.chunk_size, seq_len) * (cfg.d_model + cfg.value_dim) if mode == "chunkwise" else 0)
 
-  def check_sequence_split(self, cfg, where: str, devices: int, length: int, modes: tuple[str, ...]) -> None:
-    raise ValueError(f"{where}, but model.mixer={NAME!r} does not split sequences: use a mesh whose sequence axis has "
-                     "size 1.")
-
   def document_refusal(self, cfg, mode: str) -> str | None:
     if mode == "chunkwise":
       return (f"the chunkwise form of model.mixer={NAME!r} (its chunks carry S across documents): use the parallel "

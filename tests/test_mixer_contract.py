@@ -244,6 +244,20 @@ MIXING_RATIOS = {"parallel": (0.9, 1.5), "chunkwise": (0.9, 1.5), "recurrent": (
 
 
 @cases
+def test_a_mixer_that_cannot_split_sequences_refuses_a_mesh_that_does(case):
+  """A mixer whose `splits_sequences` is False refuses sequences split over 2 devices, naming where (the base class's
+  default: a new mixer cannot forget it); one that splits takes whole chunks per device in its sequence forms."""
+  cfg, mixer = CONFIGS[case].model, mixer_of(case)
+  modes = tuple(mode for mode in mixer.modes if mode != "recurrent")
+  check = lambda: mixer.check_sequence_split(cfg, "the mesh splits sequences over 2 devices", 2, 4 * CHUNK, modes)
+  if mixer.splits_sequences:
+    check()
+  else:
+    with pytest.raises(ValueError, match=r"^the mesh splits sequences over 2 devices, but .*: use a mesh whose "):
+      check()
+
+
+@cases
 def test_flop_counts_match_a_traced_count(case):
   """(e) `matmul_params` counts the layer's weight matrices (each multiplies every token once). In each of the
   mixer's forms over 256 tokens (one decoding step: recurrent), the layer's traced matmul FLOPs per token less

@@ -93,7 +93,10 @@ class Mixer(abc.ABC):
   def check_sequence_split(self, cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
                            modes: tuple[str, ...]) -> None:
     """Raises ValueError (beginning with `where`) where calls of `length` tokens in `modes` cannot be split over
-    `devices` devices of the sequence axis."""
+    `devices` devices of the sequence axis: by default wherever it does not split sequences (`splits_sequences`)."""
+    if not self.splits_sequences:
+      raise ValueError(f"{where}, but its {self.name!r} layers do not split sequences: use a mesh whose sequence axis "
+                       "has size 1.")
 
   def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
     """Raises ValueError naming the fields and the fix where training sequences of `seq_len` tokens cannot be
