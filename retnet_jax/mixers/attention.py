@@ -282,8 +282,8 @@ class Attention(base.Mixer):
 
   def state_for(self, cfg: ml_collections.ConfigDict, batch_size: int, found: Any) -> KVCache:
     size = None
-    if not self.settings(cfg).window and isinstance(found, KVCache) and len(getattr(found.key, "shape", ())) > 1:
-      size = found.key.shape[1]  # an unwindowed cache may be made of any size
+    if not self.settings(cfg).window and isinstance(found, KVCache) and len(found.key) > 1:
+      size = found.key[1]  # an unwindowed cache may be made of any size
     return self.init_state(cfg, batch_size, size)
 
   def check_room(self, cfg: ml_collections.ConfigDict, state: KVCache, length: int) -> None:

@@ -58,8 +58,8 @@ class Mixer(abc.ABC):
     """One layer's empty decoding state for `batch_size` rows (a KV cache: of `max_len` slots where it grows)."""
 
   def state_for(self, cfg: ml_collections.ConfigDict, batch_size: int, found: Any) -> State:
-    """The empty state a layer state `found` (arrays or `jax.ShapeDtypeStruct`s) must match in tree and shapes (a KV
-    cache may be made of any size)."""
+    """The empty state a layer state must match in tree and shapes, given `found`, that state with each leaf replaced
+    by its shape (a KV cache may be made of any size)."""
     del found
     return self.init_state(cfg, batch_size)
 

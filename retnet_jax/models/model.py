@@ -73,8 +73,7 @@ def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
     found = shapes(layer_state)
     key = (mixer.name, repr(found))
     if key not in expected_by:
-      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), layer_state)
-      expected_by[key] = shapes(jax.eval_shape(lambda: mixer.state_for(cfg, batch, abstract)))
+      expected_by[key] = shapes(jax.eval_shape(lambda: mixer.state_for(cfg, batch, found)))
     expected = expected_by[key]
     if jax.tree.structure(found) != jax.tree.structure(expected) or found != expected:
       raise ValueError(f"layer {i} of the state holds {found}, but a batch of {batch} in this model config needs "
