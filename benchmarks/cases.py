@@ -99,24 +99,21 @@ def compile_train_step(config, mesh) -> tuple[float, int | None]:
   return compile_s, buffers
 
 
-def transformer_train_step(config, mesh) -> tuple[Any, dict[str, Any], jax.Array]:
+def transformer_train_step(config) -> tuple[Any, dict[str, Any], jax.Array]:
   """The same train step (`train_step.make_train_step`, config.train.mode parallel) around a same-size Transformer:
   (the jitted step, its initial state, a batch)."""
   model = Model(presets.transformer_config(config.model, config.train.seq_len),
                                   rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
   tx = optimizer.make_optimizer(config.train)
-  # Besides params and opt_state the train state holds step counters; their values do not change the timing.
-  abstract = train_step.setup(config, mesh).abstract_state._asdict()
-  counters = {k: jnp.zeros(a.shape, a.dtype) for k, a in abstract.items() if k not in ("params", "opt_state")}
-  state = train_state.TrainState(params=params, opt_state=tx.init(params), **counters)
+  state = train_state.fresh_state(tx, params)
   batch = jnp.asarray(random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size))
   return jax.jit(train_step.make_train_step(graphdef, tx, config.train), donate_argnums=0), state, batch
 
 
-def transformer_train_case(config, mesh) -> Case:
+def transformer_train_case(config) -> Case:
   """`transformer_train_step` compiled ahead of time, as a Case."""
-  step_fn, state, batch = transformer_train_step(config, mesh)
+  step_fn, state, batch = transformer_train_step(config)
   step, compile_s, buffers = compile_timed(step_fn, state, batch)
   return train_case(step, state, batch, compile_s, buffers)
 

@@ -60,7 +60,7 @@ def _train_step(config, case: str, mesh) -> tuple[Any, Any, Any, Callable[[], An
   a batch, a function giving the initial state, the context it is built in). RetNet's compiles from its abstract
   state, so nothing is allocated for a step that does not fit."""
   if case == "transformer":
-    step_fn, state, batch = cases.transformer_train_step(config, mesh)
+    step_fn, state, batch = cases.transformer_train_step(config)
     return step_fn, state, batch, lambda: state, contextlib.nullcontext()
   run = train_step.setup(config, mesh)
   with run.placement.active():

@@ -45,7 +45,7 @@ def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale
       cases[f"retnet/{mode}/{dtype}"] = retnet_train_case(config, mesh, states)
       flops_per_token[f"retnet/{mode}/{dtype}"] = flops.train_flops_per_token(config.model, suite.seq_len, mode)
     config = make_config(base, suite, dtype, "parallel", suite.seq_len, suite.batch_size)
-    cases[f"transformer/parallel/{dtype}"] = transformer_train_case(config, mesh)
+    cases[f"transformer/parallel/{dtype}"] = transformer_train_case(config)
     flops_per_token[f"transformer/parallel/{dtype}"] = flops.train_flops_per_token(
         presets.transformer_config(config.model, suite.seq_len), suite.seq_len, "parallel")
   for mode, dtype in suite.gated_forms:

@@ -185,8 +185,7 @@ def test_train_step_carries_the_weights_through_micro_batches():
   for accum in (1, 2):
     config.train.grad_accum_steps = accum
     tx = optimizer.make_optimizer(config.train)
-    state = train_state.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
-                                   jnp.full((), -1, jnp.int32))
+    state = train_state.fresh_state(tx, params)
     results.append(jax.jit(train_step.make_train_step(graphdef, tx, config.train))(state, batch))
   (whole, whole_metrics), (micro, micro_metrics) = results
   assert float(whole_metrics["loss"]) == pytest.approx(float(losses.token_loss(graphdef, params, batch, "parallel")))

@@ -83,7 +83,7 @@ class Layout:
     return jax.tree.map(lambda leaf: leaf.sharding, self.abstract_state)
 
 
-def _fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainState:
+def fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainState:
   """Step 0 around `params`: a zero optimizer state and counters."""
   return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
                     jnp.full((), -1, jnp.int32))
@@ -92,7 +92,7 @@ def _fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainSt
 def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
   """The pure function that creates a fresh state, parameters drawn from `config.seed`."""
   tx = optimizer.make_optimizer(config.train)
-  return lambda: _fresh_state(tx, nnx.state(model_lib.Model(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
+  return lambda: fresh_state(tx, nnx.state(model_lib.Model(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
 
 
 def model_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> tuple[nnx.GraphDef, nnx.State]:
@@ -128,7 +128,7 @@ def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.S
   placed = jax.device_put(placed, layout.shardings.params)
   tx = optimizer.make_optimizer(config.train)
   with layout.placement.active():
-    return jax.jit(lambda p: _fresh_state(tx, p), out_shardings=layout.shardings)(placed)
+    return jax.jit(lambda p: fresh_state(tx, p), out_shardings=layout.shardings)(placed)
 
 
 def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
