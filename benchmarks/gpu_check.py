@@ -1,8 +1,9 @@
 """Every GPU target of the project measured in one command of at most 9 minutes on one H100 (`scripts/gpu_check.py`).
 
-Parts, in priority order, each over the GPU suite's modules (`CHECKS["h100"]`: the `check` sizes of `GPU_SUITES`):
-1. `train`: the 1.3b preset's train step (bfloat16, scanned layers) at the largest batch the AOT plan fits on one
-   H100, XLA form, Pallas split and Pallas fused, and the Transformer of that size (`gpu_train`).
+Parts, in priority order, each over the GPU suite's modules (`CHECKS["h100"]`: the `check` sizes of `GPU_SUITES`;
+on an H200 `CHECKS["h200"]`, `check_of`):
+1. `train`: the 1.3b preset's train step (bfloat16, scanned layers) at the batch and remat policy the AOT plan fits
+   on the chip, XLA form, Pallas split and Pallas fused, and the Transformer of that size (`gpu_train`).
 2. `op`: the retention op at d 256x256, 4k and 16k tokens, forward and forward+backward, constant and per-token
    decays, both kernel layouts, against fla's `chunk_retention` and `chunk_simple_gla` where fla is installed
    (`gpu_op`).
@@ -111,6 +112,10 @@ CHECKS = {
     "h100": Check(suite="check", kernel_batch=2, kernel_heads=4, kernel_head_dims=(256, 256), kernel_length=1024,
                   kernel_chunk=64, document_len=300, interpret=False, test_files=GPU_TEST_FILES, test_select=(),
                   test_backend="gpu", budgets_s=BUDGETS_S, total_s=TOTAL_S),
+    # The same parts on one H200: the train step at the H200's plan (`GPU_SUITES["check_h200"]`).
+    "h200": Check(suite="check_h200", kernel_batch=2, kernel_heads=4, kernel_head_dims=(256, 256), kernel_length=1024,
+                  kernel_chunk=64, document_len=300, interpret=False, test_files=GPU_TEST_FILES, test_select=(),
+                  test_backend="gpu", budgets_s=BUDGETS_S, total_s=TOTAL_S),
     # Every part on a CPU in about a minute: the kernels interpreted, the tests a selection of the check's own; budgets
     # no part reaches on 2 cores.
     "smoke": Check(suite="check_tiny", kernel_batch=1, kernel_heads=2, kernel_head_dims=(16, 32), kernel_length=32,
@@ -118,6 +123,12 @@ CHECKS = {
                    test_select=("-k", "deadlines"), test_backend=None,
                    budgets_s=dict.fromkeys(PARTS, 180.0), total_s=STARTUP_S + 5 * 180.0),
 }
+
+
+def check_of(device_kind: str) -> Check:
+  """The check for a GPU of `device_kind` (jax's, e.g. 'NVIDIA H200'): the H200's where it names one, else the
+  H100's (whose train batch fits the smaller memory)."""
+  return CHECKS["h200" if "H200" in device_kind.upper() else "h100"]
 
 
 def check_request(parts: tuple[str, ...], budgets: dict[str, float], total: float, redo: tuple[str, ...]) -> None:

@@ -30,6 +30,7 @@ if __name__ == "__main__":
 
 import os  # noqa: E402
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import gpu_check  # noqa: E402
@@ -48,8 +49,11 @@ _SMOKE = flags.DEFINE_boolean("smoke", False, "Every part at tiny sizes on any b
 
 
 def main():
+  # Before JAX starts its backend: torch (fla) shares the GPU, so JAX allocates as it goes, up to 90%.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   redo = tuple(gpu_check.PARTS) if _REDO.value == ["all"] else tuple(_REDO.value)
-  check = gpu_check.CHECKS["smoke" if _SMOKE.value else "h100"]
+  check = gpu_check.CHECKS["smoke"] if _SMOKE.value else gpu_check.check_of(jax.devices()[0].device_kind)
   total = check.total_s if _TOTAL_S.value is None else _TOTAL_S.value
   try:
     budgets = gpu_check.parse_budgets(_BUDGETS.value)
@@ -59,9 +63,6 @@ def main():
   out = Path(_OUT.value)
   # A folder of its own (new, empty, an earlier check's: its parts done are kept), before any work.
   owned_folders.claim(out, gpu_check.FOLDER_FORMAT, flag="--out", take_flag=None, earlier=gpu_check.earlier_results)
-  # Before JAX starts its backend: torch (fla) shares the GPU, so JAX allocates as it goes, up to 90%.
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   gpu_check.run(check, tuple(_PARTS.value), out, " ".join(["python"] + sys.argv), budgets, total, redo, START)
 
 

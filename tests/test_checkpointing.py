@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import time
+from pathlib import Path
 
 import absl.logging
 import jax
@@ -239,6 +240,34 @@ def test_missing_step_and_empty_directory(tmp_path, state):
     ckpt.save(4, state, META)
     with pytest.raises(ValueError, match=r"step 3 .*available steps: \[2, 4\]"):
       ckpt.restore(abstract(state), step=3)
+
+
+def test_a_reader_lists_again_when_a_step_vanishes_while_listed(tmp_path, state, monkeypatch):
+  """A training run deletes its oldest step (retention) while a reader's orbax reads each listed step's metadata:
+  the reader lists again and sees the steps left, when opened and on reload (it used to fail with
+  FileNotFoundError naming the step folder)."""
+  from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
+  with Checkpointer(tmp_path, keep=3, async_save=False) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, state, {"step": step})
+  read, victims, deleted = orbax_metadata._MetadataStoreImpl.read, ["1"], []
+
+  def read_as_the_writer_deletes(self, file_path):
+    step_dir = Path(file_path).parent
+    if step_dir.name in victims and step_dir.exists():
+      shutil.rmtree(step_dir)  # as the writer's retention policy does, between orbax's listing and its read
+      deleted.append(step_dir.name)
+    return read(self, file_path)
+
+  monkeypatch.setattr(orbax_metadata._MetadataStoreImpl, "read", read_as_the_writer_deletes)
+  with Checkpointer(tmp_path, read_only=True) as reader:
+    assert deleted == ["1"] and reader.all_steps() == [2]
+    with Checkpointer(tmp_path, keep=3, async_save=False) as writer:
+      writer.save(3, state, {"step": 3})
+    victims.append("2")
+    reader.reload()
+    assert deleted == ["1", "2"] and reader.all_steps() == [3]
+    assert reader.restore_meta() == {"step": 3}
 
 
 def test_uncommitted_temporary_directory_is_not_latest(tmp_path, state):

@@ -1,15 +1,18 @@
 """scripts/gpu_check.py: the parts' deadlines, skipping what is done, the missing-package message, warnings captured,
 test outcomes counted, and (slow) its smoke run of every part on the CPU, then a rerun that skips them all."""
 
+import dataclasses
 import json
 import os
 import warnings
 
 import pytest
 
-from benchmarks import gpu_check, requirements
+from benchmarks import gpu_check, gpu_train, requirements
 from benchmarks.suites import GPU_SUITES
-from tests.helpers import run_script
+from retnet_jax.hardware import accelerators
+from retnet_jax.planning import aot
+from tests.helpers import aot_extra_missing, run_script
 
 
 def test_deadlines_carry_over_and_bad_budgets_are_refused():
@@ -87,6 +90,25 @@ def test_deadlines_count_test_outcomes_from_progress_lines():
            "ERROR tests/test_train.py::test_e", "collected 5 items"]
   assert gpu_check.count_outcomes(lines) == {"passed": 1, "failed": 1, "error": 1, "skipped": 1, "xfailed": 1,
                                              "xpassed": 0}
+
+
+def test_the_check_follows_the_chip_and_differs_only_in_its_train_shape():
+  """An H200 gets the H200's plan (its train batch and remat), any other GPU the H100's; nothing else differs."""
+  assert gpu_check.check_of("NVIDIA H200").suite == "check_h200"
+  assert gpu_check.check_of("NVIDIA H100 80GB HBM3").suite == gpu_check.check_of("NVIDIA A100-SXM4-80GB").suite
+  h100, h200 = GPU_SUITES[gpu_check.CHECKS["h100"].suite], GPU_SUITES["check_h200"]
+  assert (h200.train_batch, h200.train_remat) != (h100.train_batch, h100.train_remat)
+  assert h200 == dataclasses.replace(h100, train_batch=h200.train_batch, train_remat=h200.train_remat)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(aot_extra_missing("gpu") is not None, reason=str(aot_extra_missing("gpu")))
+@pytest.mark.parametrize("check, target", [("h100", "h100:1"), ("h200", "h200:1")])
+def test_each_chips_train_step_fits_its_chip_by_the_aot_plan(check, target):
+  """The train part's step (XLA form) at the check's batch and remat fits the chip it is for, compiled for it."""
+  suite = GPU_SUITES[gpu_check.CHECKS[check].suite]
+  step = aot.plan(gpu_train.model_config(suite, "1.3b"), accelerators.parse_target(target), ("train",))
+  assert step["steps"]["train"]["fits"], step["steps"]["train"]
 
 
 @pytest.mark.slow

@@ -19,9 +19,8 @@ import logging
 import math
 import os
 import shutil
-import sys
-import traceback
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,62 +30,11 @@ from jax.experimental import multihost_utils
 
 from retnet_jax.core import host_memory
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import integrity, write_errors
+from retnet_jax.training import integrity, orbax_logs, write_errors
 
 _ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
 _METRIC = "eval_loss"
 _ITEMS = ("state", "meta")  # the items of a step folder (the handler registry's): the arrays, the JSON meta
-
-
-# Orbax warnings that say what is intended: a reader's directory is read-only; a save between evaluations has
-# no eval_loss for keep_best to rank it by.
-_EXPECTED_WARNINGS = ("Given directory is read only", "Requested `tracked_metric`")
-
-
-class _OrbaxWarningsOnly(logging.Filter):
-  """Drops orbax's info and debug records, which otherwise flood training logs at every save, its warnings about
-  what is intended, and its error records that carry a traceback: the error itself reaches the caller, who
-  reports it once (`write_errors.CheckpointWriteError`)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if record.exc_info and any(frame.filename.startswith(_ORBAX_DIR)
-                               for frame in traceback.extract_tb(record.exc_info[2])):
-      return False  # also asyncio's report of a failed orbax write whose future nobody awaited
-    if record.name == "asyncio" and record.exc_info and record.exc_info[2] is None:
-      return False  # the same for a TensorStore write's future, whose error carries no traceback
-    if not record.pathname.startswith(_ORBAX_DIR):
-      return True
-    return record.levelno >= logging.WARNING and not record.getMessage().startswith(_EXPECTED_WARNINGS)
-
-
-_ORBAX_FILTER = _OrbaxWarningsOnly()
-
-
-def _quiet_orbax() -> None:
-  """Filters orbax's records out of absl's log (orbax logs through absl.logging) and asyncio's, and the leftovers of
-  a failed orbax read or write from `sys.unraisablehook`; doing it again is a no-op."""
-  for name in ("absl", "asyncio"):
-    logging.getLogger(name).addFilter(_ORBAX_FILTER)
-  if not isinstance(sys.unraisablehook, _OrbaxLeftoversDropped):
-    sys.unraisablehook = _OrbaxLeftoversDropped(sys.unraisablehook)
-
-
-class _OrbaxLeftoversDropped:
-  """`sys.unraisablehook` without what a failed orbax read or write leaves behind, each of which would print a
-  traceback after the error itself was raised to the caller: its other coroutines, never awaited once the first
-  failed, and TensorStore's callbacks into the event loop orbax closed. Everything else goes on to `hook`."""
-
-  def __init__(self, hook):
-    self.hook = hook
-
-  def __call__(self, unraisable) -> None:
-    frames = traceback.extract_tb(unraisable.exc_traceback)
-    late_callback = (unraisable.exc_type is RuntimeError and frames and frames[0].name == "call_soon_threadsafe"
-                     and str(unraisable.exc_value) == "Event loop is closed")
-    code = getattr(unraisable.object, "cr_code", None)
-    orbax_coroutine = code is not None and code.co_filename.startswith(_ORBAX_DIR)
-    if not (late_callback or orbax_coroutine):
-      self.hook(unraisable)
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -154,6 +102,18 @@ def _as_wanted(tree: Any, scanned: bool | None, abstract_tree: Any) -> Any:
   return jax.tree.map(cast, tree, abstract_tree)
 
 
+def _listed(list_steps: Callable[[], Any], directory: str, attempts: int = 10) -> Any:
+  """`list_steps()`, again while a step folder it listed vanishes before orbax reads its metadata: a training run
+  deletes old steps (its retention policy) as new ones arrive."""
+  for _ in range(attempts - 1):
+    try:
+      return list_steps()
+    except FileNotFoundError as e:
+      if e.filename is None or os.path.dirname(os.path.abspath(os.fspath(e.filename))) != directory:
+        raise
+  return list_steps()
+
+
 def _check_free_space(directory: str, state: Any) -> None:
   """OSError(ENOSPC) unless the disk of `directory` has room for this process's part of `state` uncompressed:
   a save that starts on a full disk fails inside orbax's threads, half-written."""
@@ -196,7 +156,7 @@ class Checkpointer:
                async_save: bool = True, read_only: bool = False):
     if keep < 1:
       raise ValueError(f"keep must be at least 1 (the latest checkpoint is needed to resume); got {keep}.")
-    _quiet_orbax()
+    orbax_logs.quiet(_ORBAX_DIR)
     self.directory = os.path.abspath(directory)
     self.read_only = read_only
     registry = ocp.handlers.create_default_handler_registry(
@@ -206,7 +166,8 @@ class Checkpointer:
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
                                              enable_async_checkpointing=False, save_interval_steps=0)
-      self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+      self._manager = _listed(lambda: ocp.CheckpointManager(self.directory, options=options,
+                                                            handler_registry=registry), self.directory)
       return
     best_fn = (lambda metrics: metrics[_METRIC]) if keep_best else None
     policies = [ocp.checkpoint_managers.LatestN(n=keep)]
@@ -326,7 +287,7 @@ class Checkpointer:
 
   def reload(self) -> None:
     """Lists the steps on disk again (another process may have written or deleted some)."""
-    self._manager.reload()
+    _listed(self._manager.reload, self.directory)
 
   def wait(self) -> None:
     """Blocks until background saves are committed (and old steps deleted); write_errors.CheckpointWriteError if one
@@ -381,7 +342,7 @@ def export_params(directory: str | os.PathLike, params: Any, replace: bool = Fal
   (a full disk) leaves nothing there and raises write_errors.ExportWriteError naming `directory` and the cause.
   Returns whether it wrote.
   """
-  _quiet_orbax()
+  orbax_logs.quiet(_ORBAX_DIR)
   directory = os.path.abspath(directory)
   sums = integrity.checksums(params)
   if os.path.lexists(directory):
@@ -424,7 +385,7 @@ def load_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"No exported params at {directory}.")
-  _quiet_orbax()
+  orbax_logs.quiet(_ORBAX_DIR)
   with ocp.StandardCheckpointer() as checkpointer:
     stored = checkpointer.metadata(directory).item_metadata
   read_as, scanned = _as_stored(abstract_params, stored)
