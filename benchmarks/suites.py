@@ -134,15 +134,16 @@ SIZE_350M = dict(d_model=1024, num_layers=24, num_heads=4, value_dim=2048, ffn_d
 
 # scripts/gpu_check.py's train, op and decode parts: every GPU target within 9 minutes on one H100
 # (benchmarks/gpu_check.py says how). The 1.3b train step with scanned layers (compiled in seconds, not
-# half a minute) at the largest batch and the lightest remat policy there that `planning.aot.search` fits on
-# h100:1 at seq 2048, XLA form, tried with full, save_mixer_out and dots_with_no_batch_dims_saveable: 128, 32
-# and 16 (13 minutes of compiling on 2 cores); one head dim, two lengths, both decays and layouts for the op;
-# one context for decoding, from bfloat16 weights, and the context suite's curve at 4k, 64k and 1M tokens.
+# half a minute) at the lightest remat policy that `planning.aot.search` fits on h100:1 at seq 2048 and the
+# largest batch there: dots_with_no_batch_dims_saveable at 16 (full remat fits 128, save_mixer_out 32; a step of
+# 128 x 2048 tokens, ~12 s at the 22k tokens/s measured on an H100 at batch 4, would leave the train part's budget
+# one or two of its four cases); one head dim, two lengths, both decays and layouts for the op; one context for
+# decoding, from bfloat16 weights, and the context suite's curve at 4k, 64k and 1M tokens.
 _CHECK = GpuSuite(
     models={"1.3b": ("1.3b", dict(scan_layers=True))}, chunk_sizes={"xla": 256, "pallas": 64}, op_batch=4,
     op_heads=8, op_head_dims=((256, 256),), op_lengths=(4096, 16384), op_check_len=1024, op_repeats=3,
     train_models=("1.3b",), train_impls=("xla", "pallas", "pallas_fused"), train_seq_len=2048,
-    train_batch={"1.3b": 128}, train_remat={"1.3b": "full"}, decode_model="1.3b",
+    train_batch={"1.3b": 16}, train_remat={"1.3b": "dots_with_no_batch_dims_saveable"}, decode_model="1.3b",
     decode_prompt_len=128, decode_batch=64, decode_contexts=(8192,), decode_new_tokens=32, compile_models=(),
     matmul_size=8192, rounds=3, op_decays=("constant", "per_token"), op_layouts=("split", "fused"),
     decode_param_dtype="bfloat16", curve_contexts=(4096, 65536, 1048576))
@@ -161,12 +162,9 @@ GPU_SUITES = {
         decode_model="1.3b", decode_prompt_len=128, decode_batch=64, decode_contexts=(2048, 8192, 32768),
         decode_new_tokens=32, compile_models=("1.3b", "2.7b"), matmul_size=8192, rounds=5),
     "check": _CHECK,  # scripts/gpu_check.py on one H100 (80 GB)
-    # The check on one H200 (141 GB): the 1.3b train step at the lightest remat policy `planning.aot.search` fits on
-    # h200:1 at seq 2048 and the largest batch there (dots_with_no_batch_dims_saveable: 32, 98 GB planned; full
-    # remat fits 256, whose steps of 524k tokens would take ~24 s each at the H100's measured rate: one case per
-    # budget); the other parts as on the H100.
-    "check_h200": dataclasses.replace(_CHECK, train_batch={"1.3b": 32},
-                                      train_remat={"1.3b": "dots_with_no_batch_dims_saveable"}),
+    # The check on one H200 (141 GB), by the same rule on h200:1: dots_with_no_batch_dims_saveable at 32 (98 GB
+    # planned; full remat fits 256, save_mixer_out 64); the other parts as on the H100.
+    "check_h200": dataclasses.replace(_CHECK, train_batch={"1.3b": 32}),
     # The check's parts at the tiny sizes: its smoke run on a CPU.
     "check_tiny": GpuSuite(
         models={"tiny": ("tiny", dict(num_layers=1))}, chunk_sizes={"xla": 16, "pallas": 16},
