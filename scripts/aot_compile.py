@@ -28,6 +28,7 @@ from retnet_jax.core import markdown, owned_folders, whole_files
 from retnet_jax.hardware import accelerators
 from retnet_jax.nn import layer_stack
 from retnet_jax.planning import aot
+from retnet_jax.training import run_config
 
 _CONFIG = cli.config_flag("Config file and preset, with --config.x.y=... overrides.")
 _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {', '.join(accelerators.TARGET_NAMES)}.",
@@ -60,7 +61,7 @@ FOLDER_FORMAT = "aot plans"  # --out's format in its mark (`owned_folders`)
 def main():
   logging.set_verbosity(logging.INFO)  # a search's attempts as they end
   target = accelerators.parse_target(_TARGET.value, hosts=_HOSTS.value, slices=_SLICES.value)
-  config = _CONFIG.value
+  config = run_config.build(_CONFIG.value)
   name = "search" if _SEARCH.value else "report"
   writes = (f"{name}.md", f"{name}.json")
   owned_folders.check(_OUT.value, FOLDER_FORMAT, flag="--out", writes=writes, take=_TAKE_FOLDER.value)  # before work

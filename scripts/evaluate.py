@@ -27,7 +27,7 @@ from absl import flags, logging
 from retnet_jax.evaluation import evaluate
 from retnet_jax.models import architectures
 from retnet_jax.runs import workdir
-from retnet_jax.training import metrics, train_state
+from retnet_jax.training import metrics, run_config, train_state
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -48,7 +48,8 @@ _BY_POSITION = flags.DEFINE_integer("by_position", 0, "Number of equal position 
 
 
 def main():
-  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
+  config = run_config.build(workdir.script_config(_CONFIG.value, _WORKDIR.value,
+                                                  *cli.command_line_config(_CONFIG)))
   seq_len = config.train.seq_len if _EVAL_SEQ_LEN.value is None else _EVAL_SEQ_LEN.value
   modes = architectures.modes(config.model) if _MODE.value == "all" else (_MODE.value,)
   evaluate.check_request(config, modes, seq_len, _BY_POSITION.value, _EVAL_BLOCK.value)  # before the checkpoint

@@ -26,7 +26,7 @@ from retnet_jax.evaluation import sampling, text_generation
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
 from retnet_jax.runs import workdir
-from retnet_jax.training import train_state
+from retnet_jax.training import run_config, train_state
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -50,7 +50,8 @@ _STREAM_EVERY = flags.DEFINE_integer("stream_every", 8, "Tokens handed from the 
 
 def main():
   text_generation.check_prompts(_PROMPT.value, "--prompt")
-  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
+  config = run_config.build(workdir.script_config(_CONFIG.value, _WORKDIR.value,
+                                                  *cli.command_line_config(_CONFIG)))
   tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
   model, step = train_state.restore_model(config, _WORKDIR.value, _STEP.value)
   prompts = list(_PROMPT.value)

@@ -23,6 +23,7 @@ from lm_eval import utils as harness_utils
 
 from retnet_jax.evaluation import lm_eval as harness
 from retnet_jax.runs import workdir
+from retnet_jax.training import run_config
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -57,7 +58,8 @@ def main():
   if _OUTPUT_PATH.value and Path(_OUTPUT_PATH.value).suffix == ".json":
     workdir.check_results_path(_OUTPUT_PATH.value, "--output_path")
   task_manager, tasks = harness.load_tasks(_TASKS.value, _INCLUDE_PATH.value)
-  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
+  config = run_config.build(workdir.script_config(_CONFIG.value, _WORKDIR.value,
+                                                  *cli.command_line_config(_CONFIG)))
   lm = harness.RetNetLM(_WORKDIR.value, config, _STEP.value, batch_size=_BATCH_SIZE.value, **options)
   results = lm_eval.simple_evaluate(
       model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=_NUM_FEWSHOT.value,

@@ -21,7 +21,7 @@ from retnet_jax.evaluation import passkey_eval
 from retnet_jax.input_pipeline import passkey, tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
 from retnet_jax.runs import workdir
-from retnet_jax.training import metrics, train_state
+from retnet_jax.training import metrics, run_config, train_state
 
 _CONFIG = cli.config_flag("Config file and preset (default: the preset and model of the workdir's config.json).")
 _WORKDIR = cli.workdir_flag("Training run directory holding checkpoints/.")
@@ -50,7 +50,8 @@ def _numbers(values: list[str], kind: type, flag: str) -> list:
 
 
 def main():
-  config = workdir.script_config(_CONFIG.value, _WORKDIR.value, *cli.command_line_config(_CONFIG))
+  config = run_config.build(workdir.script_config(_CONFIG.value, _WORKDIR.value,
+                                                  *cli.command_line_config(_CONFIG)))
   lengths = (_numbers(_LENGTHS.value, int, "lengths") if _LENGTHS.value is not None
              else [config.train.seq_len * k for k in (1, 2, 4)])
   tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)

@@ -18,7 +18,7 @@ if __name__ == "__main__":
 from absl import flags, logging
 
 from retnet_jax.hardware import accelerators
-from retnet_jax.training import metrics, train
+from retnet_jax.training import metrics, run_config, train
 
 _CONFIG = cli.config_flag("Training config file and preset.")
 _WORKDIR = cli.workdir_flag("Directory for checkpoints, metrics and the config.")
@@ -37,7 +37,7 @@ def main():
   _START_PROCESSES()
   if added:
     metrics.log(f"XLA flags for the GPU (--xla_gpu_flags=none: without): {' '.join(added)}")
-  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _TAKE_FOLDER.value)
+  train.train_and_evaluate(run_config.build(_CONFIG.value), _WORKDIR.value, _TAKE_FOLDER.value)
 
 
 if __name__ == "__main__":

@@ -100,8 +100,8 @@ class LinearAttention(base.Mixer):
 
   def check_config(self, cfg) -> None:
     for field in ("d_model", "value_dim"):
-      if cfg[field] % cfg.num_heads:
-        raise ValueError(f"model.{field}={cfg[field]} is not divisible by model.num_heads={cfg.num_heads}.")
+      if getattr(cfg, field) % cfg.num_heads:
+        raise ValueError(f"model.{field}={getattr(cfg, field)} is not divisible by model.num_heads={cfg.num_heads}.")
 
   def layer(self, cfg, *, dtype, rngs: nnx.Rngs) -> LinearAttentionLayer:
     return LinearAttentionLayer(cfg, dtype=dtype, rngs=rngs)

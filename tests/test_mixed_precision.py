@@ -12,7 +12,7 @@ from retnet_jax.core import sharding
 from retnet_jax.hardware import matmul_dtypes
 from retnet_jax.models import model as model_lib, presets
 from retnet_jax.nn import matmul
-from retnet_jax.training import losses, train_step
+from retnet_jax.training import losses, run_config, train_step
 
 
 def _step_report(name: str, architecture: str = "retnet", documents: bool = False, devices=None, **fields):
@@ -190,4 +190,4 @@ def test_a_negative_loss_tile_is_refused_by_name():
   config = presets.get_config("tiny")
   config.train.loss_tile = -1
   with pytest.raises(ValueError, match="train.loss_tile"):
-    train_step.check_config(config)
+    run_config.build(config)

@@ -1,6 +1,7 @@
 """The RetNet model: modes agree, state hand-over, parameter counts, dtypes, annotations and input errors."""
 
 import itertools
+import json
 import re
 
 import jax
@@ -135,10 +136,13 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match=r"integer array \[batch, seq\]; got a list \(convert it"):
     model([[1, 2, 3]])
   config = retnet_config.get_config("tiny")
-  for wrong, got in ((config, "the full config: pass config.model."), (config.model.to_dict(), "a dict.")):
+  for wrong, got in ((config, "the full config: pass config.model."), (config.model.to_dict()["d_model"], "a int.")):
     with pytest.raises(TypeError, match=re.escape(f"a model takes the model fields, config.model (e.g. "
                                                   f"presets.model_config('tiny')); got {got}")):
       Model(wrong, rngs=nnx.Rngs(0))
+  # The model fields as config.json holds them (a dict, tuples as lists) build the same typed section.
+  as_json = json.loads(json.dumps(config.model.to_dict()))
+  assert Model(as_json, rngs=nnx.Rngs(0)).config == Model(config.model, rngs=nnx.Rngs(0)).config
 
 
 def test_states_from_another_config_or_batch_are_refused():
@@ -258,13 +262,13 @@ def test_pallas_retention_impl_matches_xla_in_values_states_and_gradients(stabil
 def test_retention_impl_and_matmul_precision_configs():
   """`pallas` is refused before any work where the kernels do not compile (the CPU, whatever runs the tests; naming
   the fix); `auto` picks XLA there; `highest` reaches every dot of the forward and backward pass."""
-  from retnet_jax.training import train_state  # pylint: disable=import-outside-toplevel
+  from retnet_jax.training import run_config, train_state  # pylint: disable=import-outside-toplevel
   from retnet_jax.mixers import multiscale_retention as msr  # pylint: disable=import-outside-toplevel
   config = retnet_config.get_config("tiny")
   config.model.retention_impl = "pallas"
   with support.target_backend("cpu"), pytest.raises(
       ValueError, match=r"retention_impl='pallas' cannot run here: .*GPUs only.*retention_impl='xla'"):
-    train_state.check_config(config, 1)
+    train_state.check_devices(run_config.build(config), 1)
   model_cfg = lambda **fields: ml_collections.ConfigDict({**config.model.to_dict(), **fields})
   assert msr.uses_kernel(config.model, "cpu") and not msr.uses_kernel(model_cfg(retention_impl="auto"), "cpu")
   gpu_ready = dict(retention_impl="auto", chunk_size=16, d_model=64, num_heads=2)

@@ -12,10 +12,10 @@ from configs import retnet as retnet_config
 from configs import transformer as transformer_config
 from retnet_jax.core import sharding
 from retnet_jax.evaluation import evaluate
-from retnet_jax.input_pipeline import data, global_batches, passkey, synthetic
+from retnet_jax.input_pipeline import data, data_config, global_batches, passkey, synthetic
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.models.model import Model
-from retnet_jax.training import checkpointing, losses, optimizer, train, train_state, train_step
+from retnet_jax.training import checkpointing, losses, optimizer, run_config, train, train_state, train_step
 
 # architecture -> the configs module of its presets
 CONFIGS = {"retnet": retnet_config, "transformer": transformer_config}
@@ -42,7 +42,7 @@ def test_mqar_examples_match_hand_computed_ones():
   assert tokens.dtype == np.int32 and weights.dtype == np.float32
 
 
-@pytest.mark.parametrize("placement", synthetic.QUERY_PLACEMENTS)
+@pytest.mark.parametrize("placement", data_config.QUERY_PLACEMENTS)
 def test_mqar_examples_follow_the_rules(placement):
   num_pairs, seq_len = 5, 31
   tokens, weights = synthetic.batch(mqar_config(vocab_size=24, num_pairs=num_pairs, seq_len=seq_len,
@@ -296,7 +296,7 @@ def test_bad_passkey_config_is_refused(fields, message):
   config = passkey_config(seq_len=fields.pop("seq_len", 220))
   config.data.passkey.update(fields)
   with pytest.raises(ValueError, match=message):
-    synthetic.check_config(config)
+    run_config.build(config)
 
 
 def test_a_tokenizer_without_digits_is_refused_for_passkey(tmp_path):
@@ -306,7 +306,7 @@ def test_a_tokenizer_without_digits_is_refused_for_passkey(tmp_path):
   config.data.tokenizer = str(path)
   with pytest.raises(ValueError, match=r"cannot spell the key's digits \(' 0123456789' decodes as 'w0'\): the "
                                        r"answers would be unknown tokens"):
-    synthetic.check_config(config)
+    run_config.build(config)
 
 
 def test_evaluate_reports_passkey_accuracy():

@@ -18,7 +18,7 @@ from retnet_jax.hardware import flops
 from retnet_jax.mixers import stability
 from retnet_jax.models.model import Model
 from retnet_jax.runs import workdir as workdir_lib
-from retnet_jax.training import checkpointing, losses, run_checkpoints, train, train_state, train_step
+from retnet_jax.training import checkpointing, losses, run_checkpoints, run_config, train, train_state, train_step
 from tests.helpers import CORPUS, assert_resumed_from, random_tokens, read_metrics, tiny_config
 
 
@@ -413,8 +413,8 @@ def test_the_torchscale_normaliser_is_one_predicate(tmp_path):
   config.train.update(mode="chunkwise", segment_len=12)
   config.model.update(stability_norm=False, stability_norm_style="torchscale")
   assert not stability.torchscale_normaliser(config.model)
-  train_step.check_config(config)
+  run_config.build(config)
   config.model.stability_norm = True
   assert stability.torchscale_normaliser(config.model)
   with pytest.raises(ValueError, match="train.segment_len=12 is not a multiple of model.chunk_size=8"):
-    train_step.check_config(config)
+    run_config.build(config)

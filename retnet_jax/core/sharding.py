@@ -13,15 +13,32 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 from flax import nnx
 from flax.core import spmd as flax_spmd  # the rules `nnx.logical_axis_rules` sets
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from retnet_jax.core import sections
+
 LAYER_AXIS = "layers"  # the leading axis of stacked blocks' parameters (`layer_stack`)
 
 
-def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig(sections.Section):
+  """`config.mesh`: the device mesh's axes and the logical-axis rules onto them (checked when built; its sizes
+  against the devices present, by `mesh_shape`, when a mesh is made)."""
+  shape: tuple[int, ...] = sections.field(
+      "sizes of the (data, fsdp, tensor, sequence) axes; -1 takes the remaining devices. A shape with fewer entries "
+      "than axis_names gives the axes left out size 1")
+  axis_names: tuple[str, ...] = sections.field("the mesh axes' names")
+  rules: tuple[tuple[str, Any], ...] = sections.field(
+      "logical axis -> mesh axis (or None); swap these to change the parallelism without code changes. `length` "
+      "(the token axis of activations) over `sequence` > 1 splits each sequence over those devices")
+
+  def __post_init__(self):
+    logical_rules(self)
+
+
+def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
   """`config.mesh.shape` with a single -1 replaced by the devices left over; checked against the count.
 
   A shape with fewer entries than `axis_names` gives the trailing axes size 1, so a (data, fsdp, tensor) shape
@@ -54,7 +71,7 @@ def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[i
   return shape
 
 
-def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
   """A mesh of Auto axes (the compiler propagates shardings between the annotated points)."""
   devices = jax.devices() if devices is None else devices
   names = tuple(mesh_cfg.axis_names)
@@ -62,7 +79,7 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]
                        devices=devices)
 
 
-def logical_rules(mesh_cfg: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+def logical_rules(mesh_cfg: MeshConfig) -> tuple[tuple[str, Any], ...]:
   """`config.mesh.rules` as the (logical axis, mesh axes) pairs `nnx.logical_axis_rules` takes; the layer axis of
   stacked blocks (`model.scan_layers`) is replicated unless the rules name it."""
   names, rules = tuple(mesh_cfg.axis_names), []
@@ -142,7 +159,7 @@ def sequence_split() -> tuple[str, int] | None:
   return axis, mesh.shape[axis]
 
 
-def sequence_devices(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> int:
+def sequence_devices(mesh_cfg: MeshConfig, num_devices: int) -> int:
   """How many devices `config.mesh` splits each sequence over (1: none)."""
   axis = _length_axis(logical_rules(mesh_cfg))
   shape = dict(zip(mesh_cfg.axis_names, mesh_shape(mesh_cfg, num_devices)))
@@ -203,12 +220,12 @@ class Placement:
       yield
 
 
-def placement(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Placement:
+def placement(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Placement:
   """The Placement of `config.mesh` on `devices` (default: all)."""
   return Placement(make_mesh(mesh_cfg, devices), logical_rules(mesh_cfg))
 
 
-def check_batch_split(mesh_cfg: ml_collections.ConfigDict, batch_size: int, grad_accum_steps: int,
+def check_batch_split(mesh_cfg: MeshConfig, batch_size: int, grad_accum_steps: int,
                       num_devices: int) -> None:
   """Checks that each micro-batch splits evenly over the data shards, and the shards over the processes."""
   if batch_size % grad_accum_steps:

@@ -20,14 +20,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from retnet_jax.core import dispatch, segments, sharding, whole_files
 from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
-from retnet_jax.models import architectures, model as model_lib, presets, streaming
-from retnet_jax.training import losses, train_state, train_step
+from retnet_jax.input_pipeline.data_config import DataConfig
+from retnet_jax.models import architectures, model as model_lib, streaming
+from retnet_jax.models.model_config import ModelConfig
+from retnet_jax.training import losses, run_config, train_state
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
 # relative; bfloat16 rounds each product to 8 mantissa bits.
@@ -63,7 +64,7 @@ def bucket_nll(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str, b
   return sums_BxK.at[rows_Bx1, position_buckets_of(segment_ids_BxL1, buckets)].add(nll_BxL), logits[:, -1]
 
 
-def streams(model_cfg: ml_collections.ConfigDict, mode: str, seq_len: int, block: int) -> bool:
+def streams(model_cfg: ModelConfig, mode: str, seq_len: int, block: int) -> bool:
   """Whether `evaluate_model` runs sequences of `seq_len` tokens in `mode` block by block (`streamed_nll`): the
   chunkwise and recurrent forms of a model whose state does not grow with the context (no KV cache holding it all),
   at lengths beyond one `block` (`streaming.check_block`'s; 0: never)."""
@@ -120,11 +121,12 @@ def check_position_buckets(seq_len: int, buckets: int) -> None:
                      "--eval_seq_len.")
 
 
-def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, position_buckets: int = 0,
+def check_request(config: run_config.Config | Any, modes, seq_len: int, position_buckets: int = 0,
                   block: int | None = None) -> None:
-  """What `evaluate_model` checks before any work, for callers to check before restoring a model too: the forms,
-  the length and its buckets, the streamed forms' block, the mesh's split of sequences, a synthetic task's knobs."""
-  presets.check_full_config(config)
+  """What `evaluate_model` checks before any work, for callers to check before restoring a model too: the config
+  (`run_config.build`), the forms, the length and its buckets, the streamed forms' block, the mesh's split of
+  sequences."""
+  config = run_config.build(config)
   if isinstance(modes, str):
     raise ValueError(f"modes={modes!r} is one string; give a sequence of forms, e.g. ({modes!r},).")
   own = architectures.modes(config.model)
@@ -133,10 +135,9 @@ def check_request(config: ml_collections.ConfigDict, modes, seq_len: int, positi
     raise ValueError(f"unknown mode {unknown[0]!r} for a {config.model.architecture}; choose one of {own} or all.")
   check_position_buckets(seq_len, position_buckets)
   streaming.check_block(config.model, block, "--eval_block")
-  train_step.check_documents(config, modes, "--mode")
+  run_config.check_documents(config, modes, "--mode")
   train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
   if task := config.data.synthetic:
-    synthetic.check_config(config)
     if seq_len != config.train.seq_len or position_buckets:
       raise ValueError(f"--eval_seq_len and --by_position evaluate text; the synthetic task {task!r} "
                        "(data.synthetic) is evaluated at train.seq_len over its answers: drop those flags.")
@@ -155,7 +156,7 @@ def answer_stats(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str
   return nll_B, logits_BxLxV[:, -1], hits_B
 
 
-def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, modes=("parallel",),
+def evaluate_model(model: model_lib.Model, config: run_config.Config | Any, modes=("parallel",),
                    max_batches: int | None = None, seq_len: int | None = None,
                    position_buckets: int = 0, block: int | None = None) -> dict[str, Any]:
   """Validation metrics of `model` per mode, and with several modes their largest differences.
@@ -184,7 +185,7 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
     bits_per_token, mqar_accuracy}}}`, the loss over the answers only and `TASK_accuracy` the fraction of answers
     whose logits' argmax is the answer (exact recall), plus the same agreement keys.
   """
-  presets.check_full_config(config)
+  config = run_config.build(config)
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches must be a positive number of batches (or None: all); got {max_batches}.")
   seq_len = config.train.seq_len if seq_len is None else seq_len
@@ -255,11 +256,12 @@ def evaluate_model(model: model_lib.Model, config: ml_collections.ConfigDict, mo
   return results
 
 
-def evaluated_data(data_cfg: ml_collections.ConfigDict, split_tokens: int) -> dict[str, Any]:
+def evaluated_data(data_cfg: DataConfig, split_tokens: int) -> dict[str, Any]:
   """What an evaluation of text read, for its results: the data section's sources that are set (files, validation
   files, prepared corpora, a hub dataset; none: the shipped corpus), the split and the tokens it holds."""
-  sources = {field: list(data.as_tuple(data_cfg[field])) for field in ("files", "validation_files", "prepared")
-             if data.as_tuple(data_cfg[field])}
+  sources = {field: list(data.as_tuple(getattr(data_cfg, field))) for field in ("files", "validation_files",
+                                                                                 "prepared")
+             if data.as_tuple(getattr(data_cfg, field))}
   if data_cfg.hub_dataset:
     sources["hub_dataset"] = data_cfg.hub_dataset
   return {**(sources or {"shipped_corpus": f"data/{data.DEFAULT_CORPUS.name}"}), "split": "validation",

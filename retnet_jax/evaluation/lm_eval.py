@@ -33,7 +33,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -44,7 +43,7 @@ from retnet_jax.evaluation import sampling
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.models import architectures
 from retnet_jax.runs import cli, workdir as workdir_lib
-from retnet_jax.training import losses, metrics, train_state
+from retnet_jax.training import losses, metrics, run_config, train_state
 
 try:
   import lm_eval.models  # noqa: F401  (the harness's own models first: a non-empty registry skips them)
@@ -222,7 +221,7 @@ class RetNetLM(TemplateLM):
   """The harness's model for a retnet_jax checkpoint (`workdir`, `config`, `step`) or a model object (`model`,
   `tokenizer`, `max_length`); the other options as the module docstring lists them."""
 
-  def __init__(self, workdir: str | None = None, config: str | ml_collections.ConfigDict | None = None,
+  def __init__(self, workdir: str | None = None, config: Any = None,
                step: int | None = None, *, model: Any = None, tokenizer: tokenizer_lib.Tokenizer | None = None,
                batch_size: int | str = 8, mode: str = "parallel", max_length: int | None = None,
                max_gen_toks: int = 256, prefix_token: int | None = None, seed: int = 0, device: str | None = None,
@@ -256,11 +255,12 @@ class RetNetLM(TemplateLM):
       elif config is None:
         raise ValueError(f"model_args needs config=FILE:PRESET beside workdir, as --config takes it, e.g. "
                          f"workdir={workdir},config=configs/retnet.py:small ({workdir} holds no config.json).")
-      elif not isinstance(config, ml_collections.ConfigDict):
+      elif isinstance(config, str):
         config = cli.load_config(config, fields)
       elif overrides:
         raise ValueError(f"config.x.y overrides {sorted(overrides)} apply to a config file; set them on the "
                          "config object given instead.")
+      config = run_config.build(config)
       tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
       max_length = config.train.seq_len if max_length is None else max_length
       self._context = sharding.placement(config.mesh).active
@@ -276,9 +276,9 @@ class RetNetLM(TemplateLM):
     model_cfg = config.model if model is None else model.config
     self._prefix_token = self._choose_prefix_token(prefix_token, model_cfg.vocab_size)
     field = architectures.cache_field(model_cfg)
-    if field is not None and self.max_length > model_cfg[field]:
+    if field is not None and self.max_length > getattr(model_cfg, field):
       raise ValueError(f"max_length={self.max_length} tokens of context and continuation do not fit the KV cache of "
-                       f"model.{field}={model_cfg[field]}; raise it (config.model.{field}={self.max_length}) or "
+                       f"model.{field}={getattr(model_cfg, field)}; raise it (config.model.{field}={self.max_length}) or "
                        "lower max_length.")
     if model is None:
       model, self.step = train_state.restore_model(config, workdir, step)

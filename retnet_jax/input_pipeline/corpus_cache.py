@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from absl import logging
-import ml_collections
 
 from retnet_jax.core import owned_folders
 from retnet_jax.input_pipeline import data, prepared
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
+from retnet_jax.input_pipeline.data_config import DataConfig
 
 
 def cache_root() -> Path:
@@ -95,7 +95,7 @@ def _open_root(key: str) -> tuple[Path, Any]:
   return fallback, lock
 
 
-def cache_key(data_cfg: ml_collections.ConfigDict, sources: tuple[data.TextSource, data.TextSource | None],
+def cache_key(data_cfg: DataConfig, sources: tuple[data.TextSource, data.TextSource | None],
               tokenizer: Tokenizer) -> str:
   """A digest of everything that decides the cached corpus's tokens: `sources` (`data.text_sources(data_cfg)`),
   the validation fraction and the tokenizer."""
@@ -112,7 +112,7 @@ def cache_key(data_cfg: ml_collections.ConfigDict, sources: tuple[data.TextSourc
   return hashlib.sha256(json.dumps(described_key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def open_cached(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> prepared.Corpus:
+def open_cached(data_cfg: DataConfig, tokenizer: Tokenizer) -> prepared.Corpus:
   """The cached corpus of `config.data`'s text source (`data.text_sources`; errors and the corpus's label name it),
   built now if missing, rebuilt if damaged; errors of the data itself as `data.load_documents` gives them."""
   sources = data.text_sources(data_cfg)
@@ -127,8 +127,7 @@ def open_cached(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> pr
         return prepared.open_corpus(directory, tokenizer, source)
       except prepared.CorpusError:  # damaged since: build it again
         pass
-    whole = ml_collections.ConfigDict({**data_cfg.to_dict(), "reset_at_documents": False})  # checked on use
-    train, valid = data.load_documents(whole, tokenizer)
+    train, valid = data.load_documents(data_cfg, tokenizer, one_document_ok=True)  # refused on use
     shutil.rmtree(directory, ignore_errors=True)  # an interrupted or damaged build
     try:
       prepared.write_splits(directory, {"train": train, "validation": valid}, tokenizer, data_cfg.tokenizer,

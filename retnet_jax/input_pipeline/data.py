@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import datasets
-import ml_collections
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -40,6 +39,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from retnet_jax.core import config_checks
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
+from retnet_jax.input_pipeline.data_config import DataConfig
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
 # File suffix -> `datasets` builder that reads it.
@@ -68,8 +68,10 @@ class Split(NamedTuple):
   starts: np.ndarray  # int64 [num_documents]: each document's first token (the separator opening it), from 0
 
 
-def load_documents(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[Split, Split]:
-  """(train, valid) `Split`s from `config.data`.
+def load_documents(data_cfg: DataConfig, tokenizer: Tokenizer, one_document_ok: bool = False
+                   ) -> tuple[Split, Split]:
+  """(train, valid) `Split`s from `config.data` (`one_document_ok`: whatever `reset_at_documents` says, as a corpus
+  cached for any later run is).
 
   Sources: `text_sources`. Validation: the `validation_files`, else the last `validation_fraction` of the stream (a
   fixed split, so it never overlaps training data; the document it cuts ends the training split and opens the
@@ -81,7 +83,7 @@ def load_documents(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) ->
                      "Set it to e.g. 0.1, or give data.validation_files.")
   train_source, valid_source = text_sources(data_cfg)
   split = _read(train_source, tokenizer)
-  if data_cfg.reset_at_documents and len(split.starts) == 1:
+  if data_cfg.reset_at_documents and not one_document_ok and len(split.starts) == 1:
     raise ValueError(f"data.reset_at_documents=True but {train_source.label} holds a single document (a .txt file is "
                      "one, a JSON-lines, Parquet or hub dataset row one each), so nothing would reset; give several "
                      "files or rows, or set data.reset_at_documents=False.")
@@ -133,7 +135,7 @@ class TextSource(NamedTuple):
     return list(self.files) or [f"hub:{self.hub_dataset}" + (f"/{self.hub_config}" if self.hub_config else "")]
 
 
-def text_sources(data_cfg: ml_collections.ConfigDict) -> tuple[TextSource, TextSource | None]:
+def text_sources(data_cfg: DataConfig) -> tuple[TextSource, TextSource | None]:
   """(the training source, the validation files or None) of `config.data`, for training, evaluation and preparing.
 
   The training source is `data.files`, else `data.hub_dataset`, else the shipped corpus. Files are expanded and

@@ -25,15 +25,15 @@ from typing import Any
 import grain
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 
 from retnet_jax.input_pipeline import corpus_cache, data, global_batches, packed_rows, prepared
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
+from retnet_jax.input_pipeline.data_config import DataConfig
 
 
 
-def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> list[prepared.Corpus]:
+def open_corpora(data_cfg: DataConfig, tokenizer: Tokenizer) -> list[prepared.Corpus]:
   """The corpora of `data.prepared`, checked with their weights before anything is read; without it, the cached
   corpus of `data.files` (`corpus_cache`, built on first use). With `data.reset_at_documents`, a training split of
   one document is refused: nothing would reset."""
@@ -62,7 +62,7 @@ def open_corpora(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> l
   return _check_documents(corpora, data_cfg, f"data.prepared={data_cfg.prepared!r}")
 
 
-def _check_documents(corpora: list[prepared.Corpus], data_cfg: ml_collections.ConfigDict, source: str
+def _check_documents(corpora: list[prepared.Corpus], data_cfg: DataConfig, source: str
                      ) -> list[prepared.Corpus]:
   if data_cfg.reset_at_documents and sum(c.metadata["documents"]["train"] for c in corpora) == 1:
     raise ValueError(f"data.reset_at_documents=True but {source} holds a single document (a .txt file is one, a "

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
-import ml_collections
 import pyarrow as pa
 
 from retnet_jax.input_pipeline import data
+from retnet_jax.input_pipeline.data_config import DataConfig
 
 ROWS_PER_READ = 256  # rows of a JSON-lines, Parquet or hub dataset read at a time
 
@@ -60,7 +60,7 @@ class Stream:
         yield text
 
 
-def of_config(data_cfg: ml_collections.ConfigDict) -> tuple[Stream, Stream | None]:
+def of_config(data_cfg: DataConfig) -> tuple[Stream, Stream | None]:
   """(training documents, validation documents or None to hold documents out) of `config.data` (`data.text_sources`)."""
   train, validation = data.text_sources(data_cfg)
   return Stream(train), (Stream(validation) if validation is not None else None)

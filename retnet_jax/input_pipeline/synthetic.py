@@ -29,19 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
-from retnet_jax.core import config_checks
 from retnet_jax.input_pipeline import data, global_batches, passkey, tokenizer as tokenizer_lib
 
 SPLITS = ("train", "valid")  # each split its own stream of examples
-QUERY_PLACEMENTS = ("power", "uniform", "packed")
 FILLER = 0  # the token of the query region's unused slots: never a key or a value
 
 
@@ -49,8 +45,8 @@ FILLER = 0  # the token of the query region's unused slots: never a key or a val
 class Source:
   """A synthetic task: `check(config)` raises ValueError for knobs that cannot work (before any work);
   `generate(config, rng, batch_size)` returns int32 tokens `[B, seq_len + 1]` and float32 weights `[B, seq_len]`."""
-  check: Callable[[ml_collections.ConfigDict], None]
-  generate: Callable[[ml_collections.ConfigDict, np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+  check: Callable[[Any], None]
+  generate: Callable[[Any, np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
 
 
 def answer_weights(answer_positions_BxA: np.ndarray, seq_len: int) -> np.ndarray:
@@ -69,16 +65,15 @@ def answer_weights(answer_positions_BxA: np.ndarray, seq_len: int) -> np.ndarray
   return weights_BxL
 
 
-def mqar_vocab_size(config: ml_collections.ConfigDict) -> int:
+def mqar_vocab_size(config: Any) -> int:
   """The MQAR vocabulary: `data.mqar.vocab_size`, or `model.vocab_size` when unset."""
   vocab_size = config.data.mqar.vocab_size
   return config.model.vocab_size if vocab_size is None else vocab_size
 
 
-def check_mqar(config: ml_collections.ConfigDict) -> None:
+def check_mqar(config: Any) -> None:
   """Refuses MQAR knobs that cannot fit the sequence or the vocabularies, naming the value and the fix."""
-  mqar, seq_len, vocab_size = config.data.mqar, config.train.seq_len, mqar_vocab_size(config)
-  num_pairs = config_checks.positive_int(mqar.num_pairs, "data.mqar.num_pairs")
+  seq_len, vocab_size, num_pairs = config.train.seq_len, mqar_vocab_size(config), config.data.mqar.num_pairs
   if vocab_size > config.model.vocab_size:
     raise ValueError(f"data.mqar.vocab_size={vocab_size} exceeds model.vocab_size={config.model.vocab_size}; set "
                      f"--config.model.vocab_size={vocab_size} or more, or a smaller data.mqar.vocab_size.")
@@ -90,16 +85,9 @@ def check_mqar(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"data.mqar.num_pairs={num_pairs} needs {4 * num_pairs} tokens (every pair and its query, two "
                      f"tokens each) but a row holds train.seq_len + 1 = {seq_len + 1}; set train.seq_len to "
                      f"{4 * num_pairs - 1} or more, or use at most {(seq_len + 1) // 4} pairs.")
-  config_checks.choice(mqar.query_placement, "data.mqar.query_placement", QUERY_PLACEMENTS)
-  if config.data.tokenizer != "byte":
-    raise ValueError(f"data.tokenizer={config.data.tokenizer!r} is unused by data.synthetic='mqar' (its examples "
-                     "are token ids, data.mqar.vocab_size of them); drop it, or train on text or passkey.")
-  if not 0 < mqar.power_a < math.inf:
-    raise ValueError(f"data.mqar.power_a must be positive and finite (slot s drawn with weight s^(power_a - 1)); got "
-                     f"{mqar.power_a}. Zoology uses 0.01; 1 is uniform.")
 
 
-def mqar_batch(config: ml_collections.ConfigDict, rng: np.random.Generator, batch_size: int
+def mqar_batch(config: Any, rng: np.random.Generator, batch_size: int
                ) -> tuple[np.ndarray, np.ndarray]:
   """A batch of MQAR examples: tokens `[B, seq_len + 1]` int32 and answer weights `[B, seq_len]` float32."""
   mqar, length = config.data.mqar, config.train.seq_len + 1
@@ -129,17 +117,9 @@ def _tokenizer(spec: str, vocab_size: int) -> tokenizer_lib.Tokenizer:
   return tokenizer_lib.load(spec, vocab_size=vocab_size)
 
 
-def check_passkey(config: ml_collections.ConfigDict) -> None:
+def check_passkey(config: Any) -> None:
   """Refuses passkey knobs, tokenizers and lengths that cannot make an example, naming the value and the fix."""
-  depth, digits = config.data.passkey.depth, config.data.passkey.digits
-  if depth is not None and not 0 <= depth <= 1:
-    raise ValueError(f"data.passkey.depth={depth} must lie in [0, 1] (the fraction of the filler before the key), or "
-                     "be unset for a uniform depth per example.")
-  config_checks.positive_int(digits, "data.passkey.digits")
-  if digits > passkey.MAX_DIGITS:
-    raise ValueError(f"data.passkey.digits={digits} exceeds {passkey.MAX_DIGITS}: keys are drawn as 64-bit integers; "
-                     f"use {passkey.MAX_DIGITS} digits or fewer.")
-  tokenizer = _tokenizer(config.data.tokenizer, config.model.vocab_size)
+  tokenizer, digits = _tokenizer(config.data.tokenizer, config.model.vocab_size), config.data.passkey.digits
   spelt = "".join(tokenizer.decode(np.asarray(tokenizer.encode(" 0123456789"), np.int32)).split())
   if spelt != "0123456789":
     raise ValueError(f"data.tokenizer={config.data.tokenizer!r} cannot spell the key's digits (' 0123456789' "
@@ -151,7 +131,7 @@ def check_passkey(config: ml_collections.ConfigDict) -> None:
                      f"+ 1 tokens): {e} Set train.seq_len to that length - 1 or more.") from None
 
 
-def passkey_batch(config: ml_collections.ConfigDict, rng: np.random.Generator, batch_size: int
+def passkey_batch(config: Any, rng: np.random.Generator, batch_size: int
                   ) -> tuple[np.ndarray, np.ndarray]:
   """A batch of passkey examples: tokens `[B, seq_len + 1]` int32 and answer weights `[B, seq_len]` float32."""
   tokenizer, length = _tokenizer(config.data.tokenizer, config.model.vocab_size), config.train.seq_len + 1
@@ -167,20 +147,14 @@ SOURCES: dict[str, Source] = {"mqar": Source(check=check_mqar, generate=mqar_bat
                               "passkey": Source(check=check_passkey, generate=passkey_batch)}
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Checks `config.data.synthetic` (a SOURCES name, or None for text data) and its task's knobs."""
-  task = config.data.synthetic
-  if task is None:
-    return
-  config_checks.choice(task, "data.synthetic", SOURCES, otherwise=", or leave it unset for text data")
-  for name in ("files", "validation_files", "hub_dataset", "prepared"):
-    if config.data[name]:
-      raise ValueError(f"data.{name}={config.data[name]!r} is text data, unused by data.synthetic={task!r} (the "
-                       "task makes its own examples); drop it, or unset data.synthetic to train on the text.")
-  SOURCES[task].check(config)
+def check_config(config: Any) -> None:
+  """Checks what `config.data.synthetic`'s task needs from the other sections (the model's vocabulary, the rows of
+  `train.seq_len + 1` tokens); the data section checked its own fields (`data_config.DataConfig`)."""
+  if config.data.synthetic is not None:
+    SOURCES[config.data.synthetic].check(config)
 
 
-def batch(config: ml_collections.ConfigDict, split: str, index: int, batch_size: int
+def batch(config: Any, split: str, index: int, batch_size: int
           ) -> tuple[np.ndarray, ...]:
   """Global batch `index` of `split` of the task `config.data.synthetic`: (tokens `[B, seq_len + 1]` int32,
   weights `[B, seq_len]` float32), a function of `(config.seed, split, index)` and the task's config alone. With
@@ -195,9 +169,8 @@ class SyntheticBatches:
   `config.data.synthetic`: batch i is `batch(config, "train", i, B)`, so the position is i alone, saved by
   `get_state` and restored by `set_state`. With `sharding`, each process places only its own rows."""
 
-  def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int,
+  def __init__(self, config: Any, global_batch_size: int,
                sharding: jax.sharding.NamedSharding | None = None):
-    check_config(config)
     self.local = global_batches.process_rows(global_batch_size, jax.process_index(), jax.process_count())  # fails early
     self.config, self.global_batch_size, self.sharding = config, global_batch_size, sharding
     self.index = 0
@@ -227,10 +200,9 @@ class ValidationRows:
   """The first `num_batches` validation batches of the task `config.data.synthetic` as rows
   (`global_batches.EvalRows`): row r is row `r % B` of `batch(config, "valid", r // B, B)`, so
   `global_batches.eval_batches` of all of them gives those batches, the same every time and drawn apart from the
-  training batches. Checks the config on construction."""
+  training batches."""
 
-  def __init__(self, config: ml_collections.ConfigDict, global_batch_size: int, num_batches: int):
-    check_config(config)
+  def __init__(self, config: Any, global_batch_size: int, num_batches: int):
     self.config, self.global_batch_size, self.num_batches = config, global_batch_size, num_batches
 
   def __len__(self) -> int:

@@ -14,6 +14,7 @@ are refused by name. torch is never imported here: tensors are read duck-typed (
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 import sys
 import types
@@ -34,7 +35,7 @@ from retnet_jax.models import presets
 from retnet_jax.models.model import Model
 from retnet_jax.nn import layer_stack
 from retnet_jax.runs import workdir as workdir_lib
-from retnet_jax.training import checkpointing, train_state
+from retnet_jax.training import checkpointing, run_config, train_state
 
 # torchscale 0.3.0's RetNetConfig options and defaults (torchscale/architecture/config.py). Those not read
 # below only act in training (dropout, drop path, activation checkpointing, FSDP), choose the forward form
@@ -253,14 +254,15 @@ def load_torchscale(state_dict: Mapping[str, Any], torchscale_config: Mapping[st
   return layer_stack.as_layout(nnx.merge(graphdef, state), scan_layers), config
 
 
-def model_overrides(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def model_overrides(config: run_config.Config | ml_collections.ConfigDict) -> dict[str, Any]:
   """The model fields of `config` that differ from its preset: with `--config=configs/retnet.py:PRESET`,
   scripts/evaluate.py and scripts/generate.py need them as `--config.model.NAME=VALUE`."""
+  config = run_config.build(config)
   preset = presets.model_config(config.preset)
-  return {name: value for name, value in config.model.items() if value != preset[name]}
+  return {name: value for name, value in config.model.to_dict().items() if value != preset[name]}
 
 
-def load_flags(config: ml_collections.ConfigDict, workdir: str | Path) -> str:
+def load_flags(config: run_config.Config | ml_collections.ConfigDict, workdir: str | Path) -> str:
   """The flags with which scripts/evaluate.py and scripts/generate.py load a converted `config` from `workdir`:
   its preset, the model overrides and a tokenizer other than the byte one, quoted for a shell where needed."""
   flags = [f"--config=configs/retnet.py:{config.preset}"]
@@ -290,8 +292,8 @@ def check_empty_workdir(workdir: str | Path, take: bool = False) -> None:
   workdir_lib.check_training_dir(workdir, conversion_names(), take)
 
 
-def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: str | Path, take: bool = False
-                     ) -> Path:
+def write_checkpoint(model: Model, config: run_config.Config | ml_collections.ConfigDict, workdir: str | Path,
+                     take: bool = False) -> Path:
   """Writes `model` into `workdir` as training does: a step-0 checkpoint and config.json, which
   `train_state.restore_model`, the scripts and training's resume load. `workdir` is refused as by
   `check_empty_workdir` (`take`: --take_folder), and marked as a workdir of this project first.
@@ -299,7 +301,7 @@ def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: s
   Returns:
     The checkpoint directory. Everything but the parameters is a fresh train state.
   """
-  workdir = Path(workdir)
+  config, workdir = run_config.build(config), Path(workdir)
   check_empty_workdir(workdir, take)
   ckpt_dir = workdir_lib.checkpoint_dir(workdir)
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
@@ -308,5 +310,5 @@ def write_checkpoint(model: Model, config: ml_collections.ConfigDict, workdir: s
   with checkpointing.Checkpointer(ckpt_dir, keep=1, async_save=False) as checkpointer:
     checkpointer.save(0, state.saved(), {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)
   if jax.process_index() == 0:
-    whole_files.write_text(workdir_lib.config_file(workdir), config.to_json_best_effort(indent=2))
+    whole_files.write_text(workdir_lib.config_file(workdir), json.dumps(config.to_dict(), indent=2))
   return ckpt_dir

@@ -34,7 +34,7 @@ from retnet_jax.core import sharding
 from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.interop.safetensors_folder import DTYPES, SafetensorsFolder, listing
 from retnet_jax.mixers import attention
-from retnet_jax.models import architectures, presets
+from retnet_jax.models import model_config, presets
 from retnet_jax.models.model import Model
 from retnet_jax.nn import layer_stack, layers
 
@@ -174,7 +174,7 @@ def config_from_fla(fla_config: Mapping[str, Any]) -> ml_collections.ConfigDict:
       norm_eps=float(options["norm_eps"]), head_norm_eps=float(options["norm_eps"]),
       head_norm_scale=bool(options["elementwise_affine"]), decay_schedule="retnet", rotation_base=10000.0,
       dtype="float32", **attention)
-  architectures.check_config(config.model)
+  model_config.of(config.model)  # checked before any tensor is read
   return config
 
 

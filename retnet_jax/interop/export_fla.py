@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
@@ -30,7 +29,9 @@ from retnet_jax.interop.safetensors_folder import INDEX_FILE, SINGLE_FILE
 from retnet_jax.mixers import attention, multiscale_retention
 from retnet_jax.models import architectures
 from retnet_jax.models.model import Model
+from retnet_jax.models.model_config import ModelConfig
 from retnet_jax.nn import layer_stack, layers
+from retnet_jax.training import run_config
 
 # config.model field -> the value fla computes; other values cannot be exported.
 EXPORTABLE = {"stability_norm": False, "rotation_pairs": "half", "rotation_freqs": "rope", "rotation_base": 10000.0,
@@ -44,7 +45,7 @@ BYTE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_ATTENTION_HEAD_DIM = 256  # flash-attn's largest head dim, which fla's Attention calls
 
 
-def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
+def export_problems(cfg: ModelConfig) -> list[str]:
   """The model fields of `cfg` that fla's RetNet cannot express, each with the value it needs."""
   foreign = [mixer for mixer in architectures.mixers(cfg)
              if mixer not in (multiscale_retention.RETENTION, attention.HYBRID)]
@@ -55,8 +56,8 @@ def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
   if foreign:  # a RetNet whose model.mixer is not multi-scale retention
     return [f"model.mixer={cfg.mixer!r} (fla's RetNet computes multi-scale retention, a fixed decay per head; these "
             f"are {names} layers; export a workdir with model.mixer='retention')"]
-  problems = [f"model.{name}={cfg[name]!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
-              if cfg[name] != value]
+  problems = [f"model.{name}={getattr(cfg, name)!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
+              if getattr(cfg, name) != value]
   if cfg.head_norm_eps != cfg.norm_eps:
     problems.append(f"model.head_norm_eps={cfg.head_norm_eps} differs from model.norm_eps={cfg.norm_eps} (fla has "
                     "one norm_eps)")
@@ -70,7 +71,7 @@ def export_problems(cfg: ml_collections.ConfigDict) -> list[str]:
   return problems
 
 
-def fla_config_of(cfg: ml_collections.ConfigDict, eos_id: int | None) -> dict[str, Any]:
+def fla_config_of(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
   """fla's config.json values for a model config that `export_problems` accepts."""
   return {
       "model_type": "retnet", "architectures": ["RetNetForCausalLM"], "hidden_size": cfg.d_model,
@@ -83,7 +84,7 @@ def fla_config_of(cfg: ml_collections.ConfigDict, eos_id: int | None) -> dict[st
   }
 
 
-def _fla_attn(cfg: ml_collections.ConfigDict) -> dict[str, Any] | None:
+def _fla_attn(cfg: ModelConfig) -> dict[str, Any] | None:
   """fla's `attn` entry of a hybrid model config (None: no attention layers)."""
   if not cfg.attention_layers:
     return None
@@ -104,7 +105,7 @@ def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
   return shards
 
 
-def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_collections.ConfigDict
+def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ModelConfig
                  ) -> Iterator[tuple[str, np.ndarray]]:
   """fla's names and numpy copies in `model.param_dtype` of `params[path]` in torch's layout ([out, in] for kernels;
   a fused q/k/v kernel as fla's three), gathered across processes."""
@@ -117,7 +118,7 @@ def _host_arrays(params: Mapping[tuple, jax.Array], paths: list[tuple], cfg: ml_
       yield name, np.ascontiguousarray(part.T if path[-1] == "kernel" else part)
 
 
-def _export_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def _export_names(config: run_config.Config) -> tuple[str, ...]:
   """The names every export of `config` writes, whatever its shards: config.json, tokenizer.json (a
   `data.tokenizer` file's, or the byte tokenizer's with its tokenizer_config.json), and both names that decide what
   fla loads (one file, or an index of shards)."""
@@ -126,17 +127,18 @@ def _export_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   return ("config.json", SINGLE_FILE, INDEX_FILE) + (BYTE_TOKENIZER_FILES if _writes_byte_tokenizer(config) else ())
 
 
-def _writes_byte_tokenizer(config: ml_collections.ConfigDict) -> bool:
+def _writes_byte_tokenizer(config: run_config.Config) -> bool:
   """Whether an export writes the byte tokenizer's files: a byte-tokenizer model whose vocabulary holds every byte
   (a smaller one could not be loaded back with them)."""
   return config.data.tokenizer == "byte" and config.model.vocab_size >= tokenizer_lib.ByteTokenizer.vocab_size
 
 
-def check_export(config: ml_collections.ConfigDict, out_dir: str | Path, take: bool = False
+def check_export(config: run_config.Config | Any, out_dir: str | Path, take: bool = False
                  ) -> tokenizer_lib.Tokenizer:
   """Raises before anything is written if `out_dir` is not new, empty or an export's (`owned_folders.check`;
   `take`: --take_folder, beside the files found), if fla cannot express the model (ValueError naming the fields),
   or if the tokenizer does not fit the vocabulary; returns the tokenizer."""
+  config = run_config.build(config)
   owned_folders.check(out_dir, FOLDER_FORMAT, flag="--checkpoint", writes=_export_names(config), take=take)
   problems = export_problems(config.model)
   if problems:
@@ -145,7 +147,7 @@ def check_export(config: ml_collections.ConfigDict, out_dir: str | Path, take: b
   return tokenizer_lib.load(config.data.tokenizer, vocab_size=vocab_size)
 
 
-def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Path,
+def write_fla(model: Model, config: run_config.Config | Any, out_dir: str | Path,
               max_shard_bytes: int = 2 * 2**30, take: bool = False) -> Path:
   """Writes `model` as an fla RetNet checkpoint folder that `RetNetForCausalLM.from_pretrained` loads.
 
@@ -163,7 +165,7 @@ def write_fla(model: Model, config: ml_collections.ConfigDict, out_dir: str | Pa
   Returns:
     The folder: config.json, model.safetensors (or shards and model.safetensors.index.json), tokenizer files.
   """
-  out = Path(out_dir)
+  config, out = run_config.build(config), Path(out_dir)
   tokenizer = check_export(config, out, take)
   tokenizer_file = None if config.data.tokenizer == "byte" else Path(config.data.tokenizer)
   params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(layer_stack.as_layout(model, False), nnx.Param)))

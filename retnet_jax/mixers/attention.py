@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -122,7 +121,7 @@ class CausalSelfAttention(nnx.Module):
   memory stays constant in the context.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, settings: "Settings", *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: base.ModelConfig, settings: "Settings", *, dtype, rngs: nnx.Rngs):
     self.num_heads, self.num_kv_heads = settings.num_heads, settings.num_kv_heads
     self.head_dim = cfg.d_model // settings.num_heads
     self.window = settings.window
@@ -235,15 +234,15 @@ class Attention(base.Mixer):
   def field(self, name: str) -> str:
     return self.prefix + name
 
-  def settings(self, cfg: ml_collections.ConfigDict) -> Settings:
+  def settings(self, cfg: base.ModelConfig) -> Settings:
     """Its settings in model section `cfg`: heads (None: `num_heads`), key/value heads (None: one per query head),
     window, rotation pairs and base, cache length."""
-    heads = cfg.get(self.field("num_heads")) or cfg.num_heads
-    return Settings(heads, cfg.get(self.field("num_kv_heads")) or heads, cfg.get(self.field("window")),
-                    cfg.get("rotation_pairs", "interleaved"), cfg[self.field("rotation_base")],
-                    cfg[self.field("max_len")])
+    own = lambda name, default=None: getattr(cfg, self.field(name), default)  # noqa: E731
+    heads = own("num_heads") or cfg.num_heads
+    return Settings(heads, own("num_kv_heads") or heads, own("window"), getattr(cfg, "rotation_pairs", "interleaved"),
+                    own("rotation_base"), own("max_len"))
 
-  def check_config(self, cfg: ml_collections.ConfigDict) -> None:
+  def check_config(self, cfg: base.ModelConfig) -> None:
     heads, kv_heads, window, pairs, base_, max_len = self.settings(cfg)
     heads_field = self.field("num_heads")
     fallback = " (or None: model.num_heads)" if self.prefix else ""
@@ -261,10 +260,10 @@ class Attention(base.Mixer):
     config_checks.finite_number(base_, f"model.{self.field('rotation_base')}", positive=True)
     config_checks.positive_int(max_len, f"model.{self.field('max_len')}")
 
-  def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> CausalSelfAttention:
+  def layer(self, cfg: base.ModelConfig, *, dtype, rngs: nnx.Rngs) -> CausalSelfAttention:
     return CausalSelfAttention(cfg, self.settings(cfg), dtype=dtype, rngs=rngs)
 
-  def context(self, cfg: ml_collections.ConfigDict, call: base.Call) -> Context:
+  def context(self, cfg: base.ModelConfig, call: base.Call) -> Context:
     if (split := sharding.sequence_split()) is not None:
       self.check_sequence_split(cfg, f"the active mesh splits sequences over its {split[0]!r} axis ({split[1]} "
                                      "devices)", split[1], 0, (call.mode,))
@@ -273,47 +272,47 @@ class Attention(base.Mixer):
     document_BxL = None if call.segment_ids_BxL is None else segments.document_index(call.segment_ids_BxL)
     return Context(call.positions_BxL, tables, call.mode, document_BxL)
 
-  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None) -> KVCache:
+  def init_state(self, cfg: base.ModelConfig, batch_size: int, max_len: int | None = None) -> KVCache:
     """An empty KV cache of `window` slots, else `max_len` (default the model's), and `next_slot` 0."""
     settings = self.settings(cfg)
     size = settings.window or max_len or settings.max_len
     return empty_cache(batch_size, size, settings.num_kv_heads, cfg.d_model // settings.num_heads,
                        layers.compute_dtype(cfg.dtype))
 
-  def state_for(self, cfg: ml_collections.ConfigDict, batch_size: int, found: Any) -> KVCache:
+  def state_for(self, cfg: base.ModelConfig, batch_size: int, found: Any) -> KVCache:
     size = None
     if not self.settings(cfg).window and isinstance(found, KVCache) and len(found.key) > 1:
       size = found.key[1]  # an unwindowed cache may be made of any size
     return self.init_state(cfg, batch_size, size)
 
-  def check_room(self, cfg: ml_collections.ConfigDict, state: KVCache, length: int) -> None:
+  def check_room(self, cfg: base.ModelConfig, state: KVCache, length: int) -> None:
     if not self.settings(cfg).window:
       check_room(state.next_slot, state.key.shape[1], length, f"model.{self.field('max_len')}")
 
-  def cache_field(self, cfg: ml_collections.ConfigDict) -> str | None:
+  def cache_field(self, cfg: base.ModelConfig) -> str | None:
     return None if self.settings(cfg).window else self.field("max_len")
 
-  def state_field(self, cfg: ml_collections.ConfigDict) -> str | None:
+  def state_field(self, cfg: base.ModelConfig) -> str | None:
     return self.field("window") if self.settings(cfg).window else self.field("max_len")
 
-  def decode_context(self, cfg: ml_collections.ConfigDict) -> int:
+  def decode_context(self, cfg: base.ModelConfig) -> int:
     settings = self.settings(cfg)
     return settings.window or settings.max_len
 
-  def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
+  def matmul_params(self, cfg: base.ModelConfig) -> int:
     """q, k, v, o: d^2 each, k and v scaled by the key/value heads' share."""
     heads, kv_heads = self.settings(cfg)[:2]
     d = cfg.d_model
     return 2 * d * d + 2 * d * (d * kv_heads // heads)
 
-  def mixing_flops(self, cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  def mixing_flops(self, cfg: base.ModelConfig, seq_len: int, mode: str) -> int:
     """The full [L, L] score matrix and its product with V, 4 L d per token (a window masks scores, it does not
     skip them); a windowed layer decoding (recurrent) reads its W cached tokens, 4 W d."""
     window = self.settings(cfg).window
     keys = min(seq_len, window) if window and mode == "recurrent" else seq_len
     return 4 * keys * cfg.d_model
 
-  def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
+  def check_segments(self, cfg: base.ModelConfig, segment_len: int, seq_len: int, mode: str) -> None:
     settings, field = self.settings(cfg), f"model.{self.field('max_len')}"
     if not settings.window and seq_len > settings.max_len:
       raise ValueError(f"train.segment_len={segment_len} carries the attention layers' KV caches from segment to "
@@ -321,7 +320,7 @@ class Attention(base.Mixer):
                        f"exceeds {field}={settings.max_len}. Raise it (--config.{field}={seq_len}) or set "
                        f"model.{self.field('window')}.")
 
-  def check_sequence_split(self, cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
+  def check_sequence_split(self, cfg: base.ModelConfig, where: str, devices: int, length: int,
                            modes: tuple[str, ...]) -> None:
     raise ValueError(f"{where}, but {self.what(cfg)} are attention layers, and only retention splits sequences "
                      "(sequence-parallel attention is not built): use a mesh whose sequence axis has size 1.")

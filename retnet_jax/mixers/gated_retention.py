@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -73,7 +72,7 @@ class GatedRetentionLayer(multiscale_retention.RetentionLayer):
   bias `gt_bias` `[H]` (`retnet_gate_bias`); with `yoco` there is none.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: base.ModelConfig, *, dtype, rngs: nnx.Rngs):
     super().__init__(cfg, per_token_decay=True, dtype=dtype, rngs=rngs)
     self.gate_logit_normalizer = float(cfg.gate_logit_normalizer)
     self.gt_proj = layers.Dense(cfg.d_model, cfg.num_heads, ("embed", "heads"), init=layers.xavier_uniform(2**-2.5),
@@ -123,7 +122,7 @@ class GatedRetention(multiscale_retention.Retention):
   name = "gated_retention"
   own_fields = ("gate_logit_normalizer", "gate_init")
 
-  def check_config(self, cfg: ml_collections.ConfigDict) -> None:
+  def check_config(self, cfg: base.ModelConfig) -> None:
     multiscale_retention.check_retention_fields(cfg)
     config_checks.finite_number(cfg.gate_logit_normalizer, "model.gate_logit_normalizer", positive=True,
                                 why="the gate's log-sigmoid is divided by it; YOCO's is 16")
@@ -135,26 +134,26 @@ class GatedRetention(multiscale_retention.Retention):
     if cfg.retention_impl == "pallas" and (reason := multiscale_retention.kernel_config_unfit(cfg, True)):
       raise ValueError(f"model.retention_impl='pallas' cannot run: {reason}")
 
-  def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> GatedRetentionLayer:
+  def layer(self, cfg: base.ModelConfig, *, dtype, rngs: nnx.Rngs) -> GatedRetentionLayer:
     return GatedRetentionLayer(cfg, dtype=dtype, rngs=rngs)
 
-  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None
+  def init_state(self, cfg: base.ModelConfig, batch_size: int, max_len: int | None = None
                  ) -> multiscale_retention.RetentionState:
     """`kv [B, H, d_k, d_v]` float32 zeros, retention's state without a normaliser (`max_len` is unused)."""
     return multiscale_retention.RetentionState(super().init_state(cfg, batch_size, max_len).kv)
 
-  def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
+  def matmul_params(self, cfg: base.ModelConfig) -> int:
     """Multi-scale retention's projections (q, k, v, g, out) and the gate's, d x heads (`gate_init="retnet"`'s
     bias is no matmul)."""
     return super().matmul_params(cfg) + cfg.d_model * cfg.num_heads
 
-  def check_backend(self, cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+  def check_backend(self, cfg: base.ModelConfig, backend: str | None = None) -> None:
     multiscale_retention.check_retention_impl(cfg, backend, per_token_decay=True)
 
-  def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
+  def check_segments(self, cfg: base.ModelConfig, segment_len: int, seq_len: int, mode: str) -> None:
     """Any segment length: no normaliser depends on where chunks start."""
 
-  def document_refusal(self, cfg: ml_collections.ConfigDict, mode: str) -> str | None:
+  def document_refusal(self, cfg: base.ModelConfig, mode: str) -> str | None:
     return None  # every form resets the state at a document start; no normaliser spans documents
 
 

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -41,7 +40,7 @@ class Context(NamedTuple):
   segment_ids_BxL: jax.Array | None
 
 
-def kernel_config_unfit(cfg: ml_collections.ConfigDict, per_token_decay: bool = False) -> str | None:
+def kernel_config_unfit(cfg: base.ModelConfig, per_token_decay: bool = False) -> str | None:
   """Why the Pallas kernels cannot take this model's chunkwise retention on any backend, or None. With
   `per_token_decay` (gated retention: a decay per token, no normaliser) only the split layout takes the decays."""
   if per_token_decay and cfg.kernel_layout != "split":
@@ -53,7 +52,7 @@ def kernel_config_unfit(cfg: ml_collections.ConfigDict, per_token_decay: bool = 
   return None
 
 
-def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None, per_token_decay: bool = False) -> str | None:
+def kernel_unfit(cfg: base.ModelConfig, backend: str | None, per_token_decay: bool = False) -> str | None:
   """Why the compiled Pallas kernels cannot run this model's chunkwise retention on `backend`, or None: its
   configuration (`kernel_config_unfit`), then the kernels' sizes and dtypes on that backend."""
   if reason := kernel_config_unfit(cfg, per_token_decay):
@@ -66,7 +65,7 @@ def kernel_unfit(cfg: ml_collections.ConfigDict, backend: str | None, per_token_
   return None
 
 
-def check_retention_impl(cfg: ml_collections.ConfigDict, backend: str | None = None,
+def check_retention_impl(cfg: base.ModelConfig, backend: str | None = None,
                          per_token_decay: bool = False) -> None:
   """Raises ValueError naming the limit and the fix where `retention_impl=pallas` cannot compile on `backend`
   (default: JAX's) for this model (`per_token_decay` as in `kernel_unfit`): before any work, as training and
@@ -76,23 +75,23 @@ def check_retention_impl(cfg: ml_collections.ConfigDict, backend: str | None = N
     raise ValueError(f"model.retention_impl='pallas' cannot run here: {reason}")
 
 
-def uses_kernel(cfg: ml_collections.ConfigDict, backend: str | None = None, per_token_decay: bool = False) -> bool:
+def uses_kernel(cfg: base.ModelConfig, backend: str | None = None, per_token_decay: bool = False) -> bool:
   """Whether the chunkwise form runs as the Pallas kernels: `pallas` (interpreted where they do not compile: for
   tests), or `auto` where they compile (`per_token_decay` as in `kernel_unfit`)."""
   return cfg.retention_impl == "pallas" or (cfg.retention_impl == "auto" and
                                             kernel_unfit(cfg, backend, per_token_decay) is None)
 
 
-def kv_heads(cfg: ml_collections.ConfigDict) -> int:
+def kv_heads(cfg: base.ModelConfig) -> int:
   """The key/value heads of a model config: `num_kv_heads`, or `num_heads` where it is None."""
   return cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads
 
 
-def check_retention_fields(cfg: ml_collections.ConfigDict) -> None:
+def check_retention_fields(cfg: base.ModelConfig) -> None:
   """Raises ValueError naming the field, the bad value and the fix for the fields every retention layer reads
   (`RetentionLayer`'s: heads, widths, rotation, head norm, chunk size, implementation), whatever its decay."""
   for field in ("num_heads", "value_dim"):
-    config_checks.positive_int(cfg[field], f"model.{field}")
+    config_checks.positive_int(getattr(cfg, field), f"model.{field}")
   if cfg.d_model % cfg.num_heads:
     raise ValueError(f"model.d_model={cfg.d_model} is not divisible by model.num_heads={cfg.num_heads}; "
                      "choose num_heads dividing d_model.")
@@ -122,7 +121,7 @@ class RetentionLayer(nnx.Module):
   state. With `segment_ids` (packed documents, `retnet_jax.core.segments`) every form retains within a document only.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, per_token_decay: bool, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: base.ModelConfig, *, per_token_decay: bool, dtype, rngs: nnx.Rngs):
     d, heads = cfg.d_model, cfg.num_heads
     self.num_heads = heads
     self.num_kv_heads = kv_heads(cfg)
@@ -209,7 +208,7 @@ class MultiScaleRetention(RetentionLayer):
   it gives alone; with packed documents positions count from each document's start, so the normaliser restarts too.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: base.ModelConfig, *, dtype, rngs: nnx.Rngs):
     super().__init__(cfg, per_token_decay=False, dtype=dtype, rngs=rngs)
     self.stability_norm = cfg.stability_norm
     self.stability_norm_style = cfg.stability_norm_style
@@ -293,20 +292,20 @@ class Retention(base.Mixer):
   # and fla's set them, so a gated model built on those presets carries them unset by its user)
   own_fields = ("decay_schedule", "decay_gammas")
 
-  def check_config(self, cfg: ml_collections.ConfigDict) -> None:
+  def check_config(self, cfg: base.ModelConfig) -> None:
     check_retention_fields(cfg)
     decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
     config_checks.choice(cfg.stability_norm_style, "model.stability_norm_style", stability.NORM_STYLES)
 
-  def layer(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs) -> MultiScaleRetention:
+  def layer(self, cfg: base.ModelConfig, *, dtype, rngs: nnx.Rngs) -> MultiScaleRetention:
     return MultiScaleRetention(cfg, dtype=dtype, rngs=rngs)
 
-  def context(self, cfg: ml_collections.ConfigDict, call: base.Call) -> Context:
+  def context(self, cfg: base.ModelConfig, call: base.Call) -> Context:
     if call.segment_ids_BxL is not None and (reason := self.document_refusal(cfg, call.mode)):
       raise ValueError(f"segment_ids cannot reset {reason}.")
     return Context(call.positions_BxL, rotation.tables_for(cfg, call.positions_BxL), call.mode, call.segment_ids_BxL)
 
-  def init_state(self, cfg: ml_collections.ConfigDict, batch_size: int, max_len: int | None = None
+  def init_state(self, cfg: base.ModelConfig, batch_size: int, max_len: int | None = None
                  ) -> RetentionState:
     """`kv [B, H, d_k, d_v]` zeros, plus `key_sum [B, H, d_k]` if normalised; float32 (`max_len` is unused)."""
     del max_len
@@ -315,13 +314,13 @@ class Retention(base.Mixer):
     key_sum = jnp.zeros((batch_size, heads, d_k), jnp.float32) if cfg.stability_norm else None
     return RetentionState(jnp.zeros((batch_size, heads, d_k, d_v), jnp.float32), key_sum)
 
-  def matmul_params(self, cfg: ml_collections.ConfigDict) -> int:
+  def matmul_params(self, cfg: base.ModelConfig) -> int:
     """q (d^2), k (d^2), v (d d_v), each of k and v scaled by num_kv_heads / num_heads, g (d d_v), out (d_v d)."""
     d, v = cfg.d_model, cfg.value_dim
     kv_share = kv_heads(cfg) / cfg.num_heads
     return d * d + round(kv_share * (d * d + d * v)) + d * v + v * d
 
-  def mixing_flops(self, cfg: ml_collections.ConfigDict, seq_len: int, mode: str) -> int:
+  def mixing_flops(self, cfg: base.ModelConfig, seq_len: int, mode: str) -> int:
     """As the form computes them. parallel: the full [L, L] score matrix and its product with V, 2 L (d + d_v) per
     token; chunkwise: the same inside a chunk of C, plus the cross-chunk read q S and the state update k^T v,
     2 C (d + d_v) + 4 d d_v / H; recurrent: the state update and read, 4 d d_v / H."""
@@ -335,10 +334,10 @@ class Retention(base.Mixer):
       return state_rw
     raise ValueError(f"unknown mode {mode!r}; choose parallel, chunkwise or recurrent.")
 
-  def check_backend(self, cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+  def check_backend(self, cfg: base.ModelConfig, backend: str | None = None) -> None:
     check_retention_impl(cfg, backend)
 
-  def check_sequence_split(self, cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
+  def check_sequence_split(self, cfg: base.ModelConfig, where: str, devices: int, length: int,
                            modes: tuple[str, ...]) -> None:
     if "recurrent" in modes:
       raise ValueError(f"{where}, which the recurrent form (one token after another) cannot use: use the parallel "
@@ -351,13 +350,13 @@ class Retention(base.Mixer):
                        f"{devices} x model.chunk_size {cfg.chunk_size} = {devices * cfg.chunk_size}: change "
                        "train.seq_len (or train.segment_len), the chunk size or the sequence axis's size.")
 
-  def check_segments(self, cfg: ml_collections.ConfigDict, segment_len: int, seq_len: int, mode: str) -> None:
+  def check_segments(self, cfg: base.ModelConfig, segment_len: int, seq_len: int, mode: str) -> None:
     if mode == "chunkwise" and stability.torchscale_normaliser(cfg) and segment_len % cfg.chunk_size:
       raise ValueError(f"train.segment_len={segment_len} is not a multiple of model.chunk_size={cfg.chunk_size}: "
                        "the torchscale-style chunkwise normaliser depends on where chunks start; choose a multiple "
                        "of the chunk size.")
 
-  def document_refusal(self, cfg: ml_collections.ConfigDict, mode: str) -> str | None:
+  def document_refusal(self, cfg: base.ModelConfig, mode: str) -> str | None:
     if mode == "chunkwise" and stability.torchscale_normaliser(cfg):
       return ("the chunkwise form of model.stability_norm_style='torchscale' (its per-chunk scalars span "
               "documents): use the parallel or recurrent form, or model.stability_norm_style='shared'")

@@ -12,7 +12,7 @@ mixers (`layer_mixers`, `mixers`) or the functions below.
 
 from __future__ import annotations
 
-import ml_collections
+from typing import Any
 
 from retnet_jax.core import config_checks
 from retnet_jax.mixers import attention, base, gated_retention, multiscale_retention
@@ -31,26 +31,26 @@ SEQUENCE_MODES = tuple(mode for mode in MODES if mode != "recurrent")
 PREFILL_MODES = tuple(sorted(SEQUENCE_MODES, key=lambda mode: mode != "chunkwise"))
 
 
-def architecture(cfg: ml_collections.ConfigDict) -> str:
-  """`cfg.architecture`, or ValueError naming it and the choices if it is unknown."""
-  return config_checks.choice(cfg.get("architecture"), "model.architecture", ARCHITECTURES,
+def architecture(name: Any) -> str:
+  """`name` (a model section's `architecture`), or ValueError naming it and the choices if it is unknown."""
+  return config_checks.choice(name, "model.architecture", ARCHITECTURES,
                               otherwise=" (--config=configs/retnet.py:NAME or --config=configs/transformer.py:NAME)")
 
 
-def layer_mixers(cfg: ml_collections.ConfigDict) -> tuple[base.Mixer, ...]:
+def layer_mixers(cfg: base.ModelConfig) -> tuple[base.Mixer, ...]:
   """The mixer of each layer of model section `cfg` (checked by `check_config`)."""
-  if architecture(cfg) == "transformer":
+  if cfg.architecture == "transformer":
     return (attention.TRANSFORMER,) * cfg.num_layers
   mixer = MIXERS[cfg.mixer]
   return tuple(attention.HYBRID if layer in cfg.attention_layers else mixer for layer in range(cfg.num_layers))
 
 
-def mixers(cfg: ml_collections.ConfigDict) -> tuple[base.Mixer, ...]:
+def mixers(cfg: base.ModelConfig) -> tuple[base.Mixer, ...]:
   """The distinct mixers of `cfg`'s layers, in the order the layers first use them."""
   return tuple(dict.fromkeys(layer_mixers(cfg)))
 
 
-def _check_attention_layers(cfg: ml_collections.ConfigDict) -> None:
+def _check_attention_layers(cfg: base.ModelConfig) -> None:
   """A RetNet's per-layer choice: indices in range and distinct, and no attention option without attention
   layers."""
   chosen = cfg.attention_layers
@@ -58,8 +58,8 @@ def _check_attention_layers(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.attention_layers must be a tuple of layer indices, e.g. (1,) or (3, 7); got {chosen!r}.")
   if not chosen:
     for name in ("attention_num_heads", "attention_num_kv_heads", "attention_window"):
-      if cfg[name] is not None:
-        raise ValueError(f"model.{name}={cfg[name]} configures attention layers, but model.attention_layers is "
+      if getattr(cfg, name) is not None:
+        raise ValueError(f"model.{name}={getattr(cfg, name)} configures attention layers, but model.attention_layers is "
                          "empty: name them (e.g. --config.model.attention_layers='(1,)') or unset "
                          f"model.{name}.")
     return
@@ -75,36 +75,24 @@ def _check_attention_layers(cfg: ml_collections.ConfigDict) -> None:
 _DEFAULTS = presets.model_config("tiny")  # the model fields' defaults (the mixers' own fields are no preset's size)
 
 
-def _check_other_mixers_fields(cfg: ml_collections.ConfigDict) -> None:
+def _check_other_mixers_fields(cfg: base.ModelConfig) -> None:
   """No field that only a mixer this RetNet's layers do not run reads (`Mixer.own_fields`) set away from its
   default: the model would ignore it, as attention options without attention layers (`_check_attention_layers`)."""
   used = mixers(cfg)
   read = {field for mixer in used for field in mixer.own_fields}
   for mixer in MIXERS.values():
     for field in mixer.own_fields:
-      if mixer not in used and field not in read and cfg[field] != _DEFAULTS[field]:
-        raise ValueError(f"model.{field}={cfg[field]!r} is read by model.mixer={mixer.name!r} only, but this "
+      if mixer not in used and field not in read and getattr(cfg, field) != _DEFAULTS[field]:
+        raise ValueError(f"model.{field}={getattr(cfg, field)!r} is read by model.mixer={mixer.name!r} only, but this "
                          f"model's layers run {', '.join(repr(m.name) for m in used)}, which ignore it: leave "
                          f"model.{field} at its default ({_DEFAULTS[field]!r}), or set model.mixer={mixer.name!r}.")
 
 
-def check_config(cfg: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the bad value and the fix for a model section that cannot be built: an unknown
-  architecture or mixer, another architecture's fields, or a bad value of its own (TypeError for something other
-  than the model fields)."""
-  if not isinstance(cfg, ml_collections.ConfigDict) or "d_model" not in cfg:
-    full = isinstance(cfg, ml_collections.ConfigDict) and "model" in cfg
-    raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
-                    + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
-  name = architecture(cfg)
-  missing, foreign = sorted(presets.MODEL_FIELDS[name] - set(cfg)), sorted(set(cfg) - presets.MODEL_FIELDS[name])
-  if missing or foreign:
-    parts = ([f"it lacks {', '.join('model.' + k for k in missing)}"] if missing else []) + (
-        [f"{', '.join('model.' + k for k in foreign)} are not {name} fields"] if foreign else [])
-    raise ValueError(f"model.architecture={name!r} does not fit this model section ({'; '.join(parts)}); take "
-                     f"the whole section from configs/{name}.py, e.g. --config=configs/{name}.py:small.")
+def check_config(cfg: base.ModelConfig) -> None:
+  """Raises ValueError naming the bad value and the fix for a model section that cannot be built: an unknown mixer,
+  or a bad value of its own or of its mixers' fields (`model_config` checks the section's field names)."""
   layers.check_config(cfg)
-  if name == "retnet":
+  if cfg.architecture == "retnet":
     config_checks.choice(cfg.mixer, "model.mixer", MIXERS)
     _check_attention_layers(cfg)
     _check_other_mixers_fields(cfg)
@@ -112,27 +100,27 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
     mixer.check_config(cfg)
 
 
-def modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+def modes(cfg: base.ModelConfig) -> tuple[str, ...]:
   """The forms the model of `cfg` computes, parallel first: its mixers' (parallel, chunkwise, recurrent for
   retention; parallel, recurrent for a Transformer's attention)."""
   own = {mode for mixer in mixers(cfg) for mode in mixer.modes}
   return tuple(mode for mode in MODES if mode in own)
 
 
-def prefill_modes(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+def prefill_modes(cfg: base.ModelConfig) -> tuple[str, ...]:
   """The forms of PREFILL_MODES the model of `cfg` computes, its default first: chunkwise, parallel for RetNet;
   parallel for the Transformer."""
   return tuple(mode for mode in PREFILL_MODES if mode in modes(cfg))
 
 
-def check_backend(cfg: ml_collections.ConfigDict, backend: str | None = None) -> None:
+def check_backend(cfg: base.ModelConfig, backend: str | None = None) -> None:
   """Raises ValueError naming the field and the fix where an implementation `cfg` chooses (the Pallas kernels)
   cannot run on `backend` (default: JAX's)."""
   for mixer in mixers(cfg):
     mixer.check_backend(cfg, backend)
 
 
-def check_training(config: ml_collections.ConfigDict) -> None:
+def check_training(config: Any) -> None:
   """Raises ValueError naming the option and the fix for train options the model lacks: a form it does not
   compute, state-carrying segments where no layer's state has a fixed size."""
   cfg, train = config.model, config.train
@@ -146,7 +134,7 @@ def check_training(config: ml_collections.ConfigDict) -> None:
                      "--config.train.segment_len=0 (train.remat trades compute for memory instead).")
 
 
-def check_sequence_split(cfg: ml_collections.ConfigDict, where: str, devices: int, length: int,
+def check_sequence_split(cfg: base.ModelConfig, where: str, devices: int, length: int,
                          modes_: tuple[str, ...]) -> None:
   """Raises ValueError (beginning with `where`) where some layer cannot split calls of `length` tokens in `modes_`
   over `devices` devices of the sequence axis (mixers that cannot split at all are asked first)."""
@@ -154,22 +142,22 @@ def check_sequence_split(cfg: ml_collections.ConfigDict, where: str, devices: in
     mixer.check_sequence_split(cfg, where, devices, length, modes_)
 
 
-def document_refusal(cfg: ml_collections.ConfigDict, mode: str) -> str | None:
+def document_refusal(cfg: base.ModelConfig, mode: str) -> str | None:
   """Why some layer cannot reset its state at packed documents in `mode` (`Mixer.document_refusal`), or None."""
   return next(filter(None, (mixer.document_refusal(cfg, mode) for mixer in mixers(cfg))), None)
 
 
-def cache_field(cfg: ml_collections.ConfigDict) -> str | None:
+def cache_field(cfg: base.ModelConfig) -> str | None:
   """The model field sizing a KV cache that must hold the whole context (a Transformer's `max_len`, an unwindowed
   hybrid's `attention_max_len`), or None: the decoding state's size does not grow with the context."""
   return next(filter(None, (mixer.cache_field(cfg) for mixer in mixers(cfg))), None)
 
 
-def state_fields(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+def state_fields(cfg: base.ModelConfig) -> tuple[str, ...]:
   """The model fields that size the layers' decoding states (a window, a KV cache's length), in layer order."""
   return tuple(dict.fromkeys(filter(None, (mixer.state_field(cfg) for mixer in mixers(cfg)))))
 
 
-def decode_context(cfg: ml_collections.ConfigDict) -> int:
+def decode_context(cfg: base.ModelConfig) -> int:
   """The tokens the widest layer reads per decoding step: 1 for retention, a KV cache's slots for attention."""
   return max(mixer.decode_context(cfg) for mixer in mixers(cfg))

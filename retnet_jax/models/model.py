@@ -19,13 +19,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from retnet_jax.core import segments, sharding
 from retnet_jax.mixers import base
-from retnet_jax.models import architectures
+from retnet_jax.models import architectures, model_config
 from retnet_jax.nn import layer_stack, layers
 
 MAX_POSITION = 2**31 - 1  # positions are int32
@@ -57,7 +56,7 @@ def shapes(tree: Any) -> Any:
   return jax.tree.map(lambda x: tuple(np.shape(x)), tree)
 
 
-def check_state(cfg: ml_collections.ConfigDict, state: Any, batch: int) -> None:
+def check_state(cfg: model_config.ModelConfig, state: Any, batch: int) -> None:
   """Checks a carried state against the model config and the token batch: its layers, their trees and shapes."""
   if not isinstance(state, ModelState):
     raise ValueError(f"state must be a ModelState(position, layers), as model.init_state and the model return it; "
@@ -85,7 +84,7 @@ class Block(nnx.Module):
   layer and norm are the attributes `NAME` and `NAME_norm` of its name (`retention`, `attention`): the parameter
   paths checkpoints hold."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, mixer: base.Mixer, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: model_config.ModelConfig, mixer: base.Mixer, *, dtype, rngs: nnx.Rngs):
     self.mixer_name = mixer.name
     setattr(self, f"{mixer.name}_norm", layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs))
     setattr(self, mixer.name, mixer.layer(cfg, dtype=dtype, rngs=rngs))
@@ -109,14 +108,14 @@ class Model(nnx.Module):
   (`layer_stack`; a hybrid's by the period of its retention and attention blocks): the same function.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
-    architectures.check_config(cfg)
-    self.config = ml_collections.FrozenConfigDict(cfg)
+  def __init__(self, cfg: model_config.ModelConfig | Any, *, rngs: nnx.Rngs):
+    """`cfg`: the model section, typed (`model_config.of`) or as the config holds it (built and checked here)."""
+    cfg = self.config = model_config.of(cfg)
     dtype = layers.compute_dtype(cfg.dtype)
     self.embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
-    self.embed_scale = cfg.d_model**0.5 if cfg.get("scale_embedding") else None
-    self.embed_norm = (layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs) if cfg.get("embed_norm")
-                       else None)
+    self.embed_scale = cfg.d_model**0.5 if getattr(cfg, "scale_embedding", False) else None
+    self.embed_norm = (layers.RMSNorm(cfg.d_model, cfg.norm_eps, dtype=dtype, rngs=rngs)
+                       if getattr(cfg, "embed_norm", False) else None)
     mixers = architectures.layer_mixers(cfg)
     self.blocks = layer_stack.build(lambda r, layer: Block(cfg, mixers[layer], dtype=dtype, rngs=r), cfg.num_layers,
                                     cfg.scan_layers, rngs)

@@ -136,65 +136,47 @@ def preset(name: str) -> Preset:
 
 
 def model_config(name: str) -> config_dict.ConfigDict:
-  """The `model` section for a preset."""
+  """The `model` section for a preset: its values (each field's type and meaning: `model_config`'s sections,
+  docs/config.md)."""
   sizes = preset(name).model
   model = config_dict.ConfigDict(dict(
-      architecture="retnet",  # retnet | transformer (configs/transformer.py)
-      # every layer's token mixer but attention_layers' (`architectures.MIXERS`): retention | gated_retention
-      # (YOCO's per-token decay: decay_schedule, decay_gammas and the stability_norm fields are not read)
+      architecture="retnet",
       mixer="retention",
       vocab_size=sizes.vocab_size,
       d_model=sizes.d_model,
       num_layers=sizes.num_layers,
       num_heads=sizes.num_heads,
-      # key/value heads, each shared by num_heads / num_kv_heads query heads; None: num_heads
       num_kv_heads=config_dict.placeholder(int),
-      value_dim=sizes.value_dim,  # total value width (all heads); the paper uses 2 x d_model
+      value_dim=sizes.value_dim,
       ffn_dim=sizes.ffn_dim,
-      ffn_activation="gelu",  # gelu (exact) | gelu_tanh | swish | relu
+      ffn_activation="gelu",
       tie_embeddings=sizes.tie_embeddings,
-      chunk_size=sizes.chunk_size,  # chunk length of the chunkwise form
-      decay_schedule="retnet",  # retnet: 1 - 2^(-5-h) | logspace: the paper's experiments | explicit
-      decay_gammas=config_dict.placeholder(tuple),  # one gamma per head, for decay_schedule="explicit"
+      chunk_size=sizes.chunk_size,
+      decay_schedule="retnet",
+      decay_gammas=config_dict.placeholder(tuple),
       rotation_base=10000.0,
-      rotation_pairs="interleaved",  # interleaved: features (2j, 2j+1) (torchscale) | half: (j, j + d_k/2) (fla)
-      rotation_freqs="linspace",  # linspace: base^(-j/(d_k/2-1)) (torchscale) | rope: base^(-2j/d_k) (fla)
-      stability_norm=True,  # divide raw retention by sqrt(sum of decays) and the clamped score sum
-      # shared: one scalar that every form computes alike (forms agree exactly) | torchscale: the official
-      # code's per-form scalars (its outputs reproduced form by form; forms agree up to head_norm_eps)
+      rotation_pairs="interleaved",
+      rotation_freqs="linspace",
+      stability_norm=True,
       stability_norm_style="shared",
-      gate_logit_normalizer=16.0,  # gated_retention: log gamma_t = logsigmoid(x_t W_gt) / this (YOCO: 16)
-      # gated_retention's gate at initialisation: yoco (no bias: every head near 2^(-1/16)) | retnet (a learned
-      # per-head bias starting head h at RetNet's decay 1 - 2^(-5-h))
+      gate_logit_normalizer=16.0,
       gate_init="yoco",
-      head_norm_eps=1e-6,  # per-head RMSNorm epsilon
-      head_norm_scale=False,  # a learned scale in the per-head RMSNorm, shared by all heads (fla)
-      norm_eps=1e-6,  # block, final and embedding RMSNorm epsilon
-      scale_embedding=False,  # multiply token embeddings by sqrt(d_model)
-      embed_norm=False,  # RMSNorm on the embeddings before the first block
-      dtype=sizes.dtype,  # compute dtype: float32 | bfloat16; training keeps float32 parameters
-      # the weights' dtype outside training (evaluation, generation, export): float32 | bfloat16 (half the
-      # weight reads of decoding); training always keeps float32 masters
+      head_norm_eps=1e-6,
+      head_norm_scale=False,
+      norm_eps=1e-6,
+      scale_embedding=False,
+      embed_norm=False,
+      dtype=sizes.dtype,
       param_dtype="float32",
-      # every matmul's precision: default (on GPUs float32 runs in TF32) | high | highest (exact float32)
       matmul_precision="default",
-      # the chunkwise form: xla (einsums) | pallas (fused kernels, GPU) | auto (pallas where it compiles, else xla)
       retention_impl="xla",
-      # the Pallas kernels' layout (`kernels.LAYOUTS`): split (a state pass, then chunk-parallel kernels) | fused
-      # (one pass over the chunks per head); kept selectable until a GPU run has timed both
       kernel_layout="split",
-      # the blocks' parameters stacked on a leading layer axis and run under a scan: compile time independent
-      # of depth; the same function as the unrolled blocks, and checkpoints restore across the two layouts
       scan_layers=False,
-      # hybrids: these layers (indices) use softmax attention, the Transformer's, in place of retention
       attention_layers=(),
-      attention_num_heads=config_dict.placeholder(int),  # None: num_heads
-      attention_num_kv_heads=config_dict.placeholder(int),  # None: one key/value head per query head
-      # attend to the last W tokens only, through a ring-buffer KV cache of W tokens (decoding memory constant in
-      # the context); None: every earlier token
+      attention_num_heads=config_dict.placeholder(int),
+      attention_num_kv_heads=config_dict.placeholder(int),
       attention_window=config_dict.placeholder(int),
-      attention_rotation_base=10000.0,  # the attention layers' rotary base (fla: rope_theta)
-      # KV-cache length of unwindowed attention layers: the longest prompt + generation a decoding state holds
+      attention_rotation_base=10000.0,
       attention_max_len=max(preset(name).train.seq_len, 1024),
   ))
   model.update(dict(sizes.options))
@@ -220,29 +202,14 @@ def transformer_config(retnet_model: config_dict.ConfigDict, max_len: int) -> co
       ffn_activation=retnet_model.ffn_activation,
       tie_embeddings=retnet_model.tie_embeddings,
       rotation_base=retnet_model.rotation_base,
-      rotation_freqs=retnet_model.rotation_freqs,  # interleaved pairs at these frequencies
+      rotation_freqs=retnet_model.rotation_freqs,
       norm_eps=retnet_model.norm_eps,
       dtype=retnet_model.dtype,
       param_dtype=retnet_model.param_dtype,
       matmul_precision=retnet_model.matmul_precision,
-      max_len=max_len,  # KV-cache length: the longest prompt + generation a decoding state holds
-      scan_layers=retnet_model.scan_layers,  # as RetNet's model.scan_layers
+      max_len=max_len,
+      scan_layers=retnet_model.scan_layers,
   ))
-
-
-def check_full_config(config: Any, argument: str = "config") -> None:
-  """Raises TypeError, naming what was given and the fix, unless `config` is a full config (model, data, train,
-  mesh, ...) as `get_config` builds it."""
-  if isinstance(config, config_dict.ConfigDict) and all(name in config for name in ("model", "data", "train", "mesh")):
-    return
-  if isinstance(config, str):
-    got = f"the string {config!r}: build the config with get_config (configs/retnet.py:NAME's get_config('NAME'))"
-  elif isinstance(config, config_dict.ConfigDict) and "d_model" in config:
-    got = "the model fields alone (config.model): pass the whole config"
-  else:
-    got = f"a {type(config).__name__}"
-  raise TypeError(f"{argument} must be the full config (an ml_collections.ConfigDict with model, data, train, mesh, "
-                  f"... as get_config builds it); got {got}.")
 
 
 # Each architecture's model section from the preset's RetNet section and training run (the Transformer's with a KV
@@ -253,7 +220,8 @@ MODEL_SECTIONS = MappingProxyType({
 
 
 def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDict:
-  """The full locked config of the preset called `name`, for `architecture` (retnet | transformer)."""
+  """The full locked config of the preset called `name`, for `architecture` (retnet | transformer): every field's
+  value (its type and meaning: the typed sections that `training.run_config.build` makes of it, docs/config.md)."""
   if architecture not in ARCHITECTURES:
     raise ValueError(f"unknown architecture {architecture!r}; choose one of {ARCHITECTURES}.")
   config = config_dict.ConfigDict()
@@ -264,86 +232,64 @@ def get_config(name: str, architecture: str = "retnet") -> config_dict.ConfigDic
   config.model = MODEL_SECTIONS[architecture](config.model, run)
 
   config.data = config_dict.ConfigDict(dict(
-      files=(),  # local .txt / .jsonl / .json / .parquet files; empty: the shipped corpus data/tinyshakespeare.txt
-      # corpora prepared by scripts/prepare_data.py (directories), read through Grain instead of files; several
-      # are mixed by prepared_weights (empty: in proportion to their training tokens)
+      files=(),
       prepared=(),
       prepared_weights=(),
-      hub_dataset=config_dict.placeholder(str),  # a datasets hub name (needs network), instead of files
+      hub_dataset=config_dict.placeholder(str),
       hub_config=config_dict.placeholder(str),
-      text_field="text",  # the column holding text in JSON lines / parquet / hub datasets
-      tokenizer="byte",  # byte | path to a tokenizers tokenizer.json
-      validation_files=(),  # explicit validation files; empty: hold out the last validation_fraction
+      text_field="text",
+      tokenizer="byte",
+      validation_files=(),
       validation_fraction=0.1,
-      # packed documents: batches carry each token's document id and retention (attention) resets where a
-      # document (a .txt file, a JSON-lines / Parquet / hub dataset row; a synthetic task's row) starts
       reset_at_documents=False,
-      # a synthetic task instead of text (retnet_jax/input_pipeline/synthetic.py), the loss on its answers only: None |
-      # mqar | passkey
       synthetic=config_dict.placeholder(str),
-      mqar=config_dict.ConfigDict(dict(  # multi-query associative recall (Zoology)
-          vocab_size=config_dict.placeholder(int),  # keys [1, V/2), values [V/2, V); None: model.vocab_size
-          num_pairs=8,  # key-value pairs per example, each queried once
-          query_placement="power",  # power: Zoology's slot weights s^(power_a - 1) | uniform | packed: right after
+      mqar=config_dict.ConfigDict(dict(
+          vocab_size=config_dict.placeholder(int),
+          num_pairs=8,
+          query_placement="power",
           power_a=0.01,
       )),
-      # a key hidden in filler text, asked for at the end (retnet_jax/input_pipeline/passkey.py)
       passkey=config_dict.ConfigDict(dict(
-          depth=config_dict.placeholder(float),  # fraction of the filler before the key; None: uniform per example
+          depth=config_dict.placeholder(float),
           digits=5,
       )),
   ))
 
   config.train = config_dict.ConfigDict(dict(
       steps=run.steps,
-      batch_size=run.batch_size,  # global batch, in sequences
+      batch_size=run.batch_size,
       seq_len=run.seq_len,
-      grad_accum_steps=1,  # micro-batches per step (batch_size must divide evenly)
-      # the form used for training: parallel | chunkwise (RetNet only)
+      grad_accum_steps=1,
       mode="chunkwise" if "chunk_size" in config.model and run.seq_len > 512 else "parallel",
       learning_rate=run.learning_rate,
-      lr_schedule="cosine",  # cosine | linear decay after warm-up
+      lr_schedule="cosine",
       warmup_steps=run.warmup_steps,
-      end_lr_fraction=0.1,  # final learning rate as a fraction of the peak
+      end_lr_fraction=0.1,
       b1=0.9,
       b2=0.98,
-      weight_decay=0.05,  # not applied to norm scales
+      weight_decay=0.05,
       grad_clip_norm=1.0,
-      # jax.checkpoint policy per block (no saving on CPU): none | full | dots_saveable |
-      # dots_with_no_batch_dims_saveable
       remat="none",
-      # > 0: backpropagate through segments of this many tokens carrying the state, recomputing one segment
-      # at a time (memory grows with the segment, not seq_len, for one more forward pass); 0: whole sequences.
-      # RetNet only
       segment_len=0,
-      # > 0: the output projection, logsumexp and loss (and their gradients) computed over tiles of this many
-      # tokens, so the [tokens, vocab] logits never exist for the whole batch; 0: all tokens at once
       loss_tile=run.loss_tile,
-      # the AdamW moments' dtype: float32 | bfloat16 (the first moment only, as MaxText allows; the second stays
-      # float32)
       optimizer_state_dtype="float32",
-      nonfinite="stop",  # a NaN/Inf loss or gradient: stop (naming the step) | skip (the update, counted)
+      nonfinite="stop",
       log_every_steps=50,
       eval_every_steps=300,
       eval_batches=8,
-      profile_steps=config_dict.placeholder(tuple),  # (first, last) step of a profiler trace
+      profile_steps=config_dict.placeholder(tuple),
   ))
 
   config.checkpoint = config_dict.ConfigDict(dict(
       every_steps=300,
-      keep=3,  # the last K checkpoints are kept
-      keep_best=True,  # also keep the one with the best validation loss
+      keep=3,
+      keep_best=True,
       async_save=True,
   ))
 
   config.mesh = config_dict.ConfigDict(dict(
-      # sizes of the (data, fsdp, tensor, sequence) axes; -1 takes the remaining devices. A shape with fewer
-      # entries than axis_names (e.g. an older (data, fsdp, tensor) one) gives the axes left out size 1.
       shape=(-1, 1, 1, 1),
       axis_names=("data", "fsdp", "tensor", "sequence"),
-      # logical axis -> mesh axis (or None); swap these to change the parallelism without code changes. `length`
-      # (the token axis of activations) over `sequence` > 1 splits each sequence over those devices
-      # (sequence-parallel retention, retnet_jax.mixers.sequence_parallel).
       rules=(("batch", ("data", "fsdp")), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"),
              ("mlp", "tensor"), ("length", "sequence")),
   ))

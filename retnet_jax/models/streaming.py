@@ -19,21 +19,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from retnet_jax.core import config_checks, segments, sharding
+from retnet_jax.models import model_config
 
 DEFAULT_BLOCK = 2048  # tokens per block, rounded up to whole chunks: one block's temporaries, a few MB to 100s of MB
 
 
-def block_unit(cfg: ml_collections.ConfigDict) -> int:
+def block_unit(cfg: model_config.ModelConfig) -> int:
   """The tokens a block must be a multiple of: `chunk_size` (a RetNet's; 1 for a Transformer), times the devices of
   the active mesh's axis that splits sequences, which split each block into whole chunks."""
   split = sharding.sequence_split()
-  return cfg.get("chunk_size", 1) * (1 if split is None else split[1])
+  return getattr(cfg, "chunk_size", 1) * (1 if split is None else split[1])
 
 
-def check_block(cfg: ml_collections.ConfigDict, block: int | None, name: str = "prefill_block") -> int:
+def check_block(cfg: model_config.ModelConfig, block: int | None, name: str = "prefill_block") -> int:
   """`block` checked against the model config `cfg` (None: `DEFAULT_BLOCK` rounded up to whole units, `block_unit`;
   0: no streaming, one call), or ValueError naming `name`, the value and the fix."""
   unit = block_unit(cfg)
@@ -43,9 +43,9 @@ def check_block(cfg: ml_collections.ConfigDict, block: int | None, name: str = "
     return 0
   block = config_checks.positive_int(block, name, "tokens per block, or 0: the whole sequence in one call")
   if block % unit:
-    what = (f"model.chunk_size={cfg.chunk_size}" if "chunk_size" in cfg else "1") + (
-        f" times the {unit // cfg.get('chunk_size', 1)} devices that split each sequence"
-        if unit != cfg.get("chunk_size", 1) else "")
+    what = (f"model.chunk_size={cfg.chunk_size}" if hasattr(cfg, "chunk_size") else "1") + (
+        f" times the {unit // getattr(cfg, 'chunk_size', 1)} devices that split each sequence"
+        if unit != getattr(cfg, "chunk_size", 1) else "")
     raise ValueError(f"{name}={block} is not a multiple of {what} = {unit}, so its blocks would not hold whole "
                      f"chunks; use {max(unit, block // unit * unit)} or {-(-block // unit) * unit}.")
   return block

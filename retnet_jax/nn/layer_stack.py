@@ -88,8 +88,7 @@ def as_layout(model: nnx.Module, scanned: bool) -> nnx.Module:
   parameters, moved (itself when already so). Conversions read and write the unrolled layout through it."""
   if is_scanned(model.blocks) == scanned:
     return model
-  cfg = model.config.as_configdict()
-  cfg.scan_layers = scanned
+  cfg = model.config.replace(scan_layers=scanned)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))
   return nnx.merge(graphdef, relayout(nnx.state(model), scanned))
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -48,11 +47,11 @@ def fixed_param(value: Any, axes: tuple[str | None, ...]):
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)  # placed above, not by flax's rules
 
 
-def check_config(cfg: ml_collections.ConfigDict) -> None:
+def check_config(cfg: Any) -> None:
   """Raises ValueError naming the field, the bad value and the fix for the fields of the layers every model has:
   sizes, the norms' epsilon, dtypes, activation and matmul precision."""
   for name in ("d_model", "num_layers", "ffn_dim", "vocab_size"):
-    config_checks.positive_int(cfg[name], f"model.{name}")
+    config_checks.positive_int(getattr(cfg, name), f"model.{name}")
   config_checks.finite_number(cfg.norm_eps, "model.norm_eps")
   compute_dtype(cfg.dtype)
   check_activation(cfg.ffn_activation)
@@ -164,7 +163,7 @@ class Embed(nnx.Module):
 class GLUFeedForward(nnx.Module):
   """GLU feed-forward: (act(x W_1) * (x W_gate)) W_2."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: Any, *, dtype, rngs: nnx.Rngs):
     self.activation = cfg.ffn_activation
     init = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
     self.fc1 = Dense(cfg.d_model, cfg.ffn_dim, ("embed", "mlp"), init=init, dtype=dtype, rngs=rngs)

@@ -12,7 +12,6 @@ config's mesh shape. A compiler out-of-memory is a result (`fits: false`), not a
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 import time
@@ -21,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType
@@ -33,7 +31,7 @@ from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.mixers.kernels import support
 from retnet_jax.models import architectures, streaming
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import train, train_state, train_step as train_step_lib
+from retnet_jax.training import run_config, train, train_state, train_step as train_step_lib
 
 STEPS = ("train", "eval", "prefill", "decode")
 DECODE_TOKENS = 256  # new tokens per decoding loop compiled
@@ -42,8 +40,11 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16":
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 
 
-def check_request(config: ml_collections.ConfigDict, target: accelerators.Target, steps: Sequence[str]) -> None:
-  """Refuses, before any compile, unknown steps, a missing extra, and a config or mesh the target cannot run."""
+def check_request(config: run_config.Config | Any, target: accelerators.Target, steps: Sequence[str]
+                  ) -> run_config.Config:
+  """Refuses, before any compile, unknown steps, a missing extra, and a config or mesh the target cannot run;
+  returns the config built (`run_config.build`)."""
+  config = run_config.build(config)
   unknown = [s for s in steps if s not in STEPS]
   if unknown or not steps:
     raise ValueError(f"--steps={','.join(steps)}: choose steps among {','.join(STEPS)}.")
@@ -54,12 +55,13 @@ def check_request(config: ml_collections.ConfigDict, target: accelerators.Target
     raise ValueError(f"--target={target.name} has {target.num_devices} devices: {e}") from None
   with support.target_backend(target.chip.platform):
     train.check_config(config, target.num_devices)  # training's own checks: the plan is of that training
+  return config
 
 
-def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: Sequence[str] = ("train",)
+def plan(config: run_config.Config | Any, target: accelerators.Target, steps: Sequence[str] = ("train",)
          ) -> dict[str, Any]:
   """Compiles `steps` of `config` for `target`; the report of each step under "steps", and what they share."""
-  check_request(config, target, steps)
+  config = check_request(config, target, steps)
   devices = accelerators.devices(target)
   mesh = _mesh(config.mesh, target, devices)
   chip = target.chip
@@ -67,8 +69,8 @@ def plan(config: ml_collections.ConfigDict, target: accelerators.Target, steps: 
             "devices": target.num_devices, "hosts": len({d.process_index for d in devices}), "slices": target.slices,
             "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "batch_size": config.train.batch_size,
             "seq_len": config.train.seq_len, "mode": config.train.mode, "remat": config.train.remat,
-            "scan_layers": config.model.get("scan_layers", False),
-            "retention_impl": config.model.get("retention_impl"), "kernel_layout": config.model.get("kernel_layout"),
+            "scan_layers": config.model.scan_layers, "retention_impl": getattr(config.model, "retention_impl", None),
+            "kernel_layout": getattr(config.model, "kernel_layout", None),
             "dtype": config.model.dtype,
             "peak_bf16_flops_per_device": chip.peak_bf16_flops, "hbm_bytes_per_second": chip.hbm_bytes_per_second,
             "device_memory_bytes": chip.memory_bytes, "steps": {}}
@@ -93,7 +95,7 @@ def _slice_axis(shape: tuple[int, ...], slices: int) -> int | None:
   return axis
 
 
-def _mesh(mesh_cfg: ml_collections.ConfigDict, target: accelerators.Target, devices) -> jax.sharding.Mesh:
+def _mesh(mesh_cfg: run_config.Config, target: accelerators.Target, devices) -> jax.sharding.Mesh:
   """`config.mesh` on the target's devices; over several slices the first axis they split spans them (over the
   data-center network), the others stay within a slice."""
   shape = sharding.mesh_shape(mesh_cfg, len(devices))
@@ -106,7 +108,7 @@ def _mesh(mesh_cfg: ml_collections.ConfigDict, target: accelerators.Target, devi
   return jax.sharding.Mesh(grid, tuple(mesh_cfg.axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
+def _traces(config: run_config.Config, run: train_step_lib.Setup):
   """Per step, a function that traces it: the same jitted functions training and generation call. Batches are
   `train.batch_size` rows of `train.seq_len` tokens (and the next token), prompts as long: the prefill runs
   `train.seq_len` tokens, in blocks of `streaming.check_block`'s default."""
@@ -124,7 +126,7 @@ def _traces(config: ml_collections.ConfigDict, run: train_step_lib.Setup):
           "decode": lambda: sampler.trace_decode(*prefill_args, DECODE_TOKENS)}
 
 
-def _model_flops(config: ml_collections.ConfigDict, step: str) -> float:
+def _model_flops(config: run_config.Config, step: str) -> float:
   """`flops.py`'s count of the step's model FLOPs (all devices); a decoding step's attention reads its whole KV
   cache."""
   cfg, train = config.model, config.train
@@ -139,7 +141,7 @@ def _model_flops(config: ml_collections.ConfigDict, step: str) -> float:
   return flops.forward_flops_per_token(cfg, context, "recurrent") * train.batch_size * DECODE_TOKENS
 
 
-def _compile(trace, config: ml_collections.ConfigDict, target: accelerators.Target, step: str) -> dict[str, Any]:
+def _compile(trace, config: run_config.Config, target: accelerators.Target, step: str) -> dict[str, Any]:
   """Traces, lowers and compiles one step; its matmul FLOPs by operand dtypes (`matmul_dtypes`, from the jaxpr),
   memory, FLOPs, collectives, compile time and bound, or the compiler's out-of-memory as `fits: false` with the bytes
   its message says were needed (a TPU's: the temporaries alone)."""
@@ -225,14 +227,14 @@ def _array_bytes(dtype: str, dims: str) -> int:
   return math.prod(int(d) for d in filter(None, dims.split(","))) * _DTYPE_BYTES.get(dtype, 4)
 
 
-def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_batch: int = 1 << 16,
+def search(config: run_config.Config | Any, target: accelerators.Target, max_batch: int = 1 << 16,
            remats: Sequence[str] = ("none", *layer_stack.REMAT_POLICIES)) -> dict[str, Any]:
   """Per remat policy in `remats` (default: none and every `layer_stack.REMAT_POLICIES` key), the largest
   power-of-two global batch (a multiple of the data shards and micro-batches, at most `max_batch`) at the config's
   seq_len whose train step fits, found by doubling or halving from the config's batch (memory grows with the batch);
   the largest of those batches, and the lightest policy reaching it (fewest XLA FLOPs: least recomputation). Every
   attempt is recorded."""
-  check_request(config, target, ("train",))
+  config = check_request(config, target, ("train",))
   for remat in remats:
     layer_stack.check_remat(remat, field="--remat_policies")
   shape = dict(zip(config.mesh.axis_names, sharding.mesh_shape(config.mesh, target.num_devices)))
@@ -262,12 +264,9 @@ def search(config: ml_collections.ConfigDict, target: accelerators.Target, max_b
           "largest_batch": best, "lightest_remat_at_largest_batch": lightest, "attempts": attempts}
 
 
-def _with(config: ml_collections.ConfigDict, **train_fields) -> ml_collections.ConfigDict:
-  """A copy of `config` with `train_fields` changed."""
-  changed = copy.deepcopy(config)
-  for key, value in train_fields.items():
-    changed.train[key] = value
-  return changed
+def _with(config: run_config.Config, **train_fields) -> run_config.Config:
+  """A copy of `config` with `train_fields` changed, checked as the config is."""
+  return config.replace(train=config.train.replace(**train_fields))
 
 
 def format_table(report: dict[str, Any]) -> str:

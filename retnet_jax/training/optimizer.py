@@ -4,14 +4,17 @@ moment in float32 or bfloat16 (`train.optimizer_state_dtype`)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
 from retnet_jax.core import config_checks, sharding
+
+# The train section (`train_config.TrainConfig`, which checks itself through `check_config`): its fields by name.
+TrainConfig = Any
 
 SCHEDULES = ("cosine", "linear")
 # `train.optimizer_state_dtype` -> the dtype of AdamW's first moment (optax's `mu_dtype`). The second moment stays
@@ -29,22 +32,23 @@ RANGES = {
 }
 
 
-def check_config(train_cfg: ml_collections.ConfigDict) -> None:
+def check_config(train_cfg: TrainConfig) -> None:
   """Raises ValueError naming the first optimizer field out of its range, an unknown schedule or state dtype."""
   for name, (valid, requirement) in RANGES.items():
-    if not math.isfinite(train_cfg[name]) or not valid(train_cfg[name]):
-      raise ValueError(f"train.{name} must be {requirement}; got {train_cfg[name]}.")
+    value = getattr(train_cfg, name)
+    if not math.isfinite(value) or not valid(value):
+      raise ValueError(f"train.{name} must be {requirement}; got {value}.")
   learning_rate_schedule(train_cfg)
   state_dtype(train_cfg)
 
 
-def state_dtype(train_cfg: ml_collections.ConfigDict):
+def state_dtype(train_cfg: TrainConfig):
   """The jnp dtype of AdamW's first moment that `train.optimizer_state_dtype` names, or ValueError with the choices."""
   return STATE_DTYPES[config_checks.choice(train_cfg.optimizer_state_dtype, "train.optimizer_state_dtype",
                                             STATE_DTYPES)]
 
 
-def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate_schedule(train_cfg: TrainConfig) -> optax.Schedule:
   """Linear warm-up from 0 to `learning_rate`, then linear or cosine decay to `end_lr_fraction` of it."""
   peak, warmup, steps = train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps
   end = peak * train_cfg.end_lr_fraction
@@ -68,7 +72,7 @@ def decay_mask(params):
   return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
   """The paper's recipe: AdamW (0.9, 0.98), weight decay 0.05, warm-up then decay; clipped gradients. The first
   moment is held in `train.optimizer_state_dtype` (its update computed in float32), the second in float32."""
   return optax.chain(

@@ -14,13 +14,15 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import ml_collections
 import numpy as np
 
 from retnet_jax.runs import workdir as workdir_lib
 from retnet_jax.training import checkpointing, metrics
+
+if TYPE_CHECKING:
+  from retnet_jax.training.run_config import Config
 
 T = TypeVar("T")
 
@@ -37,7 +39,7 @@ ADDED_MODEL_FIELDS = {"num_kv_heads": None, "rotation_pairs": "interleaved", "ro
                       "gate_logit_normalizer": 16.0, "gate_init": "yoco"}
 
 
-def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
+def check_compatible(saved_model: dict, config: Config, workdir: str | os.PathLike) -> None:
   """Refuses (IncompatibleCheckpointError) a checkpoint written with another model config, naming the fields."""
   current = config.model.to_dict()
   saved_model = {**{k: v for k, v in ADDED_MODEL_FIELDS.items() if k in current}, **saved_model}
@@ -54,7 +56,7 @@ def check_compatible(saved_model: dict, config: ml_collections.ConfigDict, workd
         f"trained with ({workdir_lib.config_file(workdir)}), or another --workdir for a new run.")
 
 
-def restore_newest(checkpointer: checkpointing.Checkpointer, config: ml_collections.ConfigDict,
+def restore_newest(checkpointer: checkpointing.Checkpointer, config: Config,
                    read: Callable[[int], T], step: int | None = None, attempts: int = 10) -> tuple[int, T] | None:
   """`(step, read(step))` of checkpoint `step`, or (None) of the newest step that reads back whole.
 
@@ -93,7 +95,7 @@ def restore_newest(checkpointer: checkpointing.Checkpointer, config: ml_collecti
                        f"{_first_line(error)}); choose another with --step (available steps: {steps}).") from error
 
 
-def read_params(workdir: str | os.PathLike, config: ml_collections.ConfigDict, abstract_params: Any,
+def read_params(workdir: str | os.PathLike, config: Config, abstract_params: Any,
                 step: int | None = None) -> tuple[Any, int]:
   """The parameters of `workdir` at `step` (None: the newest that reads back whole), placed as `abstract_params`.
 

@@ -16,19 +16,18 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
-from retnet_jax.core import config_checks, dispatch, sharding, whole_files
+from retnet_jax.core import dispatch, sharding, whole_files
 from retnet_jax.hardware import flops
 from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
-from retnet_jax.models import architectures
 from retnet_jax.nn import layers
 from retnet_jax.runs import workdir as workdir_lib, workdir_lock
-from retnet_jax.training import (checkpointing, losses, metrics, peer_watch, preemption, run_checkpoints, train_state,
-                                 train_step as train_step_lib, write_errors)
+from retnet_jax.training import (checkpointing, losses, metrics, peer_watch, preemption, run_checkpoints, run_config,
+                                 train_state, train_step as train_step_lib, write_errors)
 
 
 # Seconds between progress lines by time before the first logged step: the small run's first line came at step 50,
@@ -36,27 +35,17 @@ from retnet_jax.training import (checkpointing, losses, metrics, peer_watch, pre
 EARLY_PROGRESS_S = 15.0
 
 
-def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Checks the config against itself and the devices before any data is read or file written."""
-  train_state.check_config(config, num_devices)
-  if not 0 <= config.seed < 2**63:
-    raise ValueError(f"seed={config.seed} is out of range: choose an integer from 0 to 2**63 - 1 (--config.seed).")
-  train = config.train
-  for name in ("steps", "log_every_steps", "eval_every_steps", "eval_batches"):
-    config_checks.positive_int(train[name], f"train.{name}")
-  for name in ("every_steps", "keep"):
-    config_checks.positive_int(config.checkpoint[name], f"checkpoint.{name}")
-  profile = train.profile_steps
-  if profile is not None and (len(profile) != 2 or not 0 <= profile[0] <= profile[1] < train.steps):
-    raise ValueError(f"train.profile_steps must be (first, last) with 0 <= first <= last < train.steps="
-                     f"{train.steps}; got {profile}.")
+def check_config(config: run_config.Config | Any, num_devices: int) -> run_config.Config:
+  """The config built (`run_config.build`: each section's fields, the rules across them) and checked for training
+  on `num_devices` devices (`train_state.check_devices`) with float32 master weights, before any data is read or
+  file written."""
+  config = run_config.build(config)
+  train_state.check_devices(config, num_devices)
   if config.model.param_dtype != "float32":
     raise ValueError(f"model.param_dtype={config.model.param_dtype!r}: training keeps float32 master weights (the "
                      "option casts them for evaluation, generation and export); set --config.model.param_dtype="
                      "float32 to train, model.dtype=bfloat16 to compute in bfloat16.")
-  architectures.check_training(config)
-  train_step_lib.check_config(config)
-  synthetic.check_config(config)
+  return config
 
 
 def evaluate(run: train_step_lib.Setup, params, batches: Iterable[losses.Batch]) -> float:
@@ -66,7 +55,7 @@ def evaluate(run: train_step_lib.Setup, params, batches: Iterable[losses.Batch])
   return float(np.mean(batch_losses))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+def train_and_evaluate(config: run_config.Config | Any, workdir: str | os.PathLike,
                        take_folder: bool = False) -> dict[str, float]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
@@ -79,9 +68,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   Returns:
     The last logged train and eval metrics (`loss`, `eval_loss`, ...).
   """
+  config = check_config(config, jax.device_count())
   writes = workdir_lib.training_names(config, jax.process_index())
   workdir = workdir_lib.check_training_dir(workdir, writes, take_folder)
-  check_config(config, jax.device_count())
   if config.train.warmup_steps > config.train.steps:
     metrics.log(f"NOTE: train.warmup_steps={config.train.warmup_steps} exceeds train.steps={config.train.steps}: "
                 "the learning rate stops short of train.learning_rate")
@@ -102,7 +91,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         state = _restore_or_init(config, run, checkpointer, batches, workdir)  # another model's refused first
         with metrics.MetricsWriter(workdir) as writer:
           if jax.process_index() == 0:
-            whole_files.write_text(workdir_lib.config_file(workdir), config.to_json_best_effort(indent=2))
+            whole_files.write_text(workdir_lib.config_file(workdir), json.dumps(config.to_dict(), indent=2))
           return _train_loop(config, run, state, batches, valid_batches, checkpointer, writer, lock)
     except (workdir_lock.LockFileRemovedError, write_errors.ExportWriteError):  # they say what the workdir keeps
       raise
@@ -113,7 +102,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       raise fault from e
 
 
-def _data_sources(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer | None,
+def _data_sources(config: run_config.Config, tokenizer: tokenizer_lib.Tokenizer | None,
                   batch_sharding: jax.sharding.NamedSharding
                   ) -> tuple[loader.PreparedBatches | synthetic.SyntheticBatches, Callable[[], Iterable[losses.Batch]]]:
   """The training batches, and a function giving the `train.eval_batches` validation batches: packed text read
@@ -191,7 +180,7 @@ def _vanished(lock: workdir_lock.WriterLock, checkpointer: checkpointing.Checkpo
   return f"{checkpointer.directory} is gone" if checkpointer.vanished() else None
 
 
-def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setup,
+def _restore_or_init(config: run_config.Config, run: train_step_lib.Setup,
                      checkpointer: checkpointing.Checkpointer,
                      batches: loader.PreparedBatches | synthetic.SyntheticBatches, workdir: Path):
   """The newest checkpoint's state that reads back whole (`run_checkpoints.restore_newest`: an unreadable one is set
@@ -223,7 +212,7 @@ def _restore_or_init(config: ml_collections.ConfigDict, run: train_step_lib.Setu
   return state
 
 
-def changed_data_fields(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
+def changed_data_fields(saved: dict, config: run_config.Config) -> list[str]:
   """The fields that choose the batches (`train.seq_len`, `train.batch_size`, `seed`, `data`) on which a checkpoint's
   config `saved` differs from `config`; a data field the checkpoint predates counts as its value then."""
   saved = {**saved, "data": {**ADDED_DATA_FIELDS, **saved.get("data", {})}}

@@ -18,14 +18,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax.core import config_checks, sharding
-from retnet_jax.models import architectures, model as model_lib, presets
+from retnet_jax.core import sharding
+from retnet_jax.models import architectures, model as model_lib
 from retnet_jax.nn import layers
-from retnet_jax.training import optimizer, run_checkpoints
+from retnet_jax.training import optimizer, run_checkpoints, run_config
+from retnet_jax.training.run_config import Config
 
 
 class TrainState(NamedTuple):
@@ -47,21 +47,16 @@ class TrainState(NamedTuple):
     return cls(**tree)
 
 
-def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Checks what the state and its batches need (model, optimizer, mesh and batch split) before any work."""
-  presets.check_full_config(config)
-  architectures.check_config(config.model)
+def check_devices(config: Config, num_devices: int) -> None:
+  """Checks what the state and its batches need from the devices present (the kernels' backend, the batch and
+  sequence splits over the mesh) before any work; `run_config.build` checked the config itself."""
   architectures.check_backend(config.model)
   train = config.train
-  for name in ("batch_size", "seq_len", "grad_accum_steps"):
-    config_checks.positive_int(train[name], f"train.{name}")
-  optimizer.check_config(train)
   sharding.check_batch_split(config.mesh, train.batch_size, train.grad_accum_steps, num_devices)
-  segment = train.segment_len if 0 < train.segment_len < train.seq_len else train.seq_len
-  check_sequence_split(config, num_devices, segment, (train.mode,))
+  check_sequence_split(config, num_devices, train.segment, (train.mode,))
 
 
-def check_sequence_split(config: ml_collections.ConfigDict, num_devices: int, length: int, modes=()) -> None:
+def check_sequence_split(config: Config, num_devices: int, length: int, modes=()) -> None:
   """Where `config.mesh` splits each sequence over several devices: checks that calls of `length` tokens in
   `modes` can be split so (whole chunks per device, not the recurrent form, not the kernels)."""
   devices = sharding.sequence_devices(config.mesh, num_devices)
@@ -89,13 +84,13 @@ def fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainSta
                     jnp.full((), -1, jnp.int32))
 
 
-def _init_fn(config: ml_collections.ConfigDict) -> Callable[[], TrainState]:
+def _init_fn(config: Config) -> Callable[[], TrainState]:
   """The pure function that creates a fresh state, parameters drawn from `config.seed`."""
   tx = optimizer.make_optimizer(config.train)
   return lambda: fresh_state(tx, nnx.state(model_lib.Model(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
 
 
-def model_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> tuple[nnx.GraphDef, nnx.State]:
+def model_layout(config: Config, placement: sharding.Placement) -> tuple[nnx.GraphDef, nnx.State]:
   """The model's structure and its parameters as `jax.ShapeDtypeStruct`s with their shardings on `placement`, in
   `model.param_dtype` (training's float32 masters as evaluation, generation and export hold them), traced
   abstractly (nothing runs; no optimizer: what evaluation restores)."""
@@ -106,7 +101,7 @@ def model_layout(config: ml_collections.ConfigDict, placement: sharding.Placemen
   return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), params, shardings)
 
 
-def make_layout(config: ml_collections.ConfigDict, placement: sharding.Placement) -> Layout:
+def make_layout(config: Config, placement: sharding.Placement) -> Layout:
   """The state's structure and shardings for `config` on `placement`, traced abstractly (nothing runs)."""
   graphdef, _ = model_layout(config, placement)
   with placement.active():
@@ -116,12 +111,12 @@ def make_layout(config: ml_collections.ConfigDict, placement: sharding.Placement
   return Layout(placement, graphdef, abstract)
 
 
-def init_fn(config: ml_collections.ConfigDict, layout: Layout) -> Callable[[], TrainState]:
+def init_fn(config: Config, layout: Layout) -> Callable[[], TrainState]:
   """A jitted `init() -> state` that creates every array directly with its sharding (compiled on first call)."""
   return jax.jit(_init_fn(config), out_shardings=layout.shardings)
 
 
-def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.State) -> TrainState:
+def from_params(config: Config, layout: Layout, params: nnx.State) -> TrainState:
   """A fresh state (step 0, zero optimizer state) around `params`, placed with the layout's shardings."""
   placed = jax.tree.map(lambda leaf: leaf, layout.abstract_state.params)
   nnx.replace_by_pure_dict(placed, nnx.to_pure_dict(params))
@@ -131,7 +126,7 @@ def from_params(config: ml_collections.ConfigDict, layout: Layout, params: nnx.S
     return jax.jit(lambda p: fresh_state(tx, p), out_shardings=layout.shardings)(placed)
 
 
-def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike, step: int | None = None
+def restore_model(config: Config | Any, workdir: str | os.PathLike, step: int | None = None
                   ) -> tuple[model_lib.Model, int]:
   """The model of `workdir` at `step` (None: the newest that reads back whole), placed on `config.mesh` over the
   devices present, its parameters cast to `model.param_dtype` (every one: matrices, embeddings and norm scales).
@@ -140,7 +135,8 @@ def restore_model(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   Returns:
     (model, step).
   """
-  check_config(config, jax.device_count())
+  config = run_config.build(config)
+  check_devices(config, jax.device_count())
   graphdef, abstract_params = model_layout(config, sharding.placement(config.mesh))
   params, step = run_checkpoints.read_params(workdir, config, abstract_params, step)
   return nnx.merge(graphdef, params), step

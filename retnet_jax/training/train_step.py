@@ -11,56 +11,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
-from retnet_jax.core import config_checks, sharding
-from retnet_jax.models import architectures
+from retnet_jax.core import sharding
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import losses, optimizer, train_state
+from retnet_jax.training import losses, optimizer, run_config, train_state
 
-# What a non-finite loss or gradient does: skip the update (counted and logged), or stop the run.
-NONFINITE_POLICIES = ("stop", "skip")
-
-
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Checks the step's options in `config.train` (form, non-finite policy, remat, segments)."""
-  train = config.train
-  if train.mode not in architectures.SEQUENCE_MODES:
-    raise ValueError(f"train.mode={train.mode!r}; train with {' or '.join(map(repr, architectures.SEQUENCE_MODES))} "
-                     "(the recurrent form is for decoding).")
-  config_checks.choice(train.nonfinite, "train.nonfinite", NONFINITE_POLICIES)
-  layer_stack.check_remat(train.remat, field="train.remat")
-  if not isinstance(train.segment_len, int) or train.segment_len < 0:
-    raise ValueError(f"train.segment_len must be 0 (whole sequences) or a positive number of tokens; "
-                     f"got {train.segment_len!r}.")
-  if not isinstance(train.loss_tile, int) or isinstance(train.loss_tile, bool) or train.loss_tile < 0:
-    raise ValueError(f"train.loss_tile must be 0 (the loss over all tokens at once) or a positive number of tokens "
-                     f"per tile; got {train.loss_tile!r}.")
-  check_documents(config, (train.mode,), "train.mode")
-  if 0 < train.segment_len < train.seq_len:
-    for mixer in architectures.mixers(config.model):
-      mixer.check_segments(config.model, train.segment_len, train.seq_len, train.mode)
+if TYPE_CHECKING:
+  from retnet_jax.training.train_config import TrainConfig
 
 
-def check_documents(config: ml_collections.ConfigDict, modes, option: str) -> None:
-  """Refuses `data.reset_at_documents` with forms of `modes` (set by `option`) in which a layer's mixer cannot reset
-  (`Mixer.document_refusal`: the torchscale-style chunkwise normaliser, whose per-chunk scalars span documents)."""
-  model = config.model
-  if not config.data.reset_at_documents:
-    return
-  for mode in modes:
-    if reason := architectures.document_refusal(model, mode):
-      raise ValueError(f"data.reset_at_documents=True ({option}) cannot reset {reason}; or set "
-                       "data.reset_at_documents=False.")
-
-
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: ml_collections.ConfigDict):
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, train_cfg: TrainConfig):
   """A pure `train_step(state, batch) -> (state, metrics)`; micro-batches accumulate in a `lax.scan`.
 
   The batch is a `losses.Batch`: with loss weights, each micro-batch's loss is its weighted mean and the step's
@@ -115,14 +81,22 @@ class Setup(train_state.Layout):
   eval_step: Callable[[Any, losses.Batch], jax.Array]
 
 
-def setup(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+def setup(config: run_config.Config | Any, mesh: jax.sharding.Mesh) -> Setup:
   """The Setup for (config, mesh); equal model, train, mesh and seed fields reuse one (and its compilations)."""
-  fields = ml_collections.FrozenConfigDict({k: config[k] for k in ("model", "train", "mesh")} | {"seed": config.seed})
-  return _build_setup(fields, mesh)
+  config = run_config.build(config)
+  return _build_setup(StepFields(config.model, config.train, config.mesh, config.seed), mesh)
+
+
+class StepFields(NamedTuple):
+  """The fields of a config that a Setup depends on (its cache key): equal ones share the compilations."""
+  model: Any
+  train: TrainConfig
+  mesh: Any
+  seed: int
 
 
 @functools.lru_cache(maxsize=16)
-def _build_setup(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh) -> Setup:
+def _build_setup(config: StepFields, mesh: jax.sharding.Mesh) -> Setup:
   layer_stack.check_remat(config.train.remat, mesh.devices.flat[:1], field="train.remat")
   layout = train_state.make_layout(config, sharding.Placement(mesh, sharding.logical_rules(config.mesh)))
   shardings, batch_sharding = layout.shardings, layout.placement.batch_sharding

@@ -1,0 +1,114 @@
+"""The `model` section of a config, typed per architecture (`RetNetConfig`, `TransformerConfig`), checked once when
+built: its fields, its mixers' fields (`architectures.check_config`), the layers they build.
+
+    cfg = model_config.of(config.model)   # a ConfigDict section, a config.json dict, or a section already built
+    model = Model(cfg, rngs=nnx.Rngs(0))  # Model takes either; it builds the section once
+
+A RetNet's hybrid attention layers read the `attention_` fields; gated retention the `gate_` fields; the other
+mixers' fields must stay at their defaults (`architectures.check_config` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from retnet_jax.core import sections
+from retnet_jax.models import architectures
+
+field = sections.field
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Common(sections.Section):
+  """The fields of both architectures' model sections."""
+  architecture: str = field("retnet (configs/retnet.py) | transformer (configs/transformer.py)")
+  vocab_size: int = field("tokens of the vocabulary (embedding rows and output logits)")
+  d_model: int = field("model width")
+  num_layers: int = field("blocks")
+  num_heads: int = field("query heads of each mixer")
+  ffn_dim: int = field("the GLU FFN's hidden width")
+  ffn_activation: str = field("gelu (exact) | gelu_tanh | swish | relu")
+  tie_embeddings: bool = field("the output projection is the embedding's transpose")
+  rotation_base: float = field("the rotations' (xPos / RoPE) base")
+  rotation_freqs: str = field("linspace: base^(-j/(d_k/2-1)) (torchscale) | rope: base^(-2j/d_k) (fla)")
+  norm_eps: float = field("block, final and embedding RMSNorm epsilon")
+  dtype: str = field("compute dtype: float32 | bfloat16; training keeps float32 parameters")
+  param_dtype: str = field("the weights' dtype outside training (evaluation, generation, export): float32 | "
+                           "bfloat16 (half the weight reads of decoding)")
+  matmul_precision: str = field("every matmul's precision: default (on GPUs float32 runs in TF32) | high | highest "
+                                "(exact float32)")
+  scan_layers: bool = field("the blocks' parameters stacked on a leading layer axis and run under a scan: compile "
+                            "time independent of depth, the same function; checkpoints restore across the two "
+                            "layouts")
+
+  def __post_init__(self):
+    architectures.check_config(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetNetConfig(Common):
+  """`config.model` of a RetNet (configs/retnet.py), hybrids included."""
+  mixer: str = field("every layer's token mixer but attention_layers' (`architectures.MIXERS`): retention | "
+                     "gated_retention (YOCO's per-token decay)")
+  num_kv_heads: int | None = field("key/value heads, each shared by num_heads / num_kv_heads query heads; None: "
+                                   "num_heads")
+  value_dim: int = field("total value width (all heads); the paper uses 2 x d_model")
+  chunk_size: int = field("chunk length of the chunkwise form")
+  decay_schedule: str = field("retention: retnet: 1 - 2^(-5-h) | logspace: the paper's experiments | explicit")
+  decay_gammas: tuple[float, ...] | None = field("retention: one gamma per head, for decay_schedule='explicit'")
+  rotation_pairs: str = field("interleaved: features (2j, 2j+1) (torchscale) | half: (j, j + d_k/2) (fla)")
+  stability_norm: bool = field("retention: divide raw retention by sqrt(sum of decays) and the clamped score sum")
+  stability_norm_style: str = field("shared: one scalar that every form computes alike (forms agree exactly) | "
+                                    "torchscale: the official code's per-form scalars")
+  gate_logit_normalizer: float = field("gated_retention: log gamma_t = logsigmoid(x_t W_gt) / this (YOCO: 16)")
+  gate_init: str = field("gated_retention's gate at initialisation: yoco (no bias: every head near 2^(-1/16)) | "
+                         "retnet (a learned per-head bias starting head h at RetNet's decay 1 - 2^(-5-h))")
+  head_norm_eps: float = field("per-head RMSNorm epsilon")
+  head_norm_scale: bool = field("a learned scale in the per-head RMSNorm, shared by all heads (fla)")
+  scale_embedding: bool = field("multiply token embeddings by sqrt(d_model)")
+  embed_norm: bool = field("RMSNorm on the embeddings before the first block")
+  retention_impl: str = field("the chunkwise form: xla (einsums) | pallas (fused kernels, GPU) | auto (pallas "
+                              "where it compiles, else xla)")
+  kernel_layout: str = field("the Pallas kernels' layout: split (a state pass, then chunk-parallel kernels) | "
+                             "fused (one pass over the chunks per head)")
+  attention_layers: tuple[int, ...] = field("hybrids: these layers (indices) use softmax attention in place of "
+                                            "retention")
+  attention_num_heads: int | None = field("the attention layers' query heads; None: num_heads")
+  attention_num_kv_heads: int | None = field("the attention layers' key/value heads; None: one per query head")
+  attention_window: int | None = field("attend to the last W tokens only, through a ring-buffer KV cache of W "
+                                       "tokens (decoding memory constant in the context); None: every earlier token")
+  attention_rotation_base: float = field("the attention layers' rotary base (fla: rope_theta)")
+  attention_max_len: int = field("KV-cache length of unwindowed attention layers: the longest prompt + generation "
+                                 "a decoding state holds")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig(Common):
+  """`config.model` of the Transformer of a preset's size (configs/transformer.py)."""
+  max_len: int = field("KV-cache length: the longest prompt + generation a decoding state holds")
+
+
+CLASSES: dict[str, type[Common]] = {"retnet": RetNetConfig, "transformer": TransformerConfig}
+ModelConfig = RetNetConfig | TransformerConfig
+
+
+def of(cfg: Any) -> ModelConfig:
+  """The typed model section of `cfg` (a ConfigDict section or a dict of the model fields; a section is returned
+  as it is), checked; ValueError naming the bad value and the fix, TypeError for something other than the model
+  fields."""
+  if isinstance(cfg, Common):
+    return cfg
+  if not hasattr(cfg, "items") or "d_model" not in cfg:
+    full = hasattr(cfg, "items") and "model" in cfg
+    raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
+                    + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
+  name = architectures.architecture(cfg.get("architecture"))
+  names = CLASSES[name].names()
+  missing, foreign = sorted(set(names) - set(cfg.keys())), sorted(set(cfg.keys()) - set(names))
+  if missing or foreign:
+    parts = ([f"it lacks {', '.join('model.' + k for k in missing)}"] if missing else []) + (
+        [f"{', '.join('model.' + k for k in foreign)} are not {name} fields"] if foreign else [])
+    raise ValueError(f"model.architecture={name!r} does not fit this model section ({'; '.join(parts)}); take "
+                     f"the whole section from configs/{name}.py, e.g. --config=configs/{name}.py:small.")
+  return CLASSES[name].of(cfg, "model")
