@@ -51,7 +51,7 @@ from benchmarks.suites import ContextSweep
 from retnet_jax.core import host_memory, markdown
 from retnet_jax.evaluation import sampling, sampling_checks
 from retnet_jax.hardware import accelerators
-from retnet_jax.models import architectures, presets
+from retnet_jax.models import architectures, model_config as model_config_lib, presets
 from retnet_jax.models.model import Model
 from retnet_jax.training.metrics import format_duration
 
@@ -110,7 +110,7 @@ def plan(sweep: ContextSweep, name: str, length: int, earlier: list[dict[str, An
     return {"state_bytes": state_bytes, "skipped": f"does not fit: its decoding state (KV cache) of "
             f"{fmt(state_bytes, 'B')} exceeds the {fmt(memory, 'B')} of host memory available ({bound})"}
   found: dict[str, Any] = {"state_bytes": state_bytes, "run_prefill": True, "run_decode": True}
-  growing = architectures.cache_field(cfg) is not None
+  growing = architectures.cache_field(model_config_lib.of(cfg)) is not None
   prefill = _estimate(earlier, lambda p: p["prefill"]["seconds"]["median"] if "prefill" in p else None, length,
                       1 + growing)
   decode = _estimate(earlier, lambda p: DECODE_CALLS * sweep.new_tokens * p["decode"]["seconds_per_token"]["median"]

@@ -23,7 +23,7 @@ from benchmarks.report import fmt, fmt_range
 from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
-from retnet_jax.models import architectures, presets
+from retnet_jax.models import architectures, model_config as model_config_lib, presets
 from retnet_jax.training import train_step
 
 GRACE_S = 10.0  # a case's process is ended this long after the time budget is spent (its rounds stop before it)
@@ -127,7 +127,7 @@ def _measure_alone(suite: GpuSuite, name: str, case: str, limit: int | None, bud
   """`measure_case` in a fresh process; {"skipped": reason} where the backend cannot run the case, `budget` is spent
   before it starts, or it is still running when the budget (and `GRACE_S` more) is spent (its process is ended)."""
   try:
-    architectures.check_backend(_case_config(suite, name, case).model)
+    architectures.check_backend(model_config_lib.of(_case_config(suite, name, case).model))
   except ValueError as e:
     return {"skipped": str(e)}
   if budget.spent():

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import cases
 from retnet_jax.hardware import accelerators, flops
 from retnet_jax.mixers.kernels import support
-from retnet_jax.models import presets
+from retnet_jax.models import model_config, presets
 from retnet_jax.nn import layer_stack
 from retnet_jax.planning import aot
 from tests.helpers import aot_extra_missing, run_script
@@ -46,7 +46,7 @@ def test_h100_train_step_calls_the_pallas_kernels():
   assert step["required_bytes_per_device"] == (step["argument_bytes"] + step["output_bytes"] - step["aliased_bytes"]
                                                + step["temporary_bytes"] + step["generated_code_bytes"])
   assert step["aliased_bytes"] > 0  # the donated state
-  model = flops.train_flops_per_token(config.model, 64, "chunkwise") * 8 * 64
+  model = flops.train_flops_per_token(model_config.of(config.model), 64, "chunkwise") * 8 * 64
   assert step["model_flops_per_device"] == model
   # XLA's count of the program before optimization, without the kernels' custom calls: below the model's.
   assert step["xla_flops_source"] == "lowered" and 0.3 * model < step["xla_flops_per_device"] < model
@@ -97,7 +97,7 @@ def test_a_hybrid_compiles_its_train_step_and_decoding_for_an_h100():
   report = aot.plan(config, accelerators.parse_target("h100:1"), ("train", "decode"))
   train, decode = report["steps"]["train"], report["steps"]["decode"]
   assert report["fits"] and train["pallas_kernel_calls"] == 6  # one retention layer: the split kernels' 2 + 4
-  assert decode["model_flops_per_device"] == (flops.forward_flops_per_token(config.model, 16, "recurrent")
+  assert decode["model_flops_per_device"] == (flops.forward_flops_per_token(model_config.of(config.model), 16, "recurrent")
                                               * config.train.batch_size * aot.DECODE_TOKENS)
 
 
@@ -110,7 +110,7 @@ def test_tpu_train_and_decode_steps_with_their_collectives():
   # Data parallel: the gradients (float32) are summed over the 4 chips, in one all-reduce or a few.
   assert train["collectives"]["all-reduce"]["bytes"] >= 4 * cases.param_count(config.model)
   assert train["xla_flops_source"] == "compiled" and train["pallas_kernel_calls"] == 0
-  per_device = flops.train_flops_per_token(config.model, 64, "parallel") * 8 * 64 / 4
+  per_device = flops.train_flops_per_token(model_config.of(config.model), 64, "parallel") * 8 * 64 / 4
   assert 0.5 * per_device < train["xla_flops_per_device"] < 2 * per_device
   assert train["argument_bytes"] >= 3 * 4 * cases.param_count(config.model)  # parameters and Adam's two moments
   assert decode["fits"] and decode["compile_seconds"] > 0

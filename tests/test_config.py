@@ -88,3 +88,18 @@ def test_the_docs_reference_is_the_sections_own():
       "docs/config.md is out of date: write run_config.reference() after its introduction")
   for name in TrainConfig.names() + DataConfig.names() + MeshConfig.names():
     assert f"`{name}`" in tables or f".{name}" in tables
+
+
+def test_mixers_read_their_own_sections_which_the_config_holds_flat():
+  """A RetNet's mixer fields are sections of their own (`retention`, `gated_retention`, `attention`), built from and
+  written back to the flat names the config files, command lines and config.json use."""
+  flat = presets.get_config("tiny").model
+  flat.update(mixer="gated_retention", gate_init="retnet", attention_layers=(1,), attention_window=4)
+  cfg = model_config.of(flat)
+  assert (cfg.attention.layers, cfg.attention.window, cfg.gated_retention.gate_init) == ((1,), 4, "retnet")
+  assert cfg.retention.decay_schedule == "retnet" and cfg.flat_value("attention_window") == 4
+  assert cfg.to_dict() == flat.to_dict() and not {"attention", "retention", "gated_retention"} & set(cfg.to_dict())
+  assert set(model_config.RetNetConfig.flat_names()) == set(presets.model_config("tiny"))
+  with pytest.raises(ValueError, match=r"model.attention_window=4 configures attention layers, but "
+                                       r"model.attention_layers is empty"):
+    cfg.replace(attention=cfg.attention.replace(layers=()))

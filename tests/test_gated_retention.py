@@ -7,7 +7,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,7 +16,7 @@ from retnet_jax.core import segments, sharding
 from retnet_jax.hardware import flops
 from retnet_jax.mixers import base, decay, gated_retention, multiscale_retention
 from retnet_jax.mixers.multiscale_retention import RetentionState
-from retnet_jax.models import presets
+from retnet_jax.models import model_config, presets
 from retnet_jax.models.model import Model
 from retnet_jax.training import losses
 from tests.helpers import forms_agree, forward, max_abs_diff, random_tokens, tiny_model
@@ -28,10 +27,10 @@ BATCH, LENGTH = 2, 11
 
 
 def layer_config(**overrides):
-  """The tiny preset's model section with gated retention (2 heads, d_k 16, d_v 32) and `overrides`."""
+  """The tiny preset's model section with gated retention (2 heads, d_k 16, d_v 32) and `overrides`, typed."""
   cfg = retnet_config.get_config("tiny").model
-  cfg.update(mixer="gated_retention", **overrides)
-  return cfg
+  cfg.update({"mixer": "gated_retention", **overrides})
+  return model_config.of(cfg)
 
 
 def rel_err(a, b) -> float:
@@ -88,7 +87,7 @@ def reference(layer, cfg, x, tables, positions, state=None, starts=None):
   v = (x @ w["v_proj"]).reshape(batch, length, heads, -1)
   padding = np.asarray(positions) < 0
   k = np.where(padding[..., None, None], 0, k)
-  log_decay = np.where(padding[..., None], 0, -np.logaddexp(0, -(x @ w["gt_proj"])) / cfg.gate_logit_normalizer)
+  log_decay = np.where(padding[..., None], 0, -np.logaddexp(0, -(x @ w["gt_proj"])) / cfg.gated_retention.gate_logit_normalizer)
   s = np.zeros((batch, heads, d_k, v.shape[-1])) if state is None else np.asarray(state.kv, np.float64)
   outs = []
   for n in range(length):
@@ -108,7 +107,7 @@ def call(layer, cfg, dtype, x, mode, positions=None, state=None, segment_ids=Non
   state = None if state is None else RetentionState(jnp.asarray(state.kv, jnp.float32))
   ids = None if segment_ids is None else jnp.asarray(segment_ids)
   y, new_state, tables = run_layer(layer, jnp.asarray(x, dtype), jnp.asarray(positions, jnp.int32), state, ids,
-                                   ml_collections.FrozenConfigDict(cfg), mode)
+                                   cfg, mode)
   return np.asarray(y), np.asarray(new_state.kv), tables
 
 
@@ -151,7 +150,7 @@ def test_gradients_agree_across_forms():
       def grads(mode):
         def loss(layer):
           y, state, _ = run_layer(layer, x, positions, RetentionState(kv), None,
-                                  ml_collections.FrozenConfigDict(cfg), mode)
+                                  cfg, mode)
           return jnp.sum(y * weights) + jnp.sum(state.kv ** 2)
         return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.jit(nnx.grad(loss))(layer)))
 
@@ -172,7 +171,7 @@ def test_a_constant_gate_is_retnets_retention(gate_init, decays):
   every form, to float32 rounding."""
   cfg = layer_config(chunk_size=4, stability_norm=False, gate_init=gate_init)
   gated = GATED.layer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-  cfg = layer_config(chunk_size=4, stability_norm=False, **decays)  # RetNet's layer: gated's fields at defaults
+  cfg = layer_config(chunk_size=4, stability_norm=False, mixer="retention", **decays)  # RetNet's: gated's at defaults
   gated.gt_proj.kernel[...] = jnp.zeros_like(gated.gt_proj.kernel[...])
   retnet = multiscale_retention.RETENTION.layer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
   x, carried = layer_inputs(cfg, seed=5)
@@ -389,7 +388,7 @@ def test_sequence_split_matches_one_device():
      r"'gated_retention', which ignore it: leave model.decay_gammas at its default \(None\), or set "
      r"model.mixer='retention'"),
     (dict(mixer="gated_retention", decay_schedule="logspace"), r"model.decay_schedule='logspace' is read by "),
-    (dict(gate_logit_normalizer=0.0), r"model.gate_logit_normalizer=0.0 is read by model.mixer='gated_retention' "
+    (dict(gate_logit_normalizer=8.0), r"model.gate_logit_normalizer=8.0 is read by model.mixer='gated_retention' "
                                       r"only, but this model's layers run 'retention', which ignore it"),
 ])
 def test_bad_configs_are_refused(overrides, message):
@@ -403,9 +402,9 @@ def test_backend_checks_and_fields_it_does_not_read():
   the kernels, and gives the same model: presets set it; the fixed decay's fields are refused)."""
   cfg = layer_config(retention_impl="auto", chunk_size=16, d_model=64, kernel_layout="fused")
   assert not multiscale_retention.uses_kernel(cfg, "gpu", per_token_decay=True)
-  cfg.update(kernel_layout="split", stability_norm_style="torchscale")
+  cfg = cfg.replace(kernel_layout="split", stability_norm_style="torchscale")
   assert multiscale_retention.uses_kernel(cfg, "gpu", per_token_decay=True)
-  cfg.retention_impl = "pallas"
+  cfg = cfg.replace(retention_impl="pallas")
   with pytest.raises(ValueError, match=r"retention_impl='pallas' cannot run here"):
     GATED.check_backend(cfg, "cpu")
   tokens = random_tokens(1, 6)

@@ -20,7 +20,7 @@ from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.interop import export_fla
 from retnet_jax.mixers import gated_retention
-from retnet_jax.models import architectures, presets
+from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.models.model import Model
 from retnet_jax.planning import aot
 from retnet_jax.training import train, train_state
@@ -134,10 +134,10 @@ def test_train_step_compiles_for_an_h100_with_the_kernels(gate_init):
   # gradient's reverse pass, dv, and dq/dk (the decay's gradient is XLA's, from their outputs)
   assert report["fits"] and step["fits"] and step["pallas_kernel_calls"] == 6
   tokens = config.train.batch_size * config.train.seq_len
-  expected = flops.train_flops_per_token(config.model, config.train.seq_len, "chunkwise") * tokens
+  expected = flops.train_flops_per_token(model_config.of(config.model), config.train.seq_len, "chunkwise") * tokens
   assert step["model_flops_per_device"] == expected
   config.model.mixer = "retention"
-  assert expected > flops.train_flops_per_token(config.model, config.train.seq_len, "chunkwise") * tokens
+  assert expected > flops.train_flops_per_token(model_config.of(config.model), config.train.seq_len, "chunkwise") * tokens
 
 
 @pytest.mark.parametrize("target, devices, steps, gate_init", [("h100:1", 1, "train", "yoco"),
@@ -161,10 +161,10 @@ def test_aot_script_compiles_a_gated_model(tmp_path, target, devices, steps, gat
   assert train_step["fits"] and train_step["model_flops_per_device"] == flops.train_flops_per_token(
       config.model, config.train.seq_len, config.train.mode) * tokens / devices
   if "decode" in steps:
-    context = architectures.decode_context(config.model)
+    context = architectures.decode_context(model_config.of(config.model))
     decode = report["steps"]["decode"]
     assert decode["fits"] and decode["model_flops_per_device"] == (
-        flops.forward_flops_per_token(config.model, context, "recurrent") * config.train.batch_size
+        flops.forward_flops_per_token(model_config.of(config.model), context, "recurrent") * config.train.batch_size
         * aot.DECODE_TOKENS / devices)
 
 

@@ -16,7 +16,7 @@ from retnet_jax.evaluation import evaluate, passkey_eval, sampling
 from retnet_jax.input_pipeline import passkey
 from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.mixers import attention as attention_mixer
-from retnet_jax.models import architectures, presets
+from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.nn import layer_stack, rotation
 from retnet_jax.training import losses, train, train_state, train_step
 from tests.helpers import (assert_resumed_from, forms_agree, forward, max_abs_diff, on_gpu, random_tokens,
@@ -317,6 +317,7 @@ def test_the_fields_that_size_decoding_states_come_from_the_mixers():
   for fields, overrides in expected.items():
     cfg = retnet_config.get_config("tiny").model
     cfg.update(overrides)
-    assert architectures.state_fields(cfg) == fields
-  assert architectures.state_fields(presets.transformer_config(retnet_config.get_config("tiny").model, 64)) == (
+    assert architectures.state_fields(model_config.of(cfg)) == fields
+  assert architectures.state_fields(model_config.of(presets.transformer_config(retnet_config.get_config("tiny").model,
+                                                                               64))) == (
       "max_len",)

@@ -27,7 +27,7 @@ from flax import nnx
 
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.mixers import base
-from retnet_jax.models import architectures, presets
+from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.models.model import Model
 from retnet_jax.planning import aot
 from retnet_jax.training import checkpointing
@@ -79,12 +79,12 @@ def _test_mixer_registered():
 @functools.cache
 def model_of(case: str) -> Model:
   """The case's model from seed 0, built once."""
-  return Model(CONFIGS[case].model, rngs=nnx.Rngs(0))
+  return Model(model_config.of(CONFIGS[case].model), rngs=nnx.Rngs(0))
 
 
 def mixer_of(case: str) -> base.Mixer:
   """The mixer under test: the last layer's."""
-  return architectures.layer_mixers(CONFIGS[case].model)[-1]
+  return architectures.layer_mixers(model_config.of(CONFIGS[case].model))[-1]
 
 
 def rel_err(a, b) -> float:
@@ -121,7 +121,7 @@ def whole(case: str, mode: str) -> tuple:
 def test_forms_agree_after_a_carried_state(case):
   """(a) From a state carried over 5 tokens, every form the model computes gives the same logits and state over 13
   tokens (chunks of 4 leave a partial one), and the forms include the mixer's own."""
-  modes = architectures.modes(CONFIGS[case].model)
+  modes = architectures.modes(model_config.of(CONFIGS[case].model))
   assert modes[0] == "parallel" and set(mixer_of(case).modes) <= set(modes)
   for a, b in itertools.combinations(modes, 2):
     (logits_a, state_a), (logits_b, state_b) = after(case, a), after(case, b)
@@ -144,7 +144,7 @@ def layer_runs(layer, x_BxTxD, positions_BxT, mixer, cfg, modes) -> dict:
 def layer_results(case: str, dtype, modes: tuple[str, ...]) -> dict:
   """`layer_runs` (as NumPy) of the mixer's layer built in `dtype` (its parameters float32 whatever the dtype, drawn
   from seed 0) over random inputs."""
-  cfg, mixer = ml_collections.FrozenConfigDict(CONFIGS[case].model), mixer_of(case)
+  cfg, mixer = model_config.of(CONFIGS[case].model), mixer_of(case)
   x_BxTxD = jnp.asarray(np.random.default_rng(2).normal(size=(BATCH, PREFIX + LENGTH, cfg.d_model)), dtype)
   positions_BxT = jnp.broadcast_to(jnp.arange(PREFIX + LENGTH, dtype=jnp.int32), x_BxTxD.shape[:2])
   layer = mixer.layer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
@@ -169,7 +169,7 @@ def test_a_prefix_then_the_rest_equals_one_call(case):
   """(b) In every sequence form, 5 tokens then 13 from the returned state give one call's logits and state over the
   18; so do 5 in the parallel form then 13 in each sequence form."""
   model = model_of(case)
-  for mode in (m for m in architectures.modes(CONFIGS[case].model) if m in architectures.SEQUENCE_MODES):
+  for mode in (m for m in architectures.modes(model_config.of(CONFIGS[case].model)) if m in architectures.SEQUENCE_MODES):
     head = carried(case) if mode == "parallel" else forward(model, TOKENS[:, :PREFIX], None, mode)
     rest = after(case, mode) if mode == "parallel" else forward(model, TOKENS[:, PREFIX:], head[1], mode)
     logits, state = whole(case, mode)
@@ -198,7 +198,7 @@ def test_packed_documents_act_as_alone_or_are_refused(case):
   resets at documents (`architectures.document_refusal` is None) they give the logits each gives alone (the 13
   first of one call over the 18, by causality; the 5 first), and the state returned continues as the last one's
   alone; in another form, the call is refused by a ValueError with the refusal, which names the fix ("...: use ...")."""
-  model, cfg = model_of(case), CONFIGS[case].model
+  model, cfg = model_of(case), model_config.of(CONFIGS[case].model)
   packed_BxT = np.concatenate([TOKENS[:, :LENGTH], TOKENS[:, :PREFIX]], axis=1)
   segment_ids_BxT = jnp.asarray(np.repeat([[3] * LENGTH + [8] * PREFIX], BATCH, axis=0), jnp.int32)
   alone = jnp.concatenate([whole(case, "parallel")[0][:, :LENGTH], carried(case)[0]], axis=1)
@@ -247,7 +247,7 @@ MIXING_RATIOS = {"parallel": (0.9, 1.5), "chunkwise": (0.9, 1.5), "recurrent": (
 def test_a_mixer_that_cannot_split_sequences_refuses_a_mesh_that_does(case):
   """A mixer whose `splits_sequences` is False refuses sequences split over 2 devices, naming where (the base class's
   default: a new mixer cannot forget it); one that splits takes whole chunks per device in its sequence forms."""
-  cfg, mixer = CONFIGS[case].model, mixer_of(case)
+  cfg, mixer = model_config.of(CONFIGS[case].model), mixer_of(case)
   modes = tuple(mode for mode in mixer.modes if mode != "recurrent")
   check = lambda: mixer.check_sequence_split(cfg, "the mesh splits sequences over 2 devices", 2, 4 * CHUNK, modes)
   if mixer.splits_sequences:
@@ -265,7 +265,7 @@ def test_flop_counts_match_a_traced_count(case):
   (the parallel form's final state k^T v) and second passes, the traced one products that are not matmuls. The
   model's traced FLOPs fall short of `flops.forward_flops_per_token` by exactly its layers' shortfalls: flops.py
   counts its FFNs and head as computed, and sums every layer's mixer."""
-  cfg, mixer, model = CONFIGS[case].model, mixer_of(case), model_of(case)
+  cfg, mixer, model = model_config.of(CONFIGS[case].model), mixer_of(case), model_of(case)
   matrices = sum(x.size for x in jax.tree.leaves(nnx.state(mixer.layer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)),
                                                            nnx.Param)) if x.ndim == 2)
   assert mixer.matmul_params(cfg) == matrices
@@ -287,7 +287,7 @@ def test_flop_counts_match_a_traced_count(case):
 def test_a_checkpoint_round_trip_keeps_parameters_and_outputs(case, tmp_path):
   """(f) The model's parameters saved and restored through `checkpointing.Checkpointer` into a model drawn from
   another seed are the saved ones bit for bit, and give the same logits."""
-  model, cfg = model_of(case), CONFIGS[case].model
+  model, cfg = model_of(case), model_config.of(CONFIGS[case].model)
   params = nnx.state(model, nnx.Param)
   with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
     assert ckpt.save(1, {"params": params}, {"case": case})

@@ -16,6 +16,7 @@ from configs import retnet as retnet_config
 from retnet_jax.core import sharding
 from retnet_jax.hardware import flops
 from retnet_jax.mixers import stability
+from retnet_jax.models import model_config
 from retnet_jax.models.model import Model
 from retnet_jax.runs import workdir as workdir_lib
 from retnet_jax.training import checkpointing, losses, run_checkpoints, run_config, train, train_state, train_step
@@ -412,9 +413,9 @@ def test_the_torchscale_normaliser_is_one_predicate(tmp_path):
   config = tiny_config(tmp_path)
   config.train.update(mode="chunkwise", segment_len=12)
   config.model.update(stability_norm=False, stability_norm_style="torchscale")
-  assert not stability.torchscale_normaliser(config.model)
+  assert not stability.torchscale_normaliser(model_config.of(config.model))
   run_config.build(config)
   config.model.stability_norm = True
-  assert stability.torchscale_normaliser(config.model)
+  assert stability.torchscale_normaliser(model_config.of(config.model))
   with pytest.raises(ValueError, match="train.segment_len=12 is not a multiple of model.chunk_size=8"):
     run_config.build(config)

@@ -18,7 +18,7 @@ from retnet_jax.core import sharding
 from retnet_jax.evaluation import evaluate, sampling, text_generation
 from retnet_jax.hardware import flops
 from retnet_jax.input_pipeline import tokenizer
-from retnet_jax.models import architectures, presets
+from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.models.model import Model
 from retnet_jax.runs import flag_messages
 from retnet_jax.training import checkpointing, run_checkpoints, train, train_state
@@ -80,8 +80,8 @@ def test_presets_are_retnet_sizes_with_matched_parameter_counts():
     expected["model"], expected["train"]["mode"] = config.model.to_dict(), "parallel"
     assert config.to_dict() == expected, name
     assert config.model.max_len == max(config.train.seq_len, 1024)
-    architectures.check_config(config.model)
-    ratio = flops.matmul_params(config.model) / flops.matmul_params(reference.model)
+    architectures.check_config(model_config.of(config.model))
+    ratio = flops.matmul_params(model_config.of(config.model)) / flops.matmul_params(reference.model)
     assert abs(ratio - 1) < {"tiny": 0.015, "small": 0.003}.get(name, 1e-3), (name, ratio)
   # All parameters (embedding and norms too) of `small`: 3.8M either way.
   small = transformer_config.get_config("small").model
@@ -230,7 +230,7 @@ def test_evaluate_and_generate_from_the_workdir(trained, model):
   parallel prefill, then recurrent decoding), which picks the argmax of the parallel logits, also for a
   left-padded row."""
   config, workdir = trained
-  results = evaluate.evaluate_model(model, config, architectures.modes(config.model), config.train.eval_batches)
+  results = evaluate.evaluate_model(model, config, architectures.modes(model_config.of(config.model)), config.train.eval_batches)
   assert set(results["modes"]) == {"parallel", "recurrent"} and results["modes_agree"]
   assert results["modes"]["parallel"]["loss"] == pytest.approx(read_metrics(workdir, "eval_loss")[STEPS], rel=1e-5)
 

@@ -50,12 +50,39 @@ def subsection(cls: type, name: str) -> type[Section] | None:
 
 
 class Section:
-  """The base of the typed config sections (frozen dataclasses whose fields are `field`s)."""
+  """The base of the typed config sections (frozen dataclasses whose fields are `field`s).
+
+  A subsection whose class sets `FLAT_PREFIX` (a string, maybe empty) groups fields that the user's config holds
+  flat in the parent, named `FLAT_PREFIX + field` (a model's mixer sections: `model.attention_window` is
+  `model.attention.window`); `of`, `to_dict`, `flat_names` and `reference` read and write them so.
+  """
+
+  FLAT_PREFIX: typing.ClassVar[str | None] = None
 
   @classmethod
   def names(cls) -> tuple[str, ...]:
     """The section's field names, in order."""
     return tuple(f.name for f in dataclasses.fields(cls))
+
+  @classmethod
+  def flat_names(cls) -> tuple[str, ...]:
+    """The names the user's config gives the section's fields: flat subsections' fields in place, prefixed."""
+    names = []
+    for name in cls.names():
+      section = subsection(cls, name)
+      flat = section is not None and section.FLAT_PREFIX is not None
+      names += [section.FLAT_PREFIX + inner for inner in section.names()] if flat else [name]
+    return tuple(names)
+
+  def flat_value(self, name: str) -> Any:
+    """The value of the field the user's config names `name` (a flat subsection's `prefix + field` included)."""
+    for field_name in self.names():
+      section = subsection(type(self), field_name)
+      if section is not None and section.FLAT_PREFIX is not None and name.startswith(section.FLAT_PREFIX):
+        inner = name[len(section.FLAT_PREFIX):]
+        if inner in section.names():
+          return getattr(getattr(self, field_name), inner)
+    return getattr(self, name)
 
   @classmethod
   def of(cls: type[S], values: Any, where: str) -> S:
@@ -66,7 +93,7 @@ class Section:
     if not (isinstance(values, Mapping) or hasattr(values, "items")):
       raise TypeError(f"{where} must be a config section (its fields by name); got a {type(values).__name__}.")
     given = dict(values.items())
-    names = cls.names()
+    names = cls.flat_names()
     unknown = sorted(set(given) - set(names))
     missing = [name for name in names if name not in given]
     if unknown or missing:
@@ -76,15 +103,25 @@ class Section:
       raise ValueError(f"the {where} section does not fit its fields ({'; '.join(parts)}); take the section from a "
                        "preset, e.g. --config=configs/retnet.py:small.")
     fields = {}
-    for name in names:
+    for name in cls.names():
       section = subsection(cls, name)
-      fields[name] = section.of(given[name], f"{where}.{name}") if section else frozen(given[name])
+      if section is not None and section.FLAT_PREFIX is not None:
+        fields[name] = section.of({inner: given[section.FLAT_PREFIX + inner] for inner in section.names()}, where)
+      else:
+        fields[name] = section.of(given[name], f"{where}.{name}") if section else frozen(given[name])
     return cls(**fields)
 
   def to_dict(self) -> dict[str, Any]:
-    """The fields by name, sections as dicts (the layout of config.json and of a checkpoint's config)."""
-    return {name: value.to_dict() if isinstance(value, Section) else value
-            for name, value in ((n, getattr(self, n)) for n in self.names())}
+    """The fields by the names the user's config gives them, sections as dicts, flat subsections' fields in place
+    (the layout of config.json and of a checkpoint's config)."""
+    fields = {}
+    for name in self.names():
+      value = getattr(self, name)
+      if isinstance(value, Section) and value.FLAT_PREFIX is not None:
+        fields.update({value.FLAT_PREFIX + inner: item for inner, item in value.to_dict().items()})
+      else:
+        fields[name] = value.to_dict() if isinstance(value, Section) else value
+    return fields
 
   def replace(self: S, **changes: Any) -> S:
     """A copy with `changes`, checked as any section is when built."""
@@ -96,7 +133,10 @@ class Section:
     rows = []
     for f in dataclasses.fields(cls):
       section = subsection(cls, f.name)
-      if section:
+      if section and section.FLAT_PREFIX is not None:
+        rows += [(f"{where}.{section.FLAT_PREFIX}{name.rpartition('.')[2]}", kind, meaning)
+                 for name, kind, meaning in section.reference(where)]
+      elif section:
         rows += section.reference(f"{where}.{f.name}")
       else:
         rows.append((f"{where}.{f.name}", _type_name(_hints(cls)[f.name]), f.metadata.get("meaning", "")))

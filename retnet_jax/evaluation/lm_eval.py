@@ -276,9 +276,10 @@ class RetNetLM(TemplateLM):
     model_cfg = config.model if model is None else model.config
     self._prefix_token = self._choose_prefix_token(prefix_token, model_cfg.vocab_size)
     field = architectures.cache_field(model_cfg)
-    if field is not None and self.max_length > getattr(model_cfg, field):
+    if field is not None and self.max_length > model_cfg.flat_value(field):
       raise ValueError(f"max_length={self.max_length} tokens of context and continuation do not fit the KV cache of "
-                       f"model.{field}={getattr(model_cfg, field)}; raise it (config.model.{field}={self.max_length}) or "
+                       f"model.{field}={model_cfg.flat_value(field)}; raise it (config.model.{field}="
+                       f"{self.max_length}) or "
                        "lower max_length.")
     if model is None:
       model, self.step = train_state.restore_model(config, workdir, step)

@@ -107,14 +107,14 @@ def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tok
   memory = device_memory(devices)
   if needed_bytes > memory:
     fields = architectures.state_fields(cfg)
-    fix = (f"lower {' or '.join(f'model.{field}={getattr(cfg, field)}' for field in fields)}, or the batch" if fields
+    fix = (f"lower {' or '.join(f'model.{field}={cfg.flat_value(field)}' for field in fields)}, or the batch" if fields
            else "decode fewer rows at a time")
     raise ValueError(f"the decoding state of {batch} rows takes {needed_bytes / 2**30:.1f} GiB, more than the "
                      f"{memory / 2**30:.1f} GiB of {memory_name(devices)}; {fix}.")
   field = architectures.cache_field(cfg)
   if field is None:
     return
-  needed, size = prompt_len - 1 + max_new_tokens, getattr(cfg, field)
+  needed, size = prompt_len - 1 + max_new_tokens, cfg.flat_value(field)
   if needed > size:
     what = f"prompts padded to {prompt_len} tokens" + (f" and {max_new_tokens} new tokens" if max_new_tokens else "")
     raise ValueError(f"{what} need a KV cache of {needed} tokens, but model.{field}={size}; raise model.{field} "

@@ -1,39 +1,43 @@
 """Model FLOPs per token, counted analytically, and the peak FLOP/s that MFU divides by: the devices' nominal bf16
-peak on GPUs and TPUs (`accelerators.CHIPS`), the best measured matmul rate on CPUs."""
+peak on GPUs and TPUs (`accelerators.CHIPS`), the best measured matmul rate on CPUs. The counts take the model
+section typed or as the config holds it (`model_config.of`)."""
 
 from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from retnet_jax.hardware import accelerators
-from retnet_jax.models import architectures
+from retnet_jax.models import architectures, model_config
 from retnet_jax.models.model_config import ModelConfig
 
 
-def matmul_params(cfg: ModelConfig) -> int:
+def matmul_params(cfg: ModelConfig | Any) -> int:
   """Parameters used in matmuls per token: every layer's mixer projections (`Mixer.matmul_params`), its GLU FFN
   (3 d f) and the output head (not the embedding lookup)."""
+  cfg = model_config.of(cfg)
   per_layer = sum(mixer.matmul_params(cfg) for mixer in architectures.layer_mixers(cfg))
   return per_layer + cfg.num_layers * 3 * cfg.d_model * cfg.ffn_dim + cfg.d_model * cfg.vocab_size
 
 
-def mixing_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str) -> int:
+def mixing_flops_per_token(cfg: ModelConfig | Any, seq_len: int, mode: str) -> int:
   """Forward FLOPs per token of the mixing products themselves (all layers, `Mixer.mixing_flops`): retention's as
   its form `mode` computes them, attention's [L, L] scores (a windowed layer decoding: its window)."""
+  cfg = model_config.of(cfg)
   return sum(mixer.mixing_flops(cfg, seq_len, mode) for mixer in architectures.layer_mixers(cfg))
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str) -> int:
+def forward_flops_per_token(cfg: ModelConfig | Any, seq_len: int, mode: str) -> int:
   """Forward: 2 x matmul params + the mixing products in `mode`."""
   return 2 * matmul_params(cfg) + mixing_flops_per_token(cfg, seq_len, mode)
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str) -> int:
+def train_flops_per_token(cfg: ModelConfig | Any, seq_len: int, mode: str) -> int:
   """Forward + backward: 3 x the forward (the backward pass costs two forwards)."""
   return 3 * forward_flops_per_token(cfg, seq_len, mode)
 

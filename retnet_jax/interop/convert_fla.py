@@ -280,7 +280,7 @@ def load_fla(checkpoint_dir: str | Path, placement: sharding.Placement | None = 
   names = {path: fla_names(path, fuse_norm) for path in targets}
   # fla ties lm_head to the embeddings whatever a stored lm_head.weight holds.
   ignored = {TOP_NAMES[("head", "kernel")]} if config.model.tie_embeddings else set()
-  heads, kv_heads = attention.HYBRID.settings(config.model)[:2]
+  heads, kv_heads = attention.HYBRID.settings(model_config.of(config.model))[:2]
   expected = {}
   for path, target in targets.items():
     d_model, width = target.shape if len(names[path]) > 1 else (None, None)

@@ -27,7 +27,7 @@ from retnet_jax.input_pipeline import tokenizer as tokenizer_lib
 from retnet_jax.interop.convert_fla import fla_names, split_qkv
 from retnet_jax.interop.safetensors_folder import INDEX_FILE, SINGLE_FILE
 from retnet_jax.mixers import attention, multiscale_retention
-from retnet_jax.models import architectures
+from retnet_jax.models import architectures, model_config
 from retnet_jax.models.model import Model
 from retnet_jax.models.model_config import ModelConfig
 from retnet_jax.nn import layer_stack, layers
@@ -45,8 +45,10 @@ BYTE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_ATTENTION_HEAD_DIM = 256  # flash-attn's largest head dim, which fla's Attention calls
 
 
-def export_problems(cfg: ModelConfig) -> list[str]:
-  """The model fields of `cfg` that fla's RetNet cannot express, each with the value it needs."""
+def export_problems(cfg: ModelConfig | Any) -> list[str]:
+  """The model fields of `cfg` (the model section, typed or as the config holds it) that fla's RetNet cannot express,
+  each with the value it needs."""
+  cfg = model_config.of(cfg)
   foreign = [mixer for mixer in architectures.mixers(cfg)
              if mixer not in (multiscale_retention.RETENTION, attention.HYBRID)]
   names = ", ".join(mixer.name for mixer in foreign)
@@ -56,8 +58,8 @@ def export_problems(cfg: ModelConfig) -> list[str]:
   if foreign:  # a RetNet whose model.mixer is not multi-scale retention
     return [f"model.mixer={cfg.mixer!r} (fla's RetNet computes multi-scale retention, a fixed decay per head; these "
             f"are {names} layers; export a workdir with model.mixer='retention')"]
-  problems = [f"model.{name}={getattr(cfg, name)!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
-              if getattr(cfg, name) != value]
+  problems = [f"model.{name}={cfg.flat_value(name)!r} (fla computes {value!r})" for name, value in EXPORTABLE.items()
+              if cfg.flat_value(name) != value]
   if cfg.head_norm_eps != cfg.norm_eps:
     problems.append(f"model.head_norm_eps={cfg.head_norm_eps} differs from model.norm_eps={cfg.norm_eps} (fla has "
                     "one norm_eps)")
@@ -65,7 +67,7 @@ def export_problems(cfg: ModelConfig) -> list[str]:
     problems.append(f"key head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} (fla allows at most "
                     f"{MAX_KEY_HEAD_DIM})")
   heads = attention.HYBRID.settings(cfg).num_heads
-  if cfg.attention_layers and cfg.d_model // heads > MAX_ATTENTION_HEAD_DIM:
+  if cfg.attention.layers and cfg.d_model // heads > MAX_ATTENTION_HEAD_DIM:
     problems.append(f"attention head dim d_model / attention_num_heads = {cfg.d_model // heads} (flash-attn, which "
                     f"fla's attention calls, allows at most {MAX_ATTENTION_HEAD_DIM})")
   return problems
@@ -86,11 +88,11 @@ def fla_config_of(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
 
 def _fla_attn(cfg: ModelConfig) -> dict[str, Any] | None:
   """fla's `attn` entry of a hybrid model config (None: no attention layers)."""
-  if not cfg.attention_layers:
+  if not cfg.attention.layers:
     return None
   heads, kv_heads = attention.HYBRID.settings(cfg)[:2]
-  return {"layers": sorted(cfg.attention_layers), "num_heads": heads, "num_kv_heads": kv_heads, "qkv_bias": False,
-          "window_size": cfg.attention_window, "rope_theta": cfg.attention_rotation_base}
+  return {"layers": sorted(cfg.attention.layers), "num_heads": heads, "num_kv_heads": kv_heads, "qkv_bias": False,
+          "window_size": cfg.attention.window, "rope_theta": cfg.attention.rotation_base}
 
 
 def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:

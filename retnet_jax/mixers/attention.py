@@ -11,6 +11,7 @@ as in the parallel form. A Transformer's layers (`configs/transformer.py`) take 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax.core import config_checks, segments, sharding
+from retnet_jax.core import config_checks, sections, segments, sharding
 from retnet_jax.mixers import base
 from retnet_jax.nn import layer_stack, layers, matmul, rotation
 
@@ -218,10 +219,32 @@ class Context(NamedTuple):
   document_BxL: jax.Array | None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridAttentionConfig(sections.Section):
+  """`model.attention_*`: a hybrid RetNet's attention layers (the model section holds them flat, prefixed), checked
+  against the model's sizes by `HYBRID.check_config` and the registry."""
+  FLAT_PREFIX = "attention_"
+  layers: tuple[int, ...] = sections.field("hybrids: these layers (indices) use softmax attention in place of "
+                                           "retention")
+  num_heads: int | None = sections.field("the attention layers' query heads; None: num_heads")
+  num_kv_heads: int | None = sections.field("the attention layers' key/value heads; None: one per query head")
+  window: int | None = sections.field("attend to the last W tokens only, through a ring-buffer KV cache of W tokens "
+                                      "(decoding memory constant in the context); None: every earlier token")
+  rotation_base: float = sections.field("the attention layers' rotary base (fla: rope_theta)")
+  max_len: int = sections.field("KV-cache length of unwindowed attention layers: the longest prompt + generation a "
+                                "decoding state holds")
+
+  def __post_init__(self):
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layers):
+      raise ValueError(f"model.attention_layers must be a tuple of layer indices, e.g. (1,) or (3, 7); got "
+                       f"{self.layers!r}.")
+
+
 class Attention(base.Mixer):
-  """Causal attention as the registry holds it, reading its settings from the fields named `prefix + field` (the
-  Transformer's: no prefix; a hybrid's: `attention_`). Fields a model section lacks take their defaults: one
-  key/value head per query head, no window, interleaved rotation pairs."""
+  """Causal attention as the registry holds it, reading its settings from the model section's own fields (the
+  Transformer's) or from its `attention` section (a hybrid's, `HybridAttentionConfig`: the fields the user's config
+  names `prefix + field`, as messages do). Fields a model section lacks take their defaults: one key/value head per
+  query head, no window, interleaved rotation pairs."""
 
   name = "attention"
   modes = ("parallel", "recurrent")
@@ -237,7 +260,8 @@ class Attention(base.Mixer):
   def settings(self, cfg: base.ModelConfig) -> Settings:
     """Its settings in model section `cfg`: heads (None: `num_heads`), key/value heads (None: one per query head),
     window, rotation pairs and base, cache length."""
-    own = lambda name, default=None: getattr(cfg, self.field(name), default)  # noqa: E731
+    fields = cfg.attention if self.prefix else cfg
+    own = lambda name: getattr(fields, name, None)  # noqa: E731
     heads = own("num_heads") or cfg.num_heads
     return Settings(heads, own("num_kv_heads") or heads, own("window"), getattr(cfg, "rotation_pairs", "interleaved"),
                     own("rotation_base"), own("max_len"))
@@ -328,4 +352,4 @@ class Attention(base.Mixer):
 
 # A Transformer's layers, and a hybrid RetNet's `model.attention_layers`.
 TRANSFORMER = Attention("", lambda cfg: "the Transformer's layers")
-HYBRID = Attention("attention_", lambda cfg: f"model.attention_layers={tuple(cfg.attention_layers)}")
+HYBRID = Attention("attention_", lambda cfg: f"model.attention_layers={tuple(cfg.attention.layers)}")

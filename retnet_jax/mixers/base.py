@@ -38,9 +38,10 @@ class Mixer(abc.ABC):
   modes: tuple[str, ...]  # the forms it computes (in a hybrid's other forms, its module says what it runs)
   splits_sequences: bool  # runs on a mesh whose `sequence` axis splits each sequence
   fixed_state: bool  # its decoding state keeps one size whatever the context (no KV cache growing with it)
-  # model fields that it alone reads: set away from their defaults in a model none of whose layers run it, they
-  # would be ignored (`architectures.check_config` refuses that)
-  own_fields: tuple[str, ...] = ()
+  # the RetNet model section's field holding the section of fields it alone reads (None: it reads shared fields
+  # only): set away from their defaults in a model none of whose layers run it, they would be ignored
+  # (`architectures.check_config` refuses that)
+  section: str | None = None
 
   @abc.abstractmethod
   def check_config(self, cfg: ModelConfig) -> None:

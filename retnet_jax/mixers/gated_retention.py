@@ -31,12 +31,14 @@ while the deterministic spread above already starts the heads from short to long
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from retnet_jax.core import config_checks, sharding
+from retnet_jax.core import config_checks, sections, sharding
 from retnet_jax.mixers import base, decay, multiscale_retention, retention
 from retnet_jax.nn import layers
 
@@ -63,6 +65,23 @@ def check_retnet_gate(num_heads: int, normalizer: float) -> None:
                      "gives it); use fewer heads, or model.gate_init='yoco'.")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatedRetentionConfig(sections.Section):
+  """`model.gate_logit_normalizer`, `model.gate_init`: gated retention's own fields (flat in the model section)."""
+  FLAT_PREFIX = ""
+  gate_logit_normalizer: float = sections.field("gated_retention: log gamma_t = logsigmoid(x_t W_gt) / this "
+                                                "(YOCO: 16)")
+  gate_init: str = sections.field("gated_retention's gate at initialisation: yoco (no bias: every head near "
+                                  "2^(-1/16)) | retnet (a learned per-head bias starting head h at RetNet's decay "
+                                  "1 - 2^(-5-h))")
+
+  def __post_init__(self):
+    config_checks.finite_number(self.gate_logit_normalizer, "model.gate_logit_normalizer", positive=True,
+                                why="the gate's log-sigmoid is divided by it; YOCO's is 16")
+    config_checks.choice(self.gate_init, "model.gate_init", GATE_INITS,
+                         why="how the gate starts: YOCO's, without a bias, or RetNet's decays per head")
+
+
 class GatedRetentionLayer(multiscale_retention.RetentionLayer):
   """Gated retention: `RetentionLayer` with a decay per token and head from the gate projection `gt_proj`.
 
@@ -74,11 +93,12 @@ class GatedRetentionLayer(multiscale_retention.RetentionLayer):
 
   def __init__(self, cfg: base.ModelConfig, *, dtype, rngs: nnx.Rngs):
     super().__init__(cfg, per_token_decay=True, dtype=dtype, rngs=rngs)
-    self.gate_logit_normalizer = float(cfg.gate_logit_normalizer)
+    own = cfg.gated_retention
+    self.gate_logit_normalizer = float(own.gate_logit_normalizer)
     self.gt_proj = layers.Dense(cfg.d_model, cfg.num_heads, ("embed", "heads"), init=layers.xavier_uniform(2**-2.5),
                                 dtype=dtype, rngs=rngs)
     self.gt_bias = (layers.fixed_param(retnet_gate_bias(cfg.num_heads, self.gate_logit_normalizer), ("heads",))
-                    if cfg.gate_init == "retnet" else None)
+                    if own.gate_init == "retnet" else None)
 
   def gate_log_decay(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
     """log gamma `[B, L, H]` = logsigmoid(x W_gt (+ gt_bias)) / gate_logit_normalizer, in float32 (float64 for
@@ -120,16 +140,12 @@ class GatedRetention(multiscale_retention.Retention):
   counted in `matmul_params`."""
 
   name = "gated_retention"
-  own_fields = ("gate_logit_normalizer", "gate_init")
+  section = "gated_retention"
 
   def check_config(self, cfg: base.ModelConfig) -> None:
     multiscale_retention.check_retention_fields(cfg)
-    config_checks.finite_number(cfg.gate_logit_normalizer, "model.gate_logit_normalizer", positive=True,
-                                why="the gate's log-sigmoid is divided by it; YOCO's is 16")
-    config_checks.choice(cfg.gate_init, "model.gate_init", GATE_INITS,
-                         why="how the gate starts: YOCO's, without a bias, or RetNet's decays per head")
-    if cfg.gate_init == "retnet":
-      check_retnet_gate(cfg.num_heads, cfg.gate_logit_normalizer)
+    if cfg.gated_retention.gate_init == "retnet":
+      check_retnet_gate(cfg.num_heads, cfg.gated_retention.gate_logit_normalizer)
     # What no backend changes is refused as the model is built; the kernels' sizes by check_backend, before work.
     if cfg.retention_impl == "pallas" and (reason := multiscale_retention.kernel_config_unfit(cfg, True)):
       raise ValueError(f"model.retention_impl='pallas' cannot run: {reason}")

@@ -8,6 +8,7 @@ Its forms are `retnet_jax.mixers.retention`'s (parallel, chunkwise, recurrent) a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from retnet_jax.core import config_checks, sharding
+from retnet_jax.core import config_checks, sections, sharding
 from retnet_jax.mixers import base, decay, kernels, retention, sequence_parallel, stability
 from retnet_jax.nn import layer_stack, layers, rotation
 
@@ -30,6 +31,17 @@ class RetentionState(NamedTuple):
   retention, or `model.stability_norm` off)."""
   kv: jax.Array
   key_sum: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetentionConfig(sections.Section):
+  """`model.decay_schedule`, `model.decay_gammas`: multi-scale retention's fixed decay per head (its own fields,
+  flat in the model section; checked against `model.num_heads` by `Retention.check_config`)."""
+  FLAT_PREFIX = ""
+  decay_schedule: str = sections.field("retention: retnet: 1 - 2^(-5-h) | logspace: the paper's experiments | "
+                                       "explicit")
+  decay_gammas: tuple[float, ...] | None = sections.field("retention: one gamma per head, for "
+                                                          "decay_schedule='explicit'")
 
 
 class Context(NamedTuple):
@@ -212,7 +224,8 @@ class MultiScaleRetention(RetentionLayer):
     super().__init__(cfg, per_token_decay=False, dtype=dtype, rngs=rngs)
     self.stability_norm = cfg.stability_norm
     self.stability_norm_style = cfg.stability_norm_style
-    self.log_decay = tuple(float(x) for x in decay.log_decay(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas))
+    own = cfg.retention
+    self.log_decay = tuple(float(x) for x in decay.log_decay(own.decay_schedule, cfg.num_heads, own.decay_gammas))
 
   def __call__(self, x_BxLxD: jax.Array, context: "Context", state: dict[str, jax.Array] | None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -290,11 +303,11 @@ class Retention(base.Mixer):
   fixed_state = True
   # (the stability_norm fields, which gated retention does not read either, are presets' choices: torchscale's
   # and fla's set them, so a gated model built on those presets carries them unset by its user)
-  own_fields = ("decay_schedule", "decay_gammas")
+  section = "retention"
 
   def check_config(self, cfg: base.ModelConfig) -> None:
     check_retention_fields(cfg)
-    decay.gammas(cfg.decay_schedule, cfg.num_heads, cfg.decay_gammas)
+    decay.gammas(cfg.retention.decay_schedule, cfg.num_heads, cfg.retention.decay_gammas)
     config_checks.choice(cfg.stability_norm_style, "model.stability_norm_style", stability.NORM_STYLES)
 
   def layer(self, cfg: base.ModelConfig, *, dtype, rngs: nnx.Rngs) -> MultiScaleRetention:

@@ -42,7 +42,7 @@ def layer_mixers(cfg: base.ModelConfig) -> tuple[base.Mixer, ...]:
   if cfg.architecture == "transformer":
     return (attention.TRANSFORMER,) * cfg.num_layers
   mixer = MIXERS[cfg.mixer]
-  return tuple(attention.HYBRID if layer in cfg.attention_layers else mixer for layer in range(cfg.num_layers))
+  return tuple(attention.HYBRID if layer in cfg.attention.layers else mixer for layer in range(cfg.num_layers))
 
 
 def mixers(cfg: base.ModelConfig) -> tuple[base.Mixer, ...]:
@@ -52,16 +52,14 @@ def mixers(cfg: base.ModelConfig) -> tuple[base.Mixer, ...]:
 
 def _check_attention_layers(cfg: base.ModelConfig) -> None:
   """A RetNet's per-layer choice: indices in range and distinct, and no attention option without attention
-  layers."""
-  chosen = cfg.attention_layers
-  if not isinstance(chosen, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
-    raise ValueError(f"model.attention_layers must be a tuple of layer indices, e.g. (1,) or (3, 7); got {chosen!r}.")
+  layers (its section's types: `attention.HybridAttentionConfig`)."""
+  chosen = cfg.attention.layers
   if not chosen:
-    for name in ("attention_num_heads", "attention_num_kv_heads", "attention_window"):
-      if getattr(cfg, name) is not None:
-        raise ValueError(f"model.{name}={getattr(cfg, name)} configures attention layers, but model.attention_layers is "
-                         "empty: name them (e.g. --config.model.attention_layers='(1,)') or unset "
-                         f"model.{name}.")
+    for name in ("num_heads", "num_kv_heads", "window"):
+      if (value := getattr(cfg.attention, name)) is not None:
+        raise ValueError(f"model.attention_{name}={value} configures attention layers, but model.attention_layers "
+                         "is empty: name them (e.g. --config.model.attention_layers='(1,)') or unset "
+                         f"model.attention_{name}.")
     return
   bad = [i for i in chosen if not 0 <= i < cfg.num_layers]
   if bad:
@@ -76,16 +74,17 @@ _DEFAULTS = presets.model_config("tiny")  # the model fields' defaults (the mixe
 
 
 def _check_other_mixers_fields(cfg: base.ModelConfig) -> None:
-  """No field that only a mixer this RetNet's layers do not run reads (`Mixer.own_fields`) set away from its
+  """No field of the section of a mixer this RetNet's layers do not run (`Mixer.section`) set away from its
   default: the model would ignore it, as attention options without attention layers (`_check_attention_layers`)."""
   used = mixers(cfg)
-  read = {field for mixer in used for field in mixer.own_fields}
   for mixer in MIXERS.values():
-    for field in mixer.own_fields:
-      if mixer not in used and field not in read and getattr(cfg, field) != _DEFAULTS[field]:
-        raise ValueError(f"model.{field}={getattr(cfg, field)!r} is read by model.mixer={mixer.name!r} only, but this "
-                         f"model's layers run {', '.join(repr(m.name) for m in used)}, which ignore it: leave "
-                         f"model.{field} at its default ({_DEFAULTS[field]!r}), or set model.mixer={mixer.name!r}.")
+    if mixer in used or mixer.section is None:
+      continue
+    for field, value in getattr(cfg, mixer.section).to_dict().items():
+      if value != _DEFAULTS[field]:
+        raise ValueError(f"model.{field}={value!r} is read by model.mixer={mixer.name!r} only, but this model's "
+                         f"layers run {', '.join(repr(m.name) for m in used)}, which ignore it: leave model.{field} at "
+                         f"its default ({_DEFAULTS[field]!r}), or set model.mixer={mixer.name!r}.")
 
 
 def check_config(cfg: base.ModelConfig) -> None:

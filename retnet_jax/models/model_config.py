@@ -4,8 +4,10 @@ built: its fields, its mixers' fields (`architectures.check_config`), the layers
     cfg = model_config.of(config.model)   # a ConfigDict section, a config.json dict, or a section already built
     model = Model(cfg, rngs=nnx.Rngs(0))  # Model takes either; it builds the section once
 
-A RetNet's hybrid attention layers read the `attention_` fields; gated retention the `gate_` fields; the other
-mixers' fields must stay at their defaults (`architectures.check_config` says why).
+A RetNet's mixers read their own sections: `retention` (`model.decay_*`), `gated_retention` (`model.gate_*`),
+`attention` (a hybrid's `model.attention_*`), which the user's config and config.json hold flat, by those names
+(`sections.Section.FLAT_PREFIX`); a mixer's section that no layer reads must stay at its defaults
+(`architectures.check_config` says why).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import dataclasses
 from typing import Any
 
 from retnet_jax.core import sections
+from retnet_jax.mixers.attention import HybridAttentionConfig
+from retnet_jax.mixers.gated_retention import GatedRetentionConfig
+from retnet_jax.mixers.multiscale_retention import RetentionConfig
 from retnet_jax.models import architectures
 
 field = sections.field
@@ -55,15 +60,10 @@ class RetNetConfig(Common):
                                    "num_heads")
   value_dim: int = field("total value width (all heads); the paper uses 2 x d_model")
   chunk_size: int = field("chunk length of the chunkwise form")
-  decay_schedule: str = field("retention: retnet: 1 - 2^(-5-h) | logspace: the paper's experiments | explicit")
-  decay_gammas: tuple[float, ...] | None = field("retention: one gamma per head, for decay_schedule='explicit'")
   rotation_pairs: str = field("interleaved: features (2j, 2j+1) (torchscale) | half: (j, j + d_k/2) (fla)")
   stability_norm: bool = field("retention: divide raw retention by sqrt(sum of decays) and the clamped score sum")
   stability_norm_style: str = field("shared: one scalar that every form computes alike (forms agree exactly) | "
                                     "torchscale: the official code's per-form scalars")
-  gate_logit_normalizer: float = field("gated_retention: log gamma_t = logsigmoid(x_t W_gt) / this (YOCO: 16)")
-  gate_init: str = field("gated_retention's gate at initialisation: yoco (no bias: every head near 2^(-1/16)) | "
-                         "retnet (a learned per-head bias starting head h at RetNet's decay 1 - 2^(-5-h))")
   head_norm_eps: float = field("per-head RMSNorm epsilon")
   head_norm_scale: bool = field("a learned scale in the per-head RMSNorm, shared by all heads (fla)")
   scale_embedding: bool = field("multiply token embeddings by sqrt(d_model)")
@@ -72,15 +72,9 @@ class RetNetConfig(Common):
                               "where it compiles, else xla)")
   kernel_layout: str = field("the Pallas kernels' layout: split (a state pass, then chunk-parallel kernels) | "
                              "fused (one pass over the chunks per head)")
-  attention_layers: tuple[int, ...] = field("hybrids: these layers (indices) use softmax attention in place of "
-                                            "retention")
-  attention_num_heads: int | None = field("the attention layers' query heads; None: num_heads")
-  attention_num_kv_heads: int | None = field("the attention layers' key/value heads; None: one per query head")
-  attention_window: int | None = field("attend to the last W tokens only, through a ring-buffer KV cache of W "
-                                       "tokens (decoding memory constant in the context); None: every earlier token")
-  attention_rotation_base: float = field("the attention layers' rotary base (fla: rope_theta)")
-  attention_max_len: int = field("KV-cache length of unwindowed attention layers: the longest prompt + generation "
-                                 "a decoding state holds")
+  retention: RetentionConfig = field("multi-scale retention's own fields (`model.decay_*`)")
+  gated_retention: GatedRetentionConfig = field("gated retention's own fields (`model.gate_*`)")
+  attention: HybridAttentionConfig = field("the hybrid's attention layers (`model.attention_*`)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,7 +98,7 @@ def of(cfg: Any) -> ModelConfig:
     raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
                     + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
   name = architectures.architecture(cfg.get("architecture"))
-  names = CLASSES[name].names()
+  names = CLASSES[name].flat_names()
   missing, foreign = sorted(set(names) - set(cfg.keys())), sorted(set(cfg.keys()) - set(names))
   if missing or foreign:
     parts = ([f"it lacks {', '.join('model.' + k for k in missing)}"] if missing else []) + (
