@@ -90,7 +90,7 @@ def _reference_attention(block, x, positions, window, cfg):
   qkv = (h @ np.asarray(attention.qkv_proj.kernel[...], np.float64)).reshape(*x.shape[:2], groups, size + 2, head_dim)
   q = qkv[:, :, :, :size].reshape(*x.shape[:2], heads, head_dim)
   k, v = qkv[:, :, :, size], qkv[:, :, :, size + 1]
-  theta = cfg.attention_rotation_base ** -np.linspace(0, 1, head_dim // 2)  # the tiny preset's linspace frequencies
+  theta = cfg.attention.rotation_base ** -np.linspace(0, 1, head_dim // 2)  # the tiny preset's linspace frequencies
   angle = positions[:, :, None, None] * theta
 
   def rotate(y):  # interleaved pairs, as the tiny preset
