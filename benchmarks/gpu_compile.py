@@ -12,7 +12,7 @@ from benchmarks.harness import Budget
 from benchmarks.report import fmt
 from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
-from retnet_jax.models import architectures, model_config
+from retnet_jax.models import architectures, model_config as model_config_lib
 
 
 def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[
     for impl in suite.train_impls:
       config = model_config(suite, name, impl)
       try:
-        architectures.check_backend(model_config.of(config.model))
+        architectures.check_backend(model_config_lib.of(config.model))
       except ValueError as e:
         results["skipped"][f"{name}/{impl}"] = str(e)
         continue

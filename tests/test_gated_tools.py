@@ -136,7 +136,7 @@ def test_train_step_compiles_for_an_h100_with_the_kernels(gate_init):
   tokens = config.train.batch_size * config.train.seq_len
   expected = flops.train_flops_per_token(model_config.of(config.model), config.train.seq_len, "chunkwise") * tokens
   assert step["model_flops_per_device"] == expected
-  config.model.mixer = "retention"
+  config.model.update(mixer="retention", gate_init="yoco")
   assert expected > flops.train_flops_per_token(model_config.of(config.model), config.train.seq_len, "chunkwise") * tokens
 
 
