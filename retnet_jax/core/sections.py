@@ -97,11 +97,7 @@ class Section:
     unknown = sorted(set(given) - set(names))
     missing = [name for name in names if name not in given]
     if unknown or missing:
-      verb = "is not a field" if len(unknown) == 1 else "are not fields"
-      parts = [f"{', '.join(f'{where}.{k}' for k in unknown)} {verb}"] if unknown else []
-      parts += [f"it lacks {', '.join(f'{where}.{k}' for k in missing)}"] if missing else []
-      raise ValueError(f"the {where} section does not fit its fields ({'; '.join(parts)}); take the section from a "
-                       "preset, e.g. --config=configs/retnet.py:small.")
+      raise ValueError(cls.misfit(where, unknown, missing))
     fields = {}
     for name in cls.names():
       section = subsection(cls, name)
@@ -110,6 +106,15 @@ class Section:
       else:
         fields[name] = section.of(given[name], f"{where}.{name}") if section else frozen(given[name])
     return cls(**fields)
+
+  @classmethod
+  def misfit(cls, where: str, unknown: list[str], missing: list[str]) -> str:
+    """What `of` says of a mapping whose names are not the section's: the `unknown` ones, the `missing` ones."""
+    verb = "is not a field" if len(unknown) == 1 else "are not fields"
+    parts = [f"{', '.join(f'{where}.{k}' for k in unknown)} {verb}"] if unknown else []
+    parts += [f"it lacks {', '.join(f'{where}.{k}' for k in missing)}"] if missing else []
+    return (f"the {where} section does not fit its fields ({'; '.join(parts)}); take the section from a preset, "
+            "e.g. --config=configs/retnet.py:small.")
 
   def to_dict(self) -> dict[str, Any]:
     """The fields by the names the user's config gives them, sections as dicts, flat subsections' fields in place

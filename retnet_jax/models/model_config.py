@@ -13,6 +13,7 @@ A RetNet's mixers read their own sections: `retention` (`model.decay_*`), `gated
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 from retnet_jax.core import sections
@@ -47,13 +48,25 @@ class Common(sections.Section):
                             "time independent of depth, the same function; checkpoints restore across the two "
                             "layouts")
 
+  ARCHITECTURE: typing.ClassVar[str]  # model.architecture's value for this section
+
   def __post_init__(self):
     architectures.check_config(self)
+
+  @classmethod
+  def misfit(cls, where: str, unknown: list[str], missing: list[str]) -> str:
+    """The section's names against another architecture's: those it lacks, and the foreign ones."""
+    name = cls.ARCHITECTURE
+    parts = ([f"it lacks {', '.join('model.' + k for k in sorted(missing))}"] if missing else []) + (
+        [f"{', '.join('model.' + k for k in unknown)} are not {name} fields"] if unknown else [])
+    return (f"model.architecture={name!r} does not fit this model section ({'; '.join(parts)}); take the whole "
+            f"section from configs/{name}.py, e.g. --config=configs/{name}.py:small.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetNetConfig(Common):
   """`config.model` of a RetNet (configs/retnet.py), hybrids included."""
+  ARCHITECTURE = "retnet"
   mixer: str = field("every layer's token mixer but attention_layers' (`architectures.MIXERS`): retention | "
                      "gated_retention (YOCO's per-token decay)")
   num_kv_heads: int | None = field("key/value heads, each shared by num_heads / num_kv_heads query heads; None: "
@@ -80,10 +93,11 @@ class RetNetConfig(Common):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig(Common):
   """`config.model` of the Transformer of a preset's size (configs/transformer.py)."""
+  ARCHITECTURE = "transformer"
   max_len: int = field("KV-cache length: the longest prompt + generation a decoding state holds")
 
 
-CLASSES: dict[str, type[Common]] = {"retnet": RetNetConfig, "transformer": TransformerConfig}
+CLASSES: dict[str, type[Common]] = {cls.ARCHITECTURE: cls for cls in (RetNetConfig, TransformerConfig)}
 ModelConfig = RetNetConfig | TransformerConfig
 
 
@@ -97,12 +111,4 @@ def of(cfg: Any) -> ModelConfig:
     full = hasattr(cfg, "items") and "model" in cfg
     raise TypeError("a model takes the model fields, config.model (e.g. presets.model_config('tiny')); got "
                     + ("the full config: pass config.model." if full else f"a {type(cfg).__name__}."))
-  name = architectures.architecture(cfg.get("architecture"))
-  names = CLASSES[name].flat_names()
-  missing, foreign = sorted(set(names) - set(cfg.keys())), sorted(set(cfg.keys()) - set(names))
-  if missing or foreign:
-    parts = ([f"it lacks {', '.join('model.' + k for k in missing)}"] if missing else []) + (
-        [f"{', '.join('model.' + k for k in foreign)} are not {name} fields"] if foreign else [])
-    raise ValueError(f"model.architecture={name!r} does not fit this model section ({'; '.join(parts)}); take "
-                     f"the whole section from configs/{name}.py, e.g. --config=configs/{name}.py:small.")
-  return CLASSES[name].of(cfg, "model")
+  return CLASSES[architectures.architecture(cfg.get("architecture"))].of(cfg, "model")

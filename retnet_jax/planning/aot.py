@@ -26,6 +26,7 @@ from jax.sharding import AxisType
 from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose compiler reports none (GPUs)
 
 from retnet_jax.core import markdown, sharding
+from retnet_jax.core.sharding import MeshConfig
 from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.mixers.kernels import support
@@ -95,7 +96,7 @@ def _slice_axis(shape: tuple[int, ...], slices: int) -> int | None:
   return axis
 
 
-def _mesh(mesh_cfg: run_config.Config, target: accelerators.Target, devices) -> jax.sharding.Mesh:
+def _mesh(mesh_cfg: MeshConfig, target: accelerators.Target, devices) -> jax.sharding.Mesh:
   """`config.mesh` on the target's devices; over several slices the first axis they split spans them (over the
   data-center network), the others stay within a slice."""
   shape = sharding.mesh_shape(mesh_cfg, len(devices))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flax import traverse_util
+
 from retnet_jax.core import markdown, sections
 from retnet_jax.core.sharding import MeshConfig
 from retnet_jax.input_pipeline import synthetic
@@ -98,7 +100,8 @@ def reference() -> str:
   `small` preset (configs/retnet.py's default; the Transformer's own fields from configs/transformer.py:small) and
   meaning, from the sections' definitions."""
   retnet, transformer = (build(presets.get_config("small", name)) for name in ("retnet", "transformer"))
-  defaults = {**_flat(transformer.to_dict()), **_flat(retnet.to_dict())}
+  defaults = {**traverse_util.flatten_dict(transformer.to_dict(), sep="."),
+              **traverse_util.flatten_dict(retnet.to_dict(), sep=".")}
   common = set(model_config.Common.names())
   tables = [("The whole config", [row for row in Config.reference("") if row[0].lstrip(".") in ("preset", "seed")]),
             ("model: both architectures", model_config.Common.reference("model")),
@@ -115,13 +118,3 @@ def reference() -> str:
          for name, kind, meaning in rows]), ""]
   return "\n".join(lines)
 
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-  """A nested dict's leaves by dotted name."""
-  flat = {}
-  for name, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flat(value, f"{prefix}{name}."))
-    else:
-      flat[f"{prefix}{name}"] = value
-  return flat
