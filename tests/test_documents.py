@@ -15,7 +15,7 @@ from configs import transformer as transformer_config
 from retnet_jax.core import segments, sharding
 from retnet_jax.evaluation import evaluate
 from retnet_jax.input_pipeline import data, global_batches, synthetic, tokenizer
-from retnet_jax.training import losses, train, train_step
+from retnet_jax.training import losses, resume, train, train_step
 from tests.helpers import (CORPUS, assert_resumed_from, random_tokens, read_metrics, tiny_config, tiny_model,
                            tiny_transformer)
 from tests.test_data import bpe_path, byte_tokens, data_config, write_jsonl  # noqa: F401  (bpe_path: a fixture)
@@ -307,6 +307,6 @@ def test_a_checkpoint_from_before_the_flag_resumes_without_a_data_warning():
   config = retnet_config.get_config("tiny")
   saved = config.to_dict()
   del saved["data"]["reset_at_documents"]
-  assert train.changed_data_fields(saved, config) == []
+  assert resume.changed_data_fields(saved, config) == []
   config.data.reset_at_documents = True
-  assert train.changed_data_fields(saved, config) == ["data"]
+  assert resume.changed_data_fields(saved, config) == ["data"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from retnet_jax.core import owned_folders
 from retnet_jax.runs import workdir as workdir_lib
-from retnet_jax.training import metrics, train
+from retnet_jax.training import loop, metrics, train
 from tests.helpers import tiny_config
 
 
@@ -70,7 +70,7 @@ def test_the_last_line_names_every_output_as_the_workdir_was_given(trained_copy,
 def test_progress_lines_come_by_time_until_the_first_logged_step(tmp_path, caplog, monkeypatch):
   """The small run's first line came at step 50, 85 s in: before the first logged step, a line every
   EARLY_PROGRESS_S seconds (here every step) gives the step, its time and the ETA; none after it."""
-  monkeypatch.setattr(train, "EARLY_PROGRESS_S", 0.0)
+  monkeypatch.setattr(loop, "EARLY_PROGRESS_S", 0.0)
   config = tiny_config(tmp_path, steps=8, log_every_steps=4, eval_every_steps=8)
   with caplog.at_level(logging.INFO, logger="absl"):
     train.train_and_evaluate(config, tmp_path / "run")

@@ -305,7 +305,7 @@ def write_checkpoint(model: Model, config: run_config.Config | ml_collections.Co
   check_empty_workdir(workdir, take)
   ckpt_dir = workdir_lib.checkpoint_dir(workdir)
   layout = train_state.make_layout(config, sharding.placement(config.mesh))
-  state = train_state.from_params(config, layout, nnx.state(model, nnx.Param))
+  state = train_state.from_params(layout, nnx.state(model, nnx.Param))
   workdir_lib.claim(workdir, conversion_names(), take)
   with checkpointing.Checkpointer(ckpt_dir, keep=1, async_save=False) as checkpointer:
     checkpointer.save(0, state.saved(), {"data": {"epoch": 0, "index": 0}, "config": config.to_dict()}, force=True)

@@ -39,13 +39,7 @@ def check_config(train_cfg: TrainConfig) -> None:
     if not math.isfinite(value) or not valid(value):
       raise ValueError(f"train.{name} must be {requirement}; got {value}.")
   learning_rate_schedule(train_cfg)
-  state_dtype(train_cfg)
-
-
-def state_dtype(train_cfg: TrainConfig):
-  """The jnp dtype of AdamW's first moment that `train.optimizer_state_dtype` names, or ValueError with the choices."""
-  return STATE_DTYPES[config_checks.choice(train_cfg.optimizer_state_dtype, "train.optimizer_state_dtype",
-                                            STATE_DTYPES)]
+  config_checks.choice(train_cfg.optimizer_state_dtype, "train.optimizer_state_dtype", STATE_DTYPES)
 
 
 def learning_rate_schedule(train_cfg: TrainConfig) -> optax.Schedule:
@@ -78,5 +72,6 @@ def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
   return optax.chain(
       optax.clip_by_global_norm(train_cfg.grad_clip_norm),
       optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
-                  weight_decay=train_cfg.weight_decay, mask=decay_mask, mu_dtype=state_dtype(train_cfg)),
+                  weight_decay=train_cfg.weight_decay, mask=decay_mask,
+                  mu_dtype=STATE_DTYPES[train_cfg.optimizer_state_dtype]),
   )

@@ -71,6 +71,7 @@ class Layout:
   """The train state of one config on one placement: model structure and abstract state with shardings."""
   placement: sharding.Placement
   graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation  # the optimizer whose state the train state holds
   abstract_state: TrainState  # jax.ShapeDtypeStructs carrying the mesh's shardings
 
   @property
@@ -84,9 +85,8 @@ def fresh_state(tx: optax.GradientTransformation, params: nnx.State) -> TrainSta
                     jnp.full((), -1, jnp.int32))
 
 
-def _init_fn(config: Config) -> Callable[[], TrainState]:
-  """The pure function that creates a fresh state, parameters drawn from `config.seed`."""
-  tx = optimizer.make_optimizer(config.train)
+def _init_fn(config: Config, tx: optax.GradientTransformation) -> Callable[[], TrainState]:
+  """The pure function that creates a fresh state for `tx`, parameters drawn from `config.seed`."""
   return lambda: fresh_state(tx, nnx.state(model_lib.Model(config.model, rngs=nnx.Rngs(config.seed)), nnx.Param))
 
 
@@ -102,28 +102,29 @@ def model_layout(config: Config, placement: sharding.Placement) -> tuple[nnx.Gra
 
 
 def make_layout(config: Config, placement: sharding.Placement) -> Layout:
-  """The state's structure and shardings for `config` on `placement`, traced abstractly (nothing runs)."""
+  """The state's structure and shardings for `config` on `placement` (its optimizer built once, here), traced
+  abstractly (nothing runs)."""
   graphdef, _ = model_layout(config, placement)
+  tx = optimizer.make_optimizer(config.train)
   with placement.active():
-    abstract = jax.eval_shape(_init_fn(config))
+    abstract = jax.eval_shape(_init_fn(config, tx))
   shardings = sharding.tree_shardings(abstract, placement.mesh, placement.rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-  return Layout(placement, graphdef, abstract)
+  return Layout(placement, graphdef, tx, abstract)
 
 
 def init_fn(config: Config, layout: Layout) -> Callable[[], TrainState]:
   """A jitted `init() -> state` that creates every array directly with its sharding (compiled on first call)."""
-  return jax.jit(_init_fn(config), out_shardings=layout.shardings)
+  return jax.jit(_init_fn(config, layout.tx), out_shardings=layout.shardings)
 
 
-def from_params(config: Config, layout: Layout, params: nnx.State) -> TrainState:
+def from_params(layout: Layout, params: nnx.State) -> TrainState:
   """A fresh state (step 0, zero optimizer state) around `params`, placed with the layout's shardings."""
   placed = jax.tree.map(lambda leaf: leaf, layout.abstract_state.params)
   nnx.replace_by_pure_dict(placed, nnx.to_pure_dict(params))
   placed = jax.device_put(placed, layout.shardings.params)
-  tx = optimizer.make_optimizer(config.train)
   with layout.placement.active():
-    return jax.jit(lambda p: fresh_state(tx, p), out_shardings=layout.shardings)(placed)
+    return jax.jit(lambda p: fresh_state(layout.tx, p), out_shardings=layout.shardings)(placed)
 
 
 def restore_model(config: Config | Any, workdir: str | os.PathLike, step: int | None = None

@@ -3,8 +3,19 @@ and reason read from an OSError or from TensorStore's message, where the errno s
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+
+# errno -> (what went wrong with the workdir's disk, the fix), for the messages of a failed write
+DISK_FAULTS = {
+    errno.ENOSPC: ("its disk is full", "free space there (or move the workdir to a disk with room)"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space or raise the quota"),
+    errno.EROFS: ("its file system is read-only", "remount it read-write (or copy the workdir to a writable disk)"),
+    errno.EACCES: ("permission is denied", "make the workdir writable for this user"),
+    errno.EPERM: ("permission is denied", "make the workdir writable for this user"),
+    errno.EIO: ("its disk reported an I/O error", "check the disk"),
+}
 
 
 class CheckpointWriteError(OSError):
