@@ -20,7 +20,7 @@ from retnet_jax.hardware import flops
 from retnet_jax.mixers import attention
 from retnet_jax.models import presets
 from retnet_jax.models.model import Model
-from retnet_jax.training import optimizer, run_checkpoints, train_state, train_step
+from retnet_jax.training import optimizer, run_checkpoints, run_config, train_state, train_step
 
 # Model widths the inference mesh's `tensor` axis splits: its device count must divide each.
 TENSOR_SPLIT = ("num_heads", "ffn_dim", "vocab_size")
@@ -80,7 +80,7 @@ class InitialStates:
 
 def retnet_train_case(config, mesh, states: InitialStates) -> Case:
   """The training loop's own jitted train step (`train_step.setup`), compiled ahead of time, from `states`."""
-  run = train_step.setup(config, mesh)
+  run = train_step.setup(run_config.build(config), mesh)
   with run.placement.active():
     state = states.copy(config, run)
     batch = jax.device_put(random_tokens(config.train.batch_size, config.train.seq_len + 1,
@@ -91,7 +91,7 @@ def retnet_train_case(config, mesh, states: InitialStates) -> Case:
 
 def compile_train_step(config, mesh) -> tuple[float, int | None]:
   """Compiles the train step for a `config.train` batch without running it: (seconds, XLA's buffer bytes)."""
-  run = train_step.setup(config, mesh)
+  run = train_step.setup(run_config.build(config), mesh)
   with run.placement.active():
     batch = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jnp.int32,
                                  sharding=run.placement.batch_sharding)

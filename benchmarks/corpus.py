@@ -32,7 +32,7 @@ from benchmarks.harness import random_tokens
 from benchmarks.sections import cpu_name
 from retnet_jax.core import markdown, sharding
 from retnet_jax.input_pipeline import data, loader, prepared, sources, tokenizer as tokenizer_lib
-from retnet_jax.training import train_step
+from retnet_jax.training import run_config, train_step
 
 LOADER_BATCH, LOADER_SEQ_LEN = 64, 2048
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def loader_rate(corpus_dir: Path, seconds: float = 3.0) -> dict[str, float]:
 
 def train_rate(config, steps: int = 5) -> dict[str, float]:
   """Tokens/s of the config's own train step at its batch and length (compiled first, then `steps` timed)."""
-  run = train_step.setup(config, sharding.make_mesh(config.mesh))
+  run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh))
   batch_size, seq_len = config.train.batch_size, config.train.seq_len
   with run.placement.active():
     state = run.init()

@@ -24,7 +24,7 @@ from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.models import architectures, model_config as model_config_lib, presets
-from retnet_jax.training import train_step
+from retnet_jax.training import run_config, train_step
 
 GRACE_S = 10.0  # a case's process is ended this long after the time budget is spent (its rounds stop before it)
 # The RetNet implementations a train case names (`GpuSuite.train_impls`): (model.retention_impl, model.kernel_layout).
@@ -62,7 +62,7 @@ def _train_step(config, case: str, mesh) -> tuple[Any, Any, Any, Callable[[], An
   if case == "transformer":
     step_fn, state, batch = cases.transformer_train_step(config)
     return step_fn, state, batch, lambda: state, contextlib.nullcontext()
-  run = train_step.setup(config, mesh)
+  run = train_step.setup(run_config.build(config), mesh)
   with run.placement.active():
     tokens = random_tokens(config.train.batch_size, config.train.seq_len + 1, config.model.vocab_size)
     batch = jax.device_put(tokens, run.placement.batch_sharding)

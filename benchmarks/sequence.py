@@ -27,7 +27,7 @@ from benchmarks.report import fmt
 from benchmarks.sections import cpu_name
 from benchmarks.suites import SequenceSweep
 from retnet_jax.core import host_memory, markdown, sharding
-from retnet_jax.training import train_step
+from retnet_jax.training import run_config, train_step
 
 
 def _split_config(base, sweep: SequenceSweep, length: int, split: int):
@@ -40,7 +40,7 @@ def _split_config(base, sweep: SequenceSweep, length: int, split: int):
 def _train_case(base, sweep: SequenceSweep, length: int, split: int) -> Case:
   """A timed train step whose first run records its loss; compiled ahead of time (per-device XLA buffers)."""
   config, mesh = _split_config(base, sweep, length, split)
-  run = train_step.setup(config, mesh)
+  run = train_step.setup(run_config.build(config), mesh)
   with run.placement.active():
     state = run.init()  # the same values on every mesh (the parameters' PRNG does not depend on the sharding)
     batch = jax.device_put(random_tokens(1, length + 1, config.model.vocab_size), run.placement.batch_sharding)

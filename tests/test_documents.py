@@ -15,7 +15,7 @@ from configs import transformer as transformer_config
 from retnet_jax.core import segments, sharding
 from retnet_jax.evaluation import evaluate
 from retnet_jax.input_pipeline import data, global_batches, synthetic, tokenizer
-from retnet_jax.training import losses, resume, train, train_step
+from retnet_jax.training import losses, resume, run_config, train, train_step
 from tests.helpers import (CORPUS, assert_resumed_from, random_tokens, read_metrics, tiny_config, tiny_model,
                            tiny_transformer)
 from tests.test_data import bpe_path, byte_tokens, data_config, write_jsonl  # noqa: F401  (bpe_path: a fixture)
@@ -181,7 +181,7 @@ def test_a_train_step_with_gradient_accumulation_takes_the_documents_loss():
   config.data.reset_at_documents = True
   config.train.update(batch_size=4, seq_len=20, grad_accum_steps=2)
   config.mesh.shape = (2, 1, 1)
-  run = train_step.setup(config, sharding.make_mesh(config.mesh, jax.devices()[:2]))
+  run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, jax.devices()[:2]))
   tokens, ids = random_tokens(4, 21, seed=6), np.concatenate([IDS, IDS[::-1] + 10])
   with run.placement.active():
     state = run.init()
@@ -201,7 +201,7 @@ def test_a_train_step_split_over_sequence_takes_the_documents_loss():
   config.data.reset_at_documents = True
   config.train.update(batch_size=2, seq_len=64, mode="chunkwise")
   config.mesh.shape = (2, 1, 1, 4)
-  run = train_step.setup(config, sharding.make_mesh(config.mesh, jax.devices()))
+  run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, jax.devices()))
   ids = np.cumsum([np.isin(np.arange(65), starts) for starts in ([5, 16, 30, 47], [9, 33, 34, 60])], axis=1,
                   dtype=np.int32)
   tokens = random_tokens(2, 65, seed=7)

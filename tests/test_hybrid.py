@@ -18,7 +18,7 @@ from retnet_jax.input_pipeline.tokenizer import ByteTokenizer
 from retnet_jax.mixers import attention as attention_mixer
 from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.nn import layer_stack, rotation
-from retnet_jax.training import losses, train, train_state, train_step
+from retnet_jax.training import losses, run_config, train, train_state, train_step
 from tests.helpers import (assert_resumed_from, forms_agree, forward, max_abs_diff, on_gpu, random_tokens,
                            read_metrics, tiny_config, tiny_model)
 
@@ -287,7 +287,7 @@ def test_sharded_step_matches_the_single_device_step():
   results = []
   for shape, devices in (((1, 1, 1), jax.devices()[:1]), ((2, 2, 2), jax.devices())):
     config.mesh.shape = shape
-    run = train_step.setup(config, sharding.make_mesh(config.mesh, devices))
+    run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, devices))
     with run.placement.active():
       results.append(run.train_step(run.init(), jax.device_put(batch, run.placement.batch_sharding)))
   (single, single_metrics), (sharded, sharded_metrics) = results

@@ -19,7 +19,7 @@ from retnet_jax.core import sharding
 from retnet_jax.evaluation import sampling
 from retnet_jax.models.architectures import MODES
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import checkpointing, train, train_state, train_step
+from retnet_jax.training import checkpointing, run_config, train, train_state, train_step
 from tests.helpers import assert_resumed_from, forward, random_tokens, read_metrics, tiny_model, tiny_transformer
 
 SAMPLER = sampling.Sampler()  # one sampler: its compiled functions are reused across tests
@@ -185,7 +185,7 @@ def test_scanned_sharded_step_matches_the_unrolled_single_device_step():
   results = []
   for scan, shape, devices in ((False, (1, 1, 1), jax.devices()[:1]), (True, (2, 2, 2), jax.devices())):
     config.model.scan_layers, config.mesh.shape = scan, shape
-    run = train_step.setup(config, sharding.make_mesh(config.mesh, devices))
+    run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, devices))
     with run.placement.active():
       state, metrics = run.train_step(run.init(), jax.device_put(batch, run.placement.batch_sharding))
     results.append((state, metrics))

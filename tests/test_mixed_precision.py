@@ -23,7 +23,7 @@ def _step_report(name: str, architecture: str = "retnet", documents: bool = Fals
     section, field = key.split("__")
     config[section][field] = value
   config.data.reset_at_documents = documents
-  run = train_step.setup(config, sharding.make_mesh(config.mesh, devices or jax.devices()[:1]))
+  run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, devices or jax.devices()[:1]))
   shape = (config.train.batch_size, config.train.seq_len + 1)
   tokens = jax.ShapeDtypeStruct(shape, jnp.int32)
   batch = (tokens, None, jax.ShapeDtypeStruct(shape, jnp.int32)) if documents else tokens
@@ -159,7 +159,7 @@ def test_gradient_accumulation_with_tiles_equals_without():
   states = []
   for tile in (0, 20):
     config.train.loss_tile = tile
-    run = train_step.setup(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+    run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, jax.devices()[:1]))
     with run.placement.active():
       states.append(run.train_step(run.init(), tokens))
   (state, metrics), (tiled_state, tiled_metrics) = states
@@ -177,7 +177,7 @@ def test_the_tiled_step_never_holds_the_whole_logits():
   temporaries = {}
   for tile in (0, 128):
     config.train.loss_tile = tile
-    run = train_step.setup(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+    run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, jax.devices()[:1]))
     tokens = jax.ShapeDtypeStruct((8, 129), jnp.int32)
     with run.placement.active():
       compiled = run.train_step.lower(run.abstract_state, tokens).compile()

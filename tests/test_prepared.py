@@ -17,6 +17,8 @@ import pytest
 
 from benchmarks import corpus as bench_corpus
 from retnet_jax.input_pipeline import data, global_batches, loader, prepared, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline.data_config import DataConfig
+from retnet_jax.models import presets
 from retnet_jax.training import train
 from tests.helpers import REPO, assert_resumed_from, free_port, read_metrics, run_script, script_stdout, tiny_config
 
@@ -36,9 +38,9 @@ def prepare(out, documents=DOCUMENTS, spec="byte", **options):
 
 
 def data_config(paths, **fields):
-  fields = {"prepared_weights": (), "reset_at_documents": False, **fields}
-  return ml_collections.ConfigDict(dict(prepared=tuple(map(str, paths)), files=(), hub_dataset=None,
-                                        validation_files=(), **fields))
+  """The tiny preset's data section reading the prepared corpora `paths`, built (checked) as a run builds it."""
+  return DataConfig.of({**presets.get_config("tiny").data.to_dict(), "prepared": tuple(map(str, paths)), **fields},
+                       "data")
 
 
 def split_documents(corpus, split):
@@ -267,9 +269,9 @@ def test_mixture_settings_and_sizes_are_refused_before_reading(tmp_path):
                            ((0.0,), r"every weight must be a positive number"),
                            ((float("nan"),), r"every weight must be a positive number")):
     with pytest.raises(ValueError, match=message):
-      loader.open_corpora(data_config([tmp_path / "c"], prepared_weights=weights), byte)
+      data_config([tmp_path / "c"], prepared_weights=weights)
   with pytest.raises(ValueError, match=r"data.prepared and data.files are both set"):
-    loader.open_corpora(ml_collections.ConfigDict({**data_config([tmp_path / "c"]).to_dict(), "files": ("a",)}), byte)
+    data_config([tmp_path / "c"], files=("a",))
   with pytest.raises(ValueError, match=r"data.prepared='.*c': its training split holds \d+ sequences of "
                                        r"train.seq_len \+ 1 = 257 tokens, fewer than one batch of train.batch_size=64"):
     loader.PreparedBatches(loader.open_corpora(data_config([tmp_path / "c"]), byte), 256, 64, 0)
@@ -470,6 +472,24 @@ def test_a_position_saved_before_grain_continues_after_as_many_batches(tmp_path)
   for _ in range(per_epoch + 2):
     next(batches)
   np.testing.assert_array_equal(np.asarray(next(old)), np.asarray(next(batches)))
+
+
+def test_a_cached_corpus_reads_the_files_its_key_describes(tmp_path, monkeypatch):
+  """The cache key and the documents read come from one expansion of data.files: a file matching the glob after
+  the key was made is not read into the entry keyed without it (the sources are listed once)."""
+  monkeypatch.setenv("RETNET_JAX_CACHE", str(tmp_path / "cache"))
+  (tmp_path / "a.txt").write_text("first document\n" * 40)
+  listed, text_sources = [], data.text_sources
+
+  def late_file(data_cfg):  # another file arrives once the sources are listed
+    listed.append(text_sources(data_cfg))
+    (tmp_path / "b.txt").write_text("a later document\n" * 40)
+    return listed[-1]
+
+  monkeypatch.setattr(data, "text_sources", late_file)
+  config = DataConfig.of({**presets.get_config("tiny").data.to_dict(), "files": (str(tmp_path / "*.txt"),)}, "data")
+  (corpus,) = loader.open_corpora(config, tokenizer_lib.load("byte"))
+  assert len(listed) == 1 and corpus.metadata["sources"] == [str(tmp_path / "a.txt")], corpus.metadata
 
 
 def test_plain_files_train_through_their_cached_corpus(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from flax import nnx
 from configs import retnet as retnet_config
 from retnet_jax.core import sharding
 from retnet_jax.evaluation import evaluate, sampling, sampling_checks
+from retnet_jax.models import architectures
 from retnet_jax.models.model import Model
 from retnet_jax.training import losses, run_config, train, train_state
 from tests.helpers import forward, tiny_config
@@ -117,7 +118,8 @@ def test_bad_sequence_splits_are_refused_before_any_work():
   train.check_config(config, 8)
   config.model.retention_impl = "pallas"  # (on a CPU, refused earlier for the backend)
   with pytest.raises(ValueError, match="Pallas kernels run whole sequences only"):
-    train_state.check_sequence_split(run_config.build(config), 8, 256)
+    built = run_config.build(config)
+    architectures.check_mesh_split(built.model, built.mesh, 8, 256)
   config.model.retention_impl = "xla"
   config.model.attention_layers = (1,)  # a hybrid: its config refused, and its model run under such a mesh
   with pytest.raises(ValueError, match=r"model.attention_layers=\(1,\) are attention layers, and only retention "

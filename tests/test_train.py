@@ -29,7 +29,7 @@ def random_batch(config, seed=0):
 
 
 def one_step(config, mesh, batch):
-  run = train_step.setup(config, mesh)
+  run = train_step.setup(run_config.build(config), mesh)
   with run.placement.active():
     state = run.init()
     state, metrics = run.train_step(state, jax.device_put(batch, run.placement.batch_sharding))
@@ -213,6 +213,13 @@ def test_batch_must_be_split_over_the_processes(tmp_path, monkeypatch):
   train.check_config(config, 8)
 
 
+def test_the_step_takes_the_typed_config_only(tmp_path):
+  """Below the entry points the config is typed: `train_step.setup` refuses a ConfigDict by naming the builder."""
+  config = tiny_config(tmp_path)
+  with pytest.raises(TypeError, match=r"takes the typed config; got a ConfigDict: pass run_config.build\(config\)"):
+    train_step.setup(config, sharding.make_mesh(run_config.build(config).mesh, jax.devices()[:1]))
+
+
 def test_workdir_that_is_a_file_is_refused(tmp_path):
   (tmp_path / "run").write_text("notes")
   with pytest.raises(ValueError, match="is a file; choose a directory"):
@@ -274,7 +281,7 @@ def test_bfloat16_first_adam_moment_tracks_float32():
   for dtype in ("float32", "bfloat16"):
     config = retnet_config.get_config("tiny")
     config.train.update(batch_size=4, seq_len=32, warmup_steps=2, steps=20, optimizer_state_dtype=dtype)
-    run = train_step.setup(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+    run = train_step.setup(run_config.build(config), sharding.make_mesh(config.mesh, jax.devices()[:1]))
     with run.placement.active():
       state, losses = run.init(), []
       for step in range(10):
@@ -375,7 +382,7 @@ def test_segmented_backprop_bounds_the_compiled_buffers():
 
   def temp_bytes(segment_len):
     config.train.segment_len = segment_len
-    run = train_step.setup(config, mesh)
+    run = train_step.setup(run_config.build(config), mesh)
     with run.placement.active():
       batch = jax.ShapeDtypeStruct((1, 2049), jnp.int32, sharding=run.placement.batch_sharding)
       return run.train_step.lower(run.abstract_state, batch).compile().memory_analysis().temp_size_in_bytes

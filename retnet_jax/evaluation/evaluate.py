@@ -24,11 +24,11 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax.core import dispatch, segments, sharding, whole_files
-from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline import data, data_config, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.input_pipeline.data_config import DataConfig
 from retnet_jax.models import architectures, model as model_lib, streaming
 from retnet_jax.models.model_config import ModelConfig
-from retnet_jax.training import losses, run_config, train_state
+from retnet_jax.training import losses, run_config
 
 # Largest relative difference of the forms' mean losses: float32 sums in another order differ by ~1e-6
 # relative; bfloat16 rounds each product to 8 mantissa bits.
@@ -136,7 +136,7 @@ def check_request(config: run_config.Config | Any, modes, seq_len: int, position
   check_position_buckets(seq_len, position_buckets)
   streaming.check_block(config.model, block, "--eval_block")
   run_config.check_documents(config, modes, "--mode")
-  train_state.check_sequence_split(config, jax.device_count(), seq_len, modes)
+  architectures.check_mesh_split(config.model, config.mesh, jax.device_count(), seq_len, modes)
   if task := config.data.synthetic:
     if seq_len != config.train.seq_len or position_buckets:
       raise ValueError(f"--eval_seq_len and --by_position evaluate text; the synthetic task {task!r} "
@@ -259,9 +259,9 @@ def evaluate_model(model: model_lib.Model, config: run_config.Config | Any, mode
 def evaluated_data(data_cfg: DataConfig, split_tokens: int) -> dict[str, Any]:
   """What an evaluation of text read, for its results: the data section's sources that are set (files, validation
   files, prepared corpora, a hub dataset; none: the shipped corpus), the split and the tokens it holds."""
-  sources = {field: list(data.as_tuple(getattr(data_cfg, field))) for field in ("files", "validation_files",
+  sources = {field: list(data_config.as_tuple(getattr(data_cfg, field))) for field in ("files", "validation_files",
                                                                                  "prepared")
-             if data.as_tuple(getattr(data_cfg, field))}
+             if data_config.as_tuple(getattr(data_cfg, field))}
   if data_cfg.hub_dataset:
     sources["hub_dataset"] = data_cfg.hub_dataset
   return {**(sources or {"shipped_corpus": f"data/{data.DEFAULT_CORPUS.name}"}), "split": "validation",

@@ -127,7 +127,8 @@ def open_cached(data_cfg: DataConfig, tokenizer: Tokenizer) -> prepared.Corpus:
         return prepared.open_corpus(directory, tokenizer, source)
       except prepared.CorpusError:  # damaged since: build it again
         pass
-    train, valid = data.load_documents(data_cfg, tokenizer, one_document_ok=True)  # refused on use
+    # the sources keyed (globs expanded once), read; one document is refused on use
+    train, valid = data.load_documents(data_cfg, tokenizer, one_document_ok=True, sources=sources)
     shutil.rmtree(directory, ignore_errors=True)  # an interrupted or damaged build
     try:
       prepared.write_splits(directory, {"train": train, "validation": valid}, tokenizer, data_cfg.tokenizer,

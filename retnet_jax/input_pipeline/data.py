@@ -39,7 +39,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from retnet_jax.core import config_checks
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
-from retnet_jax.input_pipeline.data_config import DataConfig
+from retnet_jax.input_pipeline.data_config import DataConfig, as_tuple
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
 # File suffix -> `datasets` builder that reads it.
@@ -68,20 +68,18 @@ class Split(NamedTuple):
   starts: np.ndarray  # int64 [num_documents]: each document's first token (the separator opening it), from 0
 
 
-def load_documents(data_cfg: DataConfig, tokenizer: Tokenizer, one_document_ok: bool = False
-                   ) -> tuple[Split, Split]:
+def load_documents(data_cfg: DataConfig, tokenizer: Tokenizer, one_document_ok: bool = False,
+                   sources: tuple[TextSource, TextSource | None] | None = None) -> tuple[Split, Split]:
   """(train, valid) `Split`s from `config.data` (`one_document_ok`: whatever `reset_at_documents` says, as a corpus
   cached for any later run is).
 
-  Sources: `text_sources`. Validation: the `validation_files`, else the last `validation_fraction` of the stream (a
-  fixed split, so it never overlaps training data; the document it cuts ends the training split and opens the
-  validation split). With `reset_at_documents`, training data of one document is refused: nothing would reset.
+  Sources: `sources`, else `text_sources(data_cfg)`. Validation: the `validation_files`, else the last
+  `validation_fraction` of the stream (a fixed split, so it never overlaps training data; the document it cuts ends
+  the training split and opens the validation split; `DataConfig` checked the fraction). With
+  `reset_at_documents`, training data of one document is refused: nothing would reset.
   """
-  validation_files, fraction = as_tuple(data_cfg.validation_files), data_cfg.validation_fraction
-  if not validation_files and not 0 < fraction < 1:
-    raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {fraction}. "
-                     "Set it to e.g. 0.1, or give data.validation_files.")
-  train_source, valid_source = text_sources(data_cfg)
+  fraction = data_cfg.validation_fraction
+  train_source, valid_source = sources or text_sources(data_cfg)
   split = _read(train_source, tokenizer)
   if data_cfg.reset_at_documents and not one_document_ok and len(split.starts) == 1:
     raise ValueError(f"data.reset_at_documents=True but {train_source.label} holds a single document (a .txt file is "
@@ -112,13 +110,6 @@ def pack_split(split: Split, seq_len: int, name: str, reset_at_documents: bool
   """`pack` of the split's tokens and, with `reset_at_documents`, of its document ids (else None) alike."""
   sequences = pack(split.tokens, seq_len, name)
   return sequences, pack(document_ids(split), seq_len, name) if reset_at_documents else None
-
-
-def as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
-  """A single path given on the command line as a string counts as one file (or directory)."""
-  if not files:
-    return ()
-  return (files,) if isinstance(files, str) else tuple(files)
 
 
 class TextSource(NamedTuple):

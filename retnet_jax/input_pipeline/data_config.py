@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from retnet_jax.core import config_checks, sections
 from retnet_jax.input_pipeline import passkey
@@ -20,6 +21,13 @@ SYNTHETIC_TASKS = ("mqar", "passkey")  # data.synthetic: `synthetic.SOURCES`
 QUERY_PLACEMENTS = ("power", "uniform", "packed")  # data.mqar.query_placement
 TEXT_FIELDS = ("files", "validation_files", "hub_dataset", "prepared")  # what names text data
 field = sections.field
+
+
+def as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
+  """A single path given on the command line as a string counts as one file (or directory)."""
+  if not files:
+    return ()
+  return (files,) if isinstance(files, str) else tuple(files)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +88,11 @@ class DataConfig(sections.Section):
   passkey: PasskeyConfig = field("the passkey task's knobs")
 
   def __post_init__(self):
+    if as_tuple(self.prepared):
+      self._check_prepared()
+    if not as_tuple(self.validation_files) and not 0 < self.validation_fraction < 1:
+      raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {self.validation_fraction}. "
+                       "Set it to e.g. 0.1, or give data.validation_files.")
     if self.synthetic is None:
       return
     config_checks.choice(self.synthetic, "data.synthetic", SYNTHETIC_TASKS,
@@ -92,3 +105,23 @@ class DataConfig(sections.Section):
     if self.synthetic == "mqar" and self.tokenizer != "byte":
       raise ValueError(f"data.tokenizer={self.tokenizer!r} is unused by data.synthetic='mqar' (its examples are "
                        "token ids, data.mqar.vocab_size of them); drop it, or train on text or passkey.")
+
+  def _check_prepared(self) -> None:
+    """Refuses an empty `data.prepared` entry, weights that do not fit the corpora, and text fields beside it."""
+    paths = as_tuple(self.prepared)
+    for i, path in enumerate(paths):
+      if not str(path).strip():  # Path('') is the current directory
+        where = f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared"
+        raise ValueError(f"{where} is empty (data.prepared={self.prepared!r}); give the --out directory of "
+                         "scripts/prepare_data.py, or unset data.prepared to train on data.files.")
+    weights = tuple(self.prepared_weights or ())
+    if weights and len(weights) != len(paths):
+      raise ValueError(f"data.prepared_weights={weights} gives {len(weights)} weights for {len(paths)} prepared "
+                       "corpora; give one weight per directory of data.prepared, or none (in proportion to tokens).")
+    if any(not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0 for w in weights):
+      raise ValueError(f"data.prepared_weights={weights}: every weight must be a positive number; fix or drop it.")
+    for name, value in (("files", as_tuple(self.files)), ("hub_dataset", self.hub_dataset),
+                        ("validation_files", as_tuple(self.validation_files))):
+      if value:
+        raise ValueError(f"data.prepared and data.{name} are both set; a prepared corpus holds its own splits: drop "
+                         f"data.{name} (or data.prepared to read the files directly).")

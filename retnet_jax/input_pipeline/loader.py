@@ -25,38 +25,21 @@ from typing import Any
 import grain
 from absl import logging
 import jax
-import numpy as np
 
 from retnet_jax.input_pipeline import corpus_cache, data, global_batches, packed_rows, prepared
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
-from retnet_jax.input_pipeline.data_config import DataConfig
+from retnet_jax.input_pipeline.data_config import DataConfig, as_tuple
 
 
 
 def open_corpora(data_cfg: DataConfig, tokenizer: Tokenizer) -> list[prepared.Corpus]:
-  """The corpora of `data.prepared`, checked with their weights before anything is read; without it, the cached
-  corpus of `data.files` (`corpus_cache`, built on first use). With `data.reset_at_documents`, a training split of
-  one document is refused: nothing would reset."""
-  paths = data.as_tuple(data_cfg.prepared)
+  """The corpora of `data.prepared` (`DataConfig` checked their paths, weights and that no text field is set beside
+  them); without it, the cached corpus of `data.files` (`corpus_cache`, built on first use). With
+  `data.reset_at_documents`, a training split of one document is refused: nothing would reset."""
+  paths = as_tuple(data_cfg.prepared)
   if not paths:
     corpora = [corpus_cache.open_cached(data_cfg, tokenizer)]
     return _check_documents(corpora, data_cfg, corpora[0].label)
-  for i, path in enumerate(paths):
-    if not str(path).strip():  # Path('') is the current directory
-      where = f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared"
-      raise ValueError(f"{where} is empty (data.prepared={data_cfg.prepared!r}); give the --out directory of "
-                       "scripts/prepare_data.py, or unset data.prepared to train on data.files.")
-  weights = tuple(data_cfg.prepared_weights or ())
-  if weights and len(weights) != len(paths):
-    raise ValueError(f"data.prepared_weights={weights} gives {len(weights)} weights for {len(paths)} prepared "
-                     "corpora; give one weight per directory of data.prepared, or none (in proportion to tokens).")
-  if any(not isinstance(w, (int, float)) or not np.isfinite(w) or w <= 0 for w in weights):
-    raise ValueError(f"data.prepared_weights={weights}: every weight must be a positive number; fix or drop it.")
-  for field, value in (("files", data.as_tuple(data_cfg.files)), ("hub_dataset", data_cfg.hub_dataset),
-                       ("validation_files", data.as_tuple(data_cfg.validation_files))):
-    if value:
-      raise ValueError(f"data.prepared and data.{field} are both set; a prepared corpus holds its own splits: drop "
-                       f"data.{field} (or data.prepared to read the files directly).")
   corpora = [prepared.open_corpus(path, tokenizer, f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared")
              for i, path in enumerate(paths)]
   return _check_documents(corpora, data_cfg, f"data.prepared={data_cfg.prepared!r}")

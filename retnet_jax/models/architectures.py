@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from retnet_jax.core import config_checks
+from retnet_jax.core import config_checks, sharding
 from retnet_jax.mixers import attention, base, gated_retention, multiscale_retention
 from retnet_jax.models import presets
 from retnet_jax.nn import layers
@@ -133,12 +133,17 @@ def check_training(config: Any) -> None:
                      "--config.train.segment_len=0 (train.remat trades compute for memory instead).")
 
 
-def check_sequence_split(cfg: base.ModelConfig, where: str, devices: int, length: int,
-                         modes_: tuple[str, ...]) -> None:
-  """Raises ValueError (beginning with `where`) where some layer cannot split calls of `length` tokens in `modes_`
-  over `devices` devices of the sequence axis (mixers that cannot split at all are asked first)."""
-  for mixer in sorted(mixers(cfg), key=lambda mixer: mixer.splits_sequences):
-    mixer.check_sequence_split(cfg, where, devices, length, modes_)
+def check_mesh_split(cfg: base.ModelConfig, mesh_cfg: sharding.MeshConfig, num_devices: int, length: int,
+                     modes_: tuple[str, ...] = ()) -> None:
+  """Where `mesh_cfg` splits each sequence over several of `num_devices` devices: raises ValueError where some
+  layer cannot split calls of `length` tokens in `modes_` so (`Mixer.check_sequence_split`: whole chunks per device,
+  not the recurrent form, not the kernels); mixers that cannot split at all are asked first."""
+  layer_mixers = sorted(mixers(cfg), key=lambda mixer: mixer.splits_sequences)
+  devices = sharding.sequence_devices(mesh_cfg, num_devices)
+  if devices > 1:
+    where = f"config.mesh splits each sequence over {devices} devices (mesh.shape={tuple(mesh_cfg.shape)})"
+    for mixer in layer_mixers:
+      mixer.check_sequence_split(cfg, where, devices, length, tuple(modes_))
 
 
 def document_refusal(cfg: base.ModelConfig, mode: str) -> str | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import glob
 import json
-import logging
 import math
 import os
 import shutil

@@ -48,22 +48,12 @@ class TrainState(NamedTuple):
 
 
 def check_devices(config: Config, num_devices: int) -> None:
-  """Checks what the state and its batches need from the devices present (the kernels' backend, the batch and
-  sequence splits over the mesh) before any work; `run_config.build` checked the config itself."""
-  architectures.check_backend(config.model)
+  """Checks what the state and its batches need from the devices present (the kernels' backend, the sequence and
+  batch splits over the mesh) before any work; `run_config.build` checked the config itself."""
   train = config.train
+  architectures.check_backend(config.model)
+  architectures.check_mesh_split(config.model, config.mesh, num_devices, train.segment, (train.mode,))
   sharding.check_batch_split(config.mesh, train.batch_size, train.grad_accum_steps, num_devices)
-  check_sequence_split(config, num_devices, train.segment, (train.mode,))
-
-
-def check_sequence_split(config: Config, num_devices: int, length: int, modes=()) -> None:
-  """Where `config.mesh` splits each sequence over several devices: checks that calls of `length` tokens in
-  `modes` can be split so (whole chunks per device, not the recurrent form, not the kernels)."""
-  devices = sharding.sequence_devices(config.mesh, num_devices)
-  if devices == 1:
-    return
-  where = f"config.mesh splits each sequence over {devices} devices (mesh.shape={tuple(config.mesh.shape)})"
-  architectures.check_sequence_split(config.model, where, devices, length, tuple(modes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,20 +84,21 @@ def model_layout(config: Config, placement: sharding.Placement) -> tuple[nnx.Gra
   """The model's structure and its parameters as `jax.ShapeDtypeStruct`s with their shardings on `placement`, in
   `model.param_dtype` (training's float32 masters as evaluation, generation and export hold them), traced
   abstractly (nothing runs; no optimizer: what evaluation restores)."""
+  dtype = layers.compute_dtype(config.model.param_dtype)
   with placement.active():
     graphdef, params = nnx.split(nnx.eval_shape(lambda: model_lib.Model(config.model, rngs=nnx.Rngs(0))))
   shardings = sharding.tree_shardings(params, placement.mesh, placement.rules)
-  dtype = layers.compute_dtype(config.model.param_dtype)
   return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), params, shardings)
 
 
 def make_layout(config: Config, placement: sharding.Placement) -> Layout:
   """The state's structure and shardings for `config` on `placement` (its optimizer built once, here), traced
   abstractly (nothing runs)."""
-  graphdef, _ = model_layout(config, placement)
   tx = optimizer.make_optimizer(config.train)
+  init = _init_fn(config, tx)
+  graphdef, _ = model_layout(config, placement)
   with placement.active():
-    abstract = jax.eval_shape(_init_fn(config, tx))
+    abstract = jax.eval_shape(init)
   shardings = sharding.tree_shardings(abstract, placement.mesh, placement.rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   return Layout(placement, graphdef, tx, abstract)

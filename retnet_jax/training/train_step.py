@@ -81,9 +81,16 @@ class Setup(train_state.Layout):
   eval_step: Callable[[Any, losses.Batch], jax.Array]
 
 
-def setup(config: run_config.Config | Any, mesh: jax.sharding.Mesh) -> Setup:
-  """The Setup for (config, mesh); equal model, train, mesh and seed fields reuse one (and its compilations)."""
-  config = run_config.build(config)
+def setup(config: run_config.Config, mesh: jax.sharding.Mesh) -> Setup:
+  """The Setup for (config, mesh); equal model, train, mesh and seed fields reuse one (and its compilations).
+
+  Args:
+    config: the typed config (`run_config.build` of a ConfigDict or of config.json's dict).
+    mesh: the devices it runs on (`sharding.make_mesh(config.mesh)`).
+  """
+  if not isinstance(config, run_config.Config):
+    raise TypeError(f"train_step.setup takes the typed config; got a {type(config).__name__}: pass "
+                    "run_config.build(config).")
   return _build_setup(StepFields(config.model, config.train, config.mesh, config.seed), mesh)
 
 
@@ -97,11 +104,10 @@ class StepFields(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def _build_setup(config: StepFields, mesh: jax.sharding.Mesh) -> Setup:
-  layer_stack.check_remat(config.train.remat, mesh.devices.flat[:1], field="train.remat")
   layout = train_state.make_layout(config, sharding.Placement(mesh, sharding.logical_rules(config.mesh)))
   shardings, batch_sharding = layout.shardings, layout.placement.batch_sharding
   graphdef, mode = layout.graphdef, config.train.mode
-  return Setup(
+  run = Setup(
       **{f.name: getattr(layout, f.name) for f in dataclasses.fields(train_state.Layout)},
       init=train_state.init_fn(config, layout),
       train_step=jax.jit(make_train_step(graphdef, layout.tx, config.train), in_shardings=(shardings, batch_sharding),
@@ -109,3 +115,6 @@ def _build_setup(config: StepFields, mesh: jax.sharding.Mesh) -> Setup:
       eval_step=jax.jit(lambda params, batch: losses.token_loss(graphdef, params, batch, mode,
                                                                 loss_tile=config.train.loss_tile),
                         in_shardings=(shardings.params, batch_sharding)))
+  # what the policy needs of the mesh's devices (host memory to offload to), before anything compiles
+  layer_stack.check_remat(config.train.remat, mesh.devices.flat[:1], field="train.remat")
+  return run
