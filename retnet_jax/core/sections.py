@@ -1,5 +1,5 @@
-"""Typed config sections: frozen dataclasses that the user's config (an `ml_collections.ConfigDict`, or a workdir's
-config.json) is turned into once, each checking its own fields when it is built.
+"""Typed config sections: frozen dataclasses that the user's config (the command line's ml_collections config, or a
+workdir's config.json) is turned into once, each checking its own fields when it is built.
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class CheckpointConfig(sections.Section):
@@ -8,7 +8,7 @@ config.json) is turned into once, each checking its own fields when it is built.
       def __post_init__(self):
         config_checks.positive_int(self.every_steps, "checkpoint.every_steps")
 
-    checkpoint = CheckpointConfig.of(config.checkpoint, "checkpoint")  # a ConfigDict, a dict or a section
+    checkpoint = CheckpointConfig.of(config.checkpoint, "checkpoint")  # the user's section, a dict or a section
 
 A section's fields have no defaults: the presets (`models.presets.get_config`) hold every field's value, so a
 section is always built from a whole config. Lists (as JSON stores tuples) become tuples, so every section is
@@ -86,7 +86,7 @@ class Section:
 
   @classmethod
   def of(cls: type[S], values: Any, where: str) -> S:
-    """The section of `values` (a mapping of every field: a ConfigDict's section, a dict of config.json; or a
+    """The section of `values` (a mapping of every field: the user's config section, a dict of config.json; or a
     section, returned as it is), checked; ValueError naming `where`.field for a field missing or unknown."""
     if isinstance(values, cls):
       return values

@@ -1,7 +1,7 @@
 """The `model` section of a config, typed per architecture (`RetNetConfig`, `TransformerConfig`), checked once when
 built: its fields, its mixers' fields (`architectures.check_config`), the layers they build.
 
-    cfg = model_config.of(config.model)   # a ConfigDict section, a config.json dict, or a section already built
+    cfg = model_config.of(config.model)   # the user's section, a config.json dict, or a section already built
     model = Model(cfg, rngs=nnx.Rngs(0))  # Model takes either; it builds the section once
 
 A RetNet's mixers read their own sections: `retention` (`model.decay_*`), `gated_retention` (`model.gate_*`),
@@ -102,7 +102,7 @@ ModelConfig = RetNetConfig | TransformerConfig
 
 
 def of(cfg: Any) -> ModelConfig:
-  """The typed model section of `cfg` (a ConfigDict section or a dict of the model fields; a section is returned
+  """The typed model section of `cfg` (the user's model section or a dict of its fields; a section is returned
   as it is), checked; ValueError naming the bad value and the fix, TypeError for something other than the model
   fields."""
   if isinstance(cfg, Common):

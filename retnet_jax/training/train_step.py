@@ -85,7 +85,7 @@ def setup(config: run_config.Config, mesh: jax.sharding.Mesh) -> Setup:
   """The Setup for (config, mesh); equal model, train, mesh and seed fields reuse one (and its compilations).
 
   Args:
-    config: the typed config (`run_config.build` of a ConfigDict or of config.json's dict).
+    config: the typed config (`run_config.build` of the user's config or of config.json's dict).
     mesh: the devices it runs on (`sharding.make_mesh(config.mesh)`).
   """
   if not isinstance(config, run_config.Config):
