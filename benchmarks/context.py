@@ -51,7 +51,7 @@ from benchmarks.suites import ContextSweep
 from retnet_jax.core import host_memory, markdown
 from retnet_jax.evaluation import sampling, sampling_checks
 from retnet_jax.hardware import accelerators
-from retnet_jax.models import architectures, model_config as model_config_lib, presets
+from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.models.model import Model
 from retnet_jax.training.metrics import format_duration
 
@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the point process's working direct
 REPLY = "context point: "  # the start of the point process's line of results
 
 
-def model_config(sweep: ContextSweep, name: str, length: int):
+def sweep_model(sweep: ContextSweep, name: str, length: int):
   """The model section of `name` (one of MODELS) at the sweep's preset size, for a context of `length` tokens."""
   cfg = presets.get_config(sweep.preset).model
   if name == "transformer":
@@ -103,14 +103,14 @@ def plan(sweep: ContextSweep, name: str, length: int, earlier: list[dict[str, An
   what bounds it): `run_prefill` and `run_decode` (bools), with `prefill_skipped` / `decode_skipped` (the reason) and
   the estimate in seconds where one is skipped; or `skipped` where even the decoding state does not fit (nothing runs).
   Every plan holds the decoding state's bytes (`state_bytes`)."""
-  cfg = model_config(sweep, name, length)
+  cfg = sweep_model(sweep, name, length)
   state_bytes = sampling_checks.state_bytes(nnx.eval_shape(lambda: Model(cfg, rngs=nnx.Rngs(0))), 1)
   memory, bound = available
   if state_bytes > memory:
     return {"state_bytes": state_bytes, "skipped": f"does not fit: its decoding state (KV cache) of "
             f"{fmt(state_bytes, 'B')} exceeds the {fmt(memory, 'B')} of host memory available ({bound})"}
   found: dict[str, Any] = {"state_bytes": state_bytes, "run_prefill": True, "run_decode": True}
-  growing = architectures.cache_field(model_config_lib.of(cfg)) is not None
+  growing = architectures.cache_field(model_config.of(cfg)) is not None
   prefill = _estimate(earlier, lambda p: p["prefill"]["seconds"]["median"] if "prefill" in p else None, length,
                       1 + growing)
   decode = _estimate(earlier, lambda p: DECODE_CALLS * sweep.new_tokens * p["decode"]["seconds_per_token"]["median"]
@@ -141,7 +141,7 @@ def measure_point(sweep: ContextSweep, name: str, length: int, prefill: bool, de
   """Point (`name`, `length`) in this process: the prefill compiled and sized, run where `prefill` (and it fits the
   host memory available), then decoding where `decode` (from the prefilled state, else from zeros)."""
   source = memory_source()
-  model = Model(model_config(sweep, name, length), rngs=nnx.Rngs(0))
+  model = Model(sweep_model(sweep, name, length), rngs=nnx.Rngs(0))
   sampler = sampling.Sampler()
   start = time.perf_counter()
   sizes = accelerators.memory_sizes(sampler.compile_prefill(model, 1, length))  # the sampler keeps it for its run
@@ -331,7 +331,7 @@ def run(sweep: ContextSweep, out: Path, command: str) -> dict[str, Any]:
                "settings": dataclasses.asdict(sweep), "preset": sweep.preset, "new_tokens": sweep.new_tokens,
                "load_average_start": os.getloadavg()},
       "models": {name: {"description": describe(sweep, name), "params": cases.param_count(
-          model_config(sweep, name, sweep.lengths[0]))} for name in MODELS},
+          sweep_model(sweep, name, sweep.lengths[0]))} for name in MODELS},
       "points": []}
   save = lambda: (out / "context.json").write_text(json.dumps(results, indent=1))
   measure(sweep, results, save)

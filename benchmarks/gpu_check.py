@@ -17,15 +17,9 @@ on an H200 `CHECKS["h200"]`, `check_of`):
 
 Budgets (`BUDGETS_S`, seconds, with `STARTUP_S` summing to `TOTAL_S` = 540) are deadlines taken in order: a part may
 run until the start-up and its own and the earlier parts' budgets have passed, so what one part leaves over goes to
-the next, and the tests take whatever is left. They come from an earlier H100 run's figures: a train case took ~47 s
-(140 s per model of 3 cases, compiles of 30-47 s each), 4 cases here, scanned layers compiling faster: 200 s; the op
-part's time goes mostly to fla's Triton autotuning (35-90 s per new shape, two functions) and ~20 compiles of ours,
-hence one head dim, two lengths, 3 rounds: 120 s; the kernel check took ~150 s per head dim at 4 lengths with its
-timing, here 3 checks at one length and no timing: 50 s; decoding took ~80 s for batch 1 and 3 contexts, here one
-context: 50 s, and the curve's contexts (each 2 prefill compiles and 2 decoding loops, not yet timed on a GPU) start
-only while that deadline has not passed; the GPU tests take ~260 s with 4 workers, so the ~100 s left runs part of
-them (their counts say how far). A part still running past its deadline stops between cases (a train case's process
-is ended).
+the next, and the tests take whatever is left (their counts say how far they went). A part still running past its
+deadline stops between cases (a train case's process is ended). How each budget was sized from an H100 run's
+figures: docs/benchmarks.md, "Checking every GPU target in one command".
 
 Every part writes OUT/check_<part>.json and .md when it ends (`complete: true`), the train, op and decode parts also
 the GPU suite's files of their groups (gpu_train_1.3b.json ...), listed under `files`; a rerun skips a part whose

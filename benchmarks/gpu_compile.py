@@ -7,12 +7,12 @@ from typing import Any
 import jax
 
 from benchmarks import cases
-from benchmarks.gpu_train import model_config, too_big
+from benchmarks.gpu_train import suite_config, too_big
 from benchmarks.harness import Budget
 from benchmarks.report import fmt
 from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
-from retnet_jax.models import architectures, model_config as model_config_lib
+from retnet_jax.models import architectures, model_config
 
 
 def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[str, Any]:
@@ -21,9 +21,9 @@ def measure_compile(suite: GpuSuite, limit: int | None, budget: Budget) -> dict[
   results: dict[str, Any] = {"models": {}, "skipped": {}}
   for name in suite.compile_models:
     for impl in suite.train_impls:
-      config = model_config(suite, name, impl)
+      config = suite_config(suite, name, impl)
       try:
-        architectures.check_backend(model_config_lib.of(config.model))
+        architectures.check_backend(model_config.of(config.model))
       except ValueError as e:
         results["skipped"][f"{name}/{impl}"] = str(e)
         continue

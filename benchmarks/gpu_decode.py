@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks import cases
-from benchmarks.gpu_train import model_config
+from benchmarks.gpu_train import suite_config
 from benchmarks.harness import Budget, Case, interleave, rate
 from benchmarks.report import fmt, fmt_range
 from benchmarks.suites import GpuSuite
@@ -40,7 +40,7 @@ def measure_decode(suite: GpuSuite, source: str, limit: int | None, budget: Budg
   """Batch 1 against the weight-read floor, then per context RetNet at `decode_batch` against the Transformer at the
   largest power-of-two batch up to it whose KV cache fits a third of the device's memory (decoding holds it twice:
   the state passed in and the loop's updated copy). A context not started before `budget` is spent is skipped."""
-  config = model_config(suite, suite.decode_model)
+  config = suite_config(suite, suite.decode_model)
   config.model.param_dtype = suite.decode_param_dtype
   retnet = Model(config.model, rngs=nnx.Rngs(config.seed))
   # Its KV caches are made per context (`_context_decode_case`): max_len is unused.

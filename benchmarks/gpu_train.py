@@ -23,7 +23,7 @@ from benchmarks.report import fmt, fmt_range
 from benchmarks.suites import GpuSuite
 from retnet_jax.core import markdown, sharding
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
-from retnet_jax.models import architectures, model_config as model_config_lib, presets
+from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.training import run_config, train_step
 
 GRACE_S = 10.0  # a case's process is ended this long after the time budget is spent (its rounds stop before it)
@@ -31,7 +31,7 @@ GRACE_S = 10.0  # a case's process is ended this long after the time budget is s
 IMPLS = {"xla": ("xla", "split"), "pallas": ("pallas", "split"), "pallas_fused": ("pallas", "fused")}
 
 
-def model_config(suite: GpuSuite, name: str, impl: str = "xla"):
+def suite_config(suite: GpuSuite, name: str, impl: str = "xla"):
   """The locked config of named size `name`: bfloat16 compute, implementation `impl` (of IMPLS) at its retention
   implementation's chunk, and the suite's chunkwise training shape for that size."""
   if impl not in IMPLS:
@@ -72,10 +72,10 @@ def _train_step(config, case: str, mesh) -> tuple[Any, Any, Any, Callable[[], An
 def _case_config(suite: GpuSuite, name: str, case: str):
   """The config of train case `case` of named size `name` (the Transformer's: RetNet's, trained in parallel)."""
   if case == "transformer":
-    config = model_config(suite, name)
+    config = suite_config(suite, name)
     config.train.mode = "parallel"  # the Transformer's one training form
     return config
-  return model_config(suite, name, case.split("/", 1)[1])
+  return suite_config(suite, name, case.split("/", 1)[1])
 
 
 def measure_case(suite: GpuSuite, name: str, case: str, limit: int | None, budget: Budget) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def _measure_alone(suite: GpuSuite, name: str, case: str, limit: int | None, bud
   """`measure_case` in a fresh process; {"skipped": reason} where the backend cannot run the case, `budget` is spent
   before it starts, or it is still running when the budget (and `GRACE_S` more) is spent (its process is ended)."""
   try:
-    architectures.check_backend(model_config_lib.of(_case_config(suite, name, case).model))
+    architectures.check_backend(model_config.of(_case_config(suite, name, case).model))
   except ValueError as e:
     return {"skipped": str(e)}
   if budget.spent():
@@ -145,7 +145,7 @@ def measure_train(suite: GpuSuite, name: str, limit: int | None, budget: Budget,
                   write: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
   """Train steps of named size `name` (RetNet per implementation, the Transformer of equal size), each measured
   alone in a fresh process (`_measure_alone`); `write(results)` after each."""
-  config = model_config(suite, name)
+  config = suite_config(suite, name)
   results: dict[str, Any] = {
       "model": name, "preset": suite.models[name][0], "params": cases.param_count(config.model),
       "batch_size": suite.train_batch[name], "seq_len": suite.train_seq_len, "remat": suite.train_remat[name],

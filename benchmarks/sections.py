@@ -43,7 +43,8 @@ def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale
     for mode in architectures.SEQUENCE_MODES:
       config = make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size)
       cases[f"retnet/{mode}/{dtype}"] = retnet_train_case(config, mesh, states)
-      flops_per_token[f"retnet/{mode}/{dtype}"] = flops.train_flops_per_token(model_config.of(config.model), suite.seq_len, mode)
+      flops_per_token[f"retnet/{mode}/{dtype}"] = flops.train_flops_per_token(model_config.of(config.model),
+                                                                              suite.seq_len, mode)
     config = make_config(base, suite, dtype, "parallel", suite.seq_len, suite.batch_size)
     cases[f"transformer/parallel/{dtype}"] = transformer_train_case(config)
     flops_per_token[f"transformer/parallel/{dtype}"] = flops.train_flops_per_token(
@@ -51,7 +52,8 @@ def measure_training(base, suite: Suite, mesh, states: InitialStates, torchscale
   for mode, dtype in suite.gated_forms:
     config = gated_config(make_config(base, suite, dtype, mode, suite.seq_len, suite.batch_size))
     cases[f"gated/{mode}/{dtype}"] = retnet_train_case(config, mesh, states)
-    flops_per_token[f"gated/{mode}/{dtype}"] = flops.train_flops_per_token(model_config.of(config.model), suite.seq_len, mode)
+    flops_per_token[f"gated/{mode}/{dtype}"] = flops.train_flops_per_token(model_config.of(config.model),
+                                                                           suite.seq_len, mode)
   if torchscale.available:
     for mode in architectures.SEQUENCE_MODES:
       config = make_config(base, suite, "float32", mode, suite.seq_len, suite.batch_size)
@@ -179,7 +181,8 @@ def measure_decoding(base, suite: Suite, matmul, torchscale: Torchscale, inferen
   print(f"decoding: {len(cases)} cases, {suite.new_tokens} new tokens each", flush=True)
   interleave(cases, suite.decode_rounds, source)
   read = rate(param_bytes, cases.pop("memory_read").info["seconds"])
-  forward_flops = 2 * flops.matmul_params(model_config.of(config.model)) + flops.mixing_flops_per_token(model_config.of(config.model), 1, "recurrent")
+  cfg = model_config.of(config.model)
+  forward_flops = 2 * flops.matmul_params(cfg) + flops.mixing_flops_per_token(cfg, 1, "recurrent")
   results: dict[str, Any] = {"throughput": {}, "latency": {}, "latency_ratio": {}, "large_batch": {}}
   for name in models:
     results["latency"][name] = [

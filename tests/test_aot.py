@@ -97,8 +97,8 @@ def test_a_hybrid_compiles_its_train_step_and_decoding_for_an_h100():
   report = aot.plan(config, accelerators.parse_target("h100:1"), ("train", "decode"))
   train, decode = report["steps"]["train"], report["steps"]["decode"]
   assert report["fits"] and train["pallas_kernel_calls"] == 6  # one retention layer: the split kernels' 2 + 4
-  assert decode["model_flops_per_device"] == (flops.forward_flops_per_token(model_config.of(config.model), 16, "recurrent")
-                                              * config.train.batch_size * aot.DECODE_TOKENS)
+  per_token = flops.forward_flops_per_token(model_config.of(config.model), 16, "recurrent")
+  assert decode["model_flops_per_device"] == per_token * config.train.batch_size * aot.DECODE_TOKENS
 
 
 @needs_tpu

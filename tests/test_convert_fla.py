@@ -222,8 +222,8 @@ def write_tokenizer(path, size):
 def our_fla_model(seed=3, vocab_size=47, **overrides):
   """A RetNet of fla's variant (the fla preset, tiny) with random weights, its norm scales too, and its config."""
   config = presets.get_config("fla")
-  config.model.update(vocab_size=vocab_size, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, value_dim=48, ffn_dim=40,
-                      chunk_size=16, dtype="float32", **overrides)
+  config.model.update(vocab_size=vocab_size, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, value_dim=48,
+                      ffn_dim=40, chunk_size=16, dtype="float32", **overrides)
   model = Model(config.model, rngs=nnx.Rngs(seed))
   params = nnx.state(model, nnx.Param)
   rng = np.random.default_rng(seed)

@@ -87,7 +87,8 @@ def reference(layer, cfg, x, tables, positions, state=None, starts=None):
   v = (x @ w["v_proj"]).reshape(batch, length, heads, -1)
   padding = np.asarray(positions) < 0
   k = np.where(padding[..., None, None], 0, k)
-  log_decay = np.where(padding[..., None], 0, -np.logaddexp(0, -(x @ w["gt_proj"])) / cfg.gated_retention.gate_logit_normalizer)
+  normalizer = cfg.gated_retention.gate_logit_normalizer
+  log_decay = np.where(padding[..., None], 0, -np.logaddexp(0, -(x @ w["gt_proj"])) / normalizer)
   s = np.zeros((batch, heads, d_k, v.shape[-1])) if state is None else np.asarray(state.kv, np.float64)
   outs = []
   for n in range(length):

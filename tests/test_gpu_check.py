@@ -107,7 +107,7 @@ def test_the_check_follows_the_chip_and_differs_only_in_its_train_shape():
 def test_each_chips_train_step_fits_its_chip_by_the_aot_plan(check, target):
   """The train part's step (XLA form) at the check's batch and remat fits the chip it is for, compiled for it."""
   suite = GPU_SUITES[gpu_check.CHECKS[check].suite]
-  step = aot.plan(gpu_train.model_config(suite, "1.3b"), accelerators.parse_target(target), ("train",))
+  step = aot.plan(gpu_train.suite_config(suite, "1.3b"), accelerators.parse_target(target), ("train",))
   assert step["steps"]["train"]["fits"], step["steps"]["train"]
 
 

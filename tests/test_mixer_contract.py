@@ -169,7 +169,8 @@ def test_a_prefix_then_the_rest_equals_one_call(case):
   """(b) In every sequence form, 5 tokens then 13 from the returned state give one call's logits and state over the
   18; so do 5 in the parallel form then 13 in each sequence form."""
   model = model_of(case)
-  for mode in (m for m in architectures.modes(model_config.of(CONFIGS[case].model)) if m in architectures.SEQUENCE_MODES):
+  modes = architectures.modes(model_config.of(CONFIGS[case].model))
+  for mode in (m for m in modes if m in architectures.SEQUENCE_MODES):
     head = carried(case) if mode == "parallel" else forward(model, TOKENS[:, :PREFIX], None, mode)
     rest = after(case, mode) if mode == "parallel" else forward(model, TOKENS[:, PREFIX:], head[1], mode)
     logits, state = whole(case, mode)

@@ -230,7 +230,8 @@ def test_evaluate_and_generate_from_the_workdir(trained, model):
   parallel prefill, then recurrent decoding), which picks the argmax of the parallel logits, also for a
   left-padded row."""
   config, workdir = trained
-  results = evaluate.evaluate_model(model, config, architectures.modes(model_config.of(config.model)), config.train.eval_batches)
+  modes = architectures.modes(model_config.of(config.model))
+  results = evaluate.evaluate_model(model, config, modes, config.train.eval_batches)
   assert set(results["modes"]) == {"parallel", "recurrent"} and results["modes_agree"]
   assert results["modes"]["parallel"]["loss"] == pytest.approx(read_metrics(workdir, "eval_loss")[STEPS], rel=1e-5)
 

@@ -15,6 +15,9 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
+# The largest seed (config.seed, --seed): PRNG seeds are 64-bit integers (jax.random.key, numpy's generators).
+MAX_SEED = 2**63 - 1
+
 
 def _why(why: str) -> str:
   return f" ({why})" if why else ""

@@ -31,7 +31,7 @@ from absl import logging as absl_logging
 import ml_collections
 from ml_collections import config_flags
 
-from retnet_jax.core import host_memory, owned_folders, quiet_start
+from retnet_jax.core import config_checks, host_memory, owned_folders, quiet_start
 from retnet_jax.models import presets
 from retnet_jax.runs import flag_messages, workdir_lock
 
@@ -172,13 +172,10 @@ def step_flag(help_text: str) -> flags.FlagHolder:
   return flags.DEFINE_integer("step", None, help_text)
 
 
-MAX_SEED = 2**63 - 1  # PRNG seeds are 64-bit integers (jax.random.key, numpy's generators)
-
-
 def seed_flag(help_text: str) -> flags.FlagHolder:
-  """`--seed`, an integer in [0, MAX_SEED]: one outside is a usage error naming the range, before any work (a
-  larger one overflowed deep inside jax.random.key)."""
-  return flags.DEFINE_integer("seed", 0, help_text, lower_bound=0, upper_bound=MAX_SEED)
+  """`--seed`, an integer in [0, config_checks.MAX_SEED]: one outside is a usage error naming the range, before any
+  work (a larger one overflowed deep inside jax.random.key)."""
+  return flags.DEFINE_integer("seed", 0, help_text, lower_bound=0, upper_bound=config_checks.MAX_SEED)
 
 
 def prefill_block_flag() -> flags.FlagHolder:

@@ -18,7 +18,7 @@ from typing import Any
 
 from flax import traverse_util
 
-from retnet_jax.core import markdown, sections
+from retnet_jax.core import config_checks, markdown, sections
 from retnet_jax.core.sharding import MeshConfig
 from retnet_jax.input_pipeline import synthetic
 from retnet_jax.input_pipeline.data_config import DataConfig
@@ -26,7 +26,6 @@ from retnet_jax.models import architectures, model_config, presets
 from retnet_jax.training.train_config import CheckpointConfig, TrainConfig
 
 field = sections.field
-MAX_SEED = 2**63 - 1  # PRNG seeds are 64-bit integers (jax.random.key, numpy's generators)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,7 +40,8 @@ class Config(sections.Section):
   mesh: MeshConfig = field("devices (`core.sharding`)")
 
   def __post_init__(self):
-    if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+    seed = self.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= config_checks.MAX_SEED:
       raise ValueError(f"seed={self.seed} is out of range: choose an integer from 0 to 2**63 - 1 (--config.seed).")
     check_across(self)
 
