@@ -44,6 +44,17 @@ def test_mfu_is_left_off_the_line_where_its_ceiling_is_a_measured_matmul():
                                                                       "| 0.500 s/step | ETA 0m01s")
 
 
+def test_throughput_divides_by_the_datasheet_peak_or_the_best_rate_seen():
+  """MFU = tokens x FLOPs per token / time / peak. A datasheet peak stays; a peak measured at start (a CPU's matmul,
+  which reads low while the machine is busy) is raised by a step that does better, so MFU never exceeds 1."""
+  datasheet = loop.Throughput(tokens_per_step=1000, flops_per_token=6, peak=12_000.0, measured_peak=False)
+  assert datasheet.figures(0.5) == dict(step_time=0.5, tokens_per_sec=2000.0, mfu=1.0)
+  assert datasheet.figures(0.25)["mfu"] == 2.0 and datasheet.peak == 12_000.0
+  measured = loop.Throughput(tokens_per_step=1000, flops_per_token=6, peak=12_000.0, measured_peak=True)
+  assert measured.figures(0.25)["mfu"] == 1.0 and measured.peak == 24_000.0
+  assert measured.figures(0.5)["mfu"] == 0.5  # the higher ceiling stays
+
+
 def test_training_plots_its_loss_and_learning_rate_into_the_workdir(trained):
   """Training wrote no curve to look at without a TensorBoard viewer: at each evaluation it redraws
   WORKDIR/metrics.png from metrics.jsonl, a name recorded in the workdir's mark like the others it writes."""
