@@ -259,9 +259,8 @@ def evaluate_model(model: model_lib.Model, config: run_config.Config | Any, mode
 def evaluated_data(data_cfg: DataConfig, split_tokens: int) -> dict[str, Any]:
   """What an evaluation of text read, for its results: the data section's sources that are set (files, validation
   files, prepared corpora, a hub dataset; none: the shipped corpus), the split and the tokens it holds."""
-  sources = {field: list(data_config.as_tuple(getattr(data_cfg, field))) for field in ("files", "validation_files",
-                                                                                 "prepared")
-             if data_config.as_tuple(getattr(data_cfg, field))}
+  sources = {field: list(paths) for field in ("files", "validation_files", "prepared")
+             if (paths := data_config.as_tuple(getattr(data_cfg, field)))}
   if data_cfg.hub_dataset:
     sources["hub_dataset"] = data_cfg.hub_dataset
   return {**(sources or {"shipped_corpus": f"data/{data.DEFAULT_CORPUS.name}"}), "split": "validation",

@@ -88,8 +88,8 @@ class DataConfig(sections.Section):
   passkey: PasskeyConfig = field("the passkey task's knobs")
 
   def __post_init__(self):
-    if as_tuple(self.prepared):
-      self._check_prepared()
+    if paths := as_tuple(self.prepared):
+      self._check_prepared(paths)
     if not as_tuple(self.validation_files) and not 0 < self.validation_fraction < 1:
       raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {self.validation_fraction}. "
                        "Set it to e.g. 0.1, or give data.validation_files.")
@@ -106,9 +106,9 @@ class DataConfig(sections.Section):
       raise ValueError(f"data.tokenizer={self.tokenizer!r} is unused by data.synthetic='mqar' (its examples are "
                        "token ids, data.mqar.vocab_size of them); drop it, or train on text or passkey.")
 
-  def _check_prepared(self) -> None:
-    """Refuses an empty `data.prepared` entry, weights that do not fit the corpora, and text fields beside it."""
-    paths = as_tuple(self.prepared)
+  def _check_prepared(self, paths: tuple[str, ...]) -> None:
+    """Refuses an empty entry of `paths` (`data.prepared`), weights that do not fit the corpora, and text fields
+    beside them."""
     for i, path in enumerate(paths):
       if not str(path).strip():  # Path('') is the current directory
         where = f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared"

@@ -138,11 +138,10 @@ def check_mesh_split(cfg: base.ModelConfig, mesh_cfg: sharding.MeshConfig, num_d
   """Where `mesh_cfg` splits each sequence over several of `num_devices` devices: raises ValueError where some
   layer cannot split calls of `length` tokens in `modes_` so (`Mixer.check_sequence_split`: whole chunks per device,
   not the recurrent form, not the kernels); mixers that cannot split at all are asked first."""
-  layer_mixers = sorted(mixers(cfg), key=lambda mixer: mixer.splits_sequences)
   devices = sharding.sequence_devices(mesh_cfg, num_devices)
   if devices > 1:
     where = f"config.mesh splits each sequence over {devices} devices (mesh.shape={tuple(mesh_cfg.shape)})"
-    for mixer in layer_mixers:
+    for mixer in sorted(mixers(cfg), key=lambda mixer: mixer.splits_sequences):
       mixer.check_sequence_split(cfg, where, devices, length, tuple(modes_))
 
 

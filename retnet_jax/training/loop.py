@@ -215,9 +215,10 @@ def train_loop(schedule: Schedule, throughput: Throughput, run: train_step_lib.S
       if schedule.saves(step):
         saver.save(state, eval_loss)
       if stop.requested():
-        saver.check_finite(state)
         if saver.saved_step != step:
-          saver.save(state)
+          saver.save(state)  # checks the state first
+        else:
+          saver.check_finite(state)
         checkpointer.wait()
         metrics.log(f"{stop.signal_name or 'stop'} received: checkpoint of step {step} committed in "
                     f"{checkpointer.directory}; run the same command again to resume")
@@ -234,7 +235,7 @@ def _export(workdir: Path, step: int, params: Any, checkpointer: checkpointing.C
   try:
     export_dir = run_checkpoints.export_params(workdir, step, params)
   except write_errors.ExportWriteError as e:
-    what, fix = write_errors.DISK_FAULTS.get(e.errno, ("a write failed", "remove the cause"))
+    what, fix = write_errors.disk_fault(e.errno)
     raise write_errors.ExportWriteError(
         f"{e} ({what}). Checkpoint {step} in {checkpointer.directory} is committed and intact; {fix}, then run the "
         "same command again: the training is done, so it only exports the parameters.", e.errno) from e

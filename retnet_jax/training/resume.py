@@ -54,9 +54,9 @@ def restore_or_init(config: Config, run: train_step_lib.Setup, checkpointer: che
 def changed_data_fields(saved: dict, config: Config) -> list[str]:
   """The fields that choose the batches (`train.seq_len`, `train.batch_size`, `seed`, `data`) on which a checkpoint's
   config `saved` differs from `config`; a data field the checkpoint predates counts as its value then."""
-  saved = {**saved, "data": {**ADDED_DATA_FIELDS, **saved.get("data", {})}}
+  saved, current = {**saved, "data": {**ADDED_DATA_FIELDS, **saved.get("data", {})}}, config.to_dict()
   return [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
-          if _field(saved, name) != _field(config.to_dict(), name)]
+          if _field(saved, name) != _field(current, name)]
 
 
 def _field(config: dict, dotted: str) -> str:

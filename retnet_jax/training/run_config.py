@@ -42,7 +42,7 @@ class Config(sections.Section):
   def __post_init__(self):
     seed = self.seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= config_checks.MAX_SEED:
-      raise ValueError(f"seed={self.seed} is out of range: choose an integer from 0 to 2**63 - 1 (--config.seed).")
+      raise ValueError(f"seed={seed} is out of range: choose an integer from 0 to 2**63 - 1 (--config.seed).")
     check_across(self)
 
 

@@ -73,10 +73,11 @@ def train_and_evaluate(config: run_config.Config | Any, workdir: str | os.PathLi
       with checkpointer:
         state = resume.restore_or_init(config, run, checkpointer, batches, workdir)  # another model's refused first
         with metrics.MetricsWriter(workdir) as writer:
+          saved_config = config.to_dict()  # config.json and each checkpoint's config
           if jax.process_index() == 0:
-            whole_files.write_text(workdir_lib.config_file(workdir), json.dumps(config.to_dict(), indent=2))
+            whole_files.write_text(workdir_lib.config_file(workdir), json.dumps(saved_config, indent=2))
           schedule, throughput = loop.Schedule.of(config), loop.Throughput.of(config)
-          saver = loop.Saver(checkpointer, lock, batches, config.to_dict(), schedule.nonfinite, int(state.step))
+          saver = loop.Saver(checkpointer, lock, batches, saved_config, schedule.nonfinite, int(state.step))
           return loop.train_loop(schedule, throughput, run, state, batches, valid_batches, saver, writer)
     except (workdir_lock.LockFileRemovedError, write_errors.ExportWriteError):  # they say what the workdir keeps
       raise
@@ -102,7 +103,7 @@ def _workdir_fault(error: Exception, lock: workdir_lock.WriterLock, checkpointer
         "resume from its latest checkpoint, or choose a new --workdir to start afresh.")
   if not isinstance(error, OSError):
     return None
-  what, fix = write_errors.DISK_FAULTS.get(error.errno, ("a write failed", "remove the cause"))
+  what, fix = write_errors.disk_fault(error.errno)
   try:
     checkpointer.reload()
     committed = checkpointer.latest_step()

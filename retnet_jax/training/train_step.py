@@ -104,10 +104,11 @@ class StepFields(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def _build_setup(config: StepFields, mesh: jax.sharding.Mesh) -> Setup:
+  layer_stack.check_remat(config.train.remat, mesh.devices.flat[:1], field="train.remat")
   layout = train_state.make_layout(config, sharding.Placement(mesh, sharding.logical_rules(config.mesh)))
   shardings, batch_sharding = layout.shardings, layout.placement.batch_sharding
   graphdef, mode = layout.graphdef, config.train.mode
-  run = Setup(
+  return Setup(
       **{f.name: getattr(layout, f.name) for f in dataclasses.fields(train_state.Layout)},
       init=train_state.init_fn(config, layout),
       train_step=jax.jit(make_train_step(graphdef, layout.tx, config.train), in_shardings=(shardings, batch_sharding),
@@ -115,6 +116,3 @@ def _build_setup(config: StepFields, mesh: jax.sharding.Mesh) -> Setup:
       eval_step=jax.jit(lambda params, batch: losses.token_loss(graphdef, params, batch, mode,
                                                                 loss_tile=config.train.loss_tile),
                         in_shardings=(shardings.params, batch_sharding)))
-  # what the policy needs of the mesh's devices (host memory to offload to), before anything compiles
-  layer_stack.check_remat(config.train.remat, mesh.devices.flat[:1], field="train.remat")
-  return run

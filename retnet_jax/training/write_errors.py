@@ -18,6 +18,11 @@ DISK_FAULTS = {
 }
 
 
+def disk_fault(code: int | None) -> tuple[str, str]:
+  """(what went wrong, the fix) of a failed write with errno `code` (`DISK_FAULTS`, else a generic pair)."""
+  return DISK_FAULTS.get(code, ("a write failed", "remove the cause"))
+
+
 class CheckpointWriteError(OSError):
   """A checkpoint could not be written (disk full, read-only, vanished directory...); earlier steps are intact.
 
