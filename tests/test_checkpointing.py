@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import absl.logging
@@ -392,3 +393,24 @@ def test_a_failed_write_future_nobody_retrieved_prints_nothing(tmp_path, caplog)
     asyncio.run(fail_unretrieved())
     gc.collect()
   assert "NOT_FOUND" not in caplog.text
+
+
+def test_orbax_tasks_a_failed_write_leaves_pending_print_nothing(tmp_path, caplog):
+  """A failed write closes orbax's event loop with its sibling writes still pending, never started; asyncio's
+  note on each task and Python's warning about each coroutine came at exit, after the run's own error line.
+  Others' tasks and coroutines are still reported."""
+  from orbax.checkpoint._src.serialization import serialization  # pylint: disable=import-outside-toplevel
+  with Checkpointer(tmp_path / "ckpt"):  # installs the filters
+    pass
+
+  async def ours():
+    pass
+
+  loop = asyncio.new_event_loop()
+  tasks = [loop.create_task(serialization.async_serialize_from_host(None, {})), loop.create_task(ours())]
+  loop.close()
+  with caplog.at_level(logging.ERROR, logger="asyncio"), warnings.catch_warnings(record=True) as caught:
+    del tasks
+    gc.collect()
+  assert caplog.text.count("Task was destroyed but it is pending") == 1 and "ours()" in caplog.text
+  assert [str(w.message) for w in caught] == [f"coroutine '{ours.__qualname__}' was never awaited"]
