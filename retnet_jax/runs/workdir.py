@@ -73,11 +73,12 @@ def check_training_dir(workdir: str | os.PathLike, writes: Sequence[str] = (), t
   return workdir
 
 
-def training_names(config: ml_collections.ConfigDict, process_index: int) -> tuple[str, ...]:
-  """The names training writes in its workdir on process `process_index` (the layout above, results aside)."""
+def training_names(process_index: int, profiled: bool) -> tuple[str, ...]:
+  """The names training writes in its workdir on process `process_index` (the layout above, results aside); the
+  profiler's traces too where `profiled` (`train.profile_steps`)."""
   names = (config_file("").name, METRICS_FILE, TENSORBOARD_DIR, METRICS_PLOT,
            checkpoint_dir("").name, export_dir("", 0).parent.name, writer_lock("", process_index).path.name)
-  return names + ((PROFILE_DIR,) if config.train.profile_steps else ())
+  return names + ((PROFILE_DIR,) if profiled else ())
 
 
 def claim(workdir: str | os.PathLike, writes: Sequence[str], take: bool = False) -> owned_folders.OwnedFolder:

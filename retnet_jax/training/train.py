@@ -52,7 +52,7 @@ def train_and_evaluate(config: run_config.Config | Any, workdir: str | os.PathLi
     The last logged train and eval metrics (`loss`, `eval_loss`, ...).
   """
   config = check_config(config, jax.device_count())
-  writes = workdir_lib.training_names(config, jax.process_index())
+  writes = workdir_lib.training_names(jax.process_index(), bool(config.train.profile_steps))
   workdir = workdir_lib.check_training_dir(workdir, writes, take_folder)
   if config.train.warmup_steps > config.train.steps:
     metrics.log(f"NOTE: train.warmup_steps={config.train.warmup_steps} exceeds train.steps={config.train.steps}: "
