@@ -225,7 +225,8 @@ def test_full_then_read_only_disk_give_one_message_each_and_the_run_resumes_exac
   subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
   process = launch(workdir, corpus, every_steps=5, async_save=True)
   output, _ = process.communicate(timeout=300)
-  assert process.returncode == 1 and "Read-only file system" in one_error(output) and "writable --workdir" in output
+  assert process.returncode == 1 and "Read-only file system" in one_error(output), output[-3000:]
+  assert "writable --workdir" in output
   result = run_script("evaluate.py", *script_flags(workdir, corpus), "--max_batches=1")
   assert result.returncode == 0 and json.loads(result.stdout.splitlines()[-1])["step"] == committed
   assert "could not write" in result.stderr and "Traceback" not in result.stderr
@@ -243,7 +244,8 @@ def test_a_workdir_deleted_while_training_stops_it_promptly_with_one_message(tmp
   while workdir.exists():  # the training keeps writing into it meanwhile
     shutil.rmtree(workdir, ignore_errors=True)
   output, _ = process.communicate(timeout=60)
-  assert process.returncode == 1 and f"error: the workdir {workdir} vanished while training" in one_error(output)
+  error = f"error: the workdir {workdir} vanished while training"
+  assert process.returncode == 1 and error in one_error(output), output[-3000:]
 
 
 @pytest.mark.slow
@@ -258,7 +260,8 @@ def test_a_workdir_moved_while_training_is_not_recreated_at_its_old_path(tmp_pat
   wait_for(lambda: rows_logged(workdir) >= 30 and committed(), process)
   workdir.rename(tmp_path / "moved")
   output, _ = process.communicate(timeout=60)
-  assert process.returncode == 1 and f"error: the workdir {workdir} vanished while training" in one_error(output)
+  error = f"error: the workdir {workdir} vanished while training"
+  assert process.returncode == 1 and error in one_error(output), output[-3000:]
   time.sleep(1)
   assert not workdir.exists()
   (tmp_path / "moved").rename(workdir)  # put back, as the message says: it resumes
