@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from retnet_jax.evaluation import evaluate
+from retnet_jax.core import dispatch
+from retnet_jax.evaluation import evaluate, sampling_checks
 from tests.helpers import run_script, script_lines, tiny_config, tiny_model
 
 BLOCK = 16
@@ -80,6 +81,26 @@ def test_bad_blocks_and_lengths_are_refused_before_any_work(tmp_path):
   with pytest.raises(ValueError, match=r"the validation split holds 6000 tokens: 0 sequences of --eval_seq_len \+ 1 "
                                        r"= 1048577 tokens"):
     evaluate.evaluate_model(tiny_model(), config, ("chunkwise",), seq_len=2**20)
+
+
+def test_a_form_that_does_not_fit_is_refused_before_any_batch_runs(tmp_path, monkeypatch):
+  """In 16 MiB, batches of 8 sequences of 512 tokens fit block by block (about 7 MiB over the 8 devices) but not in
+  the parallel form (its [L, L] scores: about 38 MiB): `--mode=all` is refused, by XLA's memory analysis, naming the
+  form, the sizes and the fixes, before a batch runs; the streamed forms alone run."""
+  config, model = tiny_config(tmp_path, batch_size=8), tiny_model()
+  monkeypatch.setattr(sampling_checks, "device_memory", lambda devices: 16 * 2**20)
+  host_map, ran = dispatch.host_map, []
+  monkeypatch.setattr(dispatch, "host_map", lambda fn, batches: ran.append(1) or host_map(fn, batches))
+  message = (r"the parallel form at 512 tokens per sequence needs about [0-9.]+ MiB \(XLA's memory analysis of its "
+             r"compiled program\), more than the 16.0 MiB of host memory available here, bounded by .*; use "
+             r"--mode=chunkwise \(the chunkwise and recurrent forms run block by block\), a shorter --eval_seq_len "
+             r"or a smaller --config.train.batch_size\.$")
+  with pytest.raises(ValueError, match=message):
+    evaluate.evaluate_model(model, config, ("chunkwise", "parallel", "recurrent"), max_batches=1, seq_len=512,
+                            block=256)
+  assert not ran
+  results = evaluate.evaluate_model(model, config, ("chunkwise", "recurrent"), max_batches=1, seq_len=512, block=256)
+  assert ran and results["modes_agree"]
 
 
 @pytest.mark.slow

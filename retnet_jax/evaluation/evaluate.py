@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -24,6 +25,8 @@ import numpy as np
 from flax import nnx
 
 from retnet_jax.core import dispatch, segments, sharding, whole_files
+from retnet_jax.evaluation import sampling_checks
+from retnet_jax.hardware import accelerators
 from retnet_jax.input_pipeline import data, data_config, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.input_pipeline.data_config import DataConfig
 from retnet_jax.models import architectures, model as model_lib, streaming
@@ -156,6 +159,47 @@ def answer_stats(graphdef: nnx.GraphDef, params, batch: losses.Batch, mode: str
   return nll_B, logits_BxLxV[:, -1], hits_B
 
 
+def compile_mode(graphdef: nnx.GraphDef, params: Any, batch: losses.Batch, mode: str, task: str | None,
+                 position_buckets: int, block: int) -> jax.stages.Compiled:
+  """`evaluate_model`'s program for `mode` on batches shaped and placed like `batch`, compiled (called as
+  `compiled(params, batch)`): `answer_stats` with a synthetic `task`, else `streamed_nll` by blocks of `block`
+  tokens (0: whole sequences, `bucket_nll` or `losses.sequence_nll`)."""
+  if task:
+    return answer_stats.lower(graphdef, params, batch, mode).compile()
+  if block:
+    return streamed_nll.lower(graphdef, params, batch, mode, position_buckets, block).compile()
+  if position_buckets:
+    return bucket_nll.lower(graphdef, params, batch, mode, position_buckets).compile()
+  return losses.sequence_nll.lower(graphdef, params, batch, mode).compile()
+
+
+def check_memory(compiled: dict[str, jax.stages.Compiled], config: run_config.Config, seq_len: int, block: int,
+                 devices: Iterable[jax.Device]) -> None:
+  """Refuses, before any batch runs, a mode whose program (`compile_mode`) needs more memory than `devices` have
+  (their limits; CPU devices: the host memory still available), by XLA's memory analysis (arguments, the parameters
+  included, outputs and temporaries), naming the fixes: a form that runs block by block (`streams`), a smaller
+  block, a shorter length, a smaller batch."""
+  devices = list(devices)
+  memory = sampling_checks.device_memory(devices)
+  for mode, program in compiled.items():
+    needed = accelerators.required_bytes(accelerators.memory_sizes(program)) * len(devices)
+    if needed <= memory:
+      continue
+    fixes = []
+    if not config.data.synthetic:
+      if streams(config.model, mode, seq_len, block):
+        fixes.append("a smaller --eval_block")
+      elif others := [m for m in architectures.modes(config.model) if streams(config.model, m, seq_len, block)]:
+        runs = "forms run" if len(others) > 1 else "form runs"
+        fixes.append(f"--mode={others[0]} (the {' and '.join(others)} {runs} block by block)")
+      fixes.append("a shorter --eval_seq_len")
+    fixes.append("a smaller --config.train.batch_size")
+    raise ValueError(f"the {mode} form at {seq_len} tokens per sequence needs about "
+                     f"{sampling_checks.size_text(needed)} (XLA's memory analysis of its compiled program), more than "
+                     f"the {sampling_checks.size_text(memory)} of {sampling_checks.memory_name(devices)}; use "
+                     f"{', '.join(fixes[:-1])}{' or ' * (len(fixes) > 1)}{fixes[-1]}.")
+
+
 def evaluate_model(model: model_lib.Model, config: run_config.Config | Any, modes=("parallel",),
                    max_batches: int | None = None, seq_len: int | None = None,
                    position_buckets: int = 0, block: int | None = None) -> dict[str, Any]:
@@ -222,21 +266,19 @@ def evaluate_model(model: model_lib.Model, config: run_config.Config | Any, mode
 
   graphdef, params = nnx.split(model)
   per_mode_logits = {}
-  if task:
-    nll_fn = answer_stats
-  else:
-    nll_fn = functools.partial(bucket_nll, buckets=position_buckets) if position_buckets else losses.sequence_nll
   with placement.active():
     block = streaming.check_block(config.model, block, "--eval_block")
+    blocks = {mode: block if not task and streams(config.model, mode, seq_len, block) else 0 for mode in modes}
+    compiled = {mode: compile_mode(graphdef, params, batches[0], mode, task, position_buckets, blocks[mode])
+                for mode in modes}  # all before any runs: check_memory
+    check_memory(compiled, config, seq_len, block, placement.mesh.devices.flat)
     for mode in modes:
-      streamed = not task and streams(config.model, mode, seq_len, block)
-      mode_fn = functools.partial(streamed_nll, buckets=position_buckets, block=block) if streamed else nll_fn
-      outputs = dispatch.host_map(lambda batch: mode_fn(graphdef, params, batch, mode), batches)
+      outputs = dispatch.host_map(lambda batch: compiled[mode](params, batch), batches)
       nll = np.concatenate([np.asarray(o[0], np.float64) for o in outputs])  # [N] or [N, buckets]
       per_mode_logits[mode] = np.concatenate([np.asarray(o[1]) for o in outputs])
       loss = float(nll.sum() / num_tokens)
       results["modes"][mode] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-                                "bits_per_token": loss / math.log(2), **({"block": block} if streamed else {})}
+                                "bits_per_token": loss / math.log(2), **({"block": block} if blocks[mode] else {})}
       if task:
         results["modes"][mode][f"{task}_accuracy"] = sum(float(o[2].sum()) for o in outputs) / num_tokens
       else:

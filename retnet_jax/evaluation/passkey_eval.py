@@ -94,15 +94,11 @@ def check_memory(model: Any, prefill_mode: str | None, grid: Grid, batch_size: i
     needed = accelerators.required_bytes(accelerators.memory_sizes(compiled))
     if needed > memory:
       fewer_rows = ", or fewer examples per call (--batch_size)" if rows > 1 else ""
+      size = sampling_checks.size_text
       raise ValueError(f"length {grid.lengths[i]}: the prefill of {rows} prompt{'s' * (rows > 1)} of {width} tokens "
-                       f"takes about {_size(needed)} (XLA's memory analysis of its compiled program), more than the "
-                       f"{_size(memory)} of {sampling_checks.memory_name([device])}; choose shorter lengths "
+                       f"takes about {size(needed)} (XLA's memory analysis of its compiled program), more than the "
+                       f"{size(memory)} of {sampling_checks.memory_name([device])}; choose shorter lengths "
                        f"(--lengths){fewer_rows}.")
-
-
-def _size(num_bytes: int) -> str:
-  """`num_bytes` in GiB, or in MiB below 1 GiB."""
-  return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def evaluate(generate_fn: GenerateFn, grid: Grid, batch_size: int | None = None,

@@ -83,6 +83,11 @@ def device_memory(devices: Sequence[jax.Device]) -> int:
   return sum(limits) if all(limits) else host_memory.available_bytes()
 
 
+def size_text(num_bytes: int) -> str:
+  """`num_bytes` in GiB, or in MiB below 1 GiB, for a message."""
+  return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def memory_name(devices: Sequence[jax.Device]) -> str:
   """What `device_memory(devices)` measures, for a message: "memory of the gpu devices here", or for CPU devices
   "host memory available here, bounded by" the limit that gives it (`host_memory.available`), e.g. "MemAvailable"."""
