@@ -12,7 +12,7 @@ from retnet_jax.core.sharding import MeshConfig
 from retnet_jax.input_pipeline.data_config import DataConfig
 from retnet_jax.models import model_config, presets
 from retnet_jax.runs import workdir
-from retnet_jax.training import run_config
+from retnet_jax.training import resume, run_config
 from retnet_jax.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,18 @@ def test_an_old_runs_config_json_builds():
   as_json = json.loads(json.dumps(config.to_dict()))
   assert (as_json["model"], as_json["data"], as_json["preset"]) == (saved["model"], saved["data"], saved["preset"])
 
+
+
+def test_a_path_field_holding_one_string_is_that_one_path():
+  """`data.files` (`validation_files`, `prepared`) saved as one string builds as a tuple of that path, and a
+  checkpoint whose config saved it so sees no data change against the same path as a tuple."""
+  saved = presets.get_config("tiny").to_dict()
+  saved["data"].update(files="a.txt", validation_files="b.txt")
+  built = run_config.build(saved)
+  assert (built.data.files, built.data.validation_files, built.data.prepared) == (("a.txt",), ("b.txt",), ())
+  assert built.data.replace(files="c.txt").files == ("c.txt",)
+  assert resume.changed_data_fields(saved, built) == []
+  assert resume.changed_data_fields(saved, built.replace(data=built.data.replace(files=("c.txt",)))) == ["data"]
 
 def test_fields_missing_or_unknown_are_refused_by_name():
   config = presets.get_config("tiny").to_dict()

@@ -27,7 +27,7 @@ from flax import nnx
 from retnet_jax.core import dispatch, segments, sharding, whole_files
 from retnet_jax.evaluation import sampling_checks
 from retnet_jax.hardware import accelerators
-from retnet_jax.input_pipeline import data, data_config, global_batches, loader, synthetic, tokenizer as tokenizer_lib
+from retnet_jax.input_pipeline import data, global_batches, loader, synthetic, tokenizer as tokenizer_lib
 from retnet_jax.input_pipeline.data_config import DataConfig
 from retnet_jax.models import architectures, model as model_lib, streaming
 from retnet_jax.models.model_config import ModelConfig
@@ -302,7 +302,7 @@ def evaluated_data(data_cfg: DataConfig, split_tokens: int) -> dict[str, Any]:
   """What an evaluation of text read, for its results: the data section's sources that are set (files, validation
   files, prepared corpora, a hub dataset; none: the shipped corpus), the split and the tokens it holds."""
   sources = {field: list(paths) for field in ("files", "validation_files", "prepared")
-             if (paths := data_config.as_tuple(getattr(data_cfg, field)))}
+             if (paths := getattr(data_cfg, field))}
   if data_cfg.hub_dataset:
     sources["hub_dataset"] = data_cfg.hub_dataset
   return {**(sources or {"shipped_corpus": f"data/{data.DEFAULT_CORPUS.name}"}), "split": "validation",

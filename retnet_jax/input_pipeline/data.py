@@ -39,7 +39,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from retnet_jax.core import config_checks
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
-from retnet_jax.input_pipeline.data_config import DataConfig, as_tuple
+from retnet_jax.input_pipeline.data_config import DataConfig
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
 # File suffix -> `datasets` builder that reads it.
@@ -132,7 +132,7 @@ def text_sources(data_cfg: DataConfig) -> tuple[TextSource, TextSource | None]:
   The training source is `data.files`, else `data.hub_dataset`, else the shipped corpus. Files are expanded and
   checked here (`expand_files`); a missing shipped corpus is a FileNotFoundError naming the fix.
   """
-  files, validation, field = as_tuple(data_cfg.files), as_tuple(data_cfg.validation_files), data_cfg.text_field
+  files, validation, field = data_cfg.files, data_cfg.validation_files, data_cfg.text_field
   if files:
     train = TextSource("files", tuple(expand_files(files, "data.files")), None, None, field, "data.files")
   elif data_cfg.hub_dataset:

@@ -20,11 +20,13 @@ from retnet_jax.input_pipeline import passkey
 SYNTHETIC_TASKS = ("mqar", "passkey")  # data.synthetic: `synthetic.SOURCES`
 QUERY_PLACEMENTS = ("power", "uniform", "packed")  # data.mqar.query_placement
 TEXT_FIELDS = ("files", "validation_files", "hub_dataset", "prepared")  # what names text data
+PATH_FIELDS = ("files", "validation_files", "prepared")  # a path or several: a tuple once the section is built
 field = sections.field
 
 
 def as_tuple(files: str | Sequence[str] | None) -> tuple[str, ...]:
-  """A single path given on the command line as a string counts as one file (or directory)."""
+  """A path field's value as a tuple: a single path given as a string (`--config.data.files=a.txt`, or an older
+  config.json) counts as one file (or directory); None as none."""
   if not files:
     return ()
   return (files,) if isinstance(files, str) else tuple(files)
@@ -88,9 +90,11 @@ class DataConfig(sections.Section):
   passkey: PasskeyConfig = field("the passkey task's knobs")
 
   def __post_init__(self):
-    if paths := as_tuple(self.prepared):
-      self._check_prepared(paths)
-    if not as_tuple(self.validation_files) and not 0 < self.validation_fraction < 1:
+    for name in PATH_FIELDS:  # typed as tuples whatever the user's config held
+      object.__setattr__(self, name, as_tuple(getattr(self, name)))
+    if self.prepared:
+      self._check_prepared(self.prepared)
+    if not self.validation_files and not 0 < self.validation_fraction < 1:
       raise ValueError(f"data.validation_fraction must lie strictly between 0 and 1; got {self.validation_fraction}. "
                        "Set it to e.g. 0.1, or give data.validation_files.")
     if self.synthetic is None:
@@ -120,8 +124,8 @@ class DataConfig(sections.Section):
                        "corpora; give one weight per directory of data.prepared, or none (in proportion to tokens).")
     if any(not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0 for w in weights):
       raise ValueError(f"data.prepared_weights={weights}: every weight must be a positive number; fix or drop it.")
-    for name, value in (("files", as_tuple(self.files)), ("hub_dataset", self.hub_dataset),
-                        ("validation_files", as_tuple(self.validation_files))):
+    for name, value in (("files", self.files), ("hub_dataset", self.hub_dataset),
+                        ("validation_files", self.validation_files)):
       if value:
         raise ValueError(f"data.prepared and data.{name} are both set; a prepared corpus holds its own splits: drop "
                          f"data.{name} (or data.prepared to read the files directly).")

@@ -15,7 +15,9 @@ from retnet_jax.core import config_checks
 
 
 def process_rows(global_batch: int, process_index: int, process_count: int) -> slice:
-  """The contiguous block of a global batch's rows that process `process_index` of `process_count` loads."""
+  """The contiguous block of a global batch's rows that process `process_index` of `process_count` loads: the one
+  check of a batch's size that every reader of batches (training, validation, synthetic) passes."""
+  config_checks.positive_int(global_batch, "train.batch_size", "the rows of a global batch")
   if global_batch % process_count:
     raise ValueError(f"train.batch_size={global_batch} is not divisible by the {process_count} processes; "
                      "choose a batch size that is a multiple of the process count.")
@@ -123,7 +125,6 @@ def eval_batches(rows: EvalRows, global_batch_size: int, max_batches: int | None
   Returns:
     An iterator of the batches; the checks run on the call, not on the first `next()`.
   """
-  config_checks.positive_int(global_batch_size, "train.batch_size")
   check_one_batch(len(rows), global_batch_size, holds or f"the validation data holds {len(rows)} sequences",
                   batch or f"train.batch_size={global_batch_size}", fix)
   local = process_rows(global_batch_size, jax.process_index(), jax.process_count())

@@ -28,7 +28,7 @@ import jax
 
 from retnet_jax.input_pipeline import corpus_cache, data, global_batches, packed_rows, prepared
 from retnet_jax.input_pipeline.tokenizer import Tokenizer
-from retnet_jax.input_pipeline.data_config import DataConfig, as_tuple
+from retnet_jax.input_pipeline.data_config import DataConfig
 
 
 
@@ -36,7 +36,7 @@ def open_corpora(data_cfg: DataConfig, tokenizer: Tokenizer) -> list[prepared.Co
   """The corpora of `data.prepared` (`DataConfig` checked their paths, weights and that no text field is set beside
   them); without it, the cached corpus of `data.files` (`corpus_cache`, built on first use). With
   `data.reset_at_documents`, a training split of one document is refused: nothing would reset."""
-  paths = as_tuple(data_cfg.prepared)
+  paths = data_cfg.prepared
   if not paths:
     corpora = [corpus_cache.open_cached(data_cfg, tokenizer)]
     return _check_documents(corpora, data_cfg, corpora[0].label)

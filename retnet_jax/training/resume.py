@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from retnet_jax.input_pipeline import data_config
 from retnet_jax.runs import workdir as workdir_lib
 from retnet_jax.training import checkpointing, metrics, run_checkpoints, train_state, train_step as train_step_lib
 from retnet_jax.training.run_config import Config
@@ -53,8 +54,11 @@ def restore_or_init(config: Config, run: train_step_lib.Setup, checkpointer: che
 
 def changed_data_fields(saved: dict, config: Config) -> list[str]:
   """The fields that choose the batches (`train.seq_len`, `train.batch_size`, `seed`, `data`) on which a checkpoint's
-  config `saved` differs from `config`; a data field the checkpoint predates counts as its value then."""
-  saved, current = {**saved, "data": {**ADDED_DATA_FIELDS, **saved.get("data", {})}}, config.to_dict()
+  config `saved` differs from `config`; a data field the checkpoint predates counts as its value then, and a path
+  field that holds one path as a string (as older runs saved it) as that one path."""
+  data = {**ADDED_DATA_FIELDS, **saved.get("data", {})}
+  data.update({name: data_config.as_tuple(data[name]) for name in data_config.PATH_FIELDS if name in data})
+  saved, current = {**saved, "data": data}, config.to_dict()
   return [name for name in ("train.seq_len", "train.batch_size", "seed", "data")
           if _field(saved, name) != _field(current, name)]
 
