@@ -5,13 +5,15 @@ decoding state is a KV cache per layer (`key`, `value` `[B, S, G, K]` in the com
 fed so far); as in retention, a state whose position starts at -p treats its first p tokens as left padding. With
 `segment_ids` every form attends within each document only (a key before a query's document start has a negative
 position). It computes the parallel and recurrent forms; in a hybrid's chunkwise call it attends all tokens at once,
-as in the parallel form. A Transformer's layers (`configs/transformer.py`) take their fields plainly (`num_heads`,
+as in the parallel form. A call of several tokens over a cache longer than `KEY_BLOCK` (a prefill's blocks) reads the
+cache a block of keys at a time (`blocked_attention`), so its memory is the cache and one block's scores. A Transformer's layers (`configs/transformer.py`) take their fields plainly (`num_heads`,
 `max_len`, `rotation_base`); a hybrid RetNet's (`model.attention_layers`) take the `attention_` fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -25,6 +27,9 @@ from retnet_jax.mixers import base
 from retnet_jax.nn import layer_stack, layers, matmul, rotation
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
+# Keys per step of `blocked_attention`, which a multi-token call over a cache of more slots uses: its scores are
+# [B, H, L, KEY_BLOCK] whatever the cache's length.
+KEY_BLOCK = 1024
 
 
 def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_BxLxS: jax.Array
@@ -39,6 +44,47 @@ def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
   probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None, None], scores, _MASKED), axis=-1)
   out = matmul.einsum("bgjls,bsgk->blgjk", probs.astype(v_BxSxGxK.dtype), v_BxSxGxK)
   return out.reshape(batch, length, heads, -1)
+
+
+def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
+                      visible_of: Callable[[jax.Array, int], jax.Array], block: int = KEY_BLOCK) -> jax.Array:
+  """`attention` over the keys `block` at a time with a running maximum and sum (online softmax), so that its scores
+  are `[B, H, L, block]` in float32 however many keys S there are; the result is `attention`'s up to rounding
+  (a row that sees no key is, as there, the mean of every value).
+
+  Args:
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK: as `attention`, S >= `block`.
+    visible_of: `visible_of(start, size)` -> `[B, L, size]`, which of keys `start ... start + size - 1` each query
+      sees (`start` traced).
+    block: keys per step.
+  Returns:
+    `[B, L, H, K]` in v's dtype.
+  """
+  batch, length, heads, key_dim = q_BxLxHxK.shape
+  size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
+  if size < block:
+    raise ValueError(f"blocked_attention takes at least one block of keys: {size} keys, blocks of {block}.")
+  q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
+
+  def step(carry, index):
+    max_BxGxJxL, sum_BxGxJxL, out_BxGxJxLxK = carry
+    start = jnp.minimum(index * block, size - block)  # the last block may overlap the one before
+    k, v = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (k_BxSxGxK, v_BxSxGxK))
+    scores = jnp.where(visible_of(start, block)[:, None, None],
+                       matmul.einsum("blgjk,bsgk->bgjls", q, k, jnp.float32), _MASKED)
+    scores = jnp.where(start + jnp.arange(block) >= index * block, scores, -jnp.inf)  # keys of the block before: none
+    new_max = jnp.maximum(max_BxGxJxL, scores.max(axis=-1))
+    probs = jnp.exp(scores - new_max[..., None])
+    rescale = jnp.exp(max_BxGxJxL - new_max)
+    out = out_BxGxJxLxK * rescale[..., None] + matmul.einsum("bgjls,bsgk->bgjlk", probs.astype(v.dtype), v,
+                                                             jnp.float32)
+    return (new_max, sum_BxGxJxL * rescale + probs.sum(axis=-1), out), None
+
+  shape = (batch, groups, heads // groups, length)
+  empty = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros((*shape, v_BxSxGxK.shape[-1])))
+  (_, sums, out), _ = jax.lax.scan(step, empty, jnp.arange(-(-size // block)))
+  out = (out / sums[..., None]).transpose(0, 3, 1, 2, 4)
+  return out.reshape(batch, length, heads, -1).astype(v_BxSxGxK.dtype)
 
 
 def _visible(query_step_L, key_step_S, key_position_BxS, window: int | None, query_document_BxL=None,
@@ -108,8 +154,15 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
     offset_S = key_step_S - step
     key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1), 0)
   key_position_BxS = position_B[:, None] + (key_step_S - step)[None, :]
-  visible = _visible(query_step_L, key_step_S, key_position_BxS, window, document_BxL, key_document_BxS)
-  return attention(q, keys, values, visible), new_cache
+
+  def visible_of(start, num_keys):
+    keys_of = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, num_keys, axis=-1)
+    return _visible(query_step_L, keys_of(key_step_S), keys_of(key_position_BxS), window, document_BxL,
+                    keys_of(key_document_BxS))
+
+  if length > 1 and keys.shape[1] > KEY_BLOCK:  # a prefill's block over a long cache
+    return blocked_attention(q, keys, values, visible_of, KEY_BLOCK), new_cache
+  return attention(q, keys, values, visible_of(0, keys.shape[1])), new_cache
 
 
 class CausalSelfAttention(nnx.Module):

@@ -1,0 +1,110 @@
+"""Attention over a long KV cache a block of keys at a time (`attention.blocked_attention`): equal to softmax attention
+in float64 on awkward sizes and masks, taken by a multi-token call over a cache longer than a block (a prefill's
+blocks, a windowed layer's chunk) with the logits of the parallel form, and its memory bounded by a block's scores."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from retnet_jax.evaluation import sampling
+from retnet_jax.hardware import accelerators
+from retnet_jax.mixers import attention
+from tests.helpers import random_tokens, tiny_model, tiny_transformer
+
+
+def reference(q, k, v, visible):
+  """Softmax attention in float64: q `[B, L, H, K]`, k, v `[B, S, G, K]`, visible `[B, L, S]`; a row that sees no
+  key gives the mean of every value (as `attention`'s finite mask does)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  heads, groups = q.shape[2], k.shape[2]
+  k, v = (np.repeat(x, heads // groups, axis=2) for x in (k, v))
+  scores = np.einsum("blhk,bshk->bhls", q, k)
+  seen = np.asarray(visible)[:, None]
+  scores = np.where(seen, scores, -np.inf)
+  scores = np.where(seen.any(-1, keepdims=True), scores, 0.0)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  return np.einsum("bhls,bshk->blhk", probs, v)
+
+
+@pytest.mark.parametrize("keys,block", [(13, 4), (12, 4), (5, 5), (7, 1), (9, 8)])
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)], ids=["float32", "bfloat16"])
+def test_blocked_attention_is_softmax_attention(keys, block, dtype, tolerance):
+  """Grouped heads (4 queries, 2 keys/values), a last block overlapping its predecessor (13 keys in 4s), one block,
+  blocks of one key; masks with a row that sees one key, one that sees none, and large scores (no overflow)."""
+  rng = np.random.default_rng(keys * 10 + block)
+  q = rng.normal(size=(2, 3, 4, 8)) * 4
+  k, v = rng.normal(size=(2, keys, 2, 8)) * 4, rng.normal(size=(2, keys, 2, 8))
+  visible = rng.random((2, 3, keys)) < 0.6
+  visible[0, 1] = False
+  visible[1, 2] = np.arange(keys) == keys - 1
+  q_, k_, v_ = (jnp.asarray(x, dtype) for x in (q, k, v))
+  expected = reference(q_.astype(jnp.float32), k_.astype(jnp.float32), v_.astype(jnp.float32), visible)
+  mask = jnp.asarray(visible)
+  blocked = jax.jit(lambda *args: attention.blocked_attention(
+      *args, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, -1), block))(q_, k_, v_)
+  assert blocked.dtype == dtype and blocked.shape == (2, 3, 4, 8)
+  scale = np.abs(expected).max()
+  np.testing.assert_allclose(np.asarray(blocked, np.float64), expected, atol=tolerance * scale)
+  whole = attention.attention(q_, k_, v_, mask)
+  np.testing.assert_allclose(np.asarray(whole, np.float64), expected, atol=tolerance * scale)
+  with pytest.raises(ValueError, match="at least one block of keys"):
+    attention.blocked_attention(q_, k_, v_, lambda start, n: mask, keys + 1)
+
+
+def calls():
+  """A model call compiled afresh (`helpers.forward` may hold a trace of another KEY_BLOCK)."""
+  return nnx.jit(lambda model, tokens, state, mode, segment_ids=None: model(tokens, mode=mode, state=state,
+                                                                            segment_ids=segment_ids),
+                 static_argnames="mode")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+  """Blocks of 8 keys: the test models' caches (20-40 slots) are read in blocks, their last one overlapping."""
+  monkeypatch.setattr(attention, "KEY_BLOCK", 8)
+  calls = []
+  blocked = attention.blocked_attention
+  monkeypatch.setattr(attention, "blocked_attention", lambda *args: calls.append(args[1].shape[1]) or blocked(*args))
+  return calls
+
+
+def test_a_call_over_a_long_cache_reads_it_in_blocks_with_the_parallel_logits(small_blocks, monkeypatch):
+  """One call of 27 tokens into a 40-slot cache, left-padded and with a document starting inside it, gives the
+  logits of the cache read whole (padding rows included) and of the parallel form; three calls of 9 tokens carrying
+  the cache give the parallel form's, and so does a windowed hybrid layer (a window of 12 beside 9 tokens: 21 keys)."""
+  tokens = jnp.asarray(random_tokens(2, 27, seed=3))
+  model = tiny_transformer(max_len=40)
+  segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], [15, 12], axis=1), jnp.int32)
+  padded = model.init_state(2)._replace(position=jnp.asarray([0, -3], jnp.int32))
+  blocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)
+  assert small_blocks == [40] * model.config.num_layers
+  with monkeypatch.context() as whole_cache:
+    whole_cache.setattr(attention, "KEY_BLOCK", 10**9)
+    unblocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)
+  assert len(small_blocks) == model.config.num_layers
+  scale = float(jnp.max(jnp.abs(unblocked)))
+  np.testing.assert_allclose(blocked, unblocked, atol=1e-5 * scale)
+  parallel, _ = calls()(model, tokens, None, "parallel", segment_ids)
+  np.testing.assert_allclose(blocked[0], parallel[0], atol=1e-5 * scale)
+  for model, mode in ((model, "parallel"), (tiny_model(attention_layers=(1,), attention_window=12), "chunkwise")):
+    small_blocks.clear()
+    call = calls()
+    expected, _ = call(model, tokens, None, "parallel")
+    state, pieces = model.init_state(2), []
+    for start in range(0, 27, 9):
+      logits, state = call(model, tokens[:, start:start + 9], state, mode)
+      pieces.append(logits)
+    assert small_blocks, "no call read its keys in blocks"
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), expected,
+                               atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+
+
+def test_a_transformer_prefill_holds_a_block_of_scores_not_the_cache_times_a_block():
+  """XLA's memory analysis of the tiny Transformer's prefill of 16k tokens (blocks of 2048 into a cache of 16k + 32
+  slots): the temporaries stay below 64 MB, where a block's scores against the whole cache took 810 MB."""
+  model = tiny_transformer(max_len=16384 + 32)
+  sizes = accelerators.memory_sizes(sampling.Sampler().compile_prefill(model, 1, 16384))
+  assert sizes["temporary_bytes"] < 64 * 2**20, sizes
