@@ -63,11 +63,13 @@ def calls():
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-  """Blocks of 8 keys: the test models' caches (20-40 slots) are read in blocks, their last one overlapping."""
-  monkeypatch.setattr(attention, "KEY_BLOCK", 8)
+  """Blocks of at most 7 keys: the test models' caches (21-40 slots) are read in blocks, 40 slots in 6 blocks of 7,
+  the last overlapping its predecessor. Returns the (keys, block) of each blocked call."""
+  monkeypatch.setattr(attention, "KEY_BLOCK", 7)
   calls = []
   blocked = attention.blocked_attention
-  monkeypatch.setattr(attention, "blocked_attention", lambda *args: calls.append(args[1].shape[1]) or blocked(*args))
+  monkeypatch.setattr(attention, "blocked_attention",
+                      lambda *args: calls.append((args[1].shape[1], args[4])) or blocked(*args))
   return calls
 
 
@@ -80,7 +82,7 @@ def test_a_call_over_a_long_cache_reads_it_in_blocks_with_the_parallel_logits(sm
   segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], [15, 12], axis=1), jnp.int32)
   padded = model.init_state(2)._replace(position=jnp.asarray([0, -3], jnp.int32))
   blocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)
-  assert small_blocks == [40] * model.config.num_layers
+  assert small_blocks == [(40, 7)] * model.config.num_layers
   with monkeypatch.context() as whole_cache:
     whole_cache.setattr(attention, "KEY_BLOCK", 10**9)
     unblocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)

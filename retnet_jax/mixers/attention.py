@@ -27,8 +27,8 @@ from retnet_jax.mixers import base
 from retnet_jax.nn import layer_stack, layers, matmul, rotation
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
-# Keys per step of `blocked_attention`, which a multi-token call over a cache of more slots uses: its scores are
-# [B, H, L, KEY_BLOCK] whatever the cache's length.
+# The most keys per step of `blocked_attention`, which a multi-token call over a cache of more slots uses (in blocks
+# of equal size): its scores are [B, H, L, at most KEY_BLOCK] whatever the cache's length.
 KEY_BLOCK = 1024
 
 
@@ -160,8 +160,9 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
     return _visible(query_step_L, keys_of(key_step_S), keys_of(key_position_BxS), window, document_BxL,
                     keys_of(key_document_BxS))
 
-  if length > 1 and keys.shape[1] > KEY_BLOCK:  # a prefill's block over a long cache
-    return blocked_attention(q, keys, values, visible_of, KEY_BLOCK), new_cache
+  if length > 1 and keys.shape[1] > KEY_BLOCK:  # a prefill's block over a long cache: blocks of equal size
+    blocks = -(-keys.shape[1] // KEY_BLOCK)
+    return blocked_attention(q, keys, values, visible_of, -(-keys.shape[1] // blocks)), new_cache
   return attention(q, keys, values, visible_of(0, keys.shape[1])), new_cache
 
 
