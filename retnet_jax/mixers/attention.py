@@ -102,11 +102,10 @@ def _visible(query_step_L, key_step_S, key_position_BxS, window: int | None, que
   return visible_BxLxS
 
 
-def _slot_steps(last_step, size: int) -> jax.Array:
-  """`[S]`: the step each cache slot holds once steps up to `last_step` were written (step t goes to slot t mod S,
-  so a cache of S slots is a ring buffer of the last S tokens); negative: not written yet."""
-  slots_S = jnp.arange(size)
-  return last_step - (last_step - slots_S) % size
+def _slot_steps(last_step, size: int, slots) -> jax.Array:
+  """The step each of cache `slots` (indices in [0, size)) holds once steps up to `last_step` were written (step t
+  goes to slot t mod S, so a cache of S slots is a ring buffer of the last S tokens); negative: not written yet."""
+  return last_step - (last_step - slots) % size
 
 
 class KVCache(NamedTuple):
@@ -142,23 +141,23 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
   length, size = q.shape[1], cache.key.shape[1]
   query_step_L = step + jnp.arange(length)
   new_cache = write_cache(cache, k, v, step, window is not None)
-  if window is not None and length > 1:  # attend over [old cache, new keys]
-    key_step_S = jnp.concatenate([_slot_steps(step - 1, size), query_step_L])
+  if window is not None and length > 1:  # attend over [old cache, new keys]: key i < S is slot i, then key S + t
+    key_steps = lambda i: jnp.where(i < size, _slot_steps(step - 1, size, i), step + i - size)
     keys, values = (jnp.concatenate([old, x.astype(old.dtype)], axis=1)
                     for old, x in ((cache.key, k), (cache.value, v)))
   else:
-    key_step_S = _slot_steps(step + length - 1, size)
+    key_steps = lambda i: _slot_steps(step + length - 1, size, i)
     keys, values = new_cache.key, new_cache.value
-  key_document_BxS = None
-  if document_BxL is not None:
-    offset_S = key_step_S - step
-    key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1), 0)
-  key_position_BxS = position_B[:, None] + (key_step_S - step)[None, :]
 
-  def visible_of(start, num_keys):
-    keys_of = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, num_keys, axis=-1)
-    return _visible(query_step_L, keys_of(key_step_S), keys_of(key_position_BxS), window, document_BxL,
-                    keys_of(key_document_BxS))
+  def visible_of(start, num_keys):  # keys start ... start + num_keys - 1: their steps, positions and documents
+    key_step_S = key_steps(start + jnp.arange(num_keys))
+    offset_S = key_step_S - step
+    key_document_BxS = None
+    if document_BxL is not None:
+      key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1),
+                                   0)
+    return _visible(query_step_L, key_step_S, position_B[:, None] + offset_S[None, :], window, document_BxL,
+                    key_document_BxS)
 
   if length > 1 and keys.shape[1] > KEY_BLOCK:  # a prefill's block over a long cache: blocks of equal size
     blocks = -(-keys.shape[1] // KEY_BLOCK)
