@@ -6,8 +6,9 @@ fed so far); as in retention, a state whose position starts at -p treats its fir
 `segment_ids` every form attends within each document only (a key before a query's document start has a negative
 position). It computes the parallel and recurrent forms; in a hybrid's chunkwise call it attends all tokens at once,
 as in the parallel form. A call of several tokens over a cache longer than `KEY_BLOCK` (a prefill's blocks) reads the
-cache a block of keys at a time (`blocked_attention`), so its memory is the cache and one block's scores. A Transformer's layers (`configs/transformer.py`) take their fields plainly (`num_heads`,
-`max_len`, `rotation_base`); a hybrid RetNet's (`model.attention_layers`) take the `attention_` fields.
+cache a block of keys at a time (`blocked_attention`), so its memory is the cache and one block's scores. A
+Transformer's layers (`configs/transformer.py`) take their fields plainly (`num_heads`, `max_len`, `rotation_base`); a
+hybrid RetNet's (`model.attention_layers`) take the `attention_` fields.
 """
 
 from __future__ import annotations
