@@ -29,6 +29,11 @@ def reference(q, k, v, visible):
   return np.einsum("bhls,bshk->blhk", probs, v)
 
 
+def blocks_of(mask):
+  """`blocked_attention`'s `visible_of` for a whole mask `[B, L, S]`: its keys `start ... start + n - 1`."""
+  return lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, -1)
+
+
 @pytest.mark.parametrize("keys,block", [(13, 4), (12, 4), (5, 5), (7, 1), (9, 8)])
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)], ids=["float32", "bfloat16"])
 def test_blocked_attention_is_softmax_attention(keys, block, dtype, tolerance):
@@ -43,8 +48,7 @@ def test_blocked_attention_is_softmax_attention(keys, block, dtype, tolerance):
   q_, k_, v_ = (jnp.asarray(x, dtype) for x in (q, k, v))
   expected = reference(q_.astype(jnp.float32), k_.astype(jnp.float32), v_.astype(jnp.float32), visible)
   mask = jnp.asarray(visible)
-  blocked = jax.jit(lambda *args: attention.blocked_attention(
-      *args, lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, -1), block))(q_, k_, v_)
+  blocked = jax.jit(lambda *args: attention.blocked_attention(*args, blocks_of(mask), block))(q_, k_, v_)
   assert blocked.dtype == dtype and blocked.shape == (2, 3, 4, 8)
   scale = np.abs(expected).max()
   np.testing.assert_allclose(np.asarray(blocked, np.float64), expected, atol=tolerance * scale)
@@ -61,7 +65,6 @@ def calls():
                  static_argnames="mode")
 
 
-
 def test_blocked_attention_differentiates_as_attention():
   """Its gradients (a Transformer trained in segments carries a cache longer than a block) are `attention`'s, finite
   where a row sees no key and where the last block overlaps its predecessor."""
@@ -70,13 +73,13 @@ def test_blocked_attention_differentiates_as_attention():
   visible = rng.random((2, 5, 13)) < 0.6
   visible[0, 1] = False
   mask, weights = jnp.asarray(visible), jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
-  blocked = lambda *qkv: attention.blocked_attention(*qkv, lambda start, n: jax.lax.dynamic_slice_in_dim(
-      mask, start, n, -1), 4)
+  blocked = lambda *qkv: attention.blocked_attention(*qkv, blocks_of(mask), 4)
   grads = [jax.jit(jax.grad(lambda q, k, v: jnp.sum(weights * form(q, k, v)), argnums=(0, 1, 2)))(q, k, v)
            for form in (blocked, lambda *qkv: attention.attention(*qkv, mask))]
   for got, want in zip(*grads):
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, atol=1e-5 * float(np.abs(want).max()))
+
 
 @pytest.fixture
 def small_blocks(monkeypatch):

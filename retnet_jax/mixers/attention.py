@@ -48,7 +48,7 @@ def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
 
 
 def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
-                      visible_of: Callable[[jax.Array, int], jax.Array], block: int = KEY_BLOCK) -> jax.Array:
+                      visible_of: Callable[[jax.Array, int], jax.Array], block: int) -> jax.Array:
   """`attention` over the keys `block` at a time with a running maximum and sum (online softmax), so that its scores
   are `[B, H, L, block]` in float32 however many keys S there are; the result is `attention`'s up to rounding
   (a row that sees no key is, as there, the mean of every value).
