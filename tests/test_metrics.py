@@ -3,7 +3,11 @@
 import json
 import logging
 import re
+import struct
+import threading
 from pathlib import Path
+
+from tensorboardX.proto.event_pb2 import Event
 
 from retnet_jax.core import owned_folders
 from retnet_jax.runs import workdir as workdir_lib
@@ -27,6 +31,37 @@ def test_a_deleted_or_replaced_metrics_file_is_written_again_with_a_warning(tmp_
                       "tensorboard/ keeps them).",
                       f"{path} was replaced during training; it is written again from step 3 on (earlier steps: "
                       "tensorboard/ keeps them)."]
+
+
+def _events(path):
+  """The events of a TensorBoard event file, read record by record (length, its check, the event, its check)."""
+  data, at, events = path.read_bytes(), 0, []
+  while at < len(data):
+    (length,) = struct.unpack("<Q", data[at:at + 8])
+    events.append(Event.FromString(data[at + 12:at + 12 + length]))
+    at += 12 + length + 4
+  return events
+
+
+def test_tensorboard_events_are_written_in_this_thread_into_a_new_file_each(tmp_path, monkeypatch):
+  """Every value reads back from the event files; no thread is left running (tensorboardX's SummaryWriter left its
+  writer thread running after a full disk, which printed a traceback at exit); a second writer within the same
+  second adds a file instead of replacing the first's."""
+  monkeypatch.setattr(metrics.time, "time", lambda: 1_800_000_000.5)
+  threads = threading.active_count()
+  for step in (1, 3):
+    with metrics.MetricsWriter(tmp_path) as writer:
+      assert threading.active_count() == threads
+      writer.write(step, {"loss": 2.5, "learning_rate": 0.25})
+      writer.write(step + 1, {"loss": 1.5})
+  files = sorted((tmp_path / "tensorboard").iterdir())
+  assert len(files) == 2 and all(".tfevents.1800000000." in f.name for f in files)
+  for step, file in zip((1, 3), files):
+    events = _events(file)
+    assert events[0].file_version == "brain.Event:2"
+    assert [(e.step, e.wall_time, v.tag, v.simple_value) for e in events[1:] for v in e.summary.value] == [
+        (step, 1_800_000_000.5, "loss", 2.5), (step, 1_800_000_000.5, "learning_rate", 0.25),
+        (step + 1, 1_800_000_000.5, "loss", 1.5)]
 
 
 def test_progress_line_names_the_step_loss_and_time_left():

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,9 @@ _HIDE_TORCH = "torch" not in sys.modules
 if _HIDE_TORCH:
   sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX takes as "not installed"
 try:
-  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  from tensorboardX.proto.event_pb2 import Event  # pylint: disable=g-import-not-at-top
+  from tensorboardX.record_writer import RecordWriter  # pylint: disable=g-import-not-at-top
+  from tensorboardX.summary import scalar  # pylint: disable=g-import-not-at-top
 finally:
   if _HIDE_TORCH:
     del sys.modules["torch"]
@@ -75,9 +80,21 @@ def _drop_partial_line(path: str) -> None:
       file.truncate(content.rfind(b"\n") + 1)
 
 
+def _new_events_file(folder: str) -> str:
+  """A path for a new TensorBoard event file in `folder` (made if missing), named as TensorBoard expects and never
+  one that exists: an earlier writer's file within the same second is not replaced."""
+  os.makedirs(folder, exist_ok=True)
+  stem = os.path.join(folder, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}")
+  return next(path for n in itertools.count() if not os.path.exists(path := f"{stem}.{n}"))
+
+
 class MetricsWriter:
   """Appends `{"step": ..., **metrics}` to WORKDIR/metrics.jsonl and TensorBoard, and plots the loss and learning
-  rate into WORKDIR/metrics.png (`plot`); only process 0 writes."""
+  rate into WORKDIR/metrics.png (`plot`); only process 0 writes.
+
+  Event files are written in the caller's thread, each write flushed: tensorboardX's `SummaryWriter` writes from a
+  thread of its own, which a full disk left running until exit, where it printed a traceback after the run's error.
+  """
 
   def __init__(self, workdir: str | os.PathLike):
     self.enabled = jax.process_index() == 0
@@ -85,7 +102,8 @@ class MetricsWriter:
       self._path = os.path.join(workdir, workdir_lib.METRICS_FILE)
       _drop_partial_line(self._path)
       self._jsonl = open(self._path, "a", encoding="utf-8")
-      self._tensorboard = SummaryWriter(os.path.join(workdir, workdir_lib.TENSORBOARD_DIR))
+      self._events = RecordWriter(_new_events_file(os.path.join(workdir, workdir_lib.TENSORBOARD_DIR)))
+      self._events.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:
@@ -94,9 +112,10 @@ class MetricsWriter:
     self._reopen_if_replaced(step)
     self._jsonl.write(to_json({"step": int(step), **values}) + "\n")
     self._jsonl.flush()
+    wall_time = time.time()
     for name, value in values.items():
-      self._tensorboard.add_scalar(name, value, step)
-    self._tensorboard.flush()
+      self._events.write(Event(summary=scalar(name, value), step=int(step), wall_time=wall_time).SerializeToString())
+    self._events.flush()
 
   def plot(self) -> None:
     """Writes WORKDIR/metrics.png from every line of metrics.jsonl (a resumed run's earlier steps included):
@@ -148,14 +167,14 @@ class MetricsWriter:
     (a full disk) instead of raising."""
     if not self.enabled:
       return
-    try:
-      self._jsonl.close()
-      self._tensorboard.close()
-    except OSError:
-      if not after_error:
-        raise
-      for writer in (self._tensorboard.all_writers or {}).values():
-        writer.event_writer._closed = True  # pylint: disable=protected-access  (else retried at exit, noisily)
+    errors = []
+    for file in (self._jsonl, self._events):
+      try:
+        file.close()  # closed even when its last flush fails
+      except OSError as e:
+        errors.append(e)
+    if errors and not after_error:
+      raise errors[0]
 
   def __enter__(self) -> MetricsWriter:
     return self
