@@ -224,6 +224,26 @@ def test_bad_requests_fail_before_compiling(target, fields, message):
     aot.check_request(tiny(), accelerators.parse_target("v5e-4"), ("train", "backward"))
 
 
+@needs_gpu
+def test_a_kv_cache_shorter_than_the_planned_context_is_refused_before_compiling():
+  """The prefill step reads prompts of train.seq_len + 1 tokens and decode adds DECODE_TOKENS more: a Transformer's
+  KV cache shorter than that failed deep in the trace with a dynamic_update_slice shape error."""
+  config = presets.get_config("tiny", "transformer")
+  config.model.update(num_layers=1, max_len=64)
+  config.train.seq_len = 64
+  target = accelerators.parse_target("h100:1")
+  aot.check_request(config, target, ("train", "eval", "prefill"))  # 64 prompt tokens but the last: 64 slots
+  needed = 64 + aot.DECODE_TOKENS
+  with pytest.raises(ValueError, match=rf"need a KV cache of {needed} tokens, but model.max_len=64; raise "
+                                       rf"model.max_len \(--config.model.max_len={needed}\)"):
+    aot.check_request(config, target, ("decode",))
+  config.model.max_len = needed
+  aot.check_request(config, target, ("prefill", "decode"))
+  config.train.seq_len = needed + 1
+  with pytest.raises(ValueError, match=rf"need a KV cache of {needed + 1} tokens, but model.max_len={needed}"):
+    aot.check_request(config, target, ("prefill",))
+
+
 @pytest.mark.slow
 @needs_tpu
 def test_search_finds_the_largest_batch_per_remat_policy():

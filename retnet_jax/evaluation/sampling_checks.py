@@ -104,8 +104,8 @@ def state_bytes(model: model_lib.Model, batch: int) -> int:
 
 def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tokens: int = 0
                  ) -> None:
-  """The decoding state of `batch` rows (KV caches included) must fit in memory, and a KV cache that holds the whole
-  context (`cache_field`) must hold every prompt token but the last, then one token per decoding step."""
+  """The decoding state of `batch` rows (KV caches included) must fit in memory, and a KV cache must hold the
+  context (`check_cache_length`)."""
   cfg = model.config
   needed_bytes = state_bytes(model, batch)
   devices = jax.local_devices()
@@ -116,6 +116,12 @@ def check_cache(model: model_lib.Model, batch: int, prompt_len: int, max_new_tok
            else "decode fewer rows at a time")
     raise ValueError(f"the decoding state of {batch} rows takes {needed_bytes / 2**30:.1f} GiB, more than the "
                      f"{memory / 2**30:.1f} GiB of {memory_name(devices)}; {fix}.")
+  check_cache_length(cfg, prompt_len, max_new_tokens)
+
+
+def check_cache_length(cfg: Any, prompt_len: int, max_new_tokens: int = 0) -> None:
+  """A KV cache that holds the whole context (`architectures.cache_field`) must hold every prompt token but the
+  last, then one token per decoding step; ValueError naming the model field and the length it needs."""
   field = architectures.cache_field(cfg)
   if field is None:
     return

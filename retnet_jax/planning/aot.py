@@ -27,7 +27,7 @@ from jax._src.lib import _jax  # XLA's HLO cost analysis, for a target whose com
 
 from retnet_jax.core import markdown, sharding
 from retnet_jax.core.sharding import MeshConfig
-from retnet_jax.evaluation import sampling
+from retnet_jax.evaluation import sampling, sampling_checks
 from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.mixers.kernels import support
 from retnet_jax.models import architectures, streaming
@@ -43,8 +43,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16":
 
 def check_request(config: run_config.Config | Any, target: accelerators.Target, steps: Sequence[str]
                   ) -> run_config.Config:
-  """Refuses, before any compile, unknown steps, a missing extra, and a config or mesh the target cannot run;
-  returns the config built (`run_config.build`)."""
+  """Refuses, before any compile, unknown steps, a missing extra, a config or mesh the target cannot run, and a KV
+  cache too short for the prefill or decode step's context; returns the config built (`run_config.build`)."""
   config = run_config.build(config)
   unknown = [s for s in steps if s not in STEPS]
   if unknown or not steps:
@@ -56,6 +56,9 @@ def check_request(config: run_config.Config | Any, target: accelerators.Target, 
     raise ValueError(f"--target={target.name} has {target.num_devices} devices: {e}") from None
   with support.target_backend(target.chip.platform):
     train.check_config(config, target.num_devices)  # training's own checks: the plan is of that training
+  for step, new_tokens in (("prefill", 0), ("decode", DECODE_TOKENS)):
+    if step in steps:  # prompts of train.seq_len + 1 tokens (`_traces`)
+      sampling_checks.check_cache_length(config.model, config.train.seq_len + 1, new_tokens)
   return config
 
 
