@@ -32,7 +32,7 @@ from retnet_jax.hardware import accelerators, flops, matmul_dtypes
 from retnet_jax.mixers.kernels import support
 from retnet_jax.models import architectures, streaming
 from retnet_jax.nn import layer_stack
-from retnet_jax.training import run_config, train, train_state, train_step as train_step_lib
+from retnet_jax.training import run_config, train, train_step as train_step_lib
 
 STEPS = ("train", "eval", "prefill", "decode")
 DECODE_TOKENS = 256  # new tokens per decoding loop compiled
