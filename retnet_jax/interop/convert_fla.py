@@ -36,7 +36,7 @@ from retnet_jax.interop.safetensors_folder import DTYPES, SafetensorsFolder, lis
 from retnet_jax.mixers import attention
 from retnet_jax.models import model_config, presets
 from retnet_jax.models.model import Model
-from retnet_jax.nn import layer_stack, layers
+from retnet_jax.nn import layer_stack
 
 # fla 0.6.0's RetNetConfig defaults of the options that shape the model (a key absent from config.json takes
 # these). Its other options act only in training (initializer_range, fuse_cross_entropy, use_l2warp, ...),
