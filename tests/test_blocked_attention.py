@@ -1,6 +1,7 @@
-"""Attention over a long KV cache a block of keys at a time (`attention.blocked_attention`): equal to softmax attention
-in float64 on awkward sizes and masks, taken by a multi-token call over a cache longer than a block (a prefill's
-blocks, a windowed layer's chunk) with the logits of the parallel form, and its memory bounded by a block's scores."""
+"""Attention over many keys a block at a time (`attention.blocked_attention`): equal to softmax attention in float64 on
+awkward sizes and masks, taken by a multi-token call over a cache longer than a block (a prefill's blocks, a windowed
+layer's chunk) with the logits of the parallel form, by training over a sequence longer than a block with the whole
+read's loss and gradients, and its memory bounded by a block's scores in the forward and the backward pass."""
 
 import jax
 import jax.numpy as jnp
@@ -99,29 +100,70 @@ def test_a_call_over_a_long_cache_reads_it_in_blocks_with_the_parallel_logits(sm
   the cache give the parallel form's, and so does a windowed hybrid layer (a window of 12 beside 9 tokens: 21 keys)."""
   tokens = jnp.asarray(random_tokens(2, 27, seed=3))
   model = tiny_transformer(max_len=40)
+  hybrid = tiny_model(attention_layers=(1,), attention_window=12)
   segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], [15, 12], axis=1), jnp.int32)
   padded = model.init_state(2)._replace(position=jnp.asarray([0, -3], jnp.int32))
+  with monkeypatch.context() as whole_reads:
+    whole_reads.setattr(attention, "KEY_BLOCK", 10**9)
+    unblocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)
+    parallel, _ = calls()(model, tokens, None, "parallel", segment_ids)
+    expected = {m: calls()(m, tokens, None, "parallel")[0] for m in (model, hybrid)}
+  assert not small_blocks
   blocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)
   assert small_blocks == [(40, 7)] * model.config.num_layers
-  with monkeypatch.context() as whole_cache:
-    whole_cache.setattr(attention, "KEY_BLOCK", 10**9)
-    unblocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)
-  assert len(small_blocks) == model.config.num_layers
   scale = float(jnp.max(jnp.abs(unblocked)))
   np.testing.assert_allclose(blocked, unblocked, atol=1e-5 * scale)
-  parallel, _ = calls()(model, tokens, None, "parallel", segment_ids)
   np.testing.assert_allclose(blocked[0], parallel[0], atol=1e-5 * scale)
-  for model, mode in ((model, "parallel"), (tiny_model(attention_layers=(1,), attention_window=12), "chunkwise")):
+  for model, mode in ((model, "parallel"), (hybrid, "chunkwise")):
     small_blocks.clear()
     call = calls()
-    expected, _ = call(model, tokens, None, "parallel")
+    expected_ = expected[model]
     state, pieces = model.init_state(2), []
     for start in range(0, 27, 9):
       logits, state = call(model, tokens[:, start:start + 9], state, mode)
       pieces.append(logits)
     assert small_blocks, "no call read its keys in blocks"
-    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), expected,
-                               atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), expected_,
+                               atol=1e-5 * float(jnp.max(jnp.abs(expected_))))
+
+
+@pytest.mark.parametrize("window", [None, 12], ids=["transformer", "windowed_hybrid"])
+def test_training_reads_a_long_sequence_in_blocks_with_the_whole_reads_loss_and_gradients(small_blocks, monkeypatch,
+                                                                                         window):
+  """The parallel form without a state (training's) over 27 tokens in blocks of 7 (the last overlapping), with two
+  documents in one row and, in a hybrid, a window of 12: its logits and parameter gradients are the whole read's."""
+  tokens = jnp.asarray(random_tokens(2, 27, seed=4))
+  segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], [15, 12], axis=1), jnp.int32)
+  model = tiny_transformer(max_len=40) if window is None else tiny_model(attention_layers=(1,), attention_window=12)
+
+  def loss(model):
+    logits, _ = model(tokens, mode="parallel", segment_ids=segment_ids)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[..., 0]), logits
+
+  grad = lambda: nnx.jit(nnx.grad(loss, has_aux=True))(model)
+  with monkeypatch.context() as whole_reads:
+    whole_reads.setattr(attention, "KEY_BLOCK", 10**9)
+    expected_grads, expected = grad()
+  grads, logits = grad()
+  assert set(small_blocks) == {(27, 7)}
+  np.testing.assert_allclose(logits, expected, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+    np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_a_training_step_over_4k_tokens_keeps_no_scores_for_its_backward_pass():
+  """XLA's memory analysis of the tiny Transformer's loss gradient over 4096 tokens: temporaries below 256 MB, where
+  reading the keys whole kept every layer's [4096, 4096] scores per head (963 MB)."""
+  model = tiny_transformer(max_len=4096)
+  graphdef, params = nnx.split(model)
+
+  def loss(params, tokens):
+    logits, _ = nnx.merge(graphdef, params)(tokens, mode="parallel")
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
+
+  compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, 4096), jnp.int32)).compile()
+  sizes = accelerators.memory_sizes(compiled)
+  assert sizes["temporary_bytes"] < 256 * 2**20, sizes
 
 
 def test_a_transformer_prefill_holds_a_block_of_scores_not_the_cache_times_a_block():

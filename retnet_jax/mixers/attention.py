@@ -5,10 +5,11 @@ decoding state is a KV cache per layer (`key`, `value` `[B, S, G, K]` in the com
 fed so far); as in retention, a state whose position starts at -p treats its first p tokens as left padding. With
 `segment_ids` every form attends within each document only (a key before a query's document start has a negative
 position). It computes the parallel and recurrent forms; in a hybrid's chunkwise call it attends all tokens at once,
-as in the parallel form. A call of several tokens over a cache longer than `KEY_BLOCK` (a prefill's blocks) reads the
-cache a block of keys at a time (`blocked_attention`), so its memory is the cache and one block's scores. A
-Transformer's layers (`configs/transformer.py`) take their fields plainly (`num_heads`, `max_len`, `rotation_base`); a
-hybrid RetNet's (`model.attention_layers`) take the `attention_` fields.
+as in the parallel form. A call of several tokens over more than `KEY_BLOCK` keys (a long training sequence, a
+prefill's blocks over a long cache) reads them a block at a time (`blocked_attention`), so that its memory is the keys
+and one block's scores, and its backward pass keeps no scores. A Transformer's layers (`configs/transformer.py`) take
+their fields plainly (`num_heads`, `max_len`, `rotation_base`); a hybrid RetNet's (`model.attention_layers`) take the
+`attention_` fields.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
 
   shape = (batch, groups, heads // groups, length)
   empty = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros((*shape, v_BxSxGxK.shape[-1])))
-  (_, sums, out), _ = jax.lax.scan(step, empty, jnp.arange(-(-size // block)))
+  # Under differentiation each step is recomputed from its carry: the scan keeps [B, H, L, K] per block for the
+  # backward pass, not each block's scores (which, over the blocks, are the [B, H, L, S] a whole read holds).
+  (_, sums, out), _ = jax.lax.scan(jax.checkpoint(step), empty, jnp.arange(-(-size // block)))
   out = (out / sums[..., None]).transpose(0, 3, 1, 2, 4)
   return out.reshape(batch, length, heads, -1).astype(v_BxSxGxK.dtype)
 
@@ -160,10 +163,19 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
     return _visible(query_step_L, key_step_S, position_B[:, None] + offset_S[None, :], window, document_BxL,
                     key_document_BxS)
 
-  if length > 1 and keys.shape[1] > KEY_BLOCK:  # a prefill's block over a long cache: blocks of equal size
-    blocks = -(-keys.shape[1] // KEY_BLOCK)
-    return blocked_attention(q, keys, values, visible_of, -(-keys.shape[1] // blocks)), new_cache
-  return attention(q, keys, values, visible_of(0, keys.shape[1])), new_cache
+  return read_keys(q, keys, values, visible_of), new_cache
+
+
+def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
+              visible_of: Callable[[jax.Array, int], jax.Array]) -> jax.Array:
+  """`attention` of the queries over all S keys, which `visible_of` masks as in `blocked_attention`: read whole, or
+  for several queries over more than `KEY_BLOCK` keys (a long training sequence, a prefill's block over a long cache)
+  a block at a time, in blocks of equal size (1056 keys: two of 528, not 1024 and an overlapping 1024)."""
+  size = k_BxSxGxK.shape[1]
+  if q_BxLxHxK.shape[1] > 1 and size > KEY_BLOCK:
+    blocks = -(-size // KEY_BLOCK)
+    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks))
+  return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size))
 
 
 class CausalSelfAttention(nnx.Module):
@@ -212,8 +224,12 @@ class CausalSelfAttention(nnx.Module):
     k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
     if form == "self":
       steps_L = jnp.arange(length)
-      visible = _visible(steps_L, steps_L, positions_BxL, self.window, document_BxL, document_BxL)
-      out = attention(q, k, v, visible)
+
+      def visible_of(start, num_keys):  # keys start ... start + num_keys - 1 of these tokens
+        keys_of = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, num_keys, axis=1)
+        return _visible(steps_L, start + jnp.arange(num_keys), keys_of(positions_BxL), self.window, document_BxL,
+                        keys_of(document_BxL))
+      out = read_keys(q, k, v, visible_of)
       cache = write_cache(cache, k, v, 0, self.window is not None)
     elif form == "cache":
       out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)
