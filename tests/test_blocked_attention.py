@@ -30,9 +30,10 @@ def reference(q, k, v, visible):
   return np.einsum("bhls,bshk->blhk", probs, v)
 
 
-def blocks_of(mask):
-  """`blocked_attention`'s `visible_of` for a whole mask `[B, L, S]`: its keys `start ... start + n - 1`."""
-  return lambda start, n: jax.lax.dynamic_slice_in_dim(mask, start, n, -1)
+def keys_of(start, n, mask):
+  """`blocked_attention`'s `visible_of` for a whole mask `[B, L, S]` (its `mask_args`): keys `start ... start + n -
+  1`."""
+  return jax.lax.dynamic_slice_in_dim(mask, start, n, -1)
 
 
 @pytest.mark.parametrize("keys,block", [(13, 4), (12, 4), (5, 5), (7, 1), (9, 8)])
@@ -49,14 +50,14 @@ def test_blocked_attention_is_softmax_attention(keys, block, dtype, tolerance):
   q_, k_, v_ = (jnp.asarray(x, dtype) for x in (q, k, v))
   expected = reference(q_.astype(jnp.float32), k_.astype(jnp.float32), v_.astype(jnp.float32), visible)
   mask = jnp.asarray(visible)
-  blocked = jax.jit(lambda *args: attention.blocked_attention(*args, blocks_of(mask), block))(q_, k_, v_)
+  blocked = jax.jit(lambda *args: attention.blocked_attention(*args, keys_of, block, (mask,)))(q_, k_, v_)
   assert blocked.dtype == dtype and blocked.shape == (2, 3, 4, 8)
   scale = np.abs(expected).max()
   np.testing.assert_allclose(np.asarray(blocked, np.float64), expected, atol=tolerance * scale)
   whole = attention.attention(q_, k_, v_, mask)
   np.testing.assert_allclose(np.asarray(whole, np.float64), expected, atol=tolerance * scale)
   with pytest.raises(ValueError, match="at least one block of keys"):
-    attention.blocked_attention(q_, k_, v_, lambda start, n: mask, keys + 1)
+    attention.blocked_attention(q_, k_, v_, keys_of, keys + 1, (mask,))
 
 
 def calls():
@@ -66,20 +67,24 @@ def calls():
                  static_argnames="mode")
 
 
-def test_blocked_attention_differentiates_as_attention():
-  """Its gradients (a Transformer trained in segments carries a cache longer than a block) are `attention`'s, finite
-  where a row sees no key and where the last block overlaps its predecessor."""
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)], ids=["float32", "bfloat16"])
+def test_blocked_attention_differentiates_as_attention(dtype, tolerance):
+  """Its own backward pass (flash attention's: the scores recomputed from each row's maximum and sum) gives
+  `attention`'s gradients (float32's, within bfloat16's rounding for bfloat16 operands), finite where a row sees no
+  key and where the last block overlaps its predecessor."""
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((2, 5, 4, 8), (2, 13, 2, 8), (2, 13, 2, 8)))
   visible = rng.random((2, 5, 13)) < 0.6
   visible[0, 1] = False
   mask, weights = jnp.asarray(visible), jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
-  blocked = lambda *qkv: attention.blocked_attention(*qkv, blocks_of(mask), 4)
-  grads = [jax.jit(jax.grad(lambda q, k, v: jnp.sum(weights * form(q, k, v)), argnums=(0, 1, 2)))(q, k, v)
-           for form in (blocked, lambda *qkv: attention.attention(*qkv, mask))]
-  for got, want in zip(*grads):
-    assert np.all(np.isfinite(got))
-    np.testing.assert_allclose(got, want, atol=1e-5 * float(np.abs(want).max()))
+  blocked = lambda *qkv: attention.blocked_attention(*qkv, keys_of, 4, (mask,))
+  gradient = lambda form, *qkv: jax.jit(jax.grad(lambda q, k, v: jnp.sum(weights * form(q, k, v).astype(jnp.float32)),
+                                                argnums=(0, 1, 2)))(*qkv)
+  want = gradient(lambda *qkv: attention.attention(*qkv, mask), q, k, v)
+  got = gradient(blocked, *(x.astype(dtype) for x in (q, k, v)))
+  for got, want in zip(got, want):
+    assert got.dtype == dtype and np.all(np.isfinite(got))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tolerance * float(np.abs(want).max()))
 
 
 @pytest.fixture
@@ -127,17 +132,23 @@ def test_a_call_over_a_long_cache_reads_it_in_blocks_with_the_parallel_logits(sm
                                atol=1e-5 * float(jnp.max(jnp.abs(expected_))))
 
 
-@pytest.mark.parametrize("window", [None, 12], ids=["transformer", "windowed_hybrid"])
+@pytest.mark.parametrize("kind", ["transformer", "windowed_hybrid", "scanned_remat"])
 def test_training_reads_a_long_sequence_in_blocks_with_the_whole_reads_loss_and_gradients(small_blocks, monkeypatch,
-                                                                                         window):
+                                                                                         kind):
   """The parallel form without a state (training's) over 27 tokens in blocks of 7 (the last overlapping), with two
-  documents in one row and, in a hybrid, a window of 12: its logits and parameter gradients are the whole read's."""
+  documents in one row; in a hybrid, a window of 12; and in a Transformer whose layers run in a scan, each block
+  recomputed (the backward pass then runs in other traces than the forward): its logits and parameter gradients are
+  the whole read's."""
   tokens = jnp.asarray(random_tokens(2, 27, seed=4))
   segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], [15, 12], axis=1), jnp.int32)
-  model = tiny_transformer(max_len=40) if window is None else tiny_model(attention_layers=(1,), attention_window=12)
+  model = {"transformer": lambda: tiny_transformer(max_len=40),
+           "windowed_hybrid": lambda: tiny_model(attention_layers=(1,), attention_window=12),
+           "scanned_remat": lambda: tiny_transformer(max_len=40, scan_layers=True)}[kind]()
+
+  remat = "full" if kind == "scanned_remat" else "none"
 
   def loss(model):
-    logits, _ = model(tokens, mode="parallel", segment_ids=segment_ids)
+    logits, _ = model(tokens, mode="parallel", segment_ids=segment_ids, remat=remat)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[..., 0]), logits
 
   grad = lambda: nnx.jit(nnx.grad(loss, has_aux=True))(model)

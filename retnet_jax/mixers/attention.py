@@ -15,6 +15,7 @@ their fields plainly (`num_heads`, `max_len`, `rotation_base`); a hybrid RetNet'
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -49,32 +50,50 @@ def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
 
 
 def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
-                      visible_of: Callable[[jax.Array, int], jax.Array], block: int) -> jax.Array:
+                      visible_of: Callable[..., jax.Array], block: int, mask_args: tuple[Any, ...] = ()
+                      ) -> jax.Array:
   """`attention` over the keys `block` at a time with a running maximum and sum (online softmax), so that its scores
   are `[B, H, L, block]` in float32 however many keys S there are; the result is `attention`'s up to rounding
-  (a row that sees no key is, as there, the mean of every value).
+  (a row that sees no key is, as there, the mean of every value). Its backward pass (flash attention's) keeps the
+  output and each row's maximum and sum, and recomputes each block's scores: no scores are kept.
 
   Args:
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxK: as `attention`, S >= `block`.
-    visible_of: `visible_of(start, size)` -> `[B, L, size]`, which of keys `start ... start + size - 1` each query
-      sees (`start` traced).
+    visible_of: `visible_of(start, size, *mask_args)` -> `[B, L, size]`, which of keys `start ... start + size - 1`
+      each query sees (`start` traced). It must not close over traced arrays: its backward pass runs in another
+      trace, so what it reads (steps, positions, documents) comes in `mask_args`.
     block: keys per step.
+    mask_args: `visible_of`'s arrays (None entries allowed); they take no gradient.
   Returns:
     `[B, L, H, K]` in v's dtype.
   """
-  batch, length, heads, key_dim = q_BxLxHxK.shape
-  size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
+  size = k_BxSxGxK.shape[1]
   if size < block:
     raise ValueError(f"blocked_attention takes at least one block of keys: {size} keys, blocks of {block}.")
+  return _blocked(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tuple(mask_args))
+
+
+def _key_block(q_BxLxGxJxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block: int, index):
+  """Block `index`'s keys and values `[B, block, G, K]`, its start and its masked float32 scores `[B, G, J, L, block]`
+  (not visible: `_MASKED`; keys of the block before, where the last block overlaps it: -inf)."""
+  start = jnp.minimum(index * block, k_BxSxGxK.shape[1] - block)  # the last block may overlap the one before
+  k, v = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (k_BxSxGxK, v_BxSxGxK))
+  visible_BxLxS = visible_of(start, block, *mask_args)
+  scores = jnp.where(visible_BxLxS[:, None, None], matmul.einsum("blgjk,bsgk->bgjls", q_BxLxGxJxK, k, jnp.float32),
+                     _MASKED)
+  return k, v, start, visible_BxLxS, jnp.where(start + jnp.arange(block) >= index * block, scores, -jnp.inf)
+
+
+def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
+  """(the output `[B, L, H, K]` in v's dtype, each row's score maximum and sum of exponentials `[B, G, J, L]` float32:
+  kept apart, as a log-sum-exp would lose the sum of a row that sees no key beside its maximum `_MASKED`)."""
+  batch, length, heads, key_dim = q_BxLxHxK.shape
+  size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
   q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
 
   def step(carry, index):
     max_BxGxJxL, sum_BxGxJxL, out_BxGxJxLxK = carry
-    start = jnp.minimum(index * block, size - block)  # the last block may overlap the one before
-    k, v = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (k_BxSxGxK, v_BxSxGxK))
-    scores = jnp.where(visible_of(start, block)[:, None, None],
-                       matmul.einsum("blgjk,bsgk->bgjls", q, k, jnp.float32), _MASKED)
-    scores = jnp.where(start + jnp.arange(block) >= index * block, scores, -jnp.inf)  # keys of the block before: none
+    _, v, _, _, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
     new_max = jnp.maximum(max_BxGxJxL, scores.max(axis=-1))
     probs = jnp.exp(scores - new_max[..., None])
     rescale = jnp.exp(max_BxGxJxL - new_max)
@@ -84,11 +103,52 @@ def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
 
   shape = (batch, groups, heads // groups, length)
   empty = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros((*shape, v_BxSxGxK.shape[-1])))
-  # Under differentiation each step is recomputed from its carry: the scan keeps [B, H, L, K] per block for the
-  # backward pass, not each block's scores (which, over the blocks, are the [B, H, L, S] a whole read holds).
-  (_, sums, out), _ = jax.lax.scan(jax.checkpoint(step), empty, jnp.arange(-(-size // block)))
+  (maxes, sums, out), _ = jax.lax.scan(step, empty, jnp.arange(-(-size // block)))
   out = (out / sums[..., None]).transpose(0, 3, 1, 2, 4)
-  return out.reshape(batch, length, heads, -1).astype(v_BxSxGxK.dtype)
+  return out.reshape(batch, length, heads, -1).astype(v_BxSxGxK.dtype), maxes, sums
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _blocked(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
+  return _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args)[0]
+
+
+def _blocked_fwd(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
+  out, maxes, sums = _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args)
+  return out, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, out, maxes, sums)
+
+
+def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
+  """Per key block: probabilities from the kept maximum and sum, then the gradients of v, the scores (zero where a key
+  is masked: there the score is a constant), q and k; matmul operands in the inputs' dtype, sums in float32."""
+  q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, out_BxLxHxK, max_BxGxJxL, sum_BxGxJxL = residuals
+  batch, length, heads, key_dim = q_BxLxHxK.shape
+  size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
+  grouped = lambda x: x.reshape(batch, length, groups, heads // groups, x.shape[-1])
+  q, dout = grouped(q_BxLxHxK), grouped(dout_BxLxHxK.astype(v_BxSxGxK.dtype))
+  # The softmax's row term: sum over the head dim of dout * out, [B, G, J, L] (a float32 reduction, not a matmul).
+  row_BxGxJxL = (dout.astype(jnp.float32) * grouped(out_BxLxHxK).astype(jnp.float32)).sum(-1).transpose(0, 2, 3, 1)
+
+  def step(carry, index):
+    dq_BxLxGxJxK, dk_BxSxGxK, dv_BxSxGxK = carry
+    k, v, start, visible_BxLxS, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
+    probs = jnp.exp(scores - max_BxGxJxL[..., None]) / sum_BxGxJxL[..., None]
+    dv = matmul.einsum("bgjls,blgjk->bsgk", probs.astype(v.dtype), dout, jnp.float32)
+    dprobs = matmul.einsum("blgjk,bsgk->bgjls", dout, v, jnp.float32)
+    dscores = jnp.where(visible_BxLxS[:, None, None], probs * (dprobs - row_BxGxJxL[..., None]), 0.0).astype(q.dtype)
+    dq_BxLxGxJxK = dq_BxLxGxJxK + matmul.einsum("bgjls,bsgk->blgjk", dscores, k, jnp.float32)
+    dk = matmul.einsum("bgjls,blgjk->bsgk", dscores, q, jnp.float32)
+    add = lambda total, part: jax.lax.dynamic_update_slice_in_dim(
+        total, jax.lax.dynamic_slice_in_dim(total, start, block, axis=1) + part, start, axis=1)
+    return (dq_BxLxGxJxK, add(dk_BxSxGxK, dk), add(dv_BxSxGxK, dv)), None
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  (dq, dk, dv), _ = jax.lax.scan(step, (zeros(q), zeros(k_BxSxGxK), zeros(v_BxSxGxK)), jnp.arange(-(-size // block)))
+  return (dq.reshape(q_BxLxHxK.shape).astype(q_BxLxHxK.dtype), dk.astype(k_BxSxGxK.dtype),
+          dv.astype(v_BxSxGxK.dtype), jax.tree.map(lambda _: None, mask_args))
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def _visible(query_step_L, key_step_S, key_position_BxS, window: int | None, query_document_BxL=None,
@@ -143,39 +203,53 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
   (0: the first document), a query sees its own document's keys, the cached ones belonging to 0.
   """
   length, size = q.shape[1], cache.key.shape[1]
-  query_step_L = step + jnp.arange(length)
   new_cache = write_cache(cache, k, v, step, window is not None)
-  if window is not None and length > 1:  # attend over [old cache, new keys]: key i < S is slot i, then key S + t
-    key_steps = lambda i: jnp.where(i < size, _slot_steps(step - 1, size, i), step + i - size)
+  beside = window is not None and length > 1
+  if beside:  # attend over [old cache, new keys]
     keys, values = (jnp.concatenate([old, x.astype(old.dtype)], axis=1)
                     for old, x in ((cache.key, k), (cache.value, v)))
   else:
-    key_steps = lambda i: _slot_steps(step + length - 1, size, i)
     keys, values = new_cache.key, new_cache.value
-
-  def visible_of(start, num_keys):  # keys start ... start + num_keys - 1: their steps, positions and documents
-    key_step_S = key_steps(start + jnp.arange(num_keys))
-    offset_S = key_step_S - step
-    key_document_BxS = None
-    if document_BxL is not None:
-      key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1),
-                                   0)
-    return _visible(query_step_L, key_step_S, position_B[:, None] + offset_S[None, :], window, document_BxL,
-                    key_document_BxS)
-
-  return read_keys(q, keys, values, visible_of), new_cache
+  visible_of = functools.partial(_cache_keys_visible, length=length, size=size, window=window, beside=beside)
+  return read_keys(q, keys, values, visible_of, (step, position_B, document_BxL)), new_cache
 
 
-def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
-              visible_of: Callable[[jax.Array, int], jax.Array]) -> jax.Array:
-  """`attention` of the queries over all S keys, which `visible_of` masks as in `blocked_attention`: read whole, or
-  for several queries over more than `KEY_BLOCK` keys (a long training sequence, a prefill's block over a long cache)
-  a block at a time, in blocks of equal size (1056 keys: two of 528, not 1024 and an overlapping 1024)."""
+def _cache_keys_visible(start, num_keys: int, step, position_B, document_BxL, *, length: int, size: int,
+                        window: int | None, beside: bool) -> jax.Array:
+  """`[B, L, num_keys]`: which of keys `start ... start + num_keys - 1` the `length` queries fed from `step` on see
+  (`_cached_attention`'s): the slots of a cache of `size` written up to the last query, or (`beside`) the old
+  cache's slots, then the new keys (key i < size is slot i, then key size + t). Their steps give their positions
+  and documents."""
+  i = start + jnp.arange(num_keys)
+  key_step_S = (jnp.where(i < size, _slot_steps(step - 1, size, i), step + i - size) if beside
+                else _slot_steps(step + length - 1, size, i))
+  offset_S = key_step_S - step
+  key_document_BxS = None
+  if document_BxL is not None:
+    key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1), 0)
+  return _visible(step + jnp.arange(length), key_step_S, position_B[:, None] + offset_S[None, :], window,
+                  document_BxL, key_document_BxS)
+
+
+def _own_keys_visible(start, num_keys: int, positions_BxL, document_BxL, *, window: int | None) -> jax.Array:
+  """`[B, L, num_keys]`: which of keys `start ... start + num_keys - 1` of the call's own L tokens each sees (the
+  self form, without a cache)."""
+  keys_of = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, num_keys, axis=1)
+  return _visible(jnp.arange(positions_BxL.shape[1]), start + jnp.arange(num_keys), keys_of(positions_BxL), window,
+                  document_BxL, keys_of(document_BxL))
+
+
+def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_of: Callable[..., jax.Array],
+              mask_args: tuple[Any, ...]) -> jax.Array:
+  """`attention` of the queries over all S keys, which `visible_of(start, size, *mask_args)` masks as in
+  `blocked_attention`: read whole, or for several queries over more than `KEY_BLOCK` keys (a long training sequence,
+  a prefill's block over a long cache) a block at a time, in blocks of equal size (1056 keys: two of 528, not 1024
+  and an overlapping 1024)."""
   size = k_BxSxGxK.shape[1]
   if q_BxLxHxK.shape[1] > 1 and size > KEY_BLOCK:
     blocks = -(-size // KEY_BLOCK)
-    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks))
-  return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size))
+    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks), mask_args)
+  return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, *mask_args))
 
 
 class CausalSelfAttention(nnx.Module):
@@ -223,13 +297,8 @@ class CausalSelfAttention(nnx.Module):
     q = q * jnp.asarray(self.head_dim**-0.5, self.dtype)
     k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
     if form == "self":
-      steps_L = jnp.arange(length)
-
-      def visible_of(start, num_keys):  # keys start ... start + num_keys - 1 of these tokens
-        keys_of = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, num_keys, axis=1)
-        return _visible(steps_L, start + jnp.arange(num_keys), keys_of(positions_BxL), self.window, document_BxL,
-                        keys_of(document_BxL))
-      out = read_keys(q, k, v, visible_of)
+      visible_of = functools.partial(_own_keys_visible, window=self.window)
+      out = read_keys(q, k, v, visible_of, (positions_BxL, document_BxL))
       cache = write_cache(cache, k, v, 0, self.window is not None)
     elif form == "cache":
       out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)
