@@ -1,7 +1,8 @@
-"""Attention over many keys a block at a time (`attention.blocked_attention`): equal to softmax attention in float64 on
-awkward sizes and masks, taken by a multi-token call over a cache longer than a block (a prefill's blocks, a windowed
-layer's chunk) with the logits of the parallel form, by training over a sequence longer than a block with the whole
-read's loss and gradients, and its memory bounded by a block's scores in the forward and the backward pass."""
+"""Attention over many keys a block at a time (`softmax_attention.blocked_attention`): equal to softmax attention in
+float64 on awkward sizes and masks, taken by a multi-token call over a cache longer than a block (a prefill's blocks,
+a windowed layer's chunk) with the logits of the parallel form, by training over a sequence longer than a block with
+the whole read's loss and gradients, and its memory bounded by a block's scores in the forward and the backward
+pass."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from flax import nnx
 
 from retnet_jax.evaluation import sampling
 from retnet_jax.hardware import accelerators
-from retnet_jax.mixers import attention
+from retnet_jax.mixers import softmax_attention
 from tests.helpers import random_tokens, tiny_model, tiny_transformer
 
 
@@ -50,14 +51,14 @@ def test_blocked_attention_is_softmax_attention(keys, block, dtype, tolerance):
   q_, k_, v_ = (jnp.asarray(x, dtype) for x in (q, k, v))
   expected = reference(q_.astype(jnp.float32), k_.astype(jnp.float32), v_.astype(jnp.float32), visible)
   mask = jnp.asarray(visible)
-  blocked = jax.jit(lambda *args: attention.blocked_attention(*args, keys_of, block, (mask,)))(q_, k_, v_)
+  blocked = jax.jit(lambda *args: softmax_attention.blocked_attention(*args, keys_of, block, (mask,)))(q_, k_, v_)
   assert blocked.dtype == dtype and blocked.shape == (2, 3, 4, 8)
   scale = np.abs(expected).max()
   np.testing.assert_allclose(np.asarray(blocked, np.float64), expected, atol=tolerance * scale)
-  whole = attention.attention(q_, k_, v_, mask)
+  whole = softmax_attention.attention(q_, k_, v_, mask)
   np.testing.assert_allclose(np.asarray(whole, np.float64), expected, atol=tolerance * scale)
   with pytest.raises(ValueError, match="at least one block of keys"):
-    attention.blocked_attention(q_, k_, v_, keys_of, keys + 1, (mask,))
+    softmax_attention.blocked_attention(q_, k_, v_, keys_of, keys + 1, (mask,))
 
 
 def calls():
@@ -77,10 +78,10 @@ def test_blocked_attention_differentiates_as_attention(dtype, tolerance):
   visible = rng.random((2, 5, 13)) < 0.6
   visible[0, 1] = False
   mask, weights = jnp.asarray(visible), jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
-  blocked = lambda *qkv: attention.blocked_attention(*qkv, keys_of, 4, (mask,))
+  blocked = lambda *qkv: softmax_attention.blocked_attention(*qkv, keys_of, 4, (mask,))
   gradient = lambda form, *qkv: jax.jit(jax.grad(lambda q, k, v: jnp.sum(weights * form(q, k, v).astype(jnp.float32)),
                                                 argnums=(0, 1, 2)))(*qkv)
-  want = gradient(lambda *qkv: attention.attention(*qkv, mask), q, k, v)
+  want = gradient(lambda *qkv: softmax_attention.attention(*qkv, mask), q, k, v)
   got = gradient(blocked, *(x.astype(dtype) for x in (q, k, v)))
   for got, want in zip(got, want):
     assert got.dtype == dtype and np.all(np.isfinite(got))
@@ -91,10 +92,10 @@ def test_blocked_attention_differentiates_as_attention(dtype, tolerance):
 def small_blocks(monkeypatch):
   """Blocks of at most 7 keys: the test models' caches (21-40 slots) are read in blocks, 40 slots in 6 blocks of 7,
   the last overlapping its predecessor. Returns the (keys, block) of each blocked call."""
-  monkeypatch.setattr(attention, "KEY_BLOCK", 7)
+  monkeypatch.setattr(softmax_attention, "KEY_BLOCK", 7)
   calls = []
-  blocked = attention.blocked_attention
-  monkeypatch.setattr(attention, "blocked_attention",
+  blocked = softmax_attention.blocked_attention
+  monkeypatch.setattr(softmax_attention, "blocked_attention",
                       lambda *args: calls.append((args[1].shape[1], args[4])) or blocked(*args))
   return calls
 
@@ -109,7 +110,7 @@ def test_a_call_over_a_long_cache_reads_it_in_blocks_with_the_parallel_logits(sm
   segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], [15, 12], axis=1), jnp.int32)
   padded = model.init_state(2)._replace(position=jnp.asarray([0, -3], jnp.int32))
   with monkeypatch.context() as whole_reads:
-    whole_reads.setattr(attention, "KEY_BLOCK", 10**9)
+    whole_reads.setattr(softmax_attention, "KEY_BLOCK", 10**9)
     unblocked, _ = calls()(model, tokens, padded, "parallel", segment_ids)
     parallel, _ = calls()(model, tokens, None, "parallel", segment_ids)
     expected = {m: calls()(m, tokens, None, "parallel")[0] for m in (model, hybrid)}
@@ -153,7 +154,7 @@ def test_training_reads_a_long_sequence_in_blocks_with_the_whole_reads_loss_and_
 
   grad = lambda: nnx.jit(nnx.grad(loss, has_aux=True))(model)
   with monkeypatch.context() as whole_reads:
-    whole_reads.setattr(attention, "KEY_BLOCK", 10**9)
+    whole_reads.setattr(softmax_attention, "KEY_BLOCK", 10**9)
     expected_grads, expected = grad()
   grads, logits = grad()
   assert set(small_blocks) == {(27, 7)}

@@ -5,9 +5,9 @@ decoding state is a KV cache per layer (`key`, `value` `[B, S, G, K]` in the com
 fed so far); as in retention, a state whose position starts at -p treats its first p tokens as left padding. With
 `segment_ids` every form attends within each document only (a key before a query's document start has a negative
 position). It computes the parallel and recurrent forms; in a hybrid's chunkwise call it attends all tokens at once,
-as in the parallel form. A call of several tokens over more than `KEY_BLOCK` keys (a long training sequence, a
-prefill's blocks over a long cache) reads them a block at a time (`blocked_attention`), so that its memory is the keys
-and one block's scores, and its backward pass keeps no scores. A Transformer's layers (`configs/transformer.py`) take
+as in the parallel form. A call of several tokens over more than `softmax_attention.KEY_BLOCK` keys (a long training
+sequence, a prefill's blocks over a long cache) reads them a block at a time, so that its memory is the keys and one
+block's scores, and its backward pass keeps no scores. A Transformer's layers (`configs/transformer.py`) take
 their fields plainly (`num_heads`, `max_len`, `rotation_base`); a hybrid RetNet's (`model.attention_layers`) take the
 `attention_` fields.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -26,130 +25,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from retnet_jax.core import config_checks, sections, segments, sharding
-from retnet_jax.mixers import base
-from retnet_jax.nn import layer_stack, layers, matmul, rotation
-
-_MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
-# The most keys per step of `blocked_attention`, which a multi-token call over a cache of more slots uses (in blocks
-# of equal size): its scores are [B, H, L, at most KEY_BLOCK] whatever the cache's length.
-KEY_BLOCK = 1024
-
-
-def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_BxLxS: jax.Array
-              ) -> jax.Array:
-  """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` in v's dtype (scores and softmax in
-  float32). With G < H key/value heads, each group of H / G consecutive query heads shares one (query head j reads
-  key/value head j // (H / G))."""
-  batch, length, heads, key_dim = q_BxLxHxK.shape
-  groups = k_BxSxGxK.shape[2]
-  q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
-  scores = matmul.einsum("blgjk,bsgk->bgjls", q, k_BxSxGxK, jnp.float32)
-  probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None, None], scores, _MASKED), axis=-1)
-  out = matmul.einsum("bgjls,bsgk->blgjk", probs.astype(v_BxSxGxK.dtype), v_BxSxGxK)
-  return out.reshape(batch, length, heads, -1)
-
-
-def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
-                      visible_of: Callable[..., jax.Array], block: int, mask_args: tuple[Any, ...] = ()
-                      ) -> jax.Array:
-  """`attention` over the keys `block` at a time with a running maximum and sum (online softmax), so that its scores
-  are `[B, H, L, block]` in float32 however many keys S there are; the result is `attention`'s up to rounding
-  (a row that sees no key is, as there, the mean of every value). Its backward pass (flash attention's) keeps the
-  output and each row's maximum and sum, and recomputes each block's scores: no scores are kept.
-
-  Args:
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK: as `attention`, S >= `block`.
-    visible_of: `visible_of(start, size, *mask_args)` -> `[B, L, size]`, which of keys `start ... start + size - 1`
-      each query sees (`start` traced). It must not close over traced arrays: its backward pass runs in another
-      trace, so what it reads (steps, positions, documents) comes in `mask_args`.
-    block: keys per step.
-    mask_args: `visible_of`'s arrays (None entries allowed); they take no gradient.
-  Returns:
-    `[B, L, H, K]` in v's dtype.
-  """
-  size = k_BxSxGxK.shape[1]
-  if size < block:
-    raise ValueError(f"blocked_attention takes at least one block of keys: {size} keys, blocks of {block}.")
-  return _blocked(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tuple(mask_args))
-
-
-def _key_block(q_BxLxGxJxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block: int, index):
-  """Block `index`'s keys and values `[B, block, G, K]`, its start and its masked float32 scores `[B, G, J, L, block]`
-  (not visible: `_MASKED`; keys of the block before, where the last block overlaps it: -inf)."""
-  start = jnp.minimum(index * block, k_BxSxGxK.shape[1] - block)  # the last block may overlap the one before
-  k, v = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (k_BxSxGxK, v_BxSxGxK))
-  visible_BxLxS = visible_of(start, block, *mask_args)
-  scores = jnp.where(visible_BxLxS[:, None, None], matmul.einsum("blgjk,bsgk->bgjls", q_BxLxGxJxK, k, jnp.float32),
-                     _MASKED)
-  return k, v, start, visible_BxLxS, jnp.where(start + jnp.arange(block) >= index * block, scores, -jnp.inf)
-
-
-def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
-  """(the output `[B, L, H, K]` in v's dtype, each row's score maximum and sum of exponentials `[B, G, J, L]` float32:
-  kept apart, as a log-sum-exp would lose the sum of a row that sees no key beside its maximum `_MASKED`)."""
-  batch, length, heads, key_dim = q_BxLxHxK.shape
-  size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
-  q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
-
-  def step(carry, index):
-    max_BxGxJxL, sum_BxGxJxL, out_BxGxJxLxK = carry
-    _, v, _, _, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
-    new_max = jnp.maximum(max_BxGxJxL, scores.max(axis=-1))
-    probs = jnp.exp(scores - new_max[..., None])
-    rescale = jnp.exp(max_BxGxJxL - new_max)
-    out = out_BxGxJxLxK * rescale[..., None] + matmul.einsum("bgjls,bsgk->bgjlk", probs.astype(v.dtype), v,
-                                                             jnp.float32)
-    return (new_max, sum_BxGxJxL * rescale + probs.sum(axis=-1), out), None
-
-  shape = (batch, groups, heads // groups, length)
-  empty = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros((*shape, v_BxSxGxK.shape[-1])))
-  (maxes, sums, out), _ = jax.lax.scan(step, empty, jnp.arange(-(-size // block)))
-  out = (out / sums[..., None]).transpose(0, 3, 1, 2, 4)
-  return out.reshape(batch, length, heads, -1).astype(v_BxSxGxK.dtype), maxes, sums
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _blocked(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
-  return _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args)[0]
-
-
-def _blocked_fwd(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
-  out, maxes, sums = _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args)
-  return out, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, out, maxes, sums)
-
-
-def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
-  """Per key block: probabilities from the kept maximum and sum, then the gradients of v, the scores (zero where a key
-  is masked: there the score is a constant), q and k; matmul operands in the inputs' dtype, sums in float32."""
-  q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, out_BxLxHxK, max_BxGxJxL, sum_BxGxJxL = residuals
-  batch, length, heads, key_dim = q_BxLxHxK.shape
-  size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
-  grouped = lambda x: x.reshape(batch, length, groups, heads // groups, x.shape[-1])
-  q, dout = grouped(q_BxLxHxK), grouped(dout_BxLxHxK.astype(v_BxSxGxK.dtype))
-  # The softmax's row term: sum over the head dim of dout * out, [B, G, J, L] (a float32 reduction, not a matmul).
-  row_BxGxJxL = (dout.astype(jnp.float32) * grouped(out_BxLxHxK).astype(jnp.float32)).sum(-1).transpose(0, 2, 3, 1)
-
-  def step(carry, index):
-    dq_BxLxGxJxK, dk_BxSxGxK, dv_BxSxGxK = carry
-    k, v, start, visible_BxLxS, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
-    probs = jnp.exp(scores - max_BxGxJxL[..., None]) / sum_BxGxJxL[..., None]
-    dv = matmul.einsum("bgjls,blgjk->bsgk", probs.astype(v.dtype), dout, jnp.float32)
-    dprobs = matmul.einsum("blgjk,bsgk->bgjls", dout, v, jnp.float32)
-    dscores = jnp.where(visible_BxLxS[:, None, None], probs * (dprobs - row_BxGxJxL[..., None]), 0.0).astype(q.dtype)
-    dq_BxLxGxJxK = dq_BxLxGxJxK + matmul.einsum("bgjls,bsgk->blgjk", dscores, k, jnp.float32)
-    dk = matmul.einsum("bgjls,blgjk->bsgk", dscores, q, jnp.float32)
-    add = lambda total, part: jax.lax.dynamic_update_slice_in_dim(
-        total, jax.lax.dynamic_slice_in_dim(total, start, block, axis=1) + part, start, axis=1)
-    return (dq_BxLxGxJxK, add(dk_BxSxGxK, dk), add(dv_BxSxGxK, dv)), None
-
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  (dq, dk, dv), _ = jax.lax.scan(step, (zeros(q), zeros(k_BxSxGxK), zeros(v_BxSxGxK)), jnp.arange(-(-size // block)))
-  return (dq.reshape(q_BxLxHxK.shape).astype(q_BxLxHxK.dtype), dk.astype(k_BxSxGxK.dtype),
-          dv.astype(v_BxSxGxK.dtype), jax.tree.map(lambda _: None, mask_args))
-
-
-_blocked.defvjp(_blocked_fwd, _blocked_bwd)
-
+from retnet_jax.mixers import base, softmax_attention
+from retnet_jax.nn import layer_stack, layers, rotation
 
 def _visible(query_step_L, key_step_S, key_position_BxS, window: int | None, query_document_BxL=None,
              key_document_BxS=None) -> jax.Array:
@@ -211,7 +88,7 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
   else:
     keys, values = new_cache.key, new_cache.value
   visible_of = functools.partial(_cache_keys_visible, length=length, size=size, window=window, beside=beside)
-  return read_keys(q, keys, values, visible_of, (step, position_B, document_BxL)), new_cache
+  return softmax_attention.read_keys(q, keys, values, visible_of, (step, position_B, document_BxL)), new_cache
 
 
 def _cache_keys_visible(start, num_keys: int, step, position_B, document_BxL, *, length: int, size: int,
@@ -237,19 +114,6 @@ def _own_keys_visible(start, num_keys: int, positions_BxL, document_BxL, *, wind
   keys_of = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, num_keys, axis=1)
   return _visible(jnp.arange(positions_BxL.shape[1]), start + jnp.arange(num_keys), keys_of(positions_BxL), window,
                   document_BxL, keys_of(document_BxL))
-
-
-def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_of: Callable[..., jax.Array],
-              mask_args: tuple[Any, ...]) -> jax.Array:
-  """`attention` of the queries over all S keys, which `visible_of(start, size, *mask_args)` masks as in
-  `blocked_attention`: read whole, or for several queries over more than `KEY_BLOCK` keys (a long training sequence,
-  a prefill's block over a long cache) a block at a time, in blocks of equal size (1056 keys: two of 528, not 1024
-  and an overlapping 1024)."""
-  size = k_BxSxGxK.shape[1]
-  if q_BxLxHxK.shape[1] > 1 and size > KEY_BLOCK:
-    blocks = -(-size // KEY_BLOCK)
-    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks), mask_args)
-  return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, *mask_args))
 
 
 class CausalSelfAttention(nnx.Module):
@@ -298,7 +162,7 @@ class CausalSelfAttention(nnx.Module):
     k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
     if form == "self":
       visible_of = functools.partial(_own_keys_visible, window=self.window)
-      out = read_keys(q, k, v, visible_of, (positions_BxL, document_BxL))
+      out = softmax_attention.read_keys(q, k, v, visible_of, (positions_BxL, document_BxL))
       cache = write_cache(cache, k, v, 0, self.window is not None)
     elif form == "cache":
       out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)
