@@ -18,16 +18,15 @@ from tests.helpers import random_tokens, tiny_model, tiny_transformer
 
 def reference(q, k, v, visible):
   """Softmax attention in float64: q `[B, L, H, K]`, k, v `[B, S, G, K]`, visible `[B, L, S]`; a row that sees no
-  key gives the mean of every value (as `attention`'s finite mask does)."""
+  key gives zeros."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   heads, groups = q.shape[2], k.shape[2]
   k, v = (np.repeat(x, heads // groups, axis=2) for x in (k, v))
   scores = np.einsum("blhk,bshk->bhls", q, k)
   seen = np.asarray(visible)[:, None]
   scores = np.where(seen, scores, -np.inf)
-  scores = np.where(seen.any(-1, keepdims=True), scores, 0.0)
-  probs = np.exp(scores - scores.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
+  probs = np.exp(scores - np.where(seen.any(-1, keepdims=True), scores.max(-1, keepdims=True), 0.0))
+  probs /= np.maximum(probs.sum(-1, keepdims=True), 1e-300)
   return np.einsum("bhls,bshk->blhk", probs, v)
 
 
@@ -176,6 +175,24 @@ def test_a_training_step_over_4k_tokens_keeps_no_scores_for_its_backward_pass():
   compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, 4096), jnp.int32)).compile()
   sizes = accelerators.memory_sizes(compiled)
   assert sizes["temporary_bytes"] < 256 * 2**20, sizes
+
+
+def test_a_prefill_reads_only_the_blocks_of_the_cache_written_so_far(small_blocks, monkeypatch):
+  """9 tokens into an empty 40-slot cache read blocks of 7 up to slot 13: slots 14-39 were poisoned with NaN and the
+  logits are the parallel form's (the whole read, which reads them, gives NaN); a left-padded row's padding tokens,
+  which see no key, get zeros from attention in every form, so their logits agree too."""
+  model = tiny_transformer(max_len=40)
+  tokens = jnp.asarray(random_tokens(2, 9, seed=5))
+  state = model.init_state(2)._replace(position=jnp.asarray([0, -3], jnp.int32))
+  poison = lambda x: x.at[:, 14:].set(jnp.nan)
+  state = state._replace(layers=tuple(c._replace(key=poison(c.key), value=poison(c.value)) for c in state.layers))
+  logits, _ = calls()(model, tokens, state, "parallel")
+  assert small_blocks == [(40, 7)] * model.config.num_layers
+  with monkeypatch.context() as whole_reads:
+    whole_reads.setattr(softmax_attention, "KEY_BLOCK", 10**9)
+    assert np.isnan(calls()(model, tokens, state, "parallel")[0]).all()
+    expected, _ = calls()(model, tokens, model.init_state(2)._replace(position=state.position), "recurrent")
+  np.testing.assert_allclose(logits, expected, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
 
 
 def test_a_transformer_prefill_holds_a_block_of_scores_not_the_cache_times_a_block():

@@ -88,7 +88,8 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
   else:
     keys, values = new_cache.key, new_cache.value
   visible_of = functools.partial(_cache_keys_visible, length=length, size=size, window=window, beside=beside)
-  return softmax_attention.read_keys(q, keys, values, visible_of, (step, position_B, document_BxL)), new_cache
+  written = None if window is not None else step + length  # slots past it: never written (no ring without window)
+  return softmax_attention.read_keys(q, keys, values, visible_of, (step, position_B, document_BxL), written), new_cache
 
 
 def _cache_keys_visible(start, num_keys: int, step, position_B, document_BxL, *, length: int, size: int,

@@ -27,24 +27,25 @@ KEY_BLOCK = 1024
 def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_BxLxS: jax.Array
               ) -> jax.Array:
   """Softmax attention of L queries over S keys where `visible`: `[B, L, H, K]` in v's dtype (scores and softmax in
-  float32). With G < H key/value heads, each group of H / G consecutive query heads shares one (query head j reads
-  key/value head j // (H / G))."""
+  float32); a row that sees no key (left padding) gives zeros, whatever else the keys hold. With G < H key/value heads,
+  each group of H / G consecutive query heads shares one (query head j reads key/value head j // (H / G))."""
   batch, length, heads, key_dim = q_BxLxHxK.shape
   groups = k_BxSxGxK.shape[2]
   q = q_BxLxHxK.reshape(batch, length, groups, heads // groups, key_dim)
   scores = matmul.einsum("blgjk,bsgk->bgjls", q, k_BxSxGxK, jnp.float32)
-  probs = jax.nn.softmax(jnp.where(visible_BxLxS[:, None, None], scores, _MASKED), axis=-1)
+  seen = visible_BxLxS[:, None, None]
+  probs = jnp.where(seen, jax.nn.softmax(jnp.where(seen, scores, _MASKED), axis=-1), 0.0)
   out = matmul.einsum("bgjls,bsgk->blgjk", probs.astype(v_BxSxGxK.dtype), v_BxSxGxK)
   return out.reshape(batch, length, heads, -1)
 
 
 def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
-                      visible_of: Callable[..., jax.Array], block: int, mask_args: tuple[Any, ...] = ()
-                      ) -> jax.Array:
+                      visible_of: Callable[..., jax.Array], block: int, mask_args: tuple[Any, ...] = (),
+                      keys_needed: jax.Array | None = None) -> jax.Array:
   """`attention` over the keys `block` at a time with a running maximum and sum (online softmax), so that its scores
   are `[B, H, L, block]` in float32 however many keys S there are; the result is `attention`'s up to rounding
-  (a row that sees no key is, as there, the mean of every value). Its backward pass (flash attention's) keeps the
-  output and each row's maximum and sum, and recomputes each block's scores: no scores are kept.
+  (a row that sees no key gives zeros, as there). Its backward pass (flash attention's) keeps the output and each
+  row's maximum and sum, and recomputes each block's scores: no scores are kept.
 
   Args:
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxK: as `attention`, S >= `block`.
@@ -53,27 +54,38 @@ def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
       trace, so what it reads (steps, positions, documents) comes in `mask_args`.
     block: keys per step.
     mask_args: `visible_of`'s arrays (None entries allowed); they take no gradient.
+    keys_needed: None, or a count `[]` int32 (traced) past which no query sees a key (a cache's unwritten slots): the
+      blocks after it are not read, in either pass.
   Returns:
     `[B, L, H, K]` in v's dtype.
   """
   size = k_BxSxGxK.shape[1]
   if size < block:
     raise ValueError(f"blocked_attention takes at least one block of keys: {size} keys, blocks of {block}.")
-  return _blocked(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tuple(mask_args))
+  return _blocked(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tuple(mask_args), keys_needed)
+
+
+def _blocks(step, carry, size: int, block: int, keys_needed):
+  """`jax.lax.scan(step, carry, block indices)`'s carry, skipping the blocks that start at or past `keys_needed`."""
+  if keys_needed is not None:
+    read = step
+    step = lambda carry, index: (jax.lax.cond(index * block < keys_needed, lambda c: read(c, index)[0], lambda c: c,
+                                              carry), None)
+  return jax.lax.scan(step, carry, jnp.arange(-(-size // block)))[0]
 
 
 def _key_block(q_BxLxGxJxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block: int, index):
-  """Block `index`'s keys and values `[B, block, G, K]`, its start and its masked float32 scores `[B, G, J, L, block]`
-  (not visible: `_MASKED`; keys of the block before, where the last block overlaps it: -inf)."""
+  """Block `index`'s keys and values `[B, block, G, K]`, its start, which keys each query sees `[B, 1, 1, L, block]` and
+  its float32 scores `[B, G, J, L, block]` (not visible: `_MASKED`; keys of the block before, where the last block
+  overlaps it: -inf)."""
   start = jnp.minimum(index * block, k_BxSxGxK.shape[1] - block)  # the last block may overlap the one before
   k, v = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (k_BxSxGxK, v_BxSxGxK))
-  visible_BxLxS = visible_of(start, block, *mask_args)
-  scores = jnp.where(visible_BxLxS[:, None, None], matmul.einsum("blgjk,bsgk->bgjls", q_BxLxGxJxK, k, jnp.float32),
-                     _MASKED)
-  return k, v, start, visible_BxLxS, jnp.where(start + jnp.arange(block) >= index * block, scores, -jnp.inf)
+  seen = visible_of(start, block, *mask_args)[:, None, None]
+  scores = jnp.where(seen, matmul.einsum("blgjk,bsgk->bgjls", q_BxLxGxJxK, k, jnp.float32), _MASKED)
+  return k, v, start, seen, jnp.where(start + jnp.arange(block) >= index * block, scores, -jnp.inf)
 
 
-def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
+def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed):
   """(the output `[B, L, H, K]` in v's dtype, each row's score maximum and sum of exponentials `[B, G, J, L]` float32:
   kept apart, as a log-sum-exp would lose the sum of a row that sees no key beside its maximum `_MASKED`)."""
   batch, length, heads, key_dim = q_BxLxHxK.shape
@@ -82,9 +94,9 @@ def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, ma
 
   def step(carry, index):
     max_BxGxJxL, sum_BxGxJxL, out_BxGxJxLxK = carry
-    _, v, _, _, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
+    _, v, _, seen, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
     new_max = jnp.maximum(max_BxGxJxL, scores.max(axis=-1))
-    probs = jnp.exp(scores - new_max[..., None])
+    probs = jnp.where(seen, jnp.exp(scores - new_max[..., None]), 0.0)
     rescale = jnp.exp(max_BxGxJxL - new_max)
     out = out_BxGxJxLxK * rescale[..., None] + matmul.einsum("bgjls,bsgk->bgjlk", probs.astype(v.dtype), v,
                                                              jnp.float32)
@@ -92,25 +104,29 @@ def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, ma
 
   shape = (batch, groups, heads // groups, length)
   empty = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros((*shape, v_BxSxGxK.shape[-1])))
-  (maxes, sums, out), _ = jax.lax.scan(step, empty, jnp.arange(-(-size // block)))
-  out = (out / sums[..., None]).transpose(0, 3, 1, 2, 4)
+  maxes, sums, out = _blocks(step, empty, size, block, keys_needed)
+  out = (out / _nonzero(sums)[..., None]).transpose(0, 3, 1, 2, 4)  # a row that sees no key: 0 / 1
   return out.reshape(batch, length, heads, -1).astype(v_BxSxGxK.dtype), maxes, sums
 
 
+def _nonzero(sums):
+  return jnp.where(sums > 0, sums, 1.0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _blocked(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
-  return _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args)[0]
+def _blocked(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed):
+  return _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed)[0]
 
 
-def _blocked_fwd(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args):
-  out, maxes, sums = _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args)
-  return out, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, out, maxes, sums)
+def _blocked_fwd(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed):
+  out, maxes, sums = _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed)
+  return out, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed, out, maxes, sums)
 
 
 def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
   """Per key block: probabilities from the kept maximum and sum, then the gradients of v, the scores (zero where a key
   is masked: there the score is a constant), q and k; matmul operands in the inputs' dtype, sums in float32."""
-  q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, out_BxLxHxK, max_BxGxJxL, sum_BxGxJxL = residuals
+  q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed, out_BxLxHxK, max_BxGxJxL, sum_BxGxJxL = residuals
   batch, length, heads, key_dim = q_BxLxHxK.shape
   size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
   grouped = lambda x: x.reshape(batch, length, groups, heads // groups, x.shape[-1])
@@ -120,11 +136,11 @@ def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
 
   def step(carry, index):
     dq_BxLxGxJxK, dk_BxSxGxK, dv_BxSxGxK = carry
-    k, v, start, visible_BxLxS, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
-    probs = jnp.exp(scores - max_BxGxJxL[..., None]) / sum_BxGxJxL[..., None]
+    k, v, start, seen, scores = _key_block(q, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block, index)
+    probs = jnp.where(seen, jnp.exp(scores - max_BxGxJxL[..., None]) / _nonzero(sum_BxGxJxL)[..., None], 0.0)
     dv = matmul.einsum("bgjls,blgjk->bsgk", probs.astype(v.dtype), dout, jnp.float32)
     dprobs = matmul.einsum("blgjk,bsgk->bgjls", dout, v, jnp.float32)
-    dscores = jnp.where(visible_BxLxS[:, None, None], probs * (dprobs - row_BxGxJxL[..., None]), 0.0).astype(q.dtype)
+    dscores = jnp.where(seen, probs * (dprobs - row_BxGxJxL[..., None]), 0.0).astype(q.dtype)
     dq_BxLxGxJxK = dq_BxLxGxJxK + matmul.einsum("bgjls,bsgk->blgjk", dscores, k, jnp.float32)
     dk = matmul.einsum("bgjls,blgjk->bsgk", dscores, q, jnp.float32)
     add = lambda total, part: jax.lax.dynamic_update_slice_in_dim(
@@ -132,22 +148,23 @@ def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
     return (dq_BxLxGxJxK, add(dk_BxSxGxK, dk), add(dv_BxSxGxK, dv)), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  (dq, dk, dv), _ = jax.lax.scan(step, (zeros(q), zeros(k_BxSxGxK), zeros(v_BxSxGxK)), jnp.arange(-(-size // block)))
+  dq, dk, dv = _blocks(step, (zeros(q), zeros(k_BxSxGxK), zeros(v_BxSxGxK)), size, block, keys_needed)
   return (dq.reshape(q_BxLxHxK.shape).astype(q_BxLxHxK.dtype), dk.astype(k_BxSxGxK.dtype),
-          dv.astype(v_BxSxGxK.dtype), jax.tree.map(lambda _: None, mask_args))
+          dv.astype(v_BxSxGxK.dtype), jax.tree.map(lambda _: None, mask_args), None)
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_of: Callable[..., jax.Array],
-              mask_args: tuple[Any, ...]) -> jax.Array:
+              mask_args: tuple[Any, ...], keys_needed: jax.Array | None = None) -> jax.Array:
   """`attention` of the queries over all S keys, which `visible_of(start, size, *mask_args)` masks as in
   `blocked_attention`: read whole, or for several queries over more than `KEY_BLOCK` keys (a long training sequence,
   a prefill's block over a long cache) a block at a time, in blocks of equal size (1056 keys: two of 528, not 1024
-  and an overlapping 1024)."""
+  and an overlapping 1024), up to `keys_needed` (None: all)."""
   size = k_BxSxGxK.shape[1]
   if q_BxLxHxK.shape[1] > 1 and size > KEY_BLOCK:
     blocks = -(-size // KEY_BLOCK)
-    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks), mask_args)
+    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks), mask_args,
+                             keys_needed)
   return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, *mask_args))
