@@ -109,12 +109,14 @@ def _cache_keys_visible(start, num_keys: int, step, position_B, document_BxL, *,
                   document_BxL, key_document_BxS)
 
 
-def _own_keys_visible(start, num_keys: int, positions_BxL, document_BxL, *, window: int | None) -> jax.Array:
-  """`[B, L, num_keys]`: which of keys `start ... start + num_keys - 1` of the call's own L tokens each sees (the
-  self form, without a cache)."""
-  keys_of = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, start, num_keys, axis=1)
-  return _visible(jnp.arange(positions_BxL.shape[1]), start + jnp.arange(num_keys), keys_of(positions_BxL), window,
-                  document_BxL, keys_of(document_BxL))
+def _own_keys_visible(start, num_keys: int, query_start, queries: int, positions_BxL, document_BxL, *,
+                      window: int | None) -> jax.Array:
+  """`[B, queries, num_keys]`: which of keys `start ... start + num_keys - 1` of the call's own L tokens each of its
+  queries `query_start ... query_start + queries - 1` sees (the self form, without a cache)."""
+  tokens_of = lambda x, first, n: None if x is None else jax.lax.dynamic_slice_in_dim(x, first, n, axis=1)
+  return _visible(query_start + jnp.arange(queries), start + jnp.arange(num_keys), tokens_of(positions_BxL, start,
+                  num_keys), window, tokens_of(document_BxL, query_start, queries),
+                  tokens_of(document_BxL, start, num_keys))
 
 
 class CausalSelfAttention(nnx.Module):
@@ -163,7 +165,7 @@ class CausalSelfAttention(nnx.Module):
     k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
     if form == "self":
       visible_of = functools.partial(_own_keys_visible, window=self.window)
-      out = softmax_attention.read_keys(q, k, v, visible_of, (positions_BxL, document_BxL))
+      out = softmax_attention.read_own_keys(q, k, v, visible_of, (positions_BxL, document_BxL))
       cache = write_cache(cache, k, v, 0, self.window is not None)
     elif form == "cache":
       out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)

@@ -1,7 +1,9 @@
 """Softmax attention of queries over keys, read whole (`attention`) or a block of keys at a time (`blocked_attention`:
-a running softmax, with flash attention's backward pass), and `read_keys`, which picks one by the number of keys.
+a running softmax, with flash attention's backward pass); `read_keys` picks one by the number of keys, and
+`read_own_keys` reads causal attention over the queries' own keys in blocks of queries, each up to its last query.
 
-    out_BxLxHxK = read_keys(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args)
+    out_BxLxHxK = read_keys(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args)  # over a KV cache
+    out_BxLxHxK = read_own_keys(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, visible_of, mask_args)  # training's self form
 
 `visible_of(start, size, *mask_args)` says which of keys `start ... start + size - 1` each query sees (`[B, L, size]`),
 so a blocked read never builds the whole `[B, L, S]` mask. The attention mixer (`attention.py`) builds the masks.
@@ -168,3 +170,41 @@ def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
     return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks), mask_args,
                              keys_needed)
   return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, *mask_args))
+
+
+def read_own_keys(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
+                  visible_of: Callable[..., jax.Array], mask_args: tuple[Any, ...]) -> jax.Array:
+  """Causal attention of L tokens' queries over their own keys (a query never sees a later key): read whole, or for
+  more than `KEY_BLOCK` tokens in blocks of equal size, each block of queries reading the key blocks up to its last
+  query (`blocked_attention`'s `keys_needed`): about half the work of every query against every key.
+
+  Args:
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK: as `attention`, of the same L tokens.
+    visible_of: `visible_of(start, size, query_start, queries, *mask_args)` -> `[B, queries, size]`, which of keys
+      `start ... start + size - 1` queries `query_start ... query_start + queries - 1` see; as `blocked_attention`'s,
+      it must not close over traced arrays.
+    mask_args: its arrays.
+  Returns:
+    `[B, L, H, K]` in v's dtype.
+  """
+  length = q_BxLxHxK.shape[1]
+  if length <= KEY_BLOCK:
+    return attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, visible_of(0, length, 0, length, *mask_args))
+  blocks = -(-length // KEY_BLOCK)
+  block = -(-length // blocks)
+  of_block = functools.partial(_for_queries, visible_of, block)
+
+  def query_block(index):  # the last block may overlap the one before: its own rows are its last ones
+    start = jnp.minimum(index * block, length - block)
+    q = jax.lax.dynamic_slice_in_dim(q_BxLxHxK, start, block, axis=1)
+    return blocked_attention(q, k_BxLxGxK, v_BxLxGxK, of_block, block, (start, *mask_args), start + block)
+
+  out_NxBxQxHxK = jax.lax.map(query_block, jnp.arange(blocks))
+  whole = jnp.moveaxis(out_NxBxQxHxK[:-1], 0, 1).reshape(q_BxLxHxK.shape[0], (blocks - 1) * block,
+                                                         *out_NxBxQxHxK.shape[3:])
+  return jnp.concatenate([whole, out_NxBxQxHxK[-1][:, blocks * block - length:]], axis=1)
+
+
+def _for_queries(visible_of, queries: int, start, size: int, query_start, *mask_args) -> jax.Array:
+  """`read_own_keys`'s mask of one block of `queries` queries, as `blocked_attention` asks for it."""
+  return visible_of(start, size, query_start, queries, *mask_args)
