@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from retnet_jax.nn import matmul
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
-# The most keys per step of `blocked_attention`, which `read_keys` uses for several queries over more keys (in blocks
-# of equal size): its scores are [B, H, L, at most KEY_BLOCK] however many keys there are.
+# The most keys per step of `blocked_attention`, which `read_keys` and `read_own_keys` use for several queries over
+# more keys (in blocks of equal size): its scores are [B, H, L, at most KEY_BLOCK] however many keys there are.
 KEY_BLOCK = 1024
 
 
