@@ -136,13 +136,14 @@ def test_a_call_over_a_long_cache_reads_it_in_blocks_with_the_parallel_logits(sm
 def test_training_reads_a_long_sequence_in_blocks_with_the_whole_reads_loss_and_gradients(small_blocks, monkeypatch,
                                                                                          kind):
   """The parallel form without a state (training's) over 27 tokens in blocks of 7 (the last overlapping), with two
-  documents in one row; in a hybrid, a window of 12; and in a Transformer whose layers run in a scan, each block
+  documents in one row; in a hybrid, a window of 9 (the queries from 14 on read from key 6, the last of the first
+  block, and those from 20 on skip that block); and in a Transformer whose layers run in a scan, each block
   recomputed (the backward pass then runs in other traces than the forward): its logits and parameter gradients are
   the whole read's."""
   tokens = jnp.asarray(random_tokens(2, 27, seed=4))
   segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], [15, 12], axis=1), jnp.int32)
   model = {"transformer": lambda: tiny_transformer(max_len=40),
-           "windowed_hybrid": lambda: tiny_model(attention_layers=(1,), attention_window=12),
+           "windowed_hybrid": lambda: tiny_model(attention_layers=(1,), attention_window=9),
            "scanned_remat": lambda: tiny_transformer(max_len=40, scan_layers=True)}[kind]()
 
   remat = "full" if kind == "scanned_remat" else "none"

@@ -165,7 +165,7 @@ class CausalSelfAttention(nnx.Module):
     k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
     if form == "self":
       visible_of = functools.partial(_own_keys_visible, window=self.window)
-      out = softmax_attention.read_own_keys(q, k, v, visible_of, (positions_BxL, document_BxL))
+      out = softmax_attention.read_own_keys(q, k, v, visible_of, (positions_BxL, document_BxL), self.window)
       cache = write_cache(cache, k, v, 0, self.window is not None)
     elif form == "cache":
       out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)

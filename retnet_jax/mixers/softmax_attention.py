@@ -43,7 +43,7 @@ def attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
 
 def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
                       visible_of: Callable[..., jax.Array], block: int, mask_args: tuple[Any, ...] = (),
-                      keys_needed: jax.Array | None = None) -> jax.Array:
+                      keys_needed: jax.Array | None = None, keys_from: jax.Array | None = None) -> jax.Array:
   """`attention` over the keys `block` at a time with a running maximum and sum (online softmax), so that its scores
   are `[B, H, L, block]` in float32 however many keys S there are; the result is `attention`'s up to rounding
   (a row that sees no key gives zeros, as there). Its backward pass (flash attention's) keeps the output and each
@@ -56,23 +56,28 @@ def blocked_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
       trace, so what it reads (steps, positions, documents) comes in `mask_args`.
     block: keys per step.
     mask_args: `visible_of`'s arrays (None entries allowed); they take no gradient.
-    keys_needed: None, or a count `[]` int32 (traced) past which no query sees a key (a cache's unwritten slots): the
-      blocks after it are not read, in either pass.
+    keys_needed: None, or a count `[]` int32 (traced) past which no query sees a key (a cache's unwritten slots, the
+      keys after a causal block's last query): the blocks after it are not read, in either pass.
+    keys_from: None, or the first key `[]` int32 (traced) any query may see (a window's start): the blocks that end
+      before it are not read.
   Returns:
     `[B, L, H, K]` in v's dtype.
   """
   size = k_BxSxGxK.shape[1]
   if size < block:
     raise ValueError(f"blocked_attention takes at least one block of keys: {size} keys, blocks of {block}.")
-  return _blocked(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tuple(mask_args), keys_needed)
+  return _blocked(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tuple(mask_args), (keys_from, keys_needed))
 
 
-def _blocks(step, carry, size: int, block: int, keys_needed):
-  """`jax.lax.scan(step, carry, block indices)`'s carry, skipping the blocks that start at or past `keys_needed`."""
-  if keys_needed is not None:
+def _blocks(step, carry, size: int, block: int, key_range):
+  """`jax.lax.scan(step, carry, block indices)`'s carry, skipping the blocks outside `key_range` (`keys_from`,
+  `keys_needed`: None bounds nothing): those that end at or before the first or start at or past the second."""
+  keys_from, keys_needed = key_range
+  if keys_from is not None or keys_needed is not None:
     read = step
-    step = lambda carry, index: (jax.lax.cond(index * block < keys_needed, lambda c: read(c, index)[0], lambda c: c,
-                                              carry), None)
+    wanted = lambda index: ((keys_needed is None or index * block < keys_needed) &
+                            (keys_from is None or (index + 1) * block > keys_from))
+    step = lambda carry, index: (jax.lax.cond(wanted(index), lambda c: read(c, index)[0], lambda c: c, carry), None)
   return jax.lax.scan(step, carry, jnp.arange(-(-size // block)))[0]
 
 
@@ -87,7 +92,7 @@ def _key_block(q_BxLxGxJxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, block: 
   return k, v, start, seen, jnp.where(start + jnp.arange(block) >= index * block, scores, -jnp.inf)
 
 
-def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed):
+def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, key_range):
   """(the output `[B, L, H, K]` in v's dtype, each row's score maximum and sum of exponentials `[B, G, J, L]` float32:
   kept apart, as a log-sum-exp would lose the sum of a row that sees no key beside its maximum `_MASKED`)."""
   batch, length, heads, key_dim = q_BxLxHxK.shape
@@ -106,7 +111,7 @@ def _blocked_forward(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, ma
 
   shape = (batch, groups, heads // groups, length)
   empty = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros((*shape, v_BxSxGxK.shape[-1])))
-  maxes, sums, out = _blocks(step, empty, size, block, keys_needed)
+  maxes, sums, out = _blocks(step, empty, size, block, key_range)
   out = (out / _nonzero(sums)[..., None]).transpose(0, 3, 1, 2, 4)  # a row that sees no key: 0 / 1
   return out.reshape(batch, length, heads, -1).astype(v_BxSxGxK.dtype), maxes, sums
 
@@ -116,19 +121,19 @@ def _nonzero(sums):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _blocked(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed):
-  return _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed)[0]
+def _blocked(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, key_range):
+  return _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, key_range)[0]
 
 
-def _blocked_fwd(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed):
-  out, maxes, sums = _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed)
-  return out, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed, out, maxes, sums)
+def _blocked_fwd(visible_of, block: int, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, key_range):
+  out, maxes, sums = _blocked_forward(visible_of, block, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, key_range)
+  return out, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, key_range, out, maxes, sums)
 
 
 def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
   """Per key block: probabilities from the kept maximum and sum, then the gradients of v, the scores (zero where a key
   is masked: there the score is a constant), q and k; matmul operands in the inputs' dtype, sums in float32."""
-  q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, keys_needed, out_BxLxHxK, max_BxGxJxL, sum_BxGxJxL = residuals
+  q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_args, key_range, out_BxLxHxK, max_BxGxJxL, sum_BxGxJxL = residuals
   batch, length, heads, key_dim = q_BxLxHxK.shape
   size, groups = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
   grouped = lambda x: x.reshape(batch, length, groups, heads // groups, x.shape[-1])
@@ -150,9 +155,9 @@ def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
     return (dq_BxLxGxJxK, add(dk_BxSxGxK, dk), add(dv_BxSxGxK, dv)), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  dq, dk, dv = _blocks(step, (zeros(q), zeros(k_BxSxGxK), zeros(v_BxSxGxK)), size, block, keys_needed)
+  dq, dk, dv = _blocks(step, (zeros(q), zeros(k_BxSxGxK), zeros(v_BxSxGxK)), size, block, key_range)
   return (dq.reshape(q_BxLxHxK.shape).astype(q_BxLxHxK.dtype), dk.astype(k_BxSxGxK.dtype),
-          dv.astype(v_BxSxGxK.dtype), jax.tree.map(lambda _: None, mask_args), None)
+          dv.astype(v_BxSxGxK.dtype), jax.tree.map(lambda _: None, mask_args), (None, None))
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
@@ -173,10 +178,12 @@ def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
 
 
 def read_own_keys(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
-                  visible_of: Callable[..., jax.Array], mask_args: tuple[Any, ...]) -> jax.Array:
+                  visible_of: Callable[..., jax.Array], mask_args: tuple[Any, ...], window: int | None = None
+                  ) -> jax.Array:
   """Causal attention of L tokens' queries over their own keys (a query never sees a later key): read whole, or for
   more than `KEY_BLOCK` tokens in blocks of equal size, each block of queries reading the key blocks up to its last
-  query (`blocked_attention`'s `keys_needed`): about half the work of every query against every key.
+  query (`blocked_attention`'s `keys_needed`): about half the work of every query against every key; with a
+  `window` (a query sees its last `window` keys at most), from the block holding its first query's first key on.
 
   Args:
     q_BxLxHxK, k_BxLxGxK, v_BxLxGxK: as `attention`, of the same L tokens.
@@ -184,6 +191,7 @@ def read_own_keys(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Arr
       `start ... start + size - 1` queries `query_start ... query_start + queries - 1` see; as `blocked_attention`'s,
       it must not close over traced arrays.
     mask_args: its arrays.
+    window: None, or how many of the latest keys, its own included, a query sees at most.
   Returns:
     `[B, L, H, K]` in v's dtype.
   """
@@ -197,7 +205,8 @@ def read_own_keys(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Arr
   def query_block(index):  # the last block may overlap the one before: its own rows are its last ones
     start = jnp.minimum(index * block, length - block)
     q = jax.lax.dynamic_slice_in_dim(q_BxLxHxK, start, block, axis=1)
-    return blocked_attention(q, k_BxLxGxK, v_BxLxGxK, of_block, block, (start, *mask_args), start + block)
+    first = None if window is None else start - window + 1
+    return blocked_attention(q, k_BxLxGxK, v_BxLxGxK, of_block, block, (start, *mask_args), start + block, first)
 
   out_NxBxQxHxK = jax.lax.map(query_block, jnp.arange(blocks))
   whole = jnp.moveaxis(out_NxBxQxHxK[:-1], 0, 1).reshape(q_BxLxHxK.shape[0], (blocks - 1) * block,
