@@ -7,9 +7,9 @@ fed so far); as in retention, a state whose position starts at -p treats its fir
 position). It computes the parallel and recurrent forms; in a hybrid's chunkwise call it attends all tokens at once,
 as in the parallel form. A call of several tokens over more than `softmax_attention.KEY_BLOCK` keys (a long training
 sequence, a prefill's blocks over a long cache) reads them a block at a time, so that its memory is the keys and one
-block's scores, and its backward pass keeps no scores. A Transformer's layers (`configs/transformer.py`) take
-their fields plainly (`num_heads`, `max_len`, `rotation_base`); a hybrid RetNet's (`model.attention_layers`) take the
-`attention_` fields.
+block's scores, and its backward pass keeps no scores; a query that sees no key (left padding) gets zeros. A
+Transformer's layers (`configs/transformer.py`) take their fields plainly (`num_heads`, `max_len`, `rotation_base`); a
+hybrid RetNet's (`model.attention_layers`) take the `attention_` fields.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from retnet_jax.core import config_checks, sections, segments, sharding
 from retnet_jax.mixers import base, softmax_attention
 from retnet_jax.nn import layer_stack, layers, rotation
+
 
 def _visible(query_step_L, key_step_S, key_position_BxS, window: int | None, query_document_BxL=None,
              key_document_BxS=None) -> jax.Array:
