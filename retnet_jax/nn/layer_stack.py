@@ -96,7 +96,8 @@ def as_layout(model: nnx.Module, scanned: bool) -> nnx.Module:
 def run(blocks: nnx.Module, x: jax.Array, layer_states: Sequence[Any], call: Callable[..., tuple[jax.Array, Any]],
         remat: str) -> tuple[jax.Array, list[Any]]:
   """Runs `x` through the blocks in order: `x, layer_state = call(block, x, layer_state)` per layer, each block
-  under the remat policy named `remat` (`none`: plain).
+  under the remat policy named `remat` (`none`: plain). Scanned blocks run in a scan, but for decoding (one token a
+  row, with states): layer by layer, so that the states are not stacked into the scan and out of it at every token.
 
   Args:
     blocks: what `build` returned.
@@ -119,6 +120,17 @@ def run(blocks: nnx.Module, x: jax.Array, layer_states: Sequence[Any], call: Cal
     return x, out
   num_layers = len(layer_states)
   period = len(getattr(blocks, GROUP)) if isinstance(blocks, Group) else 1
+  if x.shape[1] == 1 and any(s is not None for s in layer_states):
+    # Decoding: the scan would stack every layer's state before it and unstack it after, copying a KV cache per
+    # token; layer by layer, each group's parameters a slice of the stack, the states update in place.
+    graphdef, params = nnx.split(blocks)
+    out = []
+    for g in range(num_layers // period):
+      merged = nnx.merge(graphdef, jax.tree.map(lambda p, g=g: p[g], params))
+      for j, block in enumerate(getattr(merged, GROUP) if period > 1 else [merged]):
+        x, layer_state = call(block, x, layer_states[g * period + j])
+        out.append(layer_state)
+    return x, out
   # Per position in a group, the states of that position's layers stacked over the groups.
   given = None if all(s is None for s in layer_states) else tuple(
       jax.tree.map(lambda *s: jnp.stack(s), *layer_states[j::period]) for j in range(period))
