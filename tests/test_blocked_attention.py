@@ -180,7 +180,7 @@ def test_a_training_step_over_4k_tokens_keeps_no_scores_for_its_backward_pass():
 
 def test_a_prefill_reads_only_the_blocks_of_the_cache_written_so_far(small_blocks, monkeypatch):
   """9 tokens into an empty 40-slot cache read blocks of 7 up to slot 13: slots 14-39 were poisoned with NaN and the
-  logits are the parallel form's (the whole read, which reads them, gives NaN); a left-padded row's padding tokens,
+  logits are the recurrent form's (the whole read, which reads them, gives NaN); a left-padded row's padding tokens,
   which see no key, get zeros from attention in every form, so their logits agree too."""
   model = tiny_transformer(max_len=40)
   tokens = jnp.asarray(random_tokens(2, 9, seed=5))

@@ -163,6 +163,11 @@ def _blocked_bwd(visible_of, block: int, residuals, dout_BxLxHxK):
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
+def _equal_blocks(size: int) -> int:
+  """The size of the fewest equal blocks of at most `KEY_BLOCK` that cover `size` (1056: two of 528)."""
+  return -(-size // -(-size // KEY_BLOCK))
+
+
 def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_of: Callable[..., jax.Array],
               mask_args: tuple[Any, ...], keys_needed: jax.Array | None = None) -> jax.Array:
   """`attention` of the queries over all S keys, which `visible_of(start, size, *mask_args)` masks as in
@@ -171,8 +176,7 @@ def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, 
   and an overlapping 1024), up to `keys_needed` (None: all)."""
   size = k_BxSxGxK.shape[1]
   if q_BxLxHxK.shape[1] > 1 and size > KEY_BLOCK:
-    blocks = -(-size // KEY_BLOCK)
-    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, -(-size // blocks), mask_args,
+    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, _equal_blocks(size), mask_args,
                              keys_needed)
   return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, *mask_args))
 
@@ -198,8 +202,8 @@ def read_own_keys(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Arr
   length = q_BxLxHxK.shape[1]
   if length <= KEY_BLOCK:
     return attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, visible_of(0, length, 0, length, *mask_args))
-  blocks = -(-length // KEY_BLOCK)
-  block = -(-length // blocks)
+  block = _equal_blocks(length)
+  blocks = -(-length // block)
   of_block = functools.partial(_for_queries, visible_of, block)
 
   def query_block(index):  # the last block may overlap the one before: its own rows are its last ones

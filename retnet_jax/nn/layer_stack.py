@@ -120,23 +120,9 @@ def run(blocks: nnx.Module, x: jax.Array, layer_states: Sequence[Any], call: Cal
     return x, out
   num_layers = len(layer_states)
   period = len(getattr(blocks, GROUP)) if isinstance(blocks, Group) else 1
-  if x.shape[1] == 1 and any(s is not None for s in layer_states):
-    # Decoding: the scan would stack every layer's state before it and unstack it after, copying a KV cache per
-    # token; layer by layer, each group's parameters a slice of the stack, the states update in place.
-    graphdef, params = nnx.split(blocks)
-    out = []
-    for g in range(num_layers // period):
-      merged = nnx.merge(graphdef, jax.tree.map(lambda p, g=g: p[g], params))
-      for j, block in enumerate(getattr(merged, GROUP) if period > 1 else [merged]):
-        x, layer_state = call(block, x, layer_states[g * period + j])
-        out.append(layer_state)
-    return x, out
-  # Per position in a group, the states of that position's layers stacked over the groups.
-  given = None if all(s is None for s in layer_states) else tuple(
-      jax.tree.map(lambda *s: jnp.stack(s), *layer_states[j::period]) for j in range(period))
   graphdef, params = nnx.split(blocks)
 
-  def body(x, group):  # each group's blocks are merged inside the scan's trace, from its slice of the parameters
+  def body(x, group):  # one group's blocks, merged from its slice of the parameters, with its layers' states
     group_params, group_states = group
     merged = nnx.merge(graphdef, group_params)
     states = []
@@ -144,6 +130,18 @@ def run(blocks: nnx.Module, x: jax.Array, layer_states: Sequence[Any], call: Cal
       x, layer_state = call(block, x, None if group_states is None else group_states[j])
       states.append(layer_state)
     return x, tuple(states)
+
+  if x.shape[1] == 1 and any(s is not None for s in layer_states):
+    # Decoding: the scan would stack every layer's state before it and unstack it after, copying a KV cache per
+    # token; group by group instead, each one's parameters a slice of the stack, the states update in place.
+    out = []
+    for g in range(num_layers // period):
+      x, states = body(x, (jax.tree.map(lambda p, g=g: p[g], params), layer_states[g * period:(g + 1) * period]))
+      out.extend(states)
+    return x, out
+  # Per position in a group, the states of that position's layers stacked over the groups.
+  given = None if all(s is None for s in layer_states) else tuple(
+      jax.tree.map(lambda *s: jnp.stack(s), *layer_states[j::period]) for j in range(period))
   x, stacked = jax.lax.scan(body, x, (params, given))
   return x, [jax.tree.map(lambda s, g=i // period: s[g], stacked[i % period]) for i in range(num_layers)]
 
