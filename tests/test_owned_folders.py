@@ -1,9 +1,12 @@
 """The project writes only into folders it owns (new, empty, or carrying its mark), and inside them touches only the
 names it recorded: each case of the issue where a user's file was overwritten, deleted or moved keeps its bytes."""
 
+import fcntl
 import json
 import os
 import shutil
+import threading
+import time
 
 import jax
 import pytest
@@ -197,3 +200,34 @@ def test_train_script_refuses_a_users_folder_in_one_line(trained, tmp_path):
   result = run_script("train.py", *script_flags(trained.config, tmp_path / "d"))
   assert result.returncode == 1 and contents(tmp_path / "d") == before
   assert result.stderr.strip().splitlines()[-1].startswith(f"error: --workdir='{tmp_path / 'd'}' holds 'config.json'")
+
+
+def test_a_claim_waits_for_another_process_writing_the_mark(tmp_path, monkeypatch):
+  """Two processes of one run claim their workdir at once: the second read the folder, unlocked, while the first
+  held the lock and its mark was a temporary file beside the mark, and refused the folder as holding a file the
+  project did not write. It now checks the folder under the lock, once that mark is whole."""
+  folder = tmp_path / "run"
+  folder.mkdir()
+  partial = folder / "..retnet_jax.partial.x1y2z3.json"
+  waiting, flock = threading.Event(), fcntl.flock
+  monkeypatch.setattr(owned_folders.fcntl, "flock", lambda fd, op: waiting.set() or flock(fd, op))
+  fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+  flock(fd, fcntl.LOCK_EX)
+  partial.write_text(json.dumps({"tool": owned_folders.TOOL, "format": "workdir", "version": owned_folders.VERSION,
+                                 "written": ["config.json"]}))
+  outcome = []
+  claimer = threading.Thread(target=lambda: outcome.append(_claimed(folder)))
+  claimer.start()
+  while not waiting.is_set() and claimer.is_alive():
+    time.sleep(0.01)
+  os.replace(partial, folder / owned_folders.MARK)
+  os.close(fd)  # releases the lock
+  claimer.join()
+  assert outcome == [{"config.json", "metrics.jsonl"}]
+
+
+def _claimed(folder):
+  try:
+    return owned_folders.claim(folder, "workdir", flag="--workdir", writes=["metrics.jsonl"]).written()
+  except owned_folders.NotOwnedError as e:
+    return e

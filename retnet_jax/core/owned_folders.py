@@ -189,7 +189,8 @@ def claim(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
   version wrote; safe against processes claiming the same folder at once. Arguments as `check`'s."""
   path = Path(path)
   checked = dict(flag=flag, writes=writes, take=take, earlier=earlier, take_flag=take_flag)
-  check(path, kind, **checked)  # a file is refused by name
+  if not path.is_dir():  # refused before anything is made (a file by name); a folder is checked under its lock only,
+    check(path, kind, **checked)  # where no other process of the run is halfway through writing the mark
   try:
     path.mkdir(parents=True, exist_ok=True)
   except OSError as e:
