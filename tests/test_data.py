@@ -342,8 +342,7 @@ def test_process_rows_split_global_batch(process_count):
 def test_process_rows_indivisible_errors():
   with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 processes"):
     global_batches.process_rows(6, 0, 4)
-  with pytest.raises(ValueError, match=r"train.batch_size must be a positive integer \(the rows of a global batch\); "
-                                       "got 0"):
+  with pytest.raises(ValueError, match=r"a batch must hold at least one sequence; got train.batch_size=0\."):
     global_batches.eval_batches(global_batches.SequenceRows(sequences(8, 3)), 0, None)
 
 

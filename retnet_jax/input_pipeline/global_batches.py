@@ -11,13 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from retnet_jax.core import config_checks
-
 
 def process_rows(global_batch: int, process_index: int, process_count: int) -> slice:
-  """The contiguous block of a global batch's rows that process `process_index` of `process_count` loads: the one
-  check of a batch's size that every reader of batches (training, validation, synthetic) passes."""
-  config_checks.positive_int(global_batch, "train.batch_size", "the rows of a global batch")
+  """The contiguous block of a global batch's rows that process `process_index` of `process_count` loads: the check
+  that a batch splits over the processes, which every reader of batches (training, validation, synthetic) passes."""
   if global_batch % process_count:
     raise ValueError(f"train.batch_size={global_batch} is not divisible by the {process_count} processes; "
                      "choose a batch size that is a multiple of the process count.")
@@ -57,8 +54,11 @@ def check_one_batch(num_sequences: int, global_batch_size: int, holds: str, batc
     fix: what to change, e.g. "use a smaller train.batch_size or train.seq_len, or more data".
 
   Raises:
-    ValueError "`holds`, fewer than one batch of `batch`; `fix`." when `num_sequences < global_batch_size`.
+    ValueError "`holds`, fewer than one batch of `batch`; `fix`." when `num_sequences < global_batch_size`, and
+    one naming `batch` when it holds no sequence.
   """
+  if global_batch_size < 1:
+    raise ValueError(f"a batch must hold at least one sequence; got {batch}.")
   if num_sequences < global_batch_size:
     raise ValueError(f"{holds}, fewer than one batch of {batch}; {fix}.")
 

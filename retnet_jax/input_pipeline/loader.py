@@ -37,16 +37,13 @@ def open_corpora(data_cfg: DataConfig, tokenizer: Tokenizer) -> list[prepared.Co
   them); without it, the cached corpus of `data.files` (`corpus_cache`, built on first use). With
   `data.reset_at_documents`, a training split of one document is refused: nothing would reset."""
   paths = data_cfg.prepared
-  if not paths:
+  if paths:
+    corpora = [prepared.open_corpus(path, tokenizer, f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared")
+               for i, path in enumerate(paths)]
+    source = f"data.prepared={data_cfg.prepared!r}"
+  else:
     corpora = [corpus_cache.open_cached(data_cfg, tokenizer)]
-    return _check_documents(corpora, data_cfg, corpora[0].label)
-  corpora = [prepared.open_corpus(path, tokenizer, f"data.prepared[{i}]" if len(paths) > 1 else "data.prepared")
-             for i, path in enumerate(paths)]
-  return _check_documents(corpora, data_cfg, f"data.prepared={data_cfg.prepared!r}")
-
-
-def _check_documents(corpora: list[prepared.Corpus], data_cfg: DataConfig, source: str
-                     ) -> list[prepared.Corpus]:
+    source = corpora[0].label
   if data_cfg.reset_at_documents and sum(c.metadata["documents"]["train"] for c in corpora) == 1:
     raise ValueError(f"data.reset_at_documents=True but {source} holds a single document (a .txt file is one, a "
                      "JSON-lines, Parquet or hub dataset row one each), so nothing would reset; give several files "

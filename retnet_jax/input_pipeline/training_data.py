@@ -26,13 +26,14 @@ def open_batches(config: Any, tokenizer: tokenizer_lib.Tokenizer | None, batch_s
   eval_batch, num_eval = train_cfg.batch_size // train_cfg.grad_accum_steps, train_cfg.eval_batches
   if config.data.synthetic:
     valid_rows = synthetic.ValidationRows(config, eval_batch, num_eval)
-    return (synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding),
-            lambda: global_batches.eval_batches(valid_rows, eval_batch, None, batch_sharding))
-  corpora = loader.open_corpora(config.data, tokenizer)
-  valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
-  batches = loader.PreparedBatches(corpora, train_cfg.seq_len, train_cfg.batch_size, config.seed, batch_sharding,
-                                   config.data.prepared_weights, reset)
-  too_few = dict(holds=f"the prepared validation split holds {len(valid_rows)} sequences", batch=str(eval_batch),
-                 fix="use a smaller batch size or seq_len, or prepare more validation data")
+    batches = synthetic.SyntheticBatches(config, train_cfg.batch_size, batch_sharding)
+    too_few = {}  # the task makes every row asked for
+  else:
+    corpora = loader.open_corpora(config.data, tokenizer)
+    valid_rows = loader.validation_rows(corpora, train_cfg.seq_len, reset)
+    batches = loader.PreparedBatches(corpora, train_cfg.seq_len, train_cfg.batch_size, config.seed, batch_sharding,
+                                     config.data.prepared_weights, reset)
+    too_few = dict(holds=f"the prepared validation split holds {len(valid_rows)} sequences", batch=str(eval_batch),
+                   fix="use a smaller batch size or seq_len, or prepare more validation data")
   global_batches.eval_batches(valid_rows, eval_batch, 1, **too_few)  # enough to evaluate?
   return batches, lambda: global_batches.eval_batches(valid_rows, eval_batch, num_eval, batch_sharding, **too_few)

@@ -1,5 +1,6 @@
-"""Training a config in a workdir: the config checked, the workdir claimed and locked, the compiled step, the
-data, the state resumed or created, then the loop; a workdir's disk fault is reported as one message.
+"""Training a config in a workdir: the config checked and its step set up (traced, not compiled), the workdir
+checked, the data opened, the workdir claimed and locked, the state resumed or created, then the loop; a workdir's
+disk fault is reported as one message.
 
     train_and_evaluate(config, workdir)
 
@@ -52,6 +53,8 @@ def train_and_evaluate(config: run_config.Config | Any, workdir: str | os.PathLi
     The last logged train and eval metrics (`loss`, `eval_loss`, ...).
   """
   config = check_config(config, jax.device_count())
+  mesh = sharding.make_mesh(config.mesh)
+  run = train_step_lib.setup(config, mesh)  # traced abstractly: nothing runs yet
   writes = workdir_lib.training_names(jax.process_index(), bool(config.train.profile_steps))
   workdir = workdir_lib.check_training_dir(workdir, writes, take_folder)
   if config.train.warmup_steps > config.train.steps:
@@ -60,8 +63,6 @@ def train_and_evaluate(config: run_config.Config | Any, workdir: str | os.PathLi
   tokenizer = None
   if not config.data.synthetic:  # a synthetic task makes its own token ids (checked against the vocabulary)
     tokenizer = tokenizer_lib.load(config.data.tokenizer, vocab_size=config.model.vocab_size)
-  mesh = sharding.make_mesh(config.mesh)
-  run = train_step_lib.setup(config, mesh)
   batches, valid_batches = training_data.open_batches(config, tokenizer, run.placement.batch_sharding)
 
   workdir_lib.claim(workdir, writes, take_folder)
