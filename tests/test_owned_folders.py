@@ -5,6 +5,9 @@ import fcntl
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +18,7 @@ from configs import retnet as retnet_config
 from retnet_jax.core import owned_folders, sharding
 from retnet_jax.interop import convert
 from retnet_jax.runs import workdir as workdir_lib
-from retnet_jax.training import checkpointing, integrity, metrics, run_checkpoints, train, train_state
+from retnet_jax.training import checkpointing, integrity, run_checkpoints, train, train_state
 from tests.helpers import assert_resumed_from, run_script, script_flags
 from tests.test_prepared import interrupted, prepare
 from tests.test_workdir import newest, save_steps
@@ -224,6 +227,23 @@ def test_a_claim_waits_for_another_process_writing_the_mark(tmp_path, monkeypatc
   os.close(fd)  # releases the lock
   claimer.join()
   assert outcome == [{"config.json", "metrics.jsonl"}]
+
+
+def test_a_mark_left_half_written_by_a_killed_claim_is_removed_by_the_next(tmp_path):
+  """A process killed (SIGKILL) while writing a new folder's mark leaves the mark's temporary file and no mark: the
+  same command run again refused the folder as holding a file the project did not write. The next claim removes
+  it, with the mark's lock held, and marks the folder."""
+  folder = tmp_path / "run"
+  code = ("import os, signal, sys\nfrom retnet_jax.core import owned_folders\n"
+          "os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed before the mark is whole\n"
+          "owned_folders.claim(sys.argv[1], 'workdir', flag='--workdir', writes=['config.json'])\n")
+  done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, timeout=120)
+  assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+  left = [p.name for p in folder.iterdir()]
+  assert len(left) == 1 and left[0].startswith("..retnet_jax.partial.") and left[0].endswith(".json")
+  assert owned_folders.check(folder, "workdir", flag="--workdir") is None  # as a new folder
+  assert _claimed(folder) == {"metrics.jsonl"}  # the killed claim recorded nothing
+  assert [p.name for p in folder.iterdir()] == [owned_folders.MARK]
 
 
 def _claimed(folder):

@@ -10,7 +10,8 @@ the fix, unless an earlier version of the project wrote it (`earlier` recognises
 wrote, recorded as the project's) or the user takes it (`take`: the scripts' --take_folder), in which case the
 project writes beside the files found and touches none of them. A name the project is about to write that the
 folder already holds, unrecorded, is refused even then: the project replaces or removes only names it recorded. A
-name it writes or recorded that is a symbolic link is refused too: it would write through the link.
+name it writes or recorded that is a symbolic link is refused too: it would write through the link. The temporary
+file of a mark that a process killed mid-write left counts as no file, and the next claim removes it.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def check(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
   if mark is not None and mark["format"] != kind:
     raise NotOwnedError(f"{named} is a {mark['format']} folder of this project, not a {kind}; choose a new or "
                         f"empty {flag}.")
-  found = sorted(p.name for p in path.iterdir() if p.name != MARK)
+  found = sorted(p.name for p in path.iterdir() if p.name != MARK and not whole_files.is_partial(p.name, MARK))
   if mark is not None:
     recorded = set(mark["written"])
   elif not found:
@@ -199,6 +200,7 @@ def claim(path: str | os.PathLike, kind: str, *, flag: str, writes: Sequence[str
                          e.errno) from None
   with _locked(path):  # again, with the mark's lock held
     adopted = check(path, kind, **checked)
+    _remove_partial_marks(path)
     mark = read_mark(path) or {"tool": TOOL, "format": kind, "version": VERSION, "written": []}
     written = set(mark["written"]) | set(adopted or ()) | set(writes)
     if mark.get("written") != sorted(written) or not (path / MARK).exists():
@@ -215,6 +217,15 @@ def _locked(folder: Path) -> Iterator[None]:
     yield
   finally:
     os.close(fd)  # releases the lock
+
+
+def _remove_partial_marks(folder: Path) -> None:
+  """Removes the mark's temporary files that a process killed while writing the mark left (with the mark's lock
+  held, where every mark is written, none is in flight): the folder is then as that process found it, or marked."""
+  for name in os.listdir(folder):
+    if whole_files.is_partial(name, MARK):
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(folder / name)
 
 
 def _write_mark(folder: Path, mark: dict[str, Any]) -> None:

@@ -16,12 +16,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _partial_prefix(path: Path) -> str:
+  return f".{path.stem}.partial."
+
+
+def is_partial(name: str, path: str | os.PathLike) -> bool:
+  """Whether `name` is that of a temporary file `replacing(path)` writes: one in flight, or one a writer killed
+  mid-write (SIGKILL) left behind."""
+  path = Path(path)
+  return name.startswith(_partial_prefix(path)) and name.endswith(path.suffix)
+
+
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[Path]:
   """Yields a new, empty temporary file beside `path` (hidden, with `path`'s suffix, so writers that read the
   format from the name keep it) to write; it becomes `path` when the block ends, and is removed if it raises."""
   path = Path(path)
-  fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.partial.", suffix=path.suffix)
+  fd, partial = tempfile.mkstemp(dir=path.parent, prefix=_partial_prefix(path), suffix=path.suffix)
   os.close(fd)
   try:
     yield Path(partial)
