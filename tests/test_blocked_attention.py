@@ -196,6 +196,33 @@ def test_a_prefill_reads_only_the_blocks_of_the_cache_written_so_far(small_block
   np.testing.assert_allclose(logits, expected, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
 
 
+@pytest.mark.parametrize("window", [None, 4], ids=["cache", "window"])
+def test_a_long_call_reads_in_blocks_of_queries_only_the_key_blocks_they_may_see(small_blocks, window):
+  """18 queries whose own keys follow 4 others (`read_causal`'s offset: a cache's slots written before them, or a
+  window's ring buffer beside its new keys), in 3 blocks of 6 over 22 keys in blocks of 6: with a cache, the first
+  query block reads the key blocks up to its last query's key (9), not keys 12-21, poisoned with NaN; with a window
+  of 4 whose ring holds no key yet, the query blocks from 6 on read from the key block holding their first query's
+  first key, not the poisoned ring (block 0). Those rows equal float64 attention over the keys unpoisoned."""
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.normal(size=(2, n, heads, 8)).astype(np.float32) for n, heads in ((18, 4), (22, 2), (22, 2)))
+  query, key = np.arange(18)[:, None] + 4, np.arange(22)[None, :]
+  visible = (key <= query) if window is None else (key >= 4) & (key <= query) & (query - key < window)
+  visible = np.broadcast_to(visible, (2, 18, 22))
+  poisoned, rows = (slice(12, None), slice(0, 6)) if window is None else (slice(0, 4), slice(6, None))
+  k_nan, v_nan = (x.copy() for x in (k, v))
+  k_nan[:, poisoned], v_nan[:, poisoned] = np.nan, np.nan
+
+  def visible_of(start, size, query_start, queries, mask):
+    return jax.lax.dynamic_slice(mask, (0, query_start, start), (2, queries, size))
+
+  read = jax.jit(lambda q, k, v, mask, offset: softmax_attention.read_causal(q, k, v, visible_of, (mask,), offset,
+                                                                             window))
+  out = read(q, k_nan, v_nan, jnp.asarray(visible), jnp.int32(4))
+  assert set(small_blocks) == {(22, 6)}
+  want = reference(q, k, v, visible)
+  np.testing.assert_allclose(out[:, rows], want[:, rows], atol=1e-5 * float(np.abs(want).max()))
+
+
 def test_a_transformer_prefill_holds_a_block_of_scores_not_the_cache_times_a_block():
   """XLA's memory analysis of the tiny Transformer's prefill of 16k tokens (blocks of 2048 into a cache of 16k + 32
   slots): the temporaries stay below 64 MB, where a block's scores against the whole cache took 810 MB."""

@@ -89,16 +89,17 @@ def _cached_attention(q, k, v, cache, step, position_B, window: int | None, docu
   else:
     keys, values = new_cache.key, new_cache.value
   visible_of = functools.partial(_cache_keys_visible, length=length, size=size, window=window, beside=beside)
-  written = None if window is not None else step + length  # slots past it: never written (no ring without window)
-  return softmax_attention.read_keys(q, keys, values, visible_of, (step, position_B, document_BxL), written), new_cache
+  own = size if beside else step  # the first query's key: the new keys follow the old cache, or its slot (no ring)
+  return softmax_attention.read_causal(q, keys, values, visible_of, (step, position_B, document_BxL), own,
+                                       window), new_cache
 
 
-def _cache_keys_visible(start, num_keys: int, step, position_B, document_BxL, *, length: int, size: int,
-                        window: int | None, beside: bool) -> jax.Array:
-  """`[B, L, num_keys]`: which of keys `start ... start + num_keys - 1` the `length` queries fed from `step` on see
-  (`_cached_attention`'s): the slots of a cache of `size` written up to the last query, or (`beside`) the old
-  cache's slots, then the new keys (key i < size is slot i, then key size + t). Their steps give their positions
-  and documents."""
+def _cache_keys_visible(start, num_keys: int, query_start, queries: int, step, position_B, document_BxL, *,
+                        length: int, size: int, window: int | None, beside: bool) -> jax.Array:
+  """`[B, queries, num_keys]`: which of keys `start ... start + num_keys - 1` queries `query_start ... query_start +
+  queries - 1` of the `length` fed from `step` on see (`_cached_attention`'s): the slots of a cache of `size`
+  written up to the last query, or (`beside`) the old cache's slots, then the new keys (key i < size is slot i, then
+  key size + t). Their steps give their positions and documents."""
   i = start + jnp.arange(num_keys)
   key_step_S = (jnp.where(i < size, _slot_steps(step - 1, size, i), step + i - size) if beside
                 else _slot_steps(step + length - 1, size, i))
@@ -106,8 +107,10 @@ def _cache_keys_visible(start, num_keys: int, step, position_B, document_BxL, *,
   key_document_BxS = None
   if document_BxL is not None:
     key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1), 0)
-  return _visible(step + jnp.arange(length), key_step_S, position_B[:, None] + offset_S[None, :], window,
-                  document_BxL, key_document_BxS)
+  query_document_BxQ = (None if document_BxL is None else
+                        jax.lax.dynamic_slice_in_dim(document_BxL, query_start, queries, axis=1))
+  return _visible(step + query_start + jnp.arange(queries), key_step_S, position_B[:, None] + offset_S[None, :],
+                  window, query_document_BxQ, key_document_BxS)
 
 
 def _own_keys_visible(start, num_keys: int, query_start, queries: int, positions_BxL, document_BxL, *,
@@ -166,7 +169,7 @@ class CausalSelfAttention(nnx.Module):
     k, v = rotate(qkv[:, :, :, group_size]), qkv[:, :, :, group_size + 1]
     if form == "self":
       visible_of = functools.partial(_own_keys_visible, window=self.window)
-      out = softmax_attention.read_own_keys(q, k, v, visible_of, (positions_BxL, document_BxL), self.window)
+      out = softmax_attention.read_causal(q, k, v, visible_of, (positions_BxL, document_BxL), 0, self.window)
       cache = write_cache(cache, k, v, 0, self.window is not None)
     elif form == "cache":
       out, cache = _cached_attention(q, k, v, cache, slot, positions_BxL[:, 0], self.window, document_BxL)

@@ -1,12 +1,13 @@
 """Softmax attention of queries over keys, read whole (`attention`) or a block of keys at a time (`blocked_attention`:
-a running softmax, with flash attention's backward pass); `read_keys` picks one by the number of keys, and
-`read_own_keys` reads causal attention over the queries' own keys in blocks of queries, each up to its last query.
+a running softmax, with flash attention's backward pass); `read_causal` reads causal attention, over a sequence's own
+keys or a KV cache, in blocks of queries, each up to its last query.
 
-    out_BxLxHxK = read_keys(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args)  # over a KV cache
-    out_BxLxHxK = read_own_keys(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, visible_of, mask_args)  # training's self form
+    out_BxLxHxK = read_causal(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, visible_of, mask_args)  # training's self form
+    out_BxLxHxK = read_causal(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, mask_args, offset)  # over a KV cache
 
-`visible_of(start, size, *mask_args)` says which of keys `start ... start + size - 1` each query sees (`[B, L, size]`),
-so a blocked read never builds the whole `[B, L, S]` mask. The attention mixer (`attention.py`) builds the masks.
+`visible_of(start, size, query_start, queries, *mask_args)` says which of keys `start ... start + size - 1` each of
+the queries sees (`[B, queries, size]`), so a blocked read never builds the whole `[B, L, S]` mask. The attention
+mixer (`attention.py`) builds the masks.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import jax.numpy as jnp
 from retnet_jax.nn import matmul
 
 _MASKED = float(jnp.finfo(jnp.float32).min)  # not -inf: a row that sees only padding stays finite
-# The most keys per step of `blocked_attention`, which `read_keys` and `read_own_keys` use for several queries over
-# more keys (in blocks of equal size): its scores are [B, H, L, at most KEY_BLOCK] however many keys there are.
+# The most keys per step of `blocked_attention`, and queries per block, which `read_causal` uses for several queries
+# over more keys (in blocks of equal size): its scores are [B, H, L, at most KEY_BLOCK] however many keys there are.
 KEY_BLOCK = 1024
 
 
@@ -168,50 +169,46 @@ def _equal_blocks(size: int) -> int:
   return -(-size // -(-size // KEY_BLOCK))
 
 
-def read_keys(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, visible_of: Callable[..., jax.Array],
-              mask_args: tuple[Any, ...], keys_needed: jax.Array | None = None) -> jax.Array:
-  """`attention` of the queries over all S keys, which `visible_of(start, size, *mask_args)` masks as in
-  `blocked_attention`: read whole, or for several queries over more than `KEY_BLOCK` keys (a long training sequence,
-  a prefill's block over a long cache) a block at a time, in blocks of equal size (1056 keys: two of 528, not 1024
-  and an overlapping 1024), up to `keys_needed` (None: all)."""
-  size = k_BxSxGxK.shape[1]
-  if q_BxLxHxK.shape[1] > 1 and size > KEY_BLOCK:
-    return blocked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of, _equal_blocks(size), mask_args,
-                             keys_needed)
-  return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, *mask_args))
-
-
-def read_own_keys(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
-                  visible_of: Callable[..., jax.Array], mask_args: tuple[Any, ...], window: int | None = None
-                  ) -> jax.Array:
-  """Causal attention of L tokens' queries over their own keys (a query never sees a later key): read whole, or for
-  more than `KEY_BLOCK` tokens in blocks of equal size, each block of queries reading the key blocks up to its last
-  query (`blocked_attention`'s `keys_needed`): about half the work of every query against every key; with a
-  `window` (a query sees its last `window` keys at most), from the block holding its first query's first key on.
+def read_causal(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
+                visible_of: Callable[..., jax.Array], mask_args: tuple[Any, ...], offset: Any = 0,
+                window: int | None = None) -> jax.Array:
+  """Causal attention of L queries whose own keys are keys `offset ... offset + L - 1` of the S keys (those before are
+  a cache's; those after, unwritten slots, are never read): read whole, or over more than `KEY_BLOCK` keys a block
+  at a time (`blocked_attention`). More than `KEY_BLOCK` queries that own at least half the keys (a sequence's own,
+  a prompt into a cache about its length, a windowed call longer than its window) run in blocks of queries, each
+  reading the key blocks up to its last query's own (about half the work of every query against every key) and,
+  with a `window`, from the block holding its first query's first key on (the cache's keys for the queries whose
+  window reaches before their own).
 
   Args:
-    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK: as `attention`, of the same L tokens.
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK: as `attention`.
     visible_of: `visible_of(start, size, query_start, queries, *mask_args)` -> `[B, queries, size]`, which of keys
       `start ... start + size - 1` queries `query_start ... query_start + queries - 1` see; as `blocked_attention`'s,
       it must not close over traced arrays.
     mask_args: its arrays.
+    offset: the key of the first query, an int or a traced `[]` int32: 0 for a sequence's own keys (training's self
+      form), the slots written before the queries in a cache.
     window: None, or how many of the latest keys, its own included, a query sees at most.
   Returns:
     `[B, L, H, K]` in v's dtype.
   """
-  length = q_BxLxHxK.shape[1]
-  if length <= KEY_BLOCK:
-    return attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, visible_of(0, length, 0, length, *mask_args))
-  block = _equal_blocks(length)
+  length, size = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
+  if length == 1 or size <= KEY_BLOCK:
+    return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, 0, length, *mask_args))
+  # Queries owning less than half the keys skip too small a share for what smaller blocks cost (docs/benchmarks.md).
+  block = length if length <= KEY_BLOCK or 2 * length < size else _equal_blocks(length)
   blocks = -(-length // block)
   of_block = functools.partial(_for_queries, visible_of, block)
 
   def query_block(index):  # the last block may overlap the one before: its own rows are its last ones
     start = jnp.minimum(index * block, length - block)
     q = jax.lax.dynamic_slice_in_dim(q_BxLxHxK, start, block, axis=1)
-    first = None if window is None else start - window + 1
-    return blocked_attention(q, k_BxLxGxK, v_BxLxGxK, of_block, block, (start, *mask_args), start + block, first)
+    first = None if window is None else jnp.where(start < window - 1, 0, offset + start - window + 1)
+    return blocked_attention(q, k_BxSxGxK, v_BxSxGxK, of_block, _equal_blocks(size), (start, *mask_args),
+                             offset + start + block, first)
 
+  if blocks == 1:
+    return query_block(0)
   out_NxBxQxHxK = jax.lax.map(query_block, jnp.arange(blocks))
   whole = jnp.moveaxis(out_NxBxQxHxK[:-1], 0, 1).reshape(q_BxLxHxK.shape[0], (blocks - 1) * block,
                                                          *out_NxBxQxHxK.shape[3:])
@@ -219,5 +216,5 @@ def read_own_keys(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Arr
 
 
 def _for_queries(visible_of, queries: int, start, size: int, query_start, *mask_args) -> jax.Array:
-  """`read_own_keys`'s mask of one block of `queries` queries, as `blocked_attention` asks for it."""
+  """`read_causal`'s mask of one block of `queries` queries, as `blocked_attention` asks for it."""
   return visible_of(start, size, query_start, queries, *mask_args)
