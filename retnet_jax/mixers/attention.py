@@ -107,20 +107,22 @@ def _cache_keys_visible(start, num_keys: int, query_start, queries: int, step, p
   key_document_BxS = None
   if document_BxL is not None:
     key_document_BxS = jnp.where(offset_S >= 0, jnp.take(document_BxL, jnp.clip(offset_S, 0, length - 1), axis=1), 0)
-  query_document_BxQ = (None if document_BxL is None else
-                        jax.lax.dynamic_slice_in_dim(document_BxL, query_start, queries, axis=1))
   return _visible(step + query_start + jnp.arange(queries), key_step_S, position_B[:, None] + offset_S[None, :],
-                  window, query_document_BxQ, key_document_BxS)
+                  window, _tokens(document_BxL, query_start, queries), key_document_BxS)
+
+
+def _tokens(x_BxL, first, n: int):
+  """Tokens `first ... first + n - 1` of `x [B, L]` (None stays None)."""
+  return None if x_BxL is None else jax.lax.dynamic_slice_in_dim(x_BxL, first, n, axis=1)
 
 
 def _own_keys_visible(start, num_keys: int, query_start, queries: int, positions_BxL, document_BxL, *,
                       window: int | None) -> jax.Array:
   """`[B, queries, num_keys]`: which of keys `start ... start + num_keys - 1` of the call's own L tokens each of its
   queries `query_start ... query_start + queries - 1` sees (the self form, without a cache)."""
-  tokens_of = lambda x, first, n: None if x is None else jax.lax.dynamic_slice_in_dim(x, first, n, axis=1)
-  return _visible(query_start + jnp.arange(queries), start + jnp.arange(num_keys), tokens_of(positions_BxL, start,
-                  num_keys), window, tokens_of(document_BxL, query_start, queries),
-                  tokens_of(document_BxL, start, num_keys))
+  return _visible(query_start + jnp.arange(queries), start + jnp.arange(num_keys), _tokens(positions_BxL, start,
+                  num_keys), window, _tokens(document_BxL, query_start, queries),
+                  _tokens(document_BxL, start, num_keys))
 
 
 class CausalSelfAttention(nnx.Module):

@@ -197,15 +197,15 @@ def read_causal(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array
     return attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, visible_of(0, size, 0, length, *mask_args))
   # Queries owning less than half the keys skip too small a share for what smaller blocks cost (docs/benchmarks.md).
   block = length if length <= KEY_BLOCK or 2 * length < size else _equal_blocks(length)
-  blocks = -(-length // block)
+  blocks, key_block = -(-length // block), _equal_blocks(size)
   of_block = functools.partial(_for_queries, visible_of, block)
 
   def query_block(index):  # the last block may overlap the one before: its own rows are its last ones
     start = jnp.minimum(index * block, length - block)
     q = jax.lax.dynamic_slice_in_dim(q_BxLxHxK, start, block, axis=1)
     first = None if window is None else jnp.where(start < window - 1, 0, offset + start - window + 1)
-    return blocked_attention(q, k_BxSxGxK, v_BxSxGxK, of_block, _equal_blocks(size), (start, *mask_args),
-                             offset + start + block, first)
+    return blocked_attention(q, k_BxSxGxK, v_BxSxGxK, of_block, key_block, (start, *mask_args), offset + start + block,
+                             first)
 
   if blocks == 1:
     return query_block(0)
